@@ -1,0 +1,1 @@
+"""Graph side of mambafuse: find gated group-RMSNorm chains in ONNX models and fuse them."""
