@@ -74,11 +74,13 @@ def gated_group_rms_norm(
     norm_dtype: np.dtype | type | None = None,
     output_dtype: np.dtype | type | None = None,
     compute_dtype: np.dtype | type = np.float32,
-) -> np.ndarray:
+    return_normed: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Return ``GatedGroupRMSNorm(y, z, w)`` as DESIGN.md §1 defines it.
 
-    ``norm_dtype`` / ``output_dtype`` default to ``y.dtype``. Raises ValueError for any input the op
-    rejects, with the same conditions as the kernels.
+    ``norm_dtype`` / ``output_dtype`` default to ``y.dtype``. With ``return_normed`` also returns ``n``,
+    the normalized value at its rounding point (``norm_dtype``), for ``budget_report``. Raises ValueError
+    for any input the op rejects, with the same conditions as the kernels.
     """
     y, z, w = np.asarray(y), np.asarray(z), np.asarray(w)
     for name, arr in (("Y", y), ("Z", z), ("W", w)):
@@ -102,12 +104,14 @@ def gated_group_rms_norm(
     cd = np.dtype(compute_dtype)
     groups = y.reshape(-1, channels // group_size, group_size) if channels else y.reshape(-1, 0, group_size)
     gate = z.reshape(groups.shape).astype(cd)
-    h = groups.astype(cd) * (gate * _sigmoid(gate))
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):  # NaN/Inf inputs propagate, as in the kernels
+        h = groups.astype(cd) * (gate * _sigmoid(gate))
         m2 = np.sum(h * h, axis=-1, keepdims=True, dtype=cd)
         inv_rms = (cd.type(1.0) / np.sqrt(m2 / cd.type(group_size) + cd.type(epsilon))).astype(cd)
         normed = (h * inv_rms).astype(norm_dtype)
         out = (w.astype(cd).reshape(-1, group_size) * normed.astype(cd)).astype(output_dtype)
+    if return_normed:
+        return out.reshape(y.shape), normed.reshape(y.shape)
     return out.reshape(y.shape)
 
 
@@ -173,36 +177,70 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(nan_a ^ nan_b, np.iinfo(np.int64).max, dist)
 
 
-def budget_report(actual: np.ndarray, expected: np.ndarray) -> tuple[bool, str]:
+_MANTISSA_BITS = {np.dtype(np.float32): 23, np.dtype(np.float16): 10, bfloat16: 7}
+_MIN_EXPONENT = {np.dtype(np.float32): -126, np.dtype(np.float16): -14, bfloat16: -126}
+
+
+def ulp_of(x: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
+    """Return the spacing of ``dtype`` at |x| (float64), subnormal range included."""
+    dtype = np.dtype(dtype)
+    mag = np.abs(np.asarray(x, np.float64))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exponent = np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
+    exponent = np.maximum(np.where(mag > 0, exponent, _MIN_EXPONENT[dtype]), _MIN_EXPONENT[dtype])
+    return np.exp2(exponent - _MANTISSA_BITS[dtype])
+
+
+def budget_report(
+    actual: np.ndarray,
+    expected: np.ndarray,
+    *,
+    normed: np.ndarray | None = None,
+    weight: np.ndarray | None = None,
+) -> tuple[bool, str]:
     """Return (within budget, message) for ``actual`` against a float64-evaluated ``expected``.
 
-    Half precision: <= 1 ulp for >= 99.9 % of elements and <= 2 ulp for all. float32: relative error
-    <= 2e-6 (with an absolute floor at the smallest normal float32 for values near zero). NaN must sit
-    where the expected NaN sits.
+    The budget of DESIGN.md §1. Half-precision outputs: <= 1 ulp for >= 99.9 % of elements, <= 2 ulp
+    for all. float32 outputs: relative error <= 2e-6 (absolute floor: the smallest normal float32).
+    NaN must sit exactly where the expected NaN sits, and infinities must match.
+
+    When the value is rounded to a ``norm_dtype`` coarser than the output (``normed``, from the reference
+    with ``return_normed=True``, and the ``weight``), an fp32 kernel and the float64 reference can round
+    ``n`` to neighbouring values in a tie-close case. Such elements (at most 0.1 %) may then differ by
+    ``|w| * ulp(norm_dtype, n)`` on top of the output budget.
     """
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         return False, f"shape/dtype {actual.shape} {actual.dtype} != expected {expected.shape} {expected.dtype}"
     if actual.size == 0:
         return True, "empty"
+    a64, e64 = actual.astype(np.float64), expected.astype(np.float64)
+    nan_a, nan_e = np.isnan(a64), np.isnan(e64)
+    special = nan_e | np.isinf(e64)
+    mismatched_special = int(((nan_a ^ nan_e) | (np.isinf(e64) & (a64 != e64)) | (np.isinf(a64) & ~special)).sum())
+    finite = ~special & np.isfinite(a64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.where(finite, np.abs(a64 - e64), 0.0)
     if actual.dtype == np.float32:
-        a64, e64 = actual.astype(np.float64), expected.astype(np.float64)
-        nan_a, nan_e = np.isnan(a64), np.isnan(e64)
-        with np.errstate(invalid="ignore"):
-            err = np.abs(a64 - e64)
-            bad = (err > 2e-6 * np.abs(e64) + np.finfo(np.float32).tiny) & ~(nan_a & nan_e)
-            same_inf = np.isinf(e64) & (a64 == e64)
-            bad &= ~same_inf
-        bad |= nan_a ^ nan_e
-        rel = np.where(np.isfinite(err) & (e64 != 0), err / np.maximum(np.abs(e64), 1e-300), 0.0)
-        msg = f"{int(bad.sum())} of {actual.size} elements exceed rel 2e-6; max rel error {float(rel.max()):.3g}"
-        return not bad.any(), msg
-    dist = ulp_distance(actual, expected)
-    over1 = int((dist > 1).sum())
-    over2 = int((dist > 2).sum())
-    ok = over2 == 0 and over1 <= 0.001 * actual.size
+        tight = 2e-6 * np.abs(e64) + np.finfo(np.float32).tiny
+        strict = tight
+    else:
+        unit = ulp_of(e64, actual.dtype)
+        tight, strict = unit, 2 * unit
+    extra = np.zeros_like(e64)
+    coarser_norm = normed is not None and _MANTISSA_BITS[np.asarray(normed).dtype] < _MANTISSA_BITS[actual.dtype]
+    if coarser_norm:
+        n = np.asarray(normed)
+        w = np.broadcast_to(np.abs(np.asarray(weight, np.float64)), e64.shape)
+        extra = np.where(finite, w * ulp_of(n.astype(np.float64), n.dtype), 0.0)
+    over_tight = int((err > tight).sum())
+    over_strict = int((err > strict + extra).sum())
+    allowed = int(0.001 * actual.size) if (actual.dtype != np.float32 or coarser_norm) else 0
+    ok = mismatched_special == 0 and over_strict == 0 and over_tight <= allowed
+    unit_name = "rel 2e-6" if actual.dtype == np.float32 else "1 ulp"
+    worst = float(np.max(err / tight)) if err.size else 0.0
     msg = (
-        f"{over1} of {actual.size} elements > 1 ulp (allowed {int(0.001 * actual.size)}), "
-        f"{over2} > 2 ulp; max {int(dist.max())} ulp"
+        f"{over_tight} of {actual.size} elements > {unit_name} (allowed {allowed}), {over_strict} over the hard "
+        f"limit, {mismatched_special} NaN/Inf mismatches; worst error {worst:.3g} x ({unit_name})"
     )
     return ok, msg

@@ -1,0 +1,59 @@
+# mambafuse — the two commands of the README, and the developer targets behind them.
+#   make demo   build everything on a fresh machine, fuse the bundled default model, print the report
+#   make test   build everything on a fresh machine and run the test suite
+# Both create (or reuse) the virtualenv .venv in the repository root.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMPS := $(VENV)/.stamps
+NATIVE_SOURCES := $(shell find contrib_ops -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \
+                    -o -name '*.cmake' -o -name CMakeLists.txt \) 2>/dev/null)
+PYTEST_ARGS ?=
+
+.PHONY: demo test build deps sanitize native-check lint compat clean
+
+# Python dependencies (runtime + test extras + the build backend, so that rebuilding the library needs no
+# isolated build environment). Re-run when pyproject.toml changes.
+$(STAMPS)/deps: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "scikit-build-core>=0.10" "cmake>=3.24" ninja
+	$(PIP) install $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+	  print(' '.join(repr(d) for d in p['dependencies'] + p['optional-dependencies']['test']))" | tr -d "'")
+	@mkdir -p $(STAMPS) && touch $@
+
+# The package in editable mode; scikit-build-core builds the custom-op library into it (incrementally,
+# in build/<wheel tag>), whenever a native source changes.
+$(STAMPS)/library: $(STAMPS)/deps $(NATIVE_SOURCES)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PY) -c "import contrib_ops; print('mambafuse library:', contrib_ops.library_path())"
+	@touch $@
+
+deps: $(STAMPS)/deps
+build: $(STAMPS)/library
+
+test: build
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: build
+	$(PY) -m demo
+
+# The kernel tests against a library built with AddressSanitizer + UndefinedBehaviorSanitizer.
+sanitize: $(STAMPS)/deps
+	$(VENV)/bin/cmake -S contrib_ops -B build/sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DMAMBAFUSE_SANITIZE=ON -DMAMBAFUSE_WERROR=ON -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) > /dev/null
+	$(VENV)/bin/cmake --build build/sanitize
+	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	MAMBAFUSE_LIBRARY=$(abspath build/sanitize/libmambafuse_ops.so) \
+	  $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_cpu.py
+
+lint: $(STAMPS)/deps
+	$(PIP) install ruff
+	$(VENV)/bin/ruff check fusion contrib_ops models tests benchmarks
+	$(VENV)/bin/ruff format --check fusion contrib_ops models tests benchmarks
+
+clean:
+	rm -rf build $(VENV)

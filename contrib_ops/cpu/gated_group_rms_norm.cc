@@ -1,0 +1,330 @@
+#include "gated_group_rms_norm.h"
+
+#include <algorithm>
+#include <sstream>
+#include <vector>
+
+namespace mambafuse {
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << ']';
+  return out.str();
+}
+
+std::string NodeName(const OrtKernelInfo* info) {
+  size_t size = 0;
+  const OrtApi& api = Ort::GetApi();
+  if (OrtStatus* status = api.KernelInfo_GetNodeName(info, nullptr, &size)) {
+    api.ReleaseStatus(status);
+    return {};
+  }
+  std::string name(size, '\0');
+  if (OrtStatus* status = api.KernelInfo_GetNodeName(info, name.data(), &size)) {
+    api.ReleaseStatus(status);
+    return {};
+  }
+  name.resize(size > 0 ? size - 1 : 0);  // size counts the terminating null
+  return name;
+}
+
+Ort::Status CheckDtypeAttr(const char* attr, int64_t value) {
+  if (value == 0 || IsSupportedElemType(value)) return Ort::Status{};
+  return InvalidArgument(std::string(attr) + " = " + std::to_string(value) + " (" + ElemTypeName(value) +
+                         ") is not a supported type; use 1 (float), 10 (float16) or 16 (bfloat16)");
+}
+
+// Work items are (row, group) pairs. A chunk covers enough elements that handing it to another thread
+// pays for the hand-off; a decode row (a few thousand elements) stays on the calling thread.
+constexpr int64_t kMinElementsPerChunk = 16 * 1024;
+
+struct ParallelWork {
+  const GatedGroupRMSNormArgs* args;
+  int64_t items;
+  int64_t chunks;
+};
+
+void RunChunk(void* user_data, size_t chunk) {
+  const auto& work = *static_cast<const ParallelWork*>(user_data);
+  const int64_t c = static_cast<int64_t>(chunk);
+  const int64_t first = work.items * c / work.chunks;
+  const int64_t last = work.items * (c + 1) / work.chunks;
+  GatedGroupRMSNormCpu(*work.args, first, last);
+}
+
+}  // namespace
+
+Ort::Status GatedGroupRMSNormAttrs::Read(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs) {
+  const OrtApi& api = Ort::GetApi();
+  const std::string where = "node '" + NodeName(info) + "': ";
+  if (OrtStatus* status = api.KernelInfoGetAttribute_float(info, "epsilon", &attrs.epsilon)) {
+    api.ReleaseStatus(status);
+    return InvalidArgument(where + "required attribute 'epsilon' (float) is missing");
+  }
+  if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, "group_size", &attrs.group_size)) {
+    api.ReleaseStatus(status);
+    return InvalidArgument(where + "required attribute 'group_size' (int) is missing");
+  }
+  if (attrs.group_size <= 0) {
+    return InvalidArgument(where + "group_size must be > 0, got " + std::to_string(attrs.group_size));
+  }
+  if (!(attrs.epsilon >= 0.f)) {
+    return InvalidArgument(where + "epsilon must be >= 0, got " + std::to_string(attrs.epsilon));
+  }
+  for (auto [name, field] : {std::pair{"norm_dtype", &attrs.norm_dtype}, {"output_dtype", &attrs.output_dtype}}) {
+    if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, field)) {
+      api.ReleaseStatus(status);  // optional: absent means "same as Y"
+      *field = 0;
+    }
+    if (Ort::Status bad = CheckDtypeAttr(name, *field); !bad.IsOK()) {
+      return InvalidArgument(where + bad.GetErrorMessage().substr(sizeof("GatedGroupRMSNorm: ") - 1));
+    }
+  }
+  return Ort::Status{};
+}
+
+Ort::Status PrepareArgs(const GatedGroupRMSNormAttrs& attrs, Ort::KernelContext& context,
+                        GatedGroupRMSNormArgs& args) {
+  if (context.GetInputCount() != 3) {
+    return InvalidArgument("expects 3 inputs (Y, Z, W), got " + std::to_string(context.GetInputCount()));
+  }
+  const Ort::ConstValue y = context.GetInput(0);
+  const Ort::ConstValue z = context.GetInput(1);
+  const Ort::ConstValue w = context.GetInput(2);
+  const char* names[] = {"Y", "Z", "W"};
+  const Ort::ConstValue* values[] = {&y, &z, &w};
+  std::vector<int64_t> shapes[3];
+  ElemType types[3];
+  for (int i = 0; i < 3; ++i) {
+    if (!*values[i] || !values[i]->IsTensor()) return InvalidArgument(std::string(names[i]) + " must be a tensor");
+    const auto info = values[i]->GetTensorTypeAndShapeInfo();
+    const int64_t type = info.GetElementType();
+    if (!IsSupportedElemType(type)) {
+      return InvalidArgument(std::string(names[i]) + " has element type " + ElemTypeName(type) +
+                             "; supported: float, float16, bfloat16");
+    }
+    types[i] = static_cast<ElemType>(type);
+    shapes[i] = info.GetShape();
+  }
+  const auto& y_shape = shapes[0];
+  if (y_shape.empty()) return InvalidArgument("Y must have at least one axis, got a scalar");
+  if (shapes[1] != y_shape) {
+    return InvalidArgument("Z must have Y's shape " + ShapeString(y_shape) + ", got " + ShapeString(shapes[1]));
+  }
+  const int64_t channels = y_shape.back();
+  if (shapes[2] != std::vector<int64_t>{channels}) {
+    return InvalidArgument("W must have shape [C] = [" + std::to_string(channels) + "], got " +
+                           ShapeString(shapes[2]));
+  }
+  if (channels % attrs.group_size != 0) {
+    return InvalidArgument("C = " + std::to_string(channels) + " (last axis of Y) is not divisible by group_size = " +
+                           std::to_string(attrs.group_size));
+  }
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < y_shape.size(); ++i) rows *= y_shape[i];
+
+  args.y_type = types[0];
+  args.z_type = types[1];
+  args.w_type = types[2];
+  args.norm_type = attrs.norm_dtype ? static_cast<ElemType>(attrs.norm_dtype) : types[0];
+  args.out_type = attrs.output_dtype ? static_cast<ElemType>(attrs.output_dtype) : types[0];
+  args.rows = rows;
+  args.channels = channels;
+  args.group_size = attrs.group_size;
+  args.epsilon = attrs.epsilon;
+
+  Ort::UnownedValue out = context.GetOutput(0, y_shape.data(), y_shape.size());
+  const int64_t out_type = out.GetTensorTypeAndShapeInfo().GetElementType();
+  // ONNX Runtime's CPU fp16 handling may retype a node's fp16 output to float (it inserts Casts around
+  // nodes without fp16 kernels). The value is still rounded to output_dtype, then stored widened, which
+  // is exact; any other mismatch is a graph the op cannot serve.
+  if (out_type != static_cast<int64_t>(args.out_type) && out_type != static_cast<int64_t>(ElemType::kFloat)) {
+    return InvalidArgument(std::string("the output tensor has type ") + ElemTypeName(out_type) +
+                           " but output_dtype is " + ElemTypeName(static_cast<int64_t>(args.out_type)));
+  }
+  args.out_storage_type = static_cast<ElemType>(out_type);
+  if (rows * channels == 0) {
+    args.y = args.z = args.w = nullptr;
+    args.out = nullptr;
+    return Ort::Status{};
+  }
+  args.y = y.GetTensorRawData();
+  args.z = z.GetTensorRawData();
+  args.w = w.GetTensorRawData();
+  args.out = out.GetTensorMutableRawData();
+  if (const char* problem = ValidateArgs(args)) return InvalidArgument(problem);
+  return Ort::Status{};
+}
+
+OrtStatusPtr GatedGroupRMSNormCpuKernel::ComputeV2(OrtKernelContext* raw_context) {
+  return GuardStatus([&]() -> Ort::Status {
+    Ort::KernelContext context(raw_context);
+    GatedGroupRMSNormArgs args;
+    if (Ort::Status status = PrepareArgs(attrs_, context, args); !status.IsOK()) return status;
+    const int64_t items = args.rows * (args.channels / args.group_size);
+    if (items == 0 || args.channels == 0) return Ort::Status{};
+    const int64_t elements = args.rows * args.channels;
+    const int64_t chunks = std::clamp<int64_t>(elements / kMinElementsPerChunk, 1, items);
+    if (chunks == 1) {
+      GatedGroupRMSNormCpu(args, 0, items);
+      return Ort::Status{};
+    }
+    ParallelWork work{&args, items, chunks};
+    context.ParallelFor(&RunChunk, static_cast<size_t>(chunks), static_cast<size_t>(chunks), &work);
+    return Ort::Status{};
+  });
+}
+
+GatedGroupRMSNormCpuOp::GatedGroupRMSNormCpuOp() {
+  OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) -> OrtStatusPtr {
+    return InferGatedGroupRMSNorm(context);
+  };
+}
+
+OrtStatusPtr GatedGroupRMSNormCpuOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info,
+                                                    void** kernel) const {
+  return GuardStatus([&]() -> Ort::Status {
+    GatedGroupRMSNormAttrs attrs;
+    if (Ort::Status status = GatedGroupRMSNormAttrs::Read(info, attrs); !status.IsOK()) return status;
+    // Static types and shapes are checked here, so a bad graph fails when the session is created.
+    StaticInput inputs[3];
+    if (Ort::Status status = ReadStaticInputs(info, inputs); !status.IsOK()) return status;
+    if (Ort::Status status = CheckStaticSignature(inputs, attrs.group_size); !status.IsOK()) {
+      return InvalidArgument("node '" + NodeName(info) + "': " +
+                             status.GetErrorMessage().substr(sizeof("GatedGroupRMSNorm: ") - 1));
+    }
+    *kernel = std::make_unique<GatedGroupRMSNormCpuKernel>(attrs).release();
+    return Ort::Status{};
+  });
+}
+
+namespace {
+
+// Reads an optional int attribute during inference; absent -> fallback.
+int64_t InferAttrInt(const OrtShapeInferContext* context, const char* name, int64_t fallback, bool* present) {
+  const OrtApi& api = Ort::GetApi();
+  const OrtOpAttr* attr = nullptr;
+  *present = false;
+  if (OrtStatus* status = api.ShapeInferContext_GetAttribute(context, name, &attr)) {
+    api.ReleaseStatus(status);
+    return fallback;
+  }
+  if (attr == nullptr) return fallback;
+  int64_t value = 0;
+  size_t written = 0;
+  if (OrtStatus* status = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &value, sizeof value, &written)) {
+    api.ReleaseStatus(status);
+    return fallback;
+  }
+  *present = true;
+  return value;
+}
+
+}  // namespace
+
+Ort::Status CheckStaticSignature(const StaticInput (&inputs)[3], int64_t group_size) {
+  const char* names[] = {"Y", "Z", "W"};
+  for (int i = 0; i < 3; ++i) {
+    const int64_t type = inputs[i].elem_type;
+    if (type != 0 && !IsSupportedElemType(type)) {
+      return InvalidArgument(std::string("input ") + names[i] + " has element type " + ElemTypeName(type) +
+                             "; supported: float, float16, bfloat16");
+    }
+  }
+  // Only known ranks and dimensions are checked (unknown dims are negative).
+  const auto& y = inputs[0];
+  const auto& z = inputs[1];
+  const auto& w = inputs[2];
+  if (w.has_shape && w.shape.size() != 1) {
+    return InvalidArgument("W must be 1-D [C], got shape " + ShapeString(w.shape));
+  }
+  if (y.has_shape && y.shape.empty()) return InvalidArgument("Y must have at least one axis, got a scalar");
+  if (y.has_shape && z.has_shape) {
+    bool same = y.shape.size() == z.shape.size();
+    for (size_t d = 0; same && d < y.shape.size(); ++d) {
+      same = y.shape[d] < 0 || z.shape[d] < 0 || y.shape[d] == z.shape[d];
+    }
+    if (!same) return InvalidArgument("Z must have Y's shape " + ShapeString(y.shape) + ", got " + ShapeString(z.shape));
+  }
+  if (y.has_shape && !y.shape.empty() && y.shape.back() >= 0) {
+    const int64_t channels = y.shape.back();
+    if (group_size > 0 && channels % group_size != 0) {
+      return InvalidArgument("C = " + std::to_string(channels) +
+                             " (last axis of Y) is not divisible by group_size = " + std::to_string(group_size));
+    }
+    if (w.has_shape && w.shape.size() == 1 && w.shape[0] >= 0 && w.shape[0] != channels) {
+      return InvalidArgument("W must have shape [C] = [" + std::to_string(channels) + "], got " + ShapeString(w.shape));
+    }
+  }
+  return Ort::Status{};
+}
+
+Ort::Status ReadStaticInputs(const OrtKernelInfo* info, StaticInput (&inputs)[3]) {
+  const OrtApi& api = Ort::GetApi();
+  size_t count = 0;
+  Ort::ThrowOnError(api.KernelInfo_GetInputCount(info, &count));
+  if (count != 3) return InvalidArgument("expects 3 inputs (Y, Z, W), got " + std::to_string(count));
+  for (size_t i = 0; i < 3; ++i) {
+    OrtTypeInfo* raw = nullptr;
+    Ort::ThrowOnError(api.KernelInfo_GetInputTypeInfo(info, i, &raw));
+    const Ort::TypeInfo type_info(raw);  // owned by us (KernelInfo hands out a copy)
+    if (type_info.GetONNXType() != ONNX_TYPE_TENSOR) return InvalidArgument("every input must be a tensor");
+    const auto tensor = type_info.GetTensorTypeAndShapeInfo();
+    inputs[i].elem_type = tensor.GetElementType();
+    inputs[i].shape = tensor.GetShape();
+    // The type info of a graph input without a shape reports rank 0: no rank check then.
+    inputs[i].has_shape = !inputs[i].shape.empty();
+  }
+  return Ort::Status{};
+}
+
+OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context) {
+  // ONNX Runtime ignores (and leaks) a status returned from here, so inference never reports errors:
+  // the same checks run at kernel creation (CreateKernelV2), where they fail the session with a message.
+  return GuardStatus([&]() -> Ort::Status {
+    const OrtApi& api = Ort::GetApi();
+    size_t input_count = 0;
+    Ort::ThrowOnError(api.ShapeInferContext_GetInputCount(context, &input_count));
+    if (input_count != 3) return Ort::Status{};
+    StaticInput inputs[3];
+    std::vector<const char*> y_symbols;
+    for (size_t i = 0; i < 3; ++i) {
+      // The info belongs to the context: wrapping it in an owning Ort object would free it twice.
+      OrtTensorTypeAndShapeInfo* info = nullptr;
+      Ort::ThrowOnError(api.ShapeInferContext_GetInputTypeShape(context, i, &info));
+      const Ort::ConstTensorTypeAndShapeInfo view(info);
+      inputs[i].elem_type = view.GetElementType();
+      inputs[i].shape = view.GetShape();
+      inputs[i].has_shape = !inputs[i].shape.empty();
+      if (i == 0 && !inputs[i].shape.empty()) {
+        y_symbols.assign(inputs[i].shape.size(), nullptr);
+        view.GetSymbolicDimensions(y_symbols.data(), y_symbols.size());
+      }
+    }
+    bool present = false;
+    const int64_t group_size = InferAttrInt(context, "group_size", 0, &present);
+    if (!present || group_size <= 0 || !CheckStaticSignature(inputs, group_size).IsOK()) return Ort::Status{};
+    const int64_t output_dtype = InferAttrInt(context, "output_dtype", inputs[0].elem_type, &present);
+    if (!IsSupportedElemType(output_dtype)) return Ort::Status{};
+
+    // Output: Y's shape (symbolic dims kept), element type output_dtype (default: Y's).
+    OrtTensorTypeAndShapeInfo* raw_out = nullptr;
+    Ort::ThrowOnError(api.CreateTensorTypeAndShapeInfo(&raw_out));
+    const Ort::TensorTypeAndShapeInfo out_info(raw_out);  // owns raw_out
+    Ort::ThrowOnError(api.SetTensorElementType(raw_out, static_cast<ONNXTensorElementDataType>(output_dtype)));
+    const auto& y_shape = inputs[0].shape;
+    Ort::ThrowOnError(api.SetDimensions(raw_out, y_shape.data(), y_shape.size()));
+    if (!y_symbols.empty()) {
+      std::vector<const char*> symbols(y_symbols.size());
+      for (size_t d = 0; d < symbols.size(); ++d) symbols[d] = y_symbols[d] ? y_symbols[d] : "";
+      Ort::ThrowOnError(api.SetSymbolicDimensions(raw_out, symbols.data(), symbols.size()));
+    }
+    Ort::ThrowOnError(api.ShapeInferContext_SetOutputTypeShape(context, 0, raw_out));
+    return Ort::Status{};
+  });
+}
+
+}  // namespace mambafuse

@@ -1,0 +1,74 @@
+// ONNX Runtime-facing GatedGroupRMSNorm for the CPU execution provider: attribute and input validation,
+// output allocation, and the split of (row, group) items over ORT's thread pool. The math lives in
+// gated_group_rms_norm_impl.h (no ORT types).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/ort_api.h"
+#include "gated_group_rms_norm_impl.h"
+
+namespace mambafuse {
+
+// Attributes, read and checked once per kernel instance (DESIGN.md §1).
+struct GatedGroupRMSNormAttrs {
+  float epsilon = 0.f;
+  int64_t group_size = 0;
+  int64_t norm_dtype = 0;    // 0: same as Y
+  int64_t output_dtype = 0;  // 0: same as Y
+
+  // Reads the attributes of a node; the error names the node and the attribute.
+  static Ort::Status Read(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs);
+};
+
+// Input shapes/types -> the args of the math core, with an error message that names the offending
+// value when they do not fit the op's contract. Shared by the CPU and CUDA kernels.
+Ort::Status PrepareArgs(const GatedGroupRMSNormAttrs& attrs, Ort::KernelContext& context,
+                        GatedGroupRMSNormArgs& args);
+
+class GatedGroupRMSNormCpuKernel {
+ public:
+  explicit GatedGroupRMSNormCpuKernel(GatedGroupRMSNormAttrs attrs) : attrs_(attrs) {}
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+
+ private:
+  GatedGroupRMSNormAttrs attrs_;
+};
+
+struct GatedGroupRMSNormCpuOp
+    : Ort::CustomOpBase<GatedGroupRMSNormCpuOp, GatedGroupRMSNormCpuKernel, /*WithStatus=*/true> {
+  GatedGroupRMSNormCpuOp();
+
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const;
+  const char* GetName() const { return "GatedGroupRMSNorm"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }
+  // One registration serves every supported type combination: the inputs accept any element type and
+  // the kernel dispatches on the actual types, rejecting unsupported ones with a clear message (also at
+  // session creation, from the type/shape inference below).
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+};
+
+// What is known about an input before run time (from the graph): element type (0 = unknown) and shape
+// (negative dims unknown; has_shape false when not even the rank is known).
+struct StaticInput {
+  int64_t elem_type = 0;
+  std::vector<int64_t> shape;
+  bool has_shape = false;
+};
+
+// Checks the types and the known dimensions of the inputs against the op's contract.
+Ort::Status CheckStaticSignature(const StaticInput (&inputs)[3], int64_t group_size);
+
+// Reads the static input types and shapes of a node at kernel creation.
+Ort::Status ReadStaticInputs(const OrtKernelInfo* info, StaticInput (&inputs)[3]);
+
+// Type and shape inference for the op: output = Y's shape, element type = output_dtype (default Y's).
+// Leaves the output unset for inputs the op rejects (the kernel-creation check reports them).
+OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context);
+
+}  // namespace mambafuse

@@ -1,0 +1,116 @@
+// Validation and run-time instruction-set dispatch for the CPU math core.
+//
+// The shipped library must run on any x86-64 (baseline SSE2) and on Arm, so nothing is built with
+// -march=native. On x86-64 the math core is compiled three times (baseline, x86-64-v3 = AVX2+FMA+F16C,
+// x86-64-v4 = AVX-512) and the widest variant the CPU reports is chosen once.
+#include <cstdlib>
+#include <cstring>
+
+#include "gated_group_rms_norm_impl.h"
+
+namespace mambafuse {
+
+#define MAMBAFUSE_DECLARE_ISA(ns) \
+  namespace ns {                  \
+  void ComputeItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_item); \
+  }
+MAMBAFUSE_DECLARE_ISA(isa_generic)
+#if defined(MAMBAFUSE_X86_DISPATCH)
+MAMBAFUSE_DECLARE_ISA(isa_avx2)
+MAMBAFUSE_DECLARE_ISA(isa_avx512)
+#endif
+#undef MAMBAFUSE_DECLARE_ISA
+
+namespace {
+
+using ComputeFn = void (*)(const GatedGroupRMSNormArgs&, int64_t, int64_t);
+
+struct IsaChoice {
+  ComputeFn fn;
+  const char* name;
+};
+
+IsaChoice ChooseIsa() {
+#if defined(__aarch64__)
+  const char* baseline = "neon";
+#elif defined(__x86_64__) || defined(_M_X64)
+  const char* baseline = "sse2";
+#else
+  const char* baseline = "generic";
+#endif
+  const char* forced = std::getenv("MAMBAFUSE_CPU_ISA");
+  if (forced != nullptr && std::strcmp(forced, "baseline") == 0) return {&isa_generic::ComputeItems, baseline};
+#if defined(MAMBAFUSE_X86_DISPATCH)
+  __builtin_cpu_init();
+  const bool allow_avx512 = forced == nullptr || std::strcmp(forced, "avx512") == 0;
+  const bool allow_avx2 = allow_avx512 || std::strcmp(forced, "avx2") == 0;
+  if (allow_avx512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return {&isa_avx512::ComputeItems, "avx512"};
+  }
+  if (allow_avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2")) {
+    return {&isa_avx2::ComputeItems, "avx2"};
+  }
+#endif
+  return {&isa_generic::ComputeItems, baseline};
+}
+
+const IsaChoice& Isa() {
+  static const IsaChoice choice = ChooseIsa();
+  return choice;
+}
+
+}  // namespace
+
+bool IsSupportedElemType(int64_t onnx_type) {
+  return onnx_type == static_cast<int64_t>(ElemType::kFloat) ||
+         onnx_type == static_cast<int64_t>(ElemType::kFloat16) ||
+         onnx_type == static_cast<int64_t>(ElemType::kBFloat16);
+}
+
+const char* ElemTypeName(int64_t onnx_type) {
+  switch (onnx_type) {
+    case 1: return "float";
+    case 2: return "uint8";
+    case 3: return "int8";
+    case 4: return "uint16";
+    case 5: return "int16";
+    case 6: return "int32";
+    case 7: return "int64";
+    case 8: return "string";
+    case 9: return "bool";
+    case 10: return "float16";
+    case 11: return "double";
+    case 12: return "uint32";
+    case 13: return "uint64";
+    case 16: return "bfloat16";
+    default: return "an unsupported element type";
+  }
+}
+
+const char* ValidateArgs(const GatedGroupRMSNormArgs& a) {
+  if (a.group_size <= 0) return "group_size must be > 0";
+  if (a.channels % a.group_size != 0) return "the last axis C is not divisible by group_size";
+  if (a.rows < 0 || a.channels < 0) return "negative dimension";
+  const auto supported = [](ElemType t) { return IsSupportedElemType(static_cast<int64_t>(t)); };
+  if (!supported(a.y_type) || !supported(a.z_type) || !supported(a.w_type) || !supported(a.norm_type) ||
+      !supported(a.out_type) || !supported(a.out_storage_type)) {
+    return "unsupported element type";
+  }
+  if (a.out_storage_type != a.out_type && a.out_storage_type != ElemType::kFloat) {
+    return "the output tensor's type differs from output_dtype and is not float";
+  }
+  if (a.rows * a.channels > 0 && (a.y == nullptr || a.z == nullptr || a.w == nullptr || a.out == nullptr)) {
+    return "null data pointer";
+  }
+  return nullptr;
+}
+
+void GatedGroupRMSNormCpu(const GatedGroupRMSNormArgs& args, int64_t first_item, int64_t last_item) {
+  Isa().fn(args, first_item, last_item);
+}
+
+const char* SelectedIsa() { return Isa().name; }
+
+}  // namespace mambafuse

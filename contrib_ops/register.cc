@@ -1,0 +1,70 @@
+// Entry point of the mambafuse custom-op library: one domain (ai.mambafuse), one op name
+// (GatedGroupRMSNorm), one kernel per execution provider. Loaded by ONNX Runtime through
+// SessionOptions.register_custom_ops_library; the library does not link libonnxruntime.
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/ort_api.h"
+#include "cpu/gated_group_rms_norm.h"
+#if defined(MAMBAFUSE_WITH_CUDA)
+#include "cuda/gated_group_rms_norm_cuda.h"
+#endif
+
+#if defined(_WIN32)
+#define MAMBAFUSE_EXPORT __declspec(dllexport)
+#else
+#define MAMBAFUSE_EXPORT __attribute__((visibility("default")))
+#endif
+
+namespace {
+
+constexpr const char* kDomain = "ai.mambafuse";
+
+// Ops and the domain must outlive every session that uses them: ORT keeps raw pointers to both.
+struct Registry {
+  mambafuse::GatedGroupRMSNormCpuOp cpu_op;
+#if defined(MAMBAFUSE_WITH_CUDA)
+  mambafuse::GatedGroupRMSNormCudaOp cuda_op;
+#endif
+};
+
+Registry& Ops() {
+  static Registry registry;
+  return registry;
+}
+
+}  // namespace
+
+extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSessionOptions* options,
+                                                                      const OrtApiBase* api_base) {
+  if (api_base == nullptr) return nullptr;  // nothing to report the error through
+  // The library is built against ORT_API_VERSION (1.23); a runtime older than that returns no table.
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) {
+    const OrtApi* oldest = api_base->GetApi(1);
+    if (oldest == nullptr) return nullptr;
+    std::string message = std::string("mambafuse: this library needs ONNX Runtime API version ") +
+                          std::to_string(ORT_API_VERSION) + " (onnxruntime >= 1." +
+                          std::to_string(ORT_API_VERSION) + "); the runtime is " + api_base->GetVersionString();
+    return oldest->CreateStatus(ORT_FAIL, message.c_str());
+  }
+  Ort::InitApi(api);
+  return mambafuse::GuardStatus([&]() -> Ort::Status {
+    // ORT keeps a raw pointer to each domain added to session options and never frees it, so each
+    // registration's domain is kept for the library's lifetime.
+    static std::vector<Ort::CustomOpDomain> domains;
+    static std::mutex domains_mutex;
+    Ort::CustomOpDomain domain{kDomain};
+    domain.Add(&Ops().cpu_op);
+#if defined(MAMBAFUSE_WITH_CUDA)
+    domain.Add(&Ops().cuda_op);
+#endif
+    Ort::UnownedSessionOptions session_options(options);
+    session_options.Add(domain);
+    std::lock_guard<std::mutex> lock(domains_mutex);
+    domains.push_back(std::move(domain));
+    return Ort::Status{};
+  });
+}

@@ -1,0 +1,98 @@
+"""Helpers shared by the kernel tests: one-node models of the op and random inputs for them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+
+from fusion.reference import DOMAIN, OP_TYPE, SUPPORTED_TYPES, bfloat16, dtype_to_onnx_type
+
+FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
+TYPE_NAMES = {FLOAT: "f32", FLOAT16: "f16", BFLOAT16: "bf16"}
+
+
+def io_type(elem_type: int) -> int:
+    """Return the element type a test feeds/reads for ``elem_type``: numpy has no bfloat16 that ORT takes."""
+    return FLOAT if elem_type == BFLOAT16 else elem_type
+
+
+def one_node_model(
+    y_type: int,
+    z_type: int,
+    w_type: int,
+    *,
+    shape: Sequence[int | str],
+    group_size: int,
+    epsilon: float = 1e-5,
+    norm_dtype: int | None = None,
+    output_dtype: int | None = None,
+    out_type: int | None = None,
+    w_shape: Sequence[int] | None = None,
+    z_shape: Sequence[int | str] | None = None,
+    opset: int = 18,
+) -> onnx.ModelProto:
+    """Return a model running one GatedGroupRMSNorm; bfloat16 values enter and leave through exact Casts.
+
+    Inputs y, z, w are float32 where the op's type is bfloat16 (a Cast to bf16 of a value that is already
+    bf16-representable is exact), and the output is cast to float32 when it is bfloat16.
+    """
+    attrs: dict[str, object] = {"epsilon": epsilon, "group_size": group_size}
+    if norm_dtype is not None:
+        attrs["norm_dtype"] = norm_dtype
+    if output_dtype is not None:
+        attrs["output_dtype"] = output_dtype
+    result_type = out_type if out_type is not None else (output_dtype if output_dtype is not None else y_type)
+    nodes: list[onnx.NodeProto] = []
+    inputs = []
+    op_inputs = []
+    channels = shape[-1]
+    shapes = {"y": list(shape), "z": list(z_shape or shape), "w": list(w_shape or [channels])}
+    for name, elem_type in (("y", y_type), ("z", z_type), ("w", w_type)):
+        inputs.append(oh.make_tensor_value_info(name, io_type(elem_type), shapes[name]))
+        if elem_type == BFLOAT16:
+            nodes.append(oh.make_node("Cast", [name], [f"{name}_bf16"], to=BFLOAT16))
+            op_inputs.append(f"{name}_bf16")
+        else:
+            op_inputs.append(name)
+    op_out = "out_bf16" if result_type == BFLOAT16 else "out"
+    nodes.append(oh.make_node(OP_TYPE, op_inputs, [op_out], domain=DOMAIN, **attrs))
+    if result_type == BFLOAT16:
+        nodes.append(oh.make_node("Cast", [op_out], ["out"], to=FLOAT))
+    graph = oh.make_graph(nodes, "gated_group_rms_norm", inputs, [oh.make_tensor_value_info("out", io_type(result_type), None)])
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset), oh.make_opsetid(DOMAIN, 1)])
+
+
+def random_inputs(
+    rng: np.random.Generator, shape: Sequence[int], y_type: int, z_type: int, w_type: int, scale: float = 1.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (y, z, w) drawn from N(0, scale) and rounded to the op's input types."""
+    y = (rng.standard_normal(shape) * scale).astype(SUPPORTED_TYPES[y_type])
+    z = (rng.standard_normal(shape) * 2.0).astype(SUPPORTED_TYPES[z_type])
+    w = (1.0 + 0.5 * rng.standard_normal(shape[-1])).astype(SUPPORTED_TYPES[w_type])
+    return y, z, w
+
+
+def feed(arr: np.ndarray) -> np.ndarray:
+    """Return the array a session is fed for ``arr`` (bfloat16 goes in as its exact float32 value)."""
+    return arr.astype(np.float32) if arr.dtype == bfloat16 else arr
+
+
+def as_type(arr: np.ndarray, elem_type: int) -> np.ndarray:
+    """Return a session output converted back to the op's output type (exact for bf16 read as f32)."""
+    return arr.astype(SUPPORTED_TYPES[elem_type])
+
+
+__all__ = [
+    "BFLOAT16",
+    "FLOAT",
+    "FLOAT16",
+    "TYPE_NAMES",
+    "as_type",
+    "dtype_to_onnx_type",
+    "feed",
+    "one_node_model",
+    "random_inputs",
+]

@@ -1,0 +1,313 @@
+"""The CPU kernel of ai.mambafuse::GatedGroupRMSNorm against fusion/reference.py (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+import pytest
+
+import contrib_ops
+from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm
+from tests._ops import BFLOAT16, FLOAT, FLOAT16, TYPE_NAMES, as_type, feed, one_node_model, random_inputs
+
+TYPES = (FLOAT, FLOAT16, BFLOAT16)
+
+
+def run_op(model: onnx.ModelProto, y: np.ndarray, z: np.ndarray, w: np.ndarray, threads: int = 1) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = contrib_ops.session(model, session_options=options, use_library=True)
+    return session.run(None, {"y": feed(y), "z": feed(z), "w": feed(w)})[0]
+
+
+def check_against_reference(
+    y: np.ndarray,
+    z: np.ndarray,
+    w: np.ndarray,
+    *,
+    group_size: int,
+    epsilon: float = 1e-5,
+    norm_type: int | None = None,
+    out_type: int | None = None,
+    threads: int = 1,
+) -> None:
+    """Run the kernel on (y, z, w) and assert it is within the accuracy budget of the float64 reference."""
+    types = [next(k for k, v in SUPPORTED_TYPES.items() if v == a.dtype) for a in (y, z, w)]
+    model = one_node_model(
+        *types, shape=list(y.shape), group_size=group_size, epsilon=epsilon, norm_dtype=norm_type, output_dtype=out_type
+    )
+    result_type = out_type if out_type is not None else types[0]
+    actual = as_type(run_op(model, y, z, w, threads), result_type)
+    expected = gated_group_rms_norm(
+        y,
+        z,
+        w,
+        epsilon=epsilon,
+        group_size=group_size,
+        norm_dtype=None if norm_type is None else SUPPORTED_TYPES[norm_type],
+        output_dtype=None if out_type is None else SUPPORTED_TYPES[out_type],
+        compute_dtype=np.float64,
+        return_normed=True,
+    )
+    ok, message = budget_report(actual, expected[0], normed=expected[1], weight=w)
+    assert ok, message
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _library() -> str:
+    # The Makefile builds the library before the tests; a missing one is a failure, not a skip.
+    return contrib_ops.library_path()
+
+
+@pytest.mark.parametrize(
+    ("y_type", "z_type", "w_type", "norm_type", "out_type"),
+    list(itertools.product(TYPES, repeat=5)),
+    ids=lambda t: TYPE_NAMES[t],  # y-z-w-norm-out
+)
+def test_every_type_combination(y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int) -> None:
+    rng = np.random.default_rng([y_type, z_type, w_type, norm_type, out_type])
+    y, z, w = random_inputs(rng, (3, 5, 96), y_type, z_type, w_type)
+    check_against_reference(y, z, w, group_size=48, norm_type=norm_type, out_type=out_type)
+
+
+def test_default_norm_and_output_types_follow_y() -> None:
+    rng = np.random.default_rng(1)
+    y, z, w = random_inputs(rng, (4, 120), FLOAT16, FLOAT, BFLOAT16)
+    check_against_reference(y, z, w, group_size=40)
+
+
+SHAPES = [
+    ((1, 7680), 960),  # Nemotron-H decode row, 8 groups
+    ((3, 5, 96), 48),
+    ((4, 120), 40),
+    ((2, 3, 64), 64),  # one group
+    ((64, 8192), 1024),  # prefill-sized: several chunks over the thread pool
+    ((5, 24), 1),  # group of one
+    ((2, 1, 100), 25),  # group size not a multiple of the vector width
+]
+
+
+@pytest.mark.parametrize(("shape", "group_size"), SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("elem_type", TYPES, ids=lambda t: TYPE_NAMES[t])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shapes(shape: tuple[int, ...], group_size: int, elem_type: int, threads: int) -> None:
+    rng = np.random.default_rng([len(shape), *shape, group_size, elem_type])
+    y, z, w = random_inputs(rng, shape, elem_type, elem_type, elem_type)
+    check_against_reference(y, z, w, group_size=group_size, threads=threads)
+
+
+@pytest.mark.parametrize(
+    ("y_type", "z_type", "w_type", "norm_type", "out_type"),
+    [
+        (FLOAT16, FLOAT16, FLOAT16, FLOAT16, FLOAT16),  # form C: fp16 decode
+        (FLOAT, FLOAT16, FLOAT, FLOAT, FLOAT16),  # form B: fp16 prefill, y already f32, f32 weight
+        (FLOAT, BFLOAT16, FLOAT, FLOAT, BFLOAT16),
+        (BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16),
+    ],
+    ids=["C-f16", "B-f16", "B-bf16", "C-bf16"],
+)
+def test_exporter_type_mixes_at_decode_width(y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int) -> None:
+    rng = np.random.default_rng(7)
+    y, z, w = random_inputs(rng, (1, 7680), y_type, z_type, w_type)
+    check_against_reference(y, z, w, group_size=960, norm_type=norm_type, out_type=out_type)
+
+
+@pytest.mark.parametrize("elem_type", TYPES, ids=lambda t: TYPE_NAMES[t])
+def test_edge_values(elem_type: int) -> None:
+    """Zero groups, values near sqrt(eps), large values, NaN/Inf confined to their own group."""
+    dtype = SUPPORTED_TYPES[elem_type]
+    rng = np.random.default_rng(11)
+    group_size, groups = 32, 8
+    y, z, w = random_inputs(rng, (3, group_size * groups), elem_type, elem_type, elem_type)
+    y, z = y.astype(np.float32), z.astype(np.float32)
+    g = lambda i: slice(i * group_size, (i + 1) * group_size)  # noqa: E731
+    y[0, g(0)] = 0.0  # a zero group gives zeros
+    z[0, g(1)] = 0.0  # zero gate: silu(0) = 0
+    y[0, g(2)] *= 3e-3  # |h| ~ sqrt(eps): eps dominates the mean square
+    z[0, g(3)] = np.linspace(-30.0, 30.0, group_size)  # saturated sigmoid on both sides
+    y[0, g(4)] *= 1e3 if elem_type != FLOAT16 else 1e2  # large values (fp16 max is 65504)
+    y[1, g(0)][5] = np.nan  # NaN in y
+    z[1, g(3)][7] = np.inf  # +Inf gate: silu = +Inf, the group becomes NaN/Inf
+    z[1, g(5)][2] = -np.inf  # -Inf gate: silu = -Inf * 0 = NaN
+    y[2, g(7)][0] = np.inf
+    z[2, g(6)] = np.linspace(-120.0, -80.0, group_size)  # exp underflow range of the sigmoid
+    y, z = y.astype(dtype), z.astype(dtype)
+    check_against_reference(y, z, w, group_size=group_size)
+    # The special values reach their own group only.
+    out = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=group_size, compute_dtype=np.float64)
+    finite_groups = np.isfinite(out.astype(np.float32)).reshape(3, groups, group_size).all(axis=-1)
+    expected_bad = {(1, 0), (1, 3), (1, 5), (2, 7)}
+    bad = {(int(r), int(c)) for r, c in zip(*np.nonzero(~finite_groups), strict=True)}
+    assert bad == expected_bad
+    actual = as_type(
+        run_op(one_node_model(elem_type, elem_type, elem_type, shape=[3, group_size * groups], group_size=group_size), y, z, w),
+        elem_type,
+    )
+    assert np.array_equal(np.isfinite(actual.astype(np.float32)), np.isfinite(out.astype(np.float32)))
+    zero_group = actual[0, g(0)].astype(np.float32)
+    assert np.all(zero_group == 0.0), f"zero group gave {zero_group[:4]}"
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 1e-6, 1e-2])
+def test_epsilon(epsilon: float) -> None:
+    rng = np.random.default_rng(3)
+    y, z, w = random_inputs(rng, (4, 120), FLOAT, FLOAT, FLOAT, scale=0.05)
+    check_against_reference(y, z, w, group_size=40, epsilon=epsilon)
+
+
+def test_empty_leading_axis_gives_empty_output() -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", 96], group_size=48)
+    y = np.zeros((0, 96), np.float32)
+    out = run_op(model, y, y, np.ones(96, np.float32))
+    assert out.shape == (0, 96)
+    assert out.dtype == np.float32
+
+
+def test_output_shape_and_type_are_inferred() -> None:
+    model = one_node_model(FLOAT16, FLOAT16, FLOAT, shape=["batch", "seq", 96], group_size=48, output_dtype=FLOAT)
+    session = contrib_ops.session(model, use_library=True)
+    out = session.get_outputs()[0]
+    assert out.type == "tensor(float)"
+    assert out.shape == ["batch", "seq", 96]
+
+
+def test_fp16_node_feeding_matmul_on_cpu() -> None:
+    """ORT's CPU fp16 handling wraps MatMul (no fp16 CPU kernel) in Casts; the fused node must still load
+    and give the values rounded to fp16 (DESIGN.md §4)."""
+    rng = np.random.default_rng(5)
+    y, z, w = random_inputs(rng, (1, 96), FLOAT16, FLOAT16, FLOAT16)
+    proj = (rng.standard_normal((96, 16)) * 0.1).astype(np.float16)
+    nodes = [
+        oh.make_node("GatedGroupRMSNorm", ["y", "z", "w"], ["normed"], domain="ai.mambafuse", epsilon=1e-5, group_size=48),
+        oh.make_node("MatMul", ["normed", "proj"], ["out"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "fused_then_matmul",
+        [oh.make_tensor_value_info(n, FLOAT16, [1, 96]) for n in "yz"] + [oh.make_tensor_value_info("w", FLOAT16, [96])],
+        [oh.make_tensor_value_info("out", FLOAT16, [1, 16])],
+        initializer=[onnx.numpy_helper.from_array(proj, "proj")],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("ai.mambafuse", 1)])
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = level
+        session = contrib_ops.session(model, session_options=options, use_library=True)
+        out = session.run(None, {"y": y, "z": z, "w": w})[0]
+        normed = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=48)
+        expected = (normed.astype(np.float32) @ proj.astype(np.float32)).astype(np.float16)
+        np.testing.assert_allclose(out.astype(np.float32), expected.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+# --- bad input: clear errors that name the problem ----------------------------------------------------
+
+
+def _expect_error(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None, pattern: str) -> None:
+    with pytest.raises(Exception, match=pattern) as info:  # noqa: PT011 - ORT raises several exception types
+        session = contrib_ops.session(model, use_library=True)
+        if feeds is not None:
+            session.run(None, feeds)
+    assert "GatedGroupRMSNorm" in str(info.value)
+
+
+def test_rejects_w_of_wrong_length_at_run_time() -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["wc"], group_size=8)
+    y = np.ones((2, 16), np.float32)
+    _expect_error(model, {"y": y, "z": y, "w": np.ones(15, np.float32)}, r"W must have shape \[C\] = \[16\], got \[15\]")
+
+
+def test_rejects_w_of_wrong_length_at_load_time() -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 16], w_shape=[15], group_size=8)
+    _expect_error(model, None, r"W must have shape \[C\] = \[16\], got \[15\]")
+
+
+def test_rejects_w_of_wrong_rank() -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["a", "b"], group_size=8)
+    y = np.ones((2, 16), np.float32)
+    _expect_error(model, {"y": y, "z": y, "w": np.ones((2, 8), np.float32)}, r"W must (have shape \[C\]|be 1-D)")
+
+
+def test_rejects_channels_not_divisible_by_group_size_at_load_time() -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 30], group_size=8)
+    _expect_error(model, None, r"C = 30 \(last axis of Y\) is not divisible by group_size = 8")
+
+
+def test_rejects_channels_not_divisible_by_group_size_at_run_time() -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["c"], group_size=8)
+    y = np.ones((2, 30), np.float32)
+    _expect_error(model, {"y": y, "z": y, "w": np.ones(30, np.float32)}, r"C = 30 .* not divisible by group_size = 8")
+
+
+def test_rejects_y_z_shape_mismatch() -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", 16], z_shape=["m", 16], group_size=8)
+    y = np.ones((2, 16), np.float32)
+    _expect_error(model, {"y": y, "z": np.ones((3, 16), np.float32), "w": np.ones(16, np.float32)}, r"Z must have Y's shape \[2, 16\], got \[3, 16\]")
+
+
+def test_rejects_y_z_shape_mismatch_at_load_time() -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 16], z_shape=[3, 16], group_size=8)
+    _expect_error(model, None, r"Z must have Y's shape")
+
+
+@pytest.mark.parametrize("group_size", [0, -4])
+def test_rejects_non_positive_group_size(group_size: int) -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 16], group_size=group_size)
+    _expect_error(model, None, rf"group_size must be > 0, got {group_size}")
+
+
+def test_rejects_unsupported_input_type() -> None:
+    node = oh.make_node("GatedGroupRMSNorm", ["y", "z", "w"], ["out"], domain="ai.mambafuse", epsilon=1e-5, group_size=8)
+    graph = oh.make_graph(
+        [node],
+        "double",
+        [oh.make_tensor_value_info(n, onnx.TensorProto.DOUBLE, [2, 16]) for n in "yz"]
+        + [oh.make_tensor_value_info("w", FLOAT, [16])],
+        [oh.make_tensor_value_info("out", FLOAT, None)],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("ai.mambafuse", 1)])
+    _expect_error(model, None, r"input Y has element type double; supported: float, float16, bfloat16")
+
+
+@pytest.mark.parametrize(("attr", "value", "name"), [("norm_dtype", 11, "double"), ("output_dtype", 7, "int64"), ("norm_dtype", 99, "an unsupported element type")])
+def test_rejects_bad_dtype_attribute(attr: str, value: int, name: str) -> None:
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 16], group_size=8, **{attr: value}, out_type=FLOAT)
+    _expect_error(model, None, rf"{attr} = {value} \({name}.*\) is not a supported type")
+
+
+def test_rejects_missing_epsilon() -> None:
+    node = oh.make_node("GatedGroupRMSNorm", ["y", "z", "w"], ["out"], domain="ai.mambafuse", group_size=8)
+    graph = oh.make_graph(
+        [node],
+        "no_eps",
+        [oh.make_tensor_value_info(n, FLOAT, [2, 16]) for n in "yz"] + [oh.make_tensor_value_info("w", FLOAT, [16])],
+        [oh.make_tensor_value_info("out", FLOAT, None)],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("ai.mambafuse", 1)])
+    _expect_error(model, None, r"required attribute 'epsilon' \(float\) is missing")
+
+
+# --- the Python handle ------------------------------------------------------------------------------
+
+
+def test_library_path_env_override_must_exist(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv(contrib_ops.LIBRARY_ENV, str(tmp_path / "nope.so"))
+    with pytest.raises(contrib_ops.LibraryNotFoundError, match="nope.so"):
+        contrib_ops.library_path()
+
+
+def test_library_not_found_lists_where_it_looked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(contrib_ops.LIBRARY_ENV, raising=False)
+    monkeypatch.setattr(contrib_ops, "_candidates", lambda: [contrib_ops.Path("/nonexistent/libmambafuse_ops.so")])
+    with pytest.raises(contrib_ops.LibraryNotFoundError, match="/nonexistent/libmambafuse_ops.so"):
+        contrib_ops.library_path()
+
+
+def test_coreml_first_sessions_do_not_want_the_library() -> None:
+    assert contrib_ops.wants_library(["CPUExecutionProvider"])
+    assert contrib_ops.wants_library(None)
+    assert not contrib_ops.wants_library(["CoreMLExecutionProvider", "CPUExecutionProvider"])
+    assert not contrib_ops.wants_library([("CoreMLExecutionProvider", {}), "CPUExecutionProvider"])
