@@ -12,7 +12,7 @@ NATIVE_SOURCES := $(shell find contrib_ops -type f \( -name '*.cc' -o -name '*.h
                     -o -name '*.cmake' -o -name CMakeLists.txt \) 2>/dev/null)
 PYTEST_ARGS ?=
 
-.PHONY: demo test build deps sanitize native-check lint compat clean
+.PHONY: demo test build deps sanitize lint compat clean
 
 # Python dependencies (runtime + test extras + the build backend, so that rebuilding the library needs no
 # isolated build environment). Re-run when pyproject.toml changes.
@@ -57,3 +57,12 @@ lint: $(STAMPS)/deps
 
 clean:
 	rm -rf build $(VENV)
+
+# The library against another onnxruntime release, in a throwaway venv (default: the oldest supported).
+ORT_VERSION ?= 1.23.2
+compat: build
+	rm -rf build/compat-venv && $(PYTHON) -m venv build/compat-venv
+	build/compat-venv/bin/pip --disable-pip-version-check -q install "onnxruntime==$(ORT_VERSION)" \
+	  "$$($(PY) -c 'import numpy; print("numpy==" + numpy.__version__)')" ml_dtypes onnx pytest
+	MAMBAFUSE_LIBRARY=$$($(PY) -c "import contrib_ops; print(contrib_ops.library_path())") PYTHONPATH=. \
+	  build/compat-venv/bin/python -m pytest -q -p no:cacheprovider tests/test_kernel_cpu.py

@@ -14,6 +14,17 @@ FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onn
 TYPE_NAMES = {FLOAT: "f32", FLOAT16: "f16", BFLOAT16: "bf16"}
 
 
+#: IR version of the test models: 10 loads in every onnxruntime the library supports (1.23 reads <= 11).
+IR_VERSION = 10
+
+
+def make_model(graph: onnx.GraphProto, opset: int = 18) -> onnx.ModelProto:
+    """Return a model of ``graph`` importing the default domain at ``opset`` and ai.mambafuse 1."""
+    return oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", opset), oh.make_opsetid(DOMAIN, 1)], ir_version=IR_VERSION
+    )
+
+
 def io_type(elem_type: int) -> int:
     """Return the element type a test feeds/reads for ``elem_type``: numpy has no bfloat16 that ORT takes."""
     return FLOAT if elem_type == BFLOAT16 else elem_type
@@ -62,7 +73,7 @@ def one_node_model(
     if result_type == BFLOAT16:
         nodes.append(oh.make_node("Cast", [op_out], ["out"], to=FLOAT))
     graph = oh.make_graph(nodes, "gated_group_rms_norm", inputs, [oh.make_tensor_value_info("out", io_type(result_type), None)])
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", opset), oh.make_opsetid(DOMAIN, 1)])
+    return make_model(graph, opset)
 
 
 def random_inputs(
@@ -93,6 +104,7 @@ __all__ = [
     "as_type",
     "dtype_to_onnx_type",
     "feed",
+    "make_model",
     "one_node_model",
     "random_inputs",
 ]

@@ -12,7 +12,7 @@ import pytest
 
 import contrib_ops
 from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm
-from tests._ops import BFLOAT16, FLOAT, FLOAT16, TYPE_NAMES, as_type, feed, one_node_model, random_inputs
+from tests._ops import BFLOAT16, FLOAT, FLOAT16, TYPE_NAMES, as_type, feed, make_model, one_node_model, random_inputs
 
 TYPES = (FLOAT, FLOAT16, BFLOAT16)
 
@@ -192,7 +192,7 @@ def test_fp16_node_feeding_matmul_on_cpu() -> None:
         [oh.make_tensor_value_info("out", FLOAT16, [1, 16])],
         initializer=[onnx.numpy_helper.from_array(proj, "proj")],
     )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("ai.mambafuse", 1)])
+    model = make_model(graph)
     for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
         options = ort.SessionOptions()
         options.graph_optimization_level = level
@@ -268,7 +268,7 @@ def test_rejects_unsupported_input_type() -> None:
         + [oh.make_tensor_value_info("w", FLOAT, [16])],
         [oh.make_tensor_value_info("out", FLOAT, None)],
     )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("ai.mambafuse", 1)])
+    model = make_model(graph)
     _expect_error(model, None, r"input Y has element type double; supported: float, float16, bfloat16")
 
 
@@ -286,7 +286,7 @@ def test_rejects_missing_epsilon() -> None:
         [oh.make_tensor_value_info(n, FLOAT, [2, 16]) for n in "yz"] + [oh.make_tensor_value_info("w", FLOAT, [16])],
         [oh.make_tensor_value_info("out", FLOAT, None)],
     )
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("ai.mambafuse", 1)])
+    model = make_model(graph)
     _expect_error(model, None, r"required attribute 'epsilon' \(float\) is missing")
 
 
