@@ -1,0 +1,624 @@
+"""Before/after report of a fusion: graph nodes, kernel dispatches per Run, latency, output error.
+
+``python -m fusion.report BEFORE.onnx AFTER.onnx [--providers P1,P2] [--runs 200] [--json out.json]
+[--plot out.png]`` — and the same report behind ``python -m fusion.rewrite IN.onnx --report``.
+
+Everything is measured, nothing estimated:
+- static: nodes in each graph, gated-norm chain nodes replaced, fused nodes; and for each execution
+  provider the graph ONNX Runtime really runs (saved after its optimizations at the chosen level):
+  nodes, Memcpy nodes, and how many provider partitions the executed kernels form;
+- kernel executions per ``Run``, from ONNX Runtime's profiler (``cat == "Node"`` events ending in
+  ``_kernel_time``, grouped by the ``model_run`` event that contains them), by provider and op type;
+- latency per ``Run``: median and p90 over N runs after warm-up, before and after interleaved in one
+  process, with IO binding on GPU providers so host copies are not what is measured;
+- the largest absolute difference between the two models' outputs, so a speedup cannot hide a wrong
+  answer.
+
+The JSON keys ``before/after.{nodes, kernels_per_run, latency_us.{median, p90}}``, ``fused_nodes``,
+``max_abs_error`` and ``environment`` are stable: tools read them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from fusion.reference import DOMAIN, OP_TYPE
+
+SCHEMA_VERSION = 1
+GPU_PROVIDERS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider"})
+
+#: Default sizes for symbolic dimensions, by name: a decode step (one new token, a short cache).
+DEFAULT_DIMS: dict[str, int] = {"batch": 1, "batch_size": 1, "sequence_length": 1, "seq": 1, "seq_len": 1}
+DEFAULT_CACHE_LENGTH = 8
+UNKNOWN_DIM = 1
+
+
+class ReportError(Exception):
+    """A problem with the report's arguments or models, with a message for the user."""
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+class Progress:
+    """Progress lines on stderr: live updates on a terminal, a few plain lines in a log, nothing when quiet."""
+
+    def __init__(self, enabled: bool = True, stream: Any = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.live = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last = 0.0
+
+    def step(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.live:
+            self.stream.write("\r\033[K" + message)
+            self.stream.flush()
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def tick(self, message: str) -> None:
+        """Update a running count; on a terminal only (a log gets the step lines)."""
+        now = time.monotonic()
+        if self.live and now - self._last > 0.2:
+            self._last = now
+            self.stream.write("\r\033[K" + message)
+            self.stream.flush()
+
+    def done(self) -> None:
+        if self.live:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def _numpy_dtype(elem_type: int) -> np.dtype:
+    if elem_type == onnx.TensorProto.BFLOAT16:
+        raise ReportError("a model input is bfloat16, which numpy cannot feed; run the report on CUDA with a fp16/fp32 model")
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def dim_value(name: str, dims: dict[str, int]) -> int:
+    """Return the size bound to a symbolic dimension ``name`` (user overrides first, then defaults)."""
+    if name in dims:
+        return dims[name]
+    lowered = name.lower()
+    if lowered in DEFAULT_DIMS:
+        return DEFAULT_DIMS[lowered]
+    if "past" in lowered or "cache" in lowered or "total" in lowered:
+        return DEFAULT_CACHE_LENGTH
+    if "batch" in lowered:
+        return 1
+    return UNKNOWN_DIM
+
+
+def make_inputs(model: onnx.ModelProto, dims: dict[str, int] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Return seeded inputs for every graph input, symbolic dimensions bound by ``dim_value``.
+
+    Integer inputs get small non-negative values (token ids < 16, masks of ones, positions counting up),
+    floating inputs N(0, 1) values.
+    """
+    dims = dims or {}
+    rng = np.random.default_rng(seed)
+    initializers = {init.name for init in model.graph.initializer}
+    feeds: dict[str, np.ndarray] = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor_type = value.type.tensor_type
+        if not value.type.HasField("tensor_type"):
+            raise ReportError(f"input {value.name!r} is not a tensor; the report feeds tensors only")
+        shape = []
+        for d in tensor_type.shape.dim:
+            if d.HasField("dim_value"):
+                shape.append(d.dim_value)
+            else:
+                shape.append(dim_value(d.dim_param, dims))
+        dtype = _numpy_dtype(tensor_type.elem_type)
+        lowered = value.name.lower()
+        if np.issubdtype(dtype, np.integer):
+            if "mask" in lowered:
+                arr = np.ones(shape, dtype)
+            elif "position" in lowered:
+                arr = np.broadcast_to(np.arange(shape[-1] if shape else 1, dtype=dtype), shape).copy()
+            else:
+                arr = rng.integers(0, 16, size=shape).astype(dtype)
+        elif dtype == np.bool_:
+            arr = np.ones(shape, dtype)
+        else:
+            arr = rng.standard_normal(shape).astype(dtype)
+        feeds[value.name] = arr
+    return feeds
+
+
+# --- static counts --------------------------------------------------------------------------------
+
+
+def count_nodes(model: onnx.ModelProto) -> int:
+    """Return the number of nodes in the main graph (functions and subgraphs not expanded)."""
+    return len(model.graph.node)
+
+
+def count_fused(model: onnx.ModelProto) -> int:
+    """Return the number of ai.mambafuse::GatedGroupRMSNorm nodes in the main graph."""
+    return sum(1 for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE)
+
+
+def _load(path_or_model: str | os.PathLike[str] | onnx.ModelProto, what: str) -> onnx.ModelProto:
+    if isinstance(path_or_model, onnx.ModelProto):
+        return path_or_model
+    path = Path(path_or_model)
+    if not path.is_file():
+        raise ReportError(f"{what} model {str(path)!r} does not exist")
+    try:
+        # External weights stay on disk: the graph is all the static counts need, ORT reads the file itself.
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError and others for a damaged file
+        raise ReportError(f"{what} model {str(path)!r} is not a readable ONNX model ({type(exc).__name__})") from None
+
+
+# --- measurement ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ProviderResult:
+    """What one model measured on one execution provider."""
+
+    optimized_nodes: int = 0
+    memcpy_nodes: int = 0
+    partitions: int = 0
+    kernels_per_run: int = 0
+    kernels_by_provider: dict[str, int] = field(default_factory=dict)
+    kernels_by_op: dict[str, int] = field(default_factory=dict)
+    latency_us: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """The before/after report; ``to_json()`` has the stable schema described in the module docstring."""
+
+    before_nodes: int
+    after_nodes: int
+    chain_nodes: int
+    fused_nodes: int
+    providers: list[str]
+    before: dict[str, ProviderResult]
+    after: dict[str, ProviderResult]
+    max_abs_error: float
+    max_abs_error_by_output: dict[str, float]
+    runs: int
+    dims: dict[str, int]
+    environment: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        def side(nodes: int, results: dict[str, ProviderResult]) -> dict[str, Any]:
+            first = results[self.providers[0]]
+            return {
+                "nodes": nodes,
+                "kernels_per_run": {p: r.kernels_per_run for p, r in results.items()},
+                "latency_us": dict(first.latency_us),
+                "by_provider": {p: asdict(r) for p, r in results.items()},
+            }
+
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "before": side(self.before_nodes, self.before),
+            "after": side(self.after_nodes, self.after),
+            "fused_nodes": self.fused_nodes,
+            "chain_nodes": self.chain_nodes,
+            "max_abs_error": self.max_abs_error,
+            "max_abs_error_by_output": self.max_abs_error_by_output,
+            "runs": self.runs,
+            "dims": self.dims,
+            "environment": self.environment,
+        }
+
+    def table(self) -> str:
+        """Return the aligned terminal table: one block per provider, change as a number and a percentage."""
+        rows: list[tuple[str, str, str, str, str]] = [("", "before", "after", "change", "")]
+
+        def add(label: str, before: float, after: float, unit: str, fmt: str = "{:.0f}") -> None:
+            delta = after - before
+            pct = f"{100.0 * delta / before:+.1f} %" if before else "n/a"
+            rows.append((label, fmt.format(before) + unit, fmt.format(after) + unit, f"{fmt.format(delta)}{unit}", pct))
+
+        add("graph nodes", self.before_nodes, self.after_nodes, "")
+        for provider in self.providers:
+            b, a = self.before[provider], self.after[provider]
+            short = provider.removesuffix("ExecutionProvider")
+            rows.append((f"[{short}]", "", "", "", ""))
+            add("  nodes after ORT optimization", b.optimized_nodes, a.optimized_nodes, "")
+            add("  kernel dispatches per Run", b.kernels_per_run, a.kernels_per_run, "")
+            add("  provider partitions", b.partitions, a.partitions, "")
+            add("  memcpy nodes", b.memcpy_nodes, a.memcpy_nodes, "")
+            add("  latency median", b.latency_us["median"], a.latency_us["median"], " us", "{:.1f}")
+            add("  latency p90", b.latency_us["p90"], a.latency_us["p90"], " us", "{:.1f}")
+            if a.latency_us["median"]:
+                rows.append(("  speedup (median)", "", f"{b.latency_us['median'] / a.latency_us['median']:.2f}x", "", ""))
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [
+            f"fused {self.fused_nodes} gated-norm chains ({self.chain_nodes} nodes) into {self.fused_nodes} "
+            f"{OP_TYPE} nodes; max |after - before| over outputs = {self.max_abs_error:.3g}"
+        ]
+        for r in rows:
+            lines.append(
+                f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}".rstrip()
+            )
+        env = self.environment
+        lines.append(
+            f"{self.runs} runs, dims {self.dims or 'default'}; onnxruntime {env['onnxruntime']}, {env['cpu']}, "
+            f"{env['intra_op_threads']} intra-op threads"
+        )
+        return "\n".join(lines)
+
+
+def environment(threads: int) -> dict[str, Any]:
+    """Return where the numbers were measured: CPU, threads, library versions, providers."""
+    import onnxruntime as ort
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "intra_op_threads": threads,
+        "onnxruntime": ort.__version__,
+        "available_providers": ort.get_available_providers(),
+        "onnx": onnx.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def _session(
+    model_bytes: bytes,
+    provider: str,
+    threads: int,
+    level: Any,
+    *,
+    profile: bool = False,
+    optimized_path: str | None = None,
+) -> Any:
+    import onnxruntime as ort
+
+    import contrib_ops
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.graph_optimization_level = level
+    options.log_severity_level = 3
+    if profile:
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(tempfile.gettempdir(), f"mambafuse_profile_{os.getpid()}")
+    if optimized_path:
+        options.optimized_model_filepath = optimized_path
+    providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
+    # The library is registered where the provider can host it; a model without fused nodes ignores it.
+    return contrib_ops.session(model_bytes, providers=providers, session_options=options)
+
+
+def profile_kernels(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Return the kernel events of each ``model_run`` in a profile, in execution order."""
+    runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
+    kernels = sorted(
+        (e for e in events if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")),
+        key=lambda e: e["ts"],
+    )
+    grouped: list[list[dict[str, Any]]] = [[] for _ in runs]
+    for k in kernels:
+        for i, run in enumerate(runs):
+            if run["ts"] <= k["ts"] <= run["ts"] + run["dur"]:
+                grouped[i].append(k)
+                break
+    return grouped
+
+
+def count_partitions(providers_in_order: Iterable[str]) -> int:
+    """Return the number of maximal runs of one provider in an execution order."""
+    count, previous = 0, None
+    for p in providers_in_order:
+        if p != previous:
+            count, previous = count + 1, p
+    return count
+
+
+class _Runner:
+    """One session plus the way it is run: IO binding on GPU providers, plain run() on the CPU."""
+
+    def __init__(self, session: Any, feeds: dict[str, np.ndarray], provider: str) -> None:
+        self.session = session
+        self.feeds = feeds
+        self.outputs = [o.name for o in session.get_outputs()]
+        self.binding = None
+        if provider in GPU_PROVIDERS:
+            import onnxruntime as ort
+
+            device = "cuda" if provider != "ROCMExecutionProvider" else "cuda"
+            binding = session.io_binding()
+            for name, arr in feeds.items():
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr, device, 0))
+            for name in self.outputs:
+                binding.bind_output(name, device, 0)
+            self.binding = binding
+
+    def __call__(self) -> None:
+        if self.binding is not None:
+            self.binding.synchronize_inputs()
+            self.session.run_with_iobinding(self.binding)
+            self.binding.synchronize_outputs()
+        else:
+            self.session.run(self.outputs, self.feeds)
+
+    def results(self) -> list[np.ndarray]:
+        return self.session.run(self.outputs, self.feeds)
+
+
+def measure(
+    before: onnx.ModelProto | str | os.PathLike[str],
+    after: onnx.ModelProto | str | os.PathLike[str],
+    *,
+    providers: Sequence[str] = ("CPUExecutionProvider",),
+    runs: int = 200,
+    warmup: int = 20,
+    threads: int = 1,
+    dims: dict[str, int] | None = None,
+    optimization_level: str = "all",
+    progress: Progress | None = None,
+) -> Report:
+    """Return the before/after Report of two models on each provider (see the module docstring)."""
+    import onnxruntime as ort
+
+    progress = progress or Progress(enabled=False)
+    if runs < 1:
+        raise ReportError(f"--runs must be >= 1, got {runs}")
+    available = ort.get_available_providers()
+    for p in providers:
+        if p not in available:
+            raise ReportError(f"provider {p!r} is not available in this onnxruntime (available: {', '.join(available)})")
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    if optimization_level not in levels:
+        raise ReportError(f"optimization level must be one of {', '.join(levels)}, got {optimization_level!r}")
+    level = levels[optimization_level]
+
+    progress.step("loading models")
+    paths = {}
+    protos = {}
+    for what, m in (("before", before), ("after", after)):
+        protos[what] = _load(m, what)
+        paths[what] = m if not isinstance(m, onnx.ModelProto) else None
+    model_bytes = {}
+    for what in ("before", "after"):
+        # ORT reads external data relative to the model's path: load from the path when there is one.
+        if paths[what] is not None:
+            model_bytes[what] = str(paths[what])
+        else:
+            model_bytes[what] = protos[what].SerializeToString()
+    feeds = make_inputs(protos["before"], dims)
+    after_inputs = {v.name for v in protos["after"].graph.input}
+    if set(feeds) - after_inputs:
+        raise ReportError(f"the models have different inputs: {sorted(set(feeds) ^ after_inputs)}")
+
+    before_nodes, after_nodes = count_nodes(protos["before"]), count_nodes(protos["after"])
+    fused = count_fused(protos["after"]) - count_fused(protos["before"])
+    chain_nodes = before_nodes - after_nodes + fused if fused > 0 else 0
+
+    results: dict[str, dict[str, ProviderResult]] = {"before": {}, "after": {}}
+    outputs: dict[str, dict[str, list[np.ndarray]]] = {"before": {}, "after": {}}
+    for provider in providers:
+        short = provider.removesuffix("ExecutionProvider")
+        runners = {}
+        for what in ("before", "after"):
+            progress.step(f"[{short}] {what}: optimizing and profiling")
+            res = ProviderResult()
+            with tempfile.TemporaryDirectory() as tmp:
+                optimized = os.path.join(tmp, "optimized.onnx")
+                session = _session(model_bytes[what], provider, threads, level, profile=True, optimized_path=optimized)
+                opt_model = onnx.load(optimized, load_external_data=False)
+                res.optimized_nodes = count_nodes(opt_model)
+                res.memcpy_nodes = sum(1 for n in opt_model.graph.node if n.op_type.startswith("Memcpy"))
+                runner = _Runner(session, feeds, provider)
+                for _ in range(3):
+                    runner()
+                profile_path = session.end_profiling()
+                try:
+                    events = json.loads(Path(profile_path).read_text())
+                finally:
+                    Path(profile_path).unlink(missing_ok=True)
+            last = profile_kernels(events)[-1]
+            res.kernels_per_run = len(last)
+            res.kernels_by_provider = dict(Counter(e["args"].get("provider", "?") for e in last))
+            res.kernels_by_op = dict(Counter(e["args"].get("op_name", "?") for e in last))
+            res.partitions = count_partitions(e["args"].get("provider", "?") for e in last)
+            results[what][provider] = res
+            runners[what] = _Runner(_session(model_bytes[what], provider, threads, level), feeds, provider)
+            outputs[what][provider] = runners[what].results()
+
+        times: dict[str, list[float]] = {"before": [], "after": []}
+        for _ in range(warmup):
+            runners["before"]()
+            runners["after"]()
+        for i in range(runs):
+            # Interleaved, so that drift (frequency, other load) hits both sides alike.
+            for what in ("before", "after") if i % 2 == 0 else ("after", "before"):
+                t0 = time.perf_counter()
+                runners[what]()
+                times[what].append((time.perf_counter() - t0) * 1e6)
+            progress.tick(f"[{short}] timing {i + 1}/{runs}")
+        for what in ("before", "after"):
+            t = sorted(times[what])
+            results[what][provider].latency_us = {
+                "median": statistics.median(t),
+                "p90": t[min(len(t) - 1, int(0.9 * len(t)))],
+                "min": t[0],
+            }
+    progress.done()
+
+    errors: dict[str, float] = {}
+    names = [o.name for o in protos["before"].graph.output]
+    for provider in providers:
+        for name, b, a in zip(names, outputs["before"][provider], outputs["after"][provider], strict=True):
+            with np.errstate(invalid="ignore"):
+                diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+            worst = float(np.nanmax(diff)) if diff.size else 0.0
+            errors[f"{provider}:{name}"] = max(worst, errors.get(f"{provider}:{name}", 0.0))
+    return Report(
+        before_nodes=before_nodes,
+        after_nodes=after_nodes,
+        chain_nodes=chain_nodes,
+        fused_nodes=fused,
+        providers=list(providers),
+        before=results["before"],
+        after=results["after"],
+        max_abs_error=max(errors.values(), default=0.0),
+        max_abs_error_by_output=errors,
+        runs=runs,
+        dims=dict(dims or {}),
+        environment=environment(threads),
+    )
+
+
+def plot(report: Report, path: str | os.PathLike[str]) -> None:
+    """Write a PNG with dispatches and median latency, before vs after, per provider."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ReportError("--plot needs matplotlib: pip install 'mambafuse[plot]'") from None
+    providers = report.providers
+    labels = [p.removesuffix("ExecutionProvider") for p in providers]
+    x = np.arange(len(providers))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    for ax, key, title in (
+        (axes[0], lambda r: r.kernels_per_run, "kernel dispatches per Run"),
+        (axes[1], lambda r: r.latency_us["median"], "latency per Run, median (us)"),
+    ):
+        b = [key(report.before[p]) for p in providers]
+        a = [key(report.after[p]) for p in providers]
+        ax.bar(x - 0.2, b, 0.4, label="before", color="#9aa5b1")
+        ax.bar(x + 0.2, a, 0.4, label="after (mambafuse)", color="#2f7ed8")
+        ax.set_xticks(x, labels)
+        ax.set_title(title, fontsize=10)
+        for xi, (bv, av) in enumerate(zip(b, a, strict=True)):
+            ax.annotate(f"{bv:.0f}" if bv >= 10 else f"{bv:.1f}", (xi - 0.2, bv), ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{av:.0f}" if av >= 10 else f"{av:.1f}", (xi + 0.2, av), ha="center", va="bottom", fontsize=8)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{report.fused_nodes} gated-norm chains fused; max |error| {report.max_abs_error:.2g}", fontsize=10)
+    fig.tight_layout()
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+    fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_json(report: Report, path: str | os.PathLike[str]) -> None:
+    """Write the report's JSON atomically."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    os.replace(tmp, target)
+
+
+def _parse_dims(items: Sequence[str]) -> dict[str, int]:
+    dims = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value.strip().isdigit():
+            raise ReportError(f"--dim expects NAME=SIZE (a positive integer), got {item!r}")
+        dims[name] = int(value)
+    return dims
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the report's options to a parser (shared with ``fusion.rewrite --report``)."""
+    parser.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
+    parser.add_argument("--runs", type=int, default=200, help="timed runs per model (default 200)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed runs first (default 20)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help="bind a symbolic dimension")
+    parser.add_argument(
+        "--optimization-level", default="all", choices=["disable", "basic", "extended", "all"], help="ORT graph optimization level"
+    )
+    parser.add_argument("--json", dest="json_path", metavar="OUT.json", help="write the report as JSON")
+    parser.add_argument("--plot", metavar="OUT.png", help="write a PNG of dispatches and latency (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> Report:
+    """Measure, print the table, and write the JSON/PNG the arguments ask for."""
+    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    if not providers:
+        raise ReportError("--providers is empty")
+    if args.threads < 1:
+        raise ReportError(f"--threads must be >= 1, got {args.threads}")
+    if args.warmup < 0:
+        raise ReportError(f"--warmup must be >= 0, got {args.warmup}")
+    report = measure(
+        before,
+        after,
+        providers=providers,
+        runs=args.runs,
+        warmup=args.warmup,
+        threads=args.threads,
+        dims=_parse_dims(args.dim),
+        optimization_level=args.optimization_level,
+        progress=Progress(enabled=not args.quiet),
+    )
+    print_fn(report.table())
+    if args.json_path:
+        write_json(report, args.json_path)
+    if args.plot:
+        plot(report, args.plot)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fusion.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("before", help="the original model")
+    parser.add_argument("after", help="the fused model")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        run_from_args(args.before, args.after, args)
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # ORT's own errors: one line, not a traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"error: {type(exc).__name__}: {first}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
