@@ -43,7 +43,11 @@ def onnx_type_to_dtype(elem_type: int) -> np.dtype:
     try:
         return SUPPORTED_TYPES[elem_type]
     except KeyError:
-        name = onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else elem_type
+        name = (
+            onnx.TensorProto.DataType.Name(elem_type)
+            if elem_type in onnx.TensorProto.DataType.values()
+            else elem_type
+        )
         raise ValueError(
             f"GatedGroupRMSNorm supports float, float16 and bfloat16; got element type {name}"
         ) from None
@@ -211,13 +215,18 @@ def budget_report(
     """
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
-        return False, f"shape/dtype {actual.shape} {actual.dtype} != expected {expected.shape} {expected.dtype}"
+        return (
+            False,
+            f"shape/dtype {actual.shape} {actual.dtype} != expected {expected.shape} {expected.dtype}",
+        )
     if actual.size == 0:
         return True, "empty"
     a64, e64 = actual.astype(np.float64), expected.astype(np.float64)
     nan_a, nan_e = np.isnan(a64), np.isnan(e64)
     special = nan_e | np.isinf(e64)
-    mismatched_special = int(((nan_a ^ nan_e) | (np.isinf(e64) & (a64 != e64)) | (np.isinf(a64) & ~special)).sum())
+    mismatched_special = int(
+        ((nan_a ^ nan_e) | (np.isinf(e64) & (a64 != e64)) | (np.isinf(a64) & ~special)).sum()
+    )
     finite = ~special & np.isfinite(a64)
     with np.errstate(invalid="ignore", over="ignore"):
         err = np.where(finite, np.abs(a64 - e64), 0.0)
@@ -228,7 +237,9 @@ def budget_report(
         unit = ulp_of(e64, actual.dtype)
         tight, strict = unit, 2 * unit
     extra = np.zeros_like(e64)
-    coarser_norm = normed is not None and _MANTISSA_BITS[np.asarray(normed).dtype] < _MANTISSA_BITS[actual.dtype]
+    coarser_norm = (
+        normed is not None and _MANTISSA_BITS[np.asarray(normed).dtype] < _MANTISSA_BITS[actual.dtype]
+    )
     if coarser_norm:
         n = np.asarray(normed)
         w = np.broadcast_to(np.abs(np.asarray(weight, np.float64)), e64.shape)
@@ -240,7 +251,8 @@ def budget_report(
     unit_name = "rel 2e-6" if actual.dtype == np.float32 else "1 ulp"
     worst = float(np.max(err / tight)) if err.size else 0.0
     msg = (
-        f"{over_tight} of {actual.size} elements > {unit_name} (allowed {allowed}), {over_strict} over the hard "
-        f"limit, {mismatched_special} NaN/Inf mismatches; worst error {worst:.3g} x ({unit_name})"
+        f"{over_tight} of {actual.size} elements > {unit_name} (allowed {allowed}), "
+        f"{over_strict} over the hard limit, {mismatched_special} NaN/Inf mismatches; "
+        f"worst error {worst:.3g} x ({unit_name})"
     )
     return ok, msg

@@ -56,7 +56,7 @@ class ReportError(Exception):
 
 
 class Progress:
-    """Progress lines on stderr: live updates on a terminal, a few plain lines in a log, nothing when quiet."""
+    """Progress on stderr: live updates on a terminal, a few plain lines in a log, nothing when quiet."""
 
     def __init__(self, enabled: bool = True, stream: Any = None) -> None:
         self.stream = stream or sys.stderr
@@ -92,7 +92,9 @@ class Progress:
 
 def _numpy_dtype(elem_type: int) -> np.dtype:
     if elem_type == onnx.TensorProto.BFLOAT16:
-        raise ReportError("a model input is bfloat16, which numpy cannot feed; run the report on CUDA with a fp16/fp32 model")
+        raise ReportError(
+            "a model input is bfloat16, which numpy cannot feed; report on a fp16/fp32 model instead"
+        )
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
 
 
@@ -110,7 +112,9 @@ def dim_value(name: str, dims: dict[str, int]) -> int:
     return UNKNOWN_DIM
 
 
-def make_inputs(model: onnx.ModelProto, dims: dict[str, int] | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+def make_inputs(
+    model: onnx.ModelProto, dims: dict[str, int] | None = None, seed: int = 0
+) -> dict[str, np.ndarray]:
     """Return seeded inputs for every graph input, symbolic dimensions bound by ``dim_value``.
 
     Integer inputs get small non-negative values (token ids < 16, masks of ones, positions counting up),
@@ -172,7 +176,9 @@ def _load(path_or_model: str | os.PathLike[str] | onnx.ModelProto, what: str) ->
         # External weights stay on disk: the graph is all the static counts need, ORT reads the file itself.
         return onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError and others for a damaged file
-        raise ReportError(f"{what} model {str(path)!r} is not a readable ONNX model ({type(exc).__name__})") from None
+        raise ReportError(
+            f"{what} model {str(path)!r} is not a readable ONNX model ({type(exc).__name__})"
+        ) from None
 
 
 # --- measurement ----------------------------------------------------------------------------------
@@ -238,7 +244,15 @@ class Report:
         def add(label: str, before: float, after: float, unit: str, fmt: str = "{:.0f}") -> None:
             delta = after - before
             pct = f"{100.0 * delta / before:+.1f} %" if before else "n/a"
-            rows.append((label, fmt.format(before) + unit, fmt.format(after) + unit, f"{fmt.format(delta)}{unit}", pct))
+            rows.append(
+                (
+                    label,
+                    fmt.format(before) + unit,
+                    fmt.format(after) + unit,
+                    f"{fmt.format(delta)}{unit}",
+                    pct,
+                )
+            )
 
         add("graph nodes", self.before_nodes, self.after_nodes, "")
         for provider in self.providers:
@@ -252,20 +266,29 @@ class Report:
             add("  latency median", b.latency_us["median"], a.latency_us["median"], " us", "{:.1f}")
             add("  latency p90", b.latency_us["p90"], a.latency_us["p90"], " us", "{:.1f}")
             if a.latency_us["median"]:
-                rows.append(("  speedup (median)", "", f"{b.latency_us['median'] / a.latency_us['median']:.2f}x", "", ""))
+                rows.append(
+                    (
+                        "  speedup (median)",
+                        "",
+                        f"{b.latency_us['median'] / a.latency_us['median']:.2f}x",
+                        "",
+                        "",
+                    )
+                )
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [
             f"fused {self.fused_nodes} gated-norm chains ({self.chain_nodes} nodes) into {self.fused_nodes} "
             f"{OP_TYPE} nodes; max |after - before| over outputs = {self.max_abs_error:.3g}"
         ]
         for r in rows:
-            lines.append(
-                f"{r[0]:<{widths[0]}}  {r[1]:>{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]:>{widths[4]}}".rstrip()
-            )
+            cells = [f"{r[0]:<{widths[0]}}"] + [
+                f"{cell:>{width}}" for cell, width in zip(r[1:], widths[1:], strict=True)
+            ]
+            lines.append("  ".join(cells).rstrip())
         env = self.environment
         lines.append(
-            f"{self.runs} runs, dims {self.dims or 'default'}; onnxruntime {env['onnxruntime']}, {env['cpu']}, "
-            f"{env['intra_op_threads']} intra-op threads"
+            f"{self.runs} runs, dims {self.dims or 'default'}; onnxruntime {env['onnxruntime']}, "
+            f"{env['cpu']}, {env['intra_op_threads']} intra-op threads"
         )
         return "\n".join(lines)
 
@@ -398,7 +421,9 @@ def measure(
     available = ort.get_available_providers()
     for p in providers:
         if p not in available:
-            raise ReportError(f"provider {p!r} is not available in this onnxruntime (available: {', '.join(available)})")
+            raise ReportError(
+                f"provider {p!r} is not available in this onnxruntime (available: {', '.join(available)})"
+            )
     levels = {
         "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
@@ -406,7 +431,9 @@ def measure(
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     }
     if optimization_level not in levels:
-        raise ReportError(f"optimization level must be one of {', '.join(levels)}, got {optimization_level!r}")
+        raise ReportError(
+            f"optimization level must be one of {', '.join(levels)}, got {optimization_level!r}"
+        )
     level = levels[optimization_level]
 
     progress.step("loading models")
@@ -441,7 +468,9 @@ def measure(
             res = ProviderResult()
             with tempfile.TemporaryDirectory() as tmp:
                 optimized = os.path.join(tmp, "optimized.onnx")
-                session = _session(model_bytes[what], provider, threads, level, profile=True, optimized_path=optimized)
+                session = _session(
+                    model_bytes[what], provider, threads, level, profile=True, optimized_path=optimized
+                )
                 opt_model = onnx.load(optimized, load_external_data=False)
                 res.optimized_nodes = count_nodes(opt_model)
                 res.memcpy_nodes = sum(1 for n in opt_model.graph.node if n.op_type.startswith("Memcpy"))
@@ -530,10 +559,16 @@ def plot(report: Report, path: str | os.PathLike[str]) -> None:
         ax.set_xticks(x, labels)
         ax.set_title(title, fontsize=10)
         for xi, (bv, av) in enumerate(zip(b, a, strict=True)):
-            ax.annotate(f"{bv:.0f}" if bv >= 10 else f"{bv:.1f}", (xi - 0.2, bv), ha="center", va="bottom", fontsize=8)
-            ax.annotate(f"{av:.0f}" if av >= 10 else f"{av:.1f}", (xi + 0.2, av), ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"{bv:.0f}" if bv >= 10 else f"{bv:.1f}", (xi - 0.2, bv), ha="center", va="bottom", fontsize=8
+            )
+            ax.annotate(
+                f"{av:.0f}" if av >= 10 else f"{av:.1f}", (xi + 0.2, av), ha="center", va="bottom", fontsize=8
+            )
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{report.fused_nodes} gated-norm chains fused; max |error| {report.max_abs_error:.2g}", fontsize=10)
+    fig.suptitle(
+        f"{report.fused_nodes} gated-norm chains fused; max |error| {report.max_abs_error:.2g}", fontsize=10
+    )
     fig.tight_layout()
     tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     fig.savefig(tmp, format="png", dpi=120)
@@ -561,20 +596,31 @@ def _parse_dims(items: Sequence[str]) -> dict[str, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the report's options to a parser (shared with ``fusion.rewrite --report``)."""
-    parser.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
+    parser.add_argument(
+        "--providers", default="CPUExecutionProvider", help="comma-separated execution providers"
+    )
     parser.add_argument("--runs", type=int, default=200, help="timed runs per model (default 200)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed runs first (default 20)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
-    parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help="bind a symbolic dimension")
     parser.add_argument(
-        "--optimization-level", default="all", choices=["disable", "basic", "extended", "all"], help="ORT graph optimization level"
+        "--dim", action="append", default=[], metavar="NAME=SIZE", help="bind a symbolic dimension"
+    )
+    parser.add_argument(
+        "--optimization-level",
+        default="all",
+        choices=["disable", "basic", "extended", "all"],
+        help="ORT graph optimization level",
     )
     parser.add_argument("--json", dest="json_path", metavar="OUT.json", help="write the report as JSON")
-    parser.add_argument("--plot", metavar="OUT.png", help="write a PNG of dispatches and latency (needs matplotlib)")
+    parser.add_argument(
+        "--plot", metavar="OUT.png", help="write a PNG of dispatches and latency (needs matplotlib)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
-def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> Report:
+def run_from_args(
+    before: Any, after: Any, args: argparse.Namespace, print_fn: Callable[[str], None] = print
+) -> Report:
     """Measure, print the table, and write the JSON/PNG the arguments ask for."""
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     if not providers:

@@ -1,0 +1,245 @@
+"""Build tiny ONNX models holding one gated group-RMSNorm chain, in any DESIGN.md §2 spelling.
+
+Tests, the CLI tests and benchmarks need a chain of each form and variant without exporting a model;
+``build_chain(ChainSpec(...))`` writes the nodes the exporters write. Negative variants (norm before
+gate, a wrong axis, a leaked intermediate...) are spec fields too, so a near-miss is one field away
+from a chain that fuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from fusion.reference import SUPPORTED_TYPES
+
+FLOAT, FLOAT16, BFLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainSpec:
+    """One chain's spelling. Defaults give form A (dynamo fp32, opset 18) with static leading dims."""
+
+    channels: int = 64
+    group_size: int = 16
+    leading: tuple[int | str, ...] = (2, 3)
+    opset: int = 18
+    epsilon: float = 1e-5
+    # inputs: element types of the graph inputs y / z, and whether a Cast(to=f32) follows them
+    y_dtype: int = FLOAT
+    z_dtype: int = FLOAT
+    cast_y: bool = False
+    cast_z: bool = False
+    # gate
+    silu: Literal["sigmoid_mul", "sigmoid_mul_swapped", "quick_gelu"] = "sigmoid_mul"
+    quick_gelu_alpha: float = 1.0
+    silu_first: bool = False  # Mul(silu, y) instead of Mul(y, silu)
+    # the inner norm
+    inner: Literal["decomposed", "sln", "sln_ms", "rms"] = "decomposed"
+    inner_scale_shape: Literal["gs", "G_gs"] = "gs"
+    inner_scale_value: float = 1.0
+    inner_axis: int = -1
+    square: Literal["pow", "mul"] = "pow"
+    exponent: float = 2.0
+    rsqrt: Literal["reciprocal", "div_one", "pow", "div_x"] = "reciprocal"
+    axes_as: Literal["input", "attribute"] = "input"
+    axis: int | None = None  # None: -1; else the literal axis written
+    keepdims: int = 1
+    epsilon_as: Literal["initializer", "constant_node", "graph_input", "vector"] = "initializer"
+    epsilon_first: bool = False  # Add(eps, mean) instead of Add(mean, eps)
+    normed_rsqrt_first: bool = False  # Mul(rsqrt, hg) instead of Mul(hg, rsqrt)
+    scalars_as_constants: bool = False  # exponent / axes as Constant nodes (dynamo optimize=False)
+    # shapes
+    shape_as: Literal["constant", "dynamic", "torchscript"] = "constant"
+    restore_shape: tuple[int, ...] | None = None  # override the 2nd Reshape's constant target
+    # norm dtype / weight / output
+    norm_cast: int | None = None  # Cast after the 2nd Reshape (form C: FLOAT16)
+    weight_dtype: int = FLOAT
+    weight_cast: bool = False  # explicit Cast(W -> f32) node
+    weight_shape: tuple[int, ...] | None = None  # override, for the "W not [C]" near-miss
+    weight_first: bool = True  # Mul(W, normed) instead of Mul(normed, W)
+    trailing_cast: int | None = None
+    # near-misses
+    norm_before_gate: bool = False  # norm(y) * silu(z)
+    leak: str | None = None  # name of an intermediate that is also a graph output
+    seed: int = 0
+
+
+def _np_dtype(elem_type: int) -> np.dtype:
+    # double is not an op type, but a chain may start from it (a narrowing Cast the rule must keep).
+    return np.dtype(np.float64) if elem_type == TensorProto.DOUBLE else SUPPORTED_TYPES[elem_type]
+
+
+def build_chain(spec: ChainSpec) -> onnx.ModelProto:
+    """Return a checked ONNX model ``(y, z) -> out`` with one chain spelled as ``spec`` says."""
+    rng = np.random.default_rng(spec.seed)
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+    extra_inputs: list[onnx.ValueInfoProto] = []
+    channels, group_size = spec.channels, spec.group_size
+    groups = channels // group_size if group_size else 0
+    counter = iter(range(10_000))
+
+    def node(op: str, inputs: Sequence[str], domain: str = "", outputs: int = 1, **attrs: object) -> str:
+        index = next(counter)
+        names = [f"{op.lower()}_{index}" if i == 0 else f"{op.lower()}_{index}_{i}" for i in range(outputs)]
+        nodes.append(helper.make_node(op, list(inputs), names, name=f"{op}_{index}", domain=domain, **attrs))
+        return names[0]
+
+    def const(name: str, array: np.ndarray, as_node: bool = False) -> str:
+        if as_node:
+            nodes.append(helper.make_node("Constant", [], [name], value=numpy_helper.from_array(array, name)))
+        else:
+            inits.append(numpy_helper.from_array(array, name))
+        return name
+
+    def ints(name: str, values: Sequence[int], as_node: bool = False) -> str:
+        return const(name, np.array(values, dtype=np.int64), as_node)
+
+    y = z = None
+    y = "y"
+    z = "z"
+    if spec.cast_y:
+        y = node("Cast", [y], to=FLOAT)
+    if spec.cast_z:
+        z = node("Cast", [z], to=FLOAT)
+
+    if spec.silu == "quick_gelu":
+        silu = node("QuickGelu", [z], domain="com.microsoft", alpha=spec.quick_gelu_alpha)
+    else:
+        sigmoid = node("Sigmoid", [z])
+        silu = node("Mul", [sigmoid, z] if spec.silu == "sigmoid_mul_swapped" else [z, sigmoid])
+
+    def gate(value: str) -> str:
+        return node("Mul", [silu, value] if spec.silu_first else [value, silu])
+
+    gated = y if spec.norm_before_gate else gate(y)
+    constant_nodes = spec.scalars_as_constants or spec.shape_as == "torchscript"
+
+    def target_shape(tail: Sequence[int], tag: str) -> str:
+        rank = len(spec.leading)
+        if spec.shape_as == "constant":
+            if any(isinstance(d, str) for d in spec.leading):
+                raise ValueError("constant Reshape targets need static leading dims")
+            return ints(f"shape_{tag}", [*spec.leading, *tail], spec.scalars_as_constants)  # type: ignore[list-item]
+        parts = []
+        if spec.shape_as == "dynamic":
+            for i in range(rank):
+                parts.append(node("Shape", [gated], start=i, end=i + 1))
+        else:  # torchscript: Shape -> Gather(i) -> Unsqueeze(0), constants as nodes
+            shape = node("Shape", [gated])
+            for i in range(rank):
+                index = ints(f"index_{tag}_{i}", np.array(i), as_node=True)  # type: ignore[arg-type]
+                picked = node("Gather", [shape, index], axis=0)
+                axes0 = ints(f"unsqueeze_axes_{tag}_{i}", [0], as_node=True)
+                parts.append(node("Unsqueeze", [picked, axes0]))
+        parts.append(ints(f"tail_{tag}", list(tail), constant_nodes))
+        return node("Concat", parts, axis=0)
+
+    grouped = node("Reshape", [gated, target_shape([groups, group_size], "in")])
+
+    if spec.inner in ("sln", "sln_ms", "rms"):
+        scale_shape = [group_size] if spec.inner_scale_shape == "gs" else [groups, group_size]
+        scale = const("inner_scale", np.full(scale_shape, spec.inner_scale_value, np.float32))
+        op = "RMSNormalization" if spec.inner == "rms" else "SimplifiedLayerNormalization"
+        domain = "com.microsoft" if spec.inner == "sln_ms" else ""
+        attrs: dict[str, object] = {"axis": spec.inner_axis, "epsilon": spec.epsilon}
+        if spec.inner != "rms":
+            attrs["stash_type"] = 1
+        normed_groups = node(op, [grouped, scale], domain=domain, **attrs)
+    else:
+        if spec.square == "pow":
+            exponent = const("exponent", np.array(spec.exponent, np.float32), spec.scalars_as_constants)
+            square = node("Pow", [grouped, exponent])
+        else:
+            square = node("Mul", [grouped, grouped])
+        axis = -1 if spec.axis is None else spec.axis
+        if spec.axes_as == "input":
+            axes = ints("axes", [axis], spec.scalars_as_constants)
+            mean = node("ReduceMean", [square, axes], keepdims=spec.keepdims)
+        else:
+            mean = node("ReduceMean", [square], axes=[axis], keepdims=spec.keepdims)
+        if spec.epsilon_as == "graph_input":
+            epsilon = "epsilon"
+            extra_inputs.append(helper.make_tensor_value_info("epsilon", FLOAT, []))
+        elif spec.epsilon_as == "vector":
+            epsilon = const("epsilon", np.full([group_size], spec.epsilon, np.float32))
+        else:
+            epsilon = const("epsilon", np.array(spec.epsilon, np.float32), spec.epsilon_as == "constant_node")
+        variance = node("Add", [epsilon, mean] if spec.epsilon_first else [mean, epsilon])
+        if spec.rsqrt == "pow":
+            minus_half = const("minus_half", np.array(-0.5, np.float32), spec.scalars_as_constants)
+            inv_rms = node("Pow", [variance, minus_half])
+        else:
+            rms = node("Sqrt", [variance])
+            if spec.rsqrt == "reciprocal":
+                inv_rms = node("Reciprocal", [rms])
+            elif spec.rsqrt == "div_one":
+                one = const("one", np.array(1.0, np.float32), spec.scalars_as_constants)
+                inv_rms = node("Div", [one, rms])
+        if spec.rsqrt == "div_x":
+            normed_groups = node("Div", [grouped, rms])
+        else:
+            pair = [inv_rms, grouped] if spec.normed_rsqrt_first else [grouped, inv_rms]
+            normed_groups = node("Mul", pair)
+
+    if spec.restore_shape is not None:
+        restore = ints("shape_restore", list(spec.restore_shape))
+    else:
+        restore = target_shape([channels], "out")
+    flat = node("Reshape", [normed_groups, restore])
+    normed = node("Cast", [flat], to=spec.norm_cast) if spec.norm_cast is not None else flat
+
+    weight_shape = list(spec.weight_shape) if spec.weight_shape is not None else [channels]
+    weight_data = (1.0 + 0.5 * rng.standard_normal(weight_shape)).astype(_np_dtype(spec.weight_dtype))
+    weight = const("weight", weight_data)
+    if spec.weight_cast:
+        weight = node("Cast", [weight], to=FLOAT)
+    out = node("Mul", [weight, normed] if spec.weight_first else [normed, weight])
+    if spec.norm_before_gate:
+        out = gate(out)
+    if spec.trailing_cast is not None:
+        out = node("Cast", [out], to=spec.trailing_cast)
+    nodes.append(helper.make_node("Identity", [out], ["out"], name="output"))
+
+    dims = [*spec.leading, channels]
+    inputs = [
+        helper.make_tensor_value_info("y", spec.y_dtype, dims),
+        helper.make_tensor_value_info("z", spec.z_dtype, dims),
+        *extra_inputs,
+    ]
+    out_dtype = spec.trailing_cast or spec.norm_cast or FLOAT
+    outputs = [helper.make_tensor_value_info("out", out_dtype, dims)]
+    if spec.leak is not None:
+        leaked = {"gated": gated, "grouped": grouped, "normed_groups": normed_groups, "flat": flat}[spec.leak]
+        leaked_dims = (
+            [*spec.leading, groups, group_size] if spec.leak in ("grouped", "normed_groups") else dims
+        )
+        outputs.append(helper.make_tensor_value_info(leaked, FLOAT, leaked_dims))
+    opsets = [helper.make_opsetid("", spec.opset)]
+    if spec.silu == "quick_gelu" or spec.inner == "sln_ms":
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    graph = helper.make_graph(nodes, "gated_group_rms_norm_chain", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="mambafuse-tests")
+    model.ir_version = min(model.ir_version, 10)  # loadable by onnxruntime 1.23
+    # Exports carry value_info for every tensor; shape inference gives the tiny model the same.
+    return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+
+
+def chain_inputs(spec: ChainSpec, leading: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+    """Return seeded inputs for ``build_chain(spec)``; symbolic leading dims become ``leading``."""
+    rng = np.random.default_rng(spec.seed + 1)
+    sizes = list(leading) if leading is not None else [d if isinstance(d, int) else 2 for d in spec.leading]
+    shape = [*sizes, spec.channels]
+    feeds = {
+        "y": (2.0 * rng.standard_normal(shape)).astype(_np_dtype(spec.y_dtype)),
+        "z": (2.0 * rng.standard_normal(shape)).astype(_np_dtype(spec.z_dtype)),
+    }
+    if spec.epsilon_as == "graph_input":
+        feeds["epsilon"] = np.array(spec.epsilon, np.float32)
+    return feeds

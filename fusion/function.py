@@ -1,0 +1,135 @@
+"""The model-local function of ``ai.mambafuse::GatedGroupRMSNorm``: DESIGN.md §1 in stock ONNX ops.
+
+A fused model carries this function so that it runs anywhere: ONNX Runtime without the mambafuse
+library (and providers that cannot host custom ops, CoreML) inlines the body; with the library
+registered, the kernel shadows it. One function serves every fused node of a model: its body is
+type-generic (ONNX functions are untyped) and ``epsilon``, ``group_size``, ``norm_dtype`` and
+``output_dtype`` are function attributes that each call node sets, so every type combination and
+attribute set is covered by one definition.
+
+The body follows the contract's rounding points exactly::
+
+    h  = f32(Y) * (f32(Z) / (1 + Exp(-f32(Z))))     # silu without ORT's inexact Sigmoid
+    hg = Reshape(h, [..., -1, group_size])            # leading dims from Shape(h): any rank works
+    n  = hg * Reciprocal(Sqrt(ReduceMean(hg * hg, -1) + epsilon))
+    O  = Cast(f32(W) * f32(Cast(Reshape(n, Shape(h)), norm_dtype)), output_dtype)
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from fusion.reference import DOMAIN, OP_TYPE
+
+#: The op's opset version in the ``ai.mambafuse`` domain (DESIGN.md §1).
+OPSET_VERSION = 1
+#: Attributes every call node sets explicitly (the function declares no defaults).
+ATTRIBUTES = ("epsilon", "group_size", "norm_dtype", "output_dtype")
+#: Lowest ONNX opset the body is written for (Shape/Slice/Unsqueeze with input axes: opset 13).
+MIN_OPSET = 13
+
+
+def _ref(name: str, attr_name: str, attr_type: int) -> onnx.AttributeProto:
+    """Return an attribute that refers to the function attribute ``attr_name``."""
+    attr = onnx.AttributeProto()
+    attr.name = name
+    attr.ref_attr_name = attr_name
+    attr.type = attr_type
+    return attr
+
+
+def _node(op_type: str, inputs: list[str], outputs: list[str], **attrs: object) -> onnx.NodeProto:
+    return helper.make_node(op_type, inputs, outputs, **attrs)
+
+
+def _node_with_refs(
+    op_type: str, inputs: list[str], outputs: list[str], refs: list[onnx.AttributeProto]
+) -> onnx.NodeProto:
+    node = helper.make_node(op_type, inputs, outputs)
+    node.attribute.extend(refs)
+    return node
+
+
+def make_function(onnx_opset: int) -> onnx.FunctionProto:
+    """Return the FunctionProto of GatedGroupRMSNorm for a model whose ONNX opset is ``onnx_opset``.
+
+    The function imports the model's own ONNX opset version (the checker requires a function and its
+    model to agree on it); only ``ReduceMean`` changes shape across versions (axes became an input in
+    opset 18).
+    """
+    if onnx_opset < MIN_OPSET:
+        raise ValueError(f"GatedGroupRMSNorm's function needs ONNX opset >= {MIN_OPSET}, got {onnx_opset}")
+    FLOAT = onnx.TensorProto.FLOAT
+    ints = helper.make_tensor
+    nodes = [
+        # Widening to float32 is exact for float16/bfloat16 and a no-op for float32.
+        _node("Cast", ["Y"], ["y32"], to=FLOAT),
+        _node("Cast", ["Z"], ["z32"], to=FLOAT),
+        _node("Cast", ["W"], ["w32"], to=FLOAT),
+        # silu(z) = z / (1 + exp(-z)): ORT CPU's Sigmoid (MLAS) is off by far more than the op's
+        # budget where sigmoid is tiny (measured: 5x relative at z = -30, 3e-5 at z = -6), its Exp is
+        # not (1.7e-7 over [-30, 30]). exp(-z) = inf for z < -88 gives -0, the correct limit.
+        _node("Neg", ["z32"], ["minus_z"]),
+        _node("Exp", ["minus_z"], ["exp_minus_z"]),
+        _node("Constant", [], ["one"], value=helper.make_tensor("one", FLOAT, [], [1.0])),
+        _node("Add", ["exp_minus_z", "one"], ["denominator"]),
+        _node("Div", ["z32", "denominator"], ["silu"]),
+        # y * silu(z) in this multiplication order, as the contract and the HF module do.
+        _node("Mul", ["y32", "silu"], ["gated"]),
+        # [..., C] -> [..., C / group_size, group_size], keeping every leading dim of the input.
+        _node("Shape", ["gated"], ["shape"]),
+        _node("Constant", [], ["zero"], value=ints("zero", onnx.TensorProto.INT64, [1], [0])),
+        _node("Constant", [], ["minus_one"], value=ints("minus_one", onnx.TensorProto.INT64, [1], [-1])),
+        _node("Slice", ["shape", "zero", "minus_one"], ["leading"]),
+        _node_with_refs("Constant", [], ["group_size_scalar"], [_ref("value_int", "group_size", 2)]),
+        _node("Unsqueeze", ["group_size_scalar", "zero"], ["group_size_1d"]),
+        _node("Concat", ["leading", "minus_one", "group_size_1d"], ["group_shape"], axis=0),
+        _node("Reshape", ["gated", "group_shape"], ["groups"]),
+        _node("Mul", ["groups", "groups"], ["square"]),
+    ]
+    if onnx_opset >= 18:
+        nodes.append(_node("ReduceMean", ["square", "minus_one"], ["mean_square"], keepdims=1))
+    else:
+        nodes.append(_node("ReduceMean", ["square"], ["mean_square"], axes=[-1], keepdims=1))
+    nodes += [
+        _node_with_refs("Constant", [], ["epsilon_value"], [_ref("value_float", "epsilon", 1)]),
+        _node("Add", ["mean_square", "epsilon_value"], ["variance"]),
+        _node("Sqrt", ["variance"], ["rms"]),
+        _node("Reciprocal", ["rms"], ["inv_rms"]),
+        _node("Mul", ["groups", "inv_rms"], ["normed_groups"]),
+        _node("Reshape", ["normed_groups", "shape"], ["normed32"]),
+        # First rounding point: the normalized value in norm_dtype, before the weight multiply.
+        _node_with_refs("Cast", ["normed32"], ["normed"], [_ref("to", "norm_dtype", 2)]),
+        _node("Cast", ["normed"], ["normed_wide"], to=FLOAT),
+        _node("Mul", ["w32", "normed_wide"], ["weighted"]),
+        # Second rounding point: the product in output_dtype.
+        _node_with_refs("Cast", ["weighted"], ["O"], [_ref("to", "output_dtype", 2)]),
+    ]
+    return helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        inputs=["Y", "Z", "W"],
+        outputs=["O"],
+        nodes=nodes,
+        opset_imports=[helper.make_opsetid("", onnx_opset)],
+        attributes=list(ATTRIBUTES),
+        doc_string="GatedGroupRMSNorm (DESIGN.md §1) in stock ONNX ops; ONNX Runtime inlines it "
+        "when the mambafuse library is not registered.",
+    )
+
+
+def attach_function(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Add (or replace) the GatedGroupRMSNorm function in ``model`` in place and return it.
+
+    Also makes sure the model imports the ``ai.mambafuse`` domain at OPSET_VERSION.
+    """
+    onnx_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if onnx_opset is None:
+        raise ValueError("the model imports no ONNX opset")
+    kept = [f for f in model.functions if (f.domain, f.name) != (DOMAIN, OP_TYPE)]
+    del model.functions[:]
+    model.functions.extend([*kept, make_function(onnx_opset)])
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    return model

@@ -1,0 +1,262 @@
+"""Graph facts that fusion checks need: constant scalars, and the symbolic dims of shape tensors.
+
+A ``Dim`` is what can be proven about one dimension: an ``int`` (static), a ``str`` (a named symbolic
+dim: two equal names are the same size), an opaque ``tuple`` token (an unnamed dim of one particular
+value: equal only to itself), or ``None`` (nothing known). Two dims are provably equal only when both
+are not None and compare equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+Dim = int | str | tuple[Any, ...] | None
+
+#: Producers of shape tensors that resolve_shape_tensor looks through; deeper chains give up.
+_MAX_DEPTH = 32
+
+
+def constant_array(value: ir.Value | None) -> np.ndarray | None:
+    """Return the constant data of ``value`` (initializer or Constant node output), else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
+            return None
+        attr = next(iter(producer.attributes.values()), None)
+        if attr is None:
+            return None
+        if attr.name == "value":
+            tensor = attr.as_tensor()
+        elif attr.name in ("value_float", "value_int"):
+            return np.array(attr.value)
+        elif attr.name in ("value_floats", "value_ints"):
+            return np.array(list(attr.value))
+        else:
+            return None
+    try:
+        return tensor.numpy()
+    except Exception:  # external data that cannot be read is "not a known constant"
+        return None
+
+
+def constant_scalar(value: ir.Value | None) -> float | None:
+    """Return the single element of a constant with one element (shape [] or [1]), else None."""
+    array = constant_array(value)
+    if array is None or array.size != 1 or array.ndim > 1:
+        return None
+    return float(array.reshape(()))
+
+
+def value_dims(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]]) -> list[Dim] | None:
+    """Return the dims of ``value`` as Dims, or None when its rank is unknown.
+
+    ``aliases`` maps values whose dims were proven equal to a known list (the chain's tensors).
+    """
+    if value is None:
+        return None
+    if value in aliases:
+        return list(aliases[value])
+    if value.shape is None:
+        return None
+    dims: list[Dim] = []
+    for index, dim in enumerate(value.shape):
+        if isinstance(dim, int):
+            dims.append(dim)
+        elif isinstance(dim, ir.SymbolicDim) and dim.value:
+            dims.append(dim.value)
+        else:
+            dims.append(("dim", id(value), index))
+    return dims
+
+
+def _normalized_slice(length: int, start: int, end: int | None) -> slice:
+    # ONNX Shape/Slice semantics: negative indices count from the end, out-of-range ones clamp.
+    def clamp(index: int) -> int:
+        if index < 0:
+            index += length
+        return min(max(index, 0), length)
+
+    return slice(clamp(start), length if end is None else clamp(end))
+
+
+def resolve_shape_tensor(
+    value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int = 0
+) -> list[Dim] | None:
+    """Return the elements of a 1-D int64 shape tensor as Dims, or None when its length is unknown.
+
+    Follows constants and the shape arithmetic that exporters emit around a Reshape: ``Shape`` (with
+    start/end), ``Concat``, ``Gather``/``Slice`` of a shape, ``Unsqueeze`` of a scalar, ``Cast``,
+    ``Identity``, and scalar ``Mul``/``Div`` of known ints.
+    """
+    if value is None or depth > _MAX_DEPTH:
+        return None
+    array = constant_array(value)
+    if array is not None:
+        if array.ndim > 1 or array.dtype.kind not in "iu":
+            return None
+        return [int(v) for v in array.reshape(-1)]
+    producer = value.producer()
+    if producer is None or producer.domain not in ("", "ai.onnx"):
+        return None
+    op = producer.op_type
+    inputs = producer.inputs
+    if op == "Shape":
+        dims = value_dims(inputs[0], aliases)
+        if dims is None:
+            return None
+        start = producer.attributes.get_int("start", 0)
+        end_attr = producer.attributes.get("end")
+        end = None if end_attr is None else end_attr.as_int()
+        return dims[_normalized_slice(len(dims), start, end)]
+    if op == "Concat":
+        parts = [resolve_shape_tensor(v, aliases, depth + 1) for v in inputs]
+        if any(part is None for part in parts):
+            return None
+        return [dim for part in parts for dim in part]  # type: ignore[union-attr]
+    if op in ("Cast", "Identity"):
+        return resolve_shape_tensor(inputs[0], aliases, depth + 1)
+    if op == "Unsqueeze":
+        scalar = resolve_scalar(inputs[0], aliases, depth + 1)
+        return None if scalar is _UNRESOLVED else [scalar]
+    if op == "Gather":
+        source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
+        indices = constant_array(inputs[1]) if len(inputs) > 1 else None
+        if source is None or indices is None or indices.ndim != 1:
+            return None
+        try:
+            return [source[int(i)] for i in indices]
+        except IndexError:
+            return None
+    if op == "Slice":
+        source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
+        starts = constant_array(inputs[1]) if len(inputs) > 1 else None
+        ends = constant_array(inputs[2]) if len(inputs) > 2 else None
+        steps = constant_array(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else None
+        if source is None or starts is None or ends is None or starts.size != 1 or ends.size != 1:
+            return None
+        if steps is not None and int(steps.reshape(-1)[0]) != 1:
+            return None
+        end = int(ends.reshape(-1)[0])
+        end = min(end, len(source)) if end >= 0 else end
+        return source[_normalized_slice(len(source), int(starts.reshape(-1)[0]), end)]
+    return None
+
+
+class _Unresolved:
+    """Marker for a scalar that cannot be resolved (distinct from a resolved-but-unknown None)."""
+
+
+_UNRESOLVED: Any = _Unresolved()
+
+
+def resolve_scalar(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int = 0) -> Any:
+    """Return one shape element held by a scalar int tensor, as a Dim; _UNRESOLVED when unknown."""
+    if value is None or depth > _MAX_DEPTH:
+        return _UNRESOLVED
+    array = constant_array(value)
+    if array is not None:
+        return int(array.reshape(-1)[0]) if array.size == 1 and array.dtype.kind in "iu" else _UNRESOLVED
+    producer = value.producer()
+    if producer is None or producer.domain not in ("", "ai.onnx"):
+        return _UNRESOLVED
+    op, inputs = producer.op_type, producer.inputs
+    if op in ("Cast", "Identity", "Squeeze"):
+        inner = resolve_shape_tensor(inputs[0], aliases, depth + 1)
+        if inner is not None and len(inner) == 1:
+            return inner[0]
+        return resolve_scalar(inputs[0], aliases, depth + 1)
+    if op == "Gather":
+        source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
+        index = constant_array(inputs[1])
+        if source is None or index is None or index.size != 1:
+            return _UNRESOLVED
+        try:
+            return source[int(index.reshape(-1)[0])]
+        except IndexError:
+            return _UNRESOLVED
+    if op in ("Mul", "Div"):
+        left = resolve_scalar(inputs[0], aliases, depth + 1)
+        right = resolve_scalar(inputs[1], aliases, depth + 1)
+        if isinstance(left, int) and isinstance(right, int) and right != 0:
+            return left * right if op == "Mul" else left // right
+        return _UNRESOLVED
+    return _UNRESOLVED
+
+
+def dims_equal(left: Dim, right: Dim) -> bool:
+    """Return whether two Dims are provably the same size."""
+    return left is not None and right is not None and left == right
+
+
+def format_dims(dims: Iterable[Dim] | None) -> str:
+    """Return dims as a readable list: ints, names, '?' for anything unnamed or unknown."""
+    if dims is None:
+        return "[unknown]"
+    return "[" + ", ".join(str(d) if isinstance(d, int | str) else "?" for d in dims) + "]"
+
+
+def remove_dead_producers(values: Iterable[ir.Value | None]) -> int:
+    """Remove the producers of ``values`` (and theirs, transitively) that nothing reads any more.
+
+    Also drops initializers among them that lost their last reader. Returns how many nodes went.
+    Used after a fusion: the shape arithmetic, Constant nodes and absorbed Casts around a chain are
+    dead once the chain is gone; unrelated dead code elsewhere in the model is left alone.
+    """
+    removed = 0
+    # Terminates: a value is pushed again only when a node was removed.
+    work = [v for v in values if v is not None]
+    while work:
+        value = work.pop()
+        if value.uses() or value.is_graph_output():
+            continue
+        graph = value.graph
+        if value.is_initializer() and graph is not None and not value.is_graph_input():
+            if value.name in graph.initializers:
+                graph.initializers.pop(value.name)
+            continue
+        producer = value.producer()
+        if producer is None or producer.graph is None:
+            continue
+        if any(out.uses() or out.is_graph_output() for out in producer.outputs):
+            continue
+        inputs = [v for v in producer.inputs if v is not None]  # removal detaches the inputs
+        producer.graph.remove(producer, safe=True)
+        removed += 1
+        work.extend(inputs)
+    return removed
+
+
+def all_values(model: ir.Model) -> list[ir.Value]:
+    """Return every value of the model: graph inputs, initializers and node outputs, functions too."""
+    values: list[ir.Value] = []
+    for graph in [*model.graphs(), *model.functions.values()]:
+        values.extend(list(graph.inputs))
+        if isinstance(graph, ir.Graph):
+            values.extend(list(graph.initializers.values()))
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            values.extend(list(node.outputs))
+    return values
+
+
+@contextlib.contextmanager
+def value_info_preserved(model: ir.Model) -> Iterator[None]:
+    """Restore the type and shape of every value that exists now, when the block ends.
+
+    Matching annotates values as a side effect (the rewriter's constant propagation types Constant
+    outputs; shape inference types everything); those annotations would show up as value_info in the
+    saved model, so a chain that is not fused would not leave its graph byte-identical.
+    """
+    saved = [(value, value.type, value.shape) for value in all_values(model)]
+    try:
+        yield
+    finally:
+        for value, type_, shape in saved:
+            value.type, value.shape = type_, shape

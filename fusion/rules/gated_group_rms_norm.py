@@ -1,0 +1,802 @@
+"""Fuse the gated group-RMSNorm chain of Mamba-2 mixers into ``ai.mambafuse::GatedGroupRMSNorm``.
+
+The chain (DESIGN.md §2; forms A–H differ in the spellings in brackets)::
+
+    y    = [Cast(to=f32)](y_in)              z = [Cast(to=f32)](z_in)
+    silu = Mul(z, Sigmoid(z)) | com.microsoft QuickGelu(z, alpha=1)
+    h    = Mul(y, silu)
+    hg   = Reshape(h, [..., G, gs])
+    n    = hg * rsqrt(ReduceMean(hg^2, -1) + eps)      # or SimplifiedLayerNormalization / RMSNormalization
+           rsqrt: Reciprocal(Sqrt) | Div(1, Sqrt) | Pow(-0.5) | Div(hg, Sqrt); square: Pow(2) | Mul(hg, hg)
+    f    = Reshape(n, shape of h)
+    nc   = [Cast(to=norm_dtype)](f)                     # first rounding point
+    o    = Mul(W, nc)                                   # W maybe Cast(W_half -> f32)
+    out  = [Cast(to=output_dtype)](o)                   # absorbed only when o is fp32
+
+Commutative Muls and Adds match in either operand order. One rule class covers everything; its
+constructor picks the inner norm, the operand order of the final weight Mul and whether a trailing
+Cast is absorbed (a pattern's returned value cannot be an ``OrValue``). The rules that absorb a
+trailing Cast run first (``fuse_gated_group_rms_norm``): otherwise the chain would already be fused
+at its weight Mul before the Cast is reached.
+
+Widening input Casts are not part of the pattern: ``y``, ``z`` and ``W`` are variables and ``check``
+looks at their producers. A Cast that widens to fp32 and feeds only the chain is bypassed (the kernel
+widens exactly) and removed once dead; any other Cast stays and its output feeds the fused node.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from fusion.reference import DOMAIN
+from fusion.rules._graph import (
+    Dim,
+    constant_array,
+    constant_scalar,
+    dims_equal,
+    format_dims,
+    remove_dead_producers,
+    resolve_shape_tensor,
+    value_dims,
+    value_info_preserved,
+)
+
+InnerNorm = Literal["decomposed", "simplified_layer_norm", "rms_normalization"]
+INNER_NORMS: tuple[InnerNorm, ...] = ("decomposed", "simplified_layer_norm", "rms_normalization")
+
+#: Element types the op reads and writes (DESIGN.md §1).
+SUPPORTED_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+_ONNX_DOMAINS = ("", "ai.onnx")
+#: ORT registers SimplifiedLayerNormalization in the ONNX domain; some tools write com.microsoft.
+_MS_DOMAIN = "com.microsoft"
+#: SimplifiedLayerNormalization's and RMSNormalization's default epsilon.
+_DEFAULT_NORM_EPSILON = 1e-5
+
+
+# --- what happened to each chain: read by fusion/rewrite.py for its report ----------------------------
+
+
+@dataclasses.dataclass
+class ChainRecord:
+    """One chain, keyed by its first Reshape (the anchor): its form, and fused or why not."""
+
+    location: str
+    form: str
+    fused: bool = False
+    reason: str | None = None
+    attributes: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class FusionLog:
+    """Records, per chain anchor node, the last check outcome of the fusion rules."""
+
+    chains: dict[ir.Node, ChainRecord] = dataclasses.field(default_factory=dict)
+
+    def record(self, anchor: ir.Node, form: str, *, reason: str | None = None, **attributes: Any) -> None:
+        """Record a refusal (``reason``) or a fusion (no reason) of the chain at ``anchor``."""
+        previous = self.chains.get(anchor)
+        if previous is not None and previous.fused:
+            return
+        self.chains[anchor] = ChainRecord(location(anchor), form, reason is None, reason, attributes)
+
+
+_ACTIVE_LOG: contextvars.ContextVar[FusionLog | None] = contextvars.ContextVar("mambafuse_log", default=None)
+
+
+def location(node: ir.Node) -> str:
+    """Return a readable location of ``node``: its name, else its op type and first output name."""
+    if node.name:
+        return node.name
+    output = node.outputs[0].name if node.outputs else None
+    return f"{node.op_type} -> {output}" if output else f"{node.op_type} (unnamed)"
+
+
+class _Refusal(Exception):
+    """A check failure: the reason and the node or value it is about."""
+
+    def __init__(self, reason: str, culprit: ir.Node | ir.Value | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.culprit = culprit
+
+
+def _dtype_name(dtype: ir.DataType | int | None) -> str:
+    return "unknown" if dtype is None else ir.DataType(dtype).name.lower()
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Everything ``rewrite`` needs, worked out by ``check``."""
+
+    anchor: ir.Node
+    form: str
+    y: ir.Value
+    z: ir.Value
+    weight: ir.Value
+    epsilon: float
+    group_size: int
+    norm_dtype: ir.DataType
+    output_dtype: ir.DataType
+    leftovers: list[ir.Value]
+    rewire: list[tuple[ir.Node, int, ir.Value]]
+
+
+# --- the rule ---------------------------------------------------------------------------------------
+
+
+class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
+    """Rewrites one gated group-RMSNorm chain into a GatedGroupRMSNorm node.
+
+    Args:
+        inner: how the per-group RMS norm between the two Reshapes is spelled.
+        weight_first: the final Mul is ``Mul(W, normed)`` (else ``Mul(normed, W)``).
+        trailing_cast: match (and absorb into ``output_dtype``) a Cast after the weight Mul.
+    """
+
+    def __init__(self, name: str, *, inner: InnerNorm, weight_first: bool, trailing_cast: bool) -> None:
+        # The matcher's own removability test would refuse any chain whose product also feeds a
+        # Shape node (every dynamic-shape export does that), and without a reason. check does the
+        # test instead, and the dead chain is removed by cleanup.
+        super().__init__(name, remove_nodes=False)
+        self._inner = inner
+        self._weight_first = weight_first
+        self._trailing_cast = trailing_cast
+        self._plan: _Plan | None = None
+        self._leftovers: list[ir.Value] = []
+
+    # pattern ----------------------------------------------------------------------------------------
+
+    def pattern(
+        self,
+        op,
+        y,
+        z,
+        shape_in,
+        shape_out,
+        weight,
+        epsilon,
+        exponent,
+        numerator,
+        rsqrt_exponent,
+        scale,
+        alpha,
+        norm_to,
+        out_to,
+    ):
+        silu = pattern.OrValue(
+            [
+                op.Mul(z, op.Sigmoid(z)),
+                op.Mul(op.Sigmoid(z), z),
+                op.QuickGelu(z, alpha=alpha, _domain=_MS_DOMAIN),
+            ],
+            name="silu",
+            tag_var="silu_form",
+            tag_values=("sigmoid", "sigmoid", "quick_gelu"),
+        )
+        gated = pattern.OrValue([op.Mul(y, silu), op.Mul(silu, y)], name="gated")
+        groups = op.Reshape(gated, shape_in, _outputs=["groups"])
+        if self._inner == "decomposed":
+            normed_groups = self._decomposed_norm(op, groups, epsilon, exponent, numerator, rsqrt_exponent)
+        elif self._inner == "simplified_layer_norm":
+            normed_groups = pattern.OrValue(
+                [
+                    op.SimplifiedLayerNormalization(groups, scale),
+                    op.SimplifiedLayerNormalization(groups, scale, _domain=_MS_DOMAIN),
+                ],
+                name="inner",
+            )
+        else:
+            normed_groups = op.RMSNormalization(groups, scale, _outputs=["inner"])
+        flat = op.Reshape(normed_groups, shape_out, _outputs=["flat"])
+        normed = pattern.OrValue([op.Cast(flat, to=norm_to), flat], name="normed")
+        if self._weight_first:
+            weighted = op.Mul(weight, normed, _outputs=["weighted"])
+        else:
+            weighted = op.Mul(normed, weight, _outputs=["weighted"])
+        if self._trailing_cast:
+            return op.Cast(weighted, to=out_to)
+        return weighted
+
+    @staticmethod
+    def _decomposed_norm(op, groups, epsilon, exponent, numerator, rsqrt_exponent):
+        square = pattern.OrValue(
+            [op.Pow(groups, exponent), op.Mul(groups, groups)],
+            tag_var="square_form",
+            tag_values=("pow", "mul"),
+        )
+        # The axes (input or attribute) and keepdims are read in check, so that a wrong one is
+        # refused with a reason instead of silently not matching.
+        mean_square = op.ReduceMean(square, _allow_other_inputs=True, _outputs=["mean_square"])
+        variance = pattern.OrValue([op.Add(mean_square, epsilon), op.Add(epsilon, mean_square)])
+        rms = op.Sqrt(variance)
+        inv_rms = pattern.OrValue(
+            [op.Reciprocal(rms), op.Div(numerator, rms), op.Pow(variance, rsqrt_exponent)],
+            tag_var="rsqrt_form",
+            tag_values=("reciprocal", "div", "pow"),
+        )
+        return pattern.OrValue(
+            [op.Mul(groups, inv_rms), op.Mul(inv_rms, groups), op.Div(groups, rms)],
+            tag_var="normalize_form",
+            tag_values=("mul", "mul", "div"),
+        )
+
+    # check ------------------------------------------------------------------------------------------
+
+    def check(self, context, **bindings: Any) -> pattern.MatchResult:
+        """Return success when the matched chain computes exactly GatedGroupRMSNorm, else why not."""
+        result = pattern.MatchResult()
+        anchor = bindings["groups"].producer()
+        form = classify(bindings, self._inner)
+        try:
+            self._plan = self._make_plan(context, anchor, form, bindings)
+        except _Refusal as refusal:
+            log = _ACTIVE_LOG.get()
+            if log is not None:
+                log.record(anchor, form, reason=refusal.reason)
+            return result.fail(refusal.reason, refusal.culprit)
+        return result
+
+    def _make_plan(self, context, anchor: ir.Node, form: str, b: dict[str, Any]) -> _Plan:
+        chain_nodes = set(context.nodes)
+        y, z, weight = b["y"], b["z"], b["weight"]
+        if b.get("silu_form") == "quick_gelu":
+            alpha = b["alpha"].as_float()
+            if abs(alpha - 1.0) > 1e-6:
+                raise _Refusal(f"QuickGelu(alpha={alpha:g}) is x*sigmoid({alpha:g}x), not silu", b["silu"])
+        for name, value in (("y", y), ("gate", z)):
+            if value.dtype != ir.DataType.FLOAT:
+                raise _Refusal(
+                    f"{name} enters the gated product as {_dtype_name(value.dtype)}; the op computes it "
+                    "in float32 (only an fp32 product, or a widening Cast before it, can be fused)",
+                    value,
+                )
+        y_input, y_shape_readers = _bypass_widening_cast(y, chain_nodes)
+        z_input, z_shape_readers = _bypass_widening_cast(z, chain_nodes)
+
+        channels = _weight_channels(weight)
+        y_dims = value_dims(y, {}) or value_dims(y_input, {})
+        z_dims = value_dims(z, {}) or value_dims(z_input, {})
+        if y_dims is None or z_dims is None:
+            raise _Refusal("the shapes of y and the gate are unknown (run shape inference first)", y)
+        if len(y_dims) != len(z_dims) or not all(map(dims_equal, y_dims, z_dims)):
+            raise _Refusal(
+                f"y {format_dims(y_dims)} and the gate {format_dims(z_dims)} are not provably the same "
+                "shape; the op does not broadcast",
+                z,
+            )
+        if not dims_equal(y_dims[-1], channels):
+            raise _Refusal(
+                f"the last axis of y {format_dims(y_dims)} is not the weight's length C = {channels}", y
+            )
+        # The chain's tensors all have y's dims (y and z are equal, the product is elementwise).
+        aliases = dict.fromkeys((y, z, y_input, z_input, b["silu"], b["gated"]), y_dims)
+
+        groups: ir.Value = b["groups"]
+        group_dims = _target_dims(anchor, b["shape_in"], y_dims, aliases)
+        group_size = _group_size(group_dims, groups, channels)
+        if channels % group_size != 0:
+            raise _Refusal(f"C = {channels} is not divisible by the group size {group_size}", anchor)
+        group_rank = len(group_dims) if group_dims is not None else _rank(groups)
+
+        if self._inner == "decomposed":
+            epsilon = _check_decomposed(b, group_rank)
+        else:
+            epsilon = _check_inner_norm(b["inner"].producer(), group_rank, group_size, channels)
+
+        flat: ir.Value = b["flat"]
+        restored = _target_dims(flat.producer(), b["shape_out"], group_dims, aliases)
+        _check_restores(restored, y_dims, flat.producer())
+
+        normed: ir.Value = b["normed"]
+        norm_dtype = ir.DataType.FLOAT
+        if normed is not flat:  # a Cast after the second Reshape: the first rounding point
+            norm_dtype = ir.DataType(b["norm_to"].as_int())
+            if norm_dtype not in SUPPORTED_DTYPES:
+                raise _Refusal(f"the normalized value is cast to {_dtype_name(norm_dtype)}", normed)
+        if weight.dtype != norm_dtype:
+            raise _Refusal(
+                f"the weight is {_dtype_name(weight.dtype)} but the normalized value is "
+                f"{_dtype_name(norm_dtype)}",
+                weight,
+            )
+        # A widening Cast on W is exact only when the weight Mul runs in fp32 anyway.
+        weight_input, w_shape_readers = (
+            _bypass_widening_cast(weight, chain_nodes) if norm_dtype == ir.DataType.FLOAT else (weight, [])
+        )
+        if weight_input.dtype not in SUPPORTED_DTYPES:
+            raise _Refusal(f"the weight is {_dtype_name(weight_input.dtype)}", weight_input)
+
+        output_dtype = norm_dtype
+        if self._trailing_cast:
+            if norm_dtype != ir.DataType.FLOAT:
+                raise _Refusal(
+                    f"the weight Mul already rounds to {_dtype_name(norm_dtype)}; the Cast after it "
+                    "would be a second rounding the op does not have, so it stays in the graph",
+                    b["weighted"],
+                )
+            output_dtype = ir.DataType(b["out_to"].as_int())
+            if output_dtype not in SUPPORTED_DTYPES:
+                raise _Refusal(
+                    f"the trailing Cast is to {_dtype_name(output_dtype)}, not an output type of the op",
+                    b["weighted"],
+                )
+        shape_readers = _outside_readers(context, anchor, flat.producer())
+        # Shape(x) of a bypassed Cast's output is Shape of its input: reroute so the Cast can go.
+        rewire = [(node, index, y_input) for node, index in shape_readers + y_shape_readers]
+        rewire += [(node, index, z_input) for node, index in z_shape_readers]
+        rewire += [(node, index, weight_input) for node, index in w_shape_readers]
+        leftovers = [
+            *context.output_values,
+            y,
+            z,
+            weight,
+            b["shape_in"],
+            b["shape_out"],
+            b.get("epsilon"),
+            b.get("exponent"),
+            b.get("numerator"),
+            b.get("rsqrt_exponent"),
+            b.get("scale"),
+        ]
+        return _Plan(
+            anchor=anchor,
+            form=form,
+            y=y_input,
+            z=z_input,
+            weight=weight_input,
+            epsilon=epsilon,
+            group_size=group_size,
+            norm_dtype=norm_dtype,
+            output_dtype=output_dtype,
+            leftovers=[v for v in leftovers if v is not None],
+            rewire=rewire,
+        )
+
+    # rewrite ----------------------------------------------------------------------------------------
+
+    def rewrite(self, op, **_: Any):
+        """Return the fused node's output, built from the plan that check just made."""
+        plan = self._plan
+        assert plan is not None, "rewrite runs right after a successful check"
+        log = _ACTIVE_LOG.get()
+        if log is not None:
+            log.record(plan.anchor, plan.form, **attributes_of(plan))
+        self._leftovers.extend(plan.leftovers)
+        for node, index, value in plan.rewire:
+            node.replace_input_with(index, value)
+        return op.GatedGroupRMSNorm(
+            plan.y,
+            plan.z,
+            plan.weight,
+            _domain=DOMAIN,
+            _version=1,
+            epsilon=plan.epsilon,
+            group_size=plan.group_size,
+            norm_dtype=int(plan.norm_dtype),
+            output_dtype=int(plan.output_dtype),
+        )
+
+    def setup(self) -> None:
+        self._leftovers = []
+
+    def cleanup(self) -> None:
+        # The replaced chains, and the constants, shape arithmetic and bypassed Casts that fed only
+        # them, are dead now.
+        remove_dead_producers(self._leftovers)
+        self._leftovers = []
+
+
+def attributes_of(plan: _Plan) -> dict[str, Any]:
+    """Return the fused node's attributes (dtype names for readability) from a plan."""
+    return {
+        "epsilon": plan.epsilon,
+        "group_size": plan.group_size,
+        "norm_dtype": _dtype_name(plan.norm_dtype),
+        "output_dtype": _dtype_name(plan.output_dtype),
+    }
+
+
+# --- check helpers ----------------------------------------------------------------------------------
+
+
+def _is_shape_node(node: ir.Node) -> bool:
+    return node.op_type == "Shape" and node.domain in _ONNX_DOMAINS
+
+
+def _bypass_widening_cast(
+    value: ir.Value, chain_nodes: set[ir.Node]
+) -> tuple[ir.Value, list[tuple[ir.Node, int]]]:
+    """Return the input of ``value``'s Cast when that Cast widens to fp32 and feeds only the chain.
+
+    Also returns the Shape nodes outside the chain that read ``value`` (to reroute to the input).
+    Otherwise returns ``value`` itself and no Shape nodes.
+    """
+    unchanged: tuple[ir.Value, list[tuple[ir.Node, int]]] = (value, [])
+    producer = value.producer()
+    if producer is None or producer.op_type != "Cast" or producer.domain not in _ONNX_DOMAINS:
+        return unchanged
+    source = producer.inputs[0]
+    if source is None or source.dtype not in SUPPORTED_DTYPES:
+        return unchanged  # a narrowing Cast (from double) is a rounding of its own: it stays
+    if producer.attributes.get_int("to", 0) != ir.DataType.FLOAT:
+        return unchanged
+    shape_readers = [
+        (user, i) for user, i in value.uses() if user not in chain_nodes and _is_shape_node(user)
+    ]
+    if value.is_graph_output() or any(
+        user not in chain_nodes and not _is_shape_node(user) for user, _ in value.uses()
+    ):
+        return unchanged  # someone else reads the fp32 copy: keep the Cast, feed its output
+    return source, shape_readers
+
+
+def _outside_readers(context, anchor: ir.Node, restore: ir.Node) -> list[tuple[ir.Node, int]]:
+    """Return the Shape nodes outside the chain that read a chain tensor of y's shape.
+
+    Those read only the shape, which the fused node's Y input has too, so they are rerouted to it.
+    Refuses when any other node outside the chain (or a graph output) reads an intermediate.
+    """
+    chain_nodes = set(context.nodes)
+    outputs = set(context.output_values)
+    # Between the two Reshapes the tensors are [..., G, gs]: a Shape of those is not Shape(y).
+    grouped_nodes = {anchor}
+    frontier = [anchor]
+    while frontier:
+        for output in frontier.pop().outputs:
+            for user, _ in output.uses():
+                if user in chain_nodes and user is not restore and user not in grouped_nodes:
+                    grouped_nodes.add(user)
+                    frontier.append(user)
+    readers: list[tuple[ir.Node, int]] = []
+    for node in context.nodes:
+        for value in node.outputs:
+            if value in outputs:
+                continue
+            if value.is_graph_output():
+                raise _Refusal(f"intermediate {value.name!r} ({node.op_type}) is a graph output", value)
+            for user, index in value.uses():
+                if user in chain_nodes:
+                    continue
+                if _is_shape_node(user) and node not in grouped_nodes:
+                    readers.append((user, index))
+                    continue
+                raise _Refusal(
+                    f"intermediate {value.name!r} ({node.op_type}) is also read by {location(user)!r} "
+                    "outside the chain",
+                    user,
+                )
+    return readers
+
+
+def _weight_channels(weight: ir.Value) -> int:
+    shape = weight.shape
+    if shape is None or shape.rank() != 1 or not isinstance(shape[0], int):
+        raise _Refusal(f"the weight has shape {_shape_text(shape)}, not [C]", weight)
+    return shape[0]
+
+
+def _shape_text(shape: ir.Shape | None) -> str:
+    return "unknown" if shape is None else format_dims(value_dims(ir.Value(shape=shape), {}))
+
+
+def _rank(value: ir.Value) -> int | None:
+    return value.shape.rank() if value.shape is not None else None
+
+
+def _target_dims(
+    reshape: ir.Node, shape: ir.Value, input_dims: Sequence[Dim] | None, aliases: dict[ir.Value, list[Dim]]
+) -> list[Dim] | None:
+    """Return a Reshape's target dims with ONNX's ``0`` (copy the input dim) resolved."""
+    dims = resolve_shape_tensor(shape, aliases)
+    if dims is None:
+        return None
+    if reshape.attributes.get_int("allowzero", 0) == 1:
+        return dims
+    resolved: list[Dim] = []
+    for index, dim in enumerate(dims):
+        if dim == 0:
+            dim = input_dims[index] if input_dims is not None and index < len(input_dims) else None
+        resolved.append(dim)
+    return resolved
+
+
+def _group_size(group_dims: list[Dim] | None, groups: ir.Value, channels: int) -> int:
+    """Return the group width: the last target dim of the first Reshape."""
+    last: Dim = group_dims[-1] if group_dims else None
+    # [..., G, -1]: the group width follows from G.
+    groups_dim = group_dims[-2] if group_dims is not None and len(group_dims) >= 2 else None
+    if last == -1 and isinstance(groups_dim, int) and groups_dim > 0 and channels % groups_dim == 0:
+        last = channels // groups_dim
+    if not (isinstance(last, int) and last > 0) and groups.shape is not None and groups.shape.rank():
+        last = groups.shape[-1] if isinstance(groups.shape[-1], int) else None
+    if not (isinstance(last, int) and last > 0):
+        raise _Refusal(
+            f"cannot tell the group size: the group Reshape's target is {format_dims(group_dims)}",
+            groups.producer(),
+        )
+    return last
+
+
+def _is_last_axis(axis: int, rank: int | None) -> bool:
+    return axis == -1 or (rank is not None and axis == rank - 1)
+
+
+def _check_decomposed(b: dict[str, Any], group_rank: int | None) -> float:
+    """Check the decomposed inner norm and return its epsilon."""
+    if b.get("square_form") == "pow":
+        exponent = constant_scalar(b["exponent"])
+        if exponent != 2.0:
+            raise _Refusal(
+                f"the square is Pow(x, {exponent if exponent is not None else 'non-constant'}), not "
+                "Pow(x, 2)",
+                b["exponent"],
+            )
+    mean_node: ir.Node = b["mean_square"].producer()
+    axes_value = mean_node.inputs[1] if len(mean_node.inputs) > 1 else None
+    if axes_value is not None:
+        axes_array = constant_array(axes_value)
+        if axes_array is None:
+            raise _Refusal("ReduceMean's axes are not a constant", mean_node)
+        axes = [int(a) for a in axes_array.reshape(-1)]
+    else:
+        axes_attr = mean_node.attributes.get("axes")
+        axes = list(axes_attr.as_ints()) if axes_attr is not None else []
+    if len(axes) != 1 or not _is_last_axis(axes[0], group_rank):
+        what = "all axes" if not axes else f"axes {axes}"
+        raise _Refusal(f"ReduceMean reduces over {what}, not the last (group) axis only", mean_node)
+    if mean_node.attributes.get_int("keepdims", 1) != 1:
+        raise _Refusal("ReduceMean has keepdims=0; the chain needs keepdims=1", mean_node)
+
+    epsilon_value: ir.Value = b["epsilon"]
+    epsilon_array = constant_array(epsilon_value)
+    if epsilon_array is None:
+        raise _Refusal("epsilon is not a constant", epsilon_value)
+    if epsilon_array.size != 1 or epsilon_array.ndim > 1:
+        raise _Refusal(f"epsilon has shape {list(epsilon_array.shape)}, not a scalar", epsilon_value)
+    epsilon = float(epsilon_array.reshape(()))
+    if not np.isfinite(epsilon) or epsilon < 0:
+        raise _Refusal(f"epsilon is {epsilon}", epsilon_value)
+
+    rsqrt_form = b.get("rsqrt_form")
+    if b.get("normalize_form") == "mul" and rsqrt_form == "div":
+        numerator = constant_scalar(b["numerator"])
+        if numerator != 1.0:
+            raise _Refusal(f"rsqrt is Div({numerator}, Sqrt(..)), not Div(1, Sqrt(..))", b["numerator"])
+    if b.get("normalize_form") == "mul" and rsqrt_form == "pow":
+        exponent = constant_scalar(b["rsqrt_exponent"])
+        if exponent != -0.5:
+            raise _Refusal(f"rsqrt is Pow(x, {exponent}), not Pow(x, -0.5)", b["rsqrt_exponent"])
+    return epsilon
+
+
+def _check_inner_norm(node: ir.Node, group_rank: int | None, group_size: int, channels: int) -> float:
+    """Check a SimplifiedLayerNormalization / RMSNormalization inner norm; return its epsilon."""
+    axis = node.attributes.get_int("axis", -1)
+    if not _is_last_axis(axis, group_rank):
+        raise _Refusal(f"{node.op_type} normalizes from axis {axis}, not over the last axis only", node)
+    if node.attributes.get_int("stash_type", 1) != ir.DataType.FLOAT:
+        raise _Refusal(f"{node.op_type} does not compute in float32 (stash_type)", node)
+    scale_value = node.inputs[1]
+    scale = constant_array(scale_value)
+    if scale is None:
+        raise _Refusal(f"{node.op_type}'s scale is not a constant", scale_value)
+    groups = channels // group_size
+    allowed = {(group_size,), (1, group_size), (groups, group_size)}
+    if scale.shape not in allowed or not np.all(scale == 1):
+        raise _Refusal(
+            f"{node.op_type}'s scale is not all ones of shape [gs] or [G, gs] (got shape "
+            f"{list(scale.shape)}); the weight must come after the second Reshape",
+            scale_value,
+        )
+    epsilon_attr = node.attributes.get("epsilon")
+    return float(epsilon_attr.as_float()) if epsilon_attr is not None else _DEFAULT_NORM_EPSILON
+
+
+def _check_restores(restored: list[Dim] | None, y_dims: list[Dim], reshape: ir.Node) -> None:
+    """Refuse unless the second Reshape provably gives back y's shape."""
+    if restored is not None and len(restored) == len(y_dims):
+        unproven = [i for i, (r, d) in enumerate(zip(restored, y_dims, strict=True)) if not dims_equal(r, d)]
+        # One -1 is forced to the missing size once every other dim is proven equal.
+        if not unproven or (len(unproven) == 1 and restored[unproven[0]] == -1):
+            return
+    raise _Refusal(
+        f"the second Reshape's target {format_dims(restored)} does not provably restore the shape "
+        f"{format_dims(y_dims)} of y",
+        reshape,
+    )
+
+
+# --- forms ------------------------------------------------------------------------------------------
+
+
+def _producer_op(value: ir.Value | None) -> str | None:
+    producer = value.producer() if value is not None else None
+    return producer.op_type if producer is not None else None
+
+
+def _cast_source_dtype(value: ir.Value | None) -> ir.DataType | None:
+    producer = value.producer() if value is not None else None
+    if producer is None or producer.op_type != "Cast" or producer.inputs[0] is None:
+        return None
+    return producer.inputs[0].dtype
+
+
+def classify(b: dict[str, Any], inner: InnerNorm) -> str:
+    """Return the DESIGN.md §2 form letter of a matched chain.
+
+    Forms overlap (G is "any form after ORT's optimizer"), so the most specific marker wins, in the
+    order G, F, H, E, D, C, B, A.
+    """
+    if b.get("silu_form") == "quick_gelu" or b.get("normalize_form") == "div":
+        return "G"
+    if inner == "simplified_layer_norm":
+        return "F"
+    if inner == "rms_normalization" or b.get("square_form") == "mul" or b.get("rsqrt_form") == "pow":
+        return "H"
+    mean_square = b.get("mean_square")
+    mean_node = mean_square.producer() if mean_square is not None else None
+    if (mean_node is not None and len(mean_node.inputs) < 2) or b.get("rsqrt_form") == "div":
+        return "E"
+    scalars = (b.get("epsilon"), b.get("exponent"), b.get("shape_in"), b.get("shape_out"))
+    if any(_producer_op(v) == "Constant" for v in scalars) or _producer_op(b.get("weight")) == "Cast":
+        return "D"
+    normed, flat = b.get("normed"), b.get("flat")
+    if normed is not None and normed is not flat and normed.dtype != ir.DataType.FLOAT:
+        return "C"
+    out_to = b.get("out_to")
+    half = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    if (out_to is not None and out_to.as_int() in half) or _cast_source_dtype(b.get("z")) in half:
+        return "B"
+    return "A"
+
+
+# --- rule set ---------------------------------------------------------------------------------------
+
+
+def _rules(trailing_cast: bool) -> list[pattern.RewriteRule]:
+    return [
+        GatedGroupRMSNormFusion.rule(
+            f"GatedGroupRMSNorm[{inner}{', W first' if weight_first else ''}"
+            f"{', trailing Cast' if trailing_cast else ''}]",
+            inner=inner,
+            weight_first=weight_first,
+            trailing_cast=trailing_cast,
+        )
+        for inner in INNER_NORMS
+        for weight_first in (True, False)
+    ]
+
+
+def _rule_set(trailing_cast: bool) -> pattern.RewriteRuleSet:
+    rule_set = pattern.RewriteRuleSet(_rules(trailing_cast))
+    # Rules that keep their matched nodes make the set run a model-wide dead-code pass, which would
+    # also delete dead code that has nothing to do with the chains. Our cleanup removes exactly the
+    # fused chains' leftovers instead.
+    rule_set.remove_unused_nodes = False
+    return rule_set
+
+
+#: Rules that absorb a trailing Cast: applied first, so a chain is not fused at its weight Mul first.
+cast_absorbing_rules = _rule_set(trailing_cast=True)
+#: Rules that end at the weight Mul.
+plain_rules = _rule_set(trailing_cast=False)
+#: Both phases, in the order they must run.
+gated_group_rms_norm_rule_sets = (cast_absorbing_rules, plain_rules)
+
+
+def fuse_gated_group_rms_norm(model: ir.Model, log: FusionLog | None = None) -> int:
+    """Fuse every gated group-RMSNorm chain of ``model`` in place; return how many were fused.
+
+    ``log`` (optional) receives, per chain, its form and the fused attributes or the refusal reason.
+    """
+    token = _ACTIVE_LOG.set(log)
+    try:
+        with value_info_preserved(model):
+            return sum(rule_set.apply_to_model(model) for rule_set in gated_group_rms_norm_rule_sets)
+    finally:
+        _ACTIVE_LOG.reset(token)
+
+
+# --- chains that did not fuse: find them and say why ------------------------------------------------
+
+
+def find_chain_anchors(graph: ir.Graph) -> list[ir.Node]:
+    """Return the Reshapes that feed a per-group RMS norm: one per (fused or not) chain left in graph.
+
+    A chain's anchor is the Reshape whose output is squared and mean-reduced, or normalized by
+    SimplifiedLayerNormalization / RMSNormalization. Nodes inside subgraphs are included.
+    """
+    anchors = []
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        if node.op_type != "Reshape" or not node.outputs:
+            continue
+        for user, _ in node.outputs[0].uses():
+            if user.op_type in ("SimplifiedLayerNormalization", "RMSNormalization"):
+                anchors.append(node)
+                break
+            if user.op_type in ("Pow", "Mul") and any(
+                consumer.op_type == "ReduceMean" for consumer, _ in user.outputs[0].uses()
+            ):
+                anchors.append(node)
+                break
+    return anchors
+
+
+def coarse_form(anchor: ir.Node) -> str:
+    """Return a best-effort form letter for a chain that no rule matched."""
+    users = {user.op_type for user, _ in anchor.outputs[0].uses()}
+    if "SimplifiedLayerNormalization" in users:
+        return "F"
+    if "RMSNormalization" in users:
+        return "H"
+    return "?"
+
+
+def _downstream(node: ir.Node, depth: int) -> Iterator[ir.Node]:
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        next_frontier = []
+        for current in frontier:
+            for output in current.outputs:
+                for user, _ in output.uses():
+                    if user not in seen:
+                        seen.add(user)
+                        next_frontier.append(user)
+                        yield user
+        frontier = next_frontier
+
+
+def _is_silu(value: ir.Value | None) -> bool:
+    producer = value.producer() if value is not None else None
+    if producer is None:
+        return False
+    if producer.op_type == "QuickGelu":
+        return True
+    if producer.op_type != "Mul":
+        return False
+    a, b = producer.inputs[0], producer.inputs[1]
+    return (_producer_op(b) == "Sigmoid" and b.producer().inputs[0] is a) or (
+        _producer_op(a) == "Sigmoid" and a.producer().inputs[0] is b
+    )
+
+
+def explain_unfused(model: ir.Model, anchor: ir.Node) -> str:
+    """Return why the chain at ``anchor`` was not fused, for chains that no check refused.
+
+    Two cases: the gate is applied after the norm (a different op); otherwise the matcher's reason at
+    the deepest partial match that contains the anchor.
+    """
+    grouped = anchor.inputs[0]
+    producer = grouped.producer() if grouped is not None else None
+    gated_first = producer is not None and producer.op_type == "Mul" and any(map(_is_silu, producer.inputs))
+    if not gated_first:
+        for node in _downstream(anchor, depth=12):
+            if node.op_type == "Mul" and any(map(_is_silu, node.inputs)):
+                return (
+                    "norm(y) * silu(z): the gate is applied after the norm (norm_before_gate), a "
+                    "different op; not fused"
+                )
+        return "the grouped tensor is not y * silu(gate)"
+    graph = anchor.graph
+    best: tuple[int, str] = (-1, "does not match any chain form")
+    token = _ACTIVE_LOG.set(None)
+    try:
+        for root in _downstream(anchor, depth=12):
+            for rule_set in gated_group_rms_norm_rule_sets:
+                for rule in rule_set:
+                    match = rule.match(model, graph, root, check_nodes_are_removable=False)
+                    if match is None or match:
+                        continue  # refused by check (then logged), or fused
+                    if anchor in match.nodes and len(match.nodes) > best[0]:
+                        best = (len(match.nodes), match.reason or best[1])
+    finally:
+        _ACTIVE_LOG.reset(token)
+    return best[1]
