@@ -72,7 +72,9 @@ def one_node_model(
     nodes.append(oh.make_node(OP_TYPE, op_inputs, [op_out], domain=DOMAIN, **attrs))
     if result_type == BFLOAT16:
         nodes.append(oh.make_node("Cast", [op_out], ["out"], to=FLOAT))
-    graph = oh.make_graph(nodes, "gated_group_rms_norm", inputs, [oh.make_tensor_value_info("out", io_type(result_type), None)])
+    graph = oh.make_graph(
+        nodes, "gated_group_rms_norm", inputs, [oh.make_tensor_value_info("out", io_type(result_type), None)]
+    )
     return make_model(graph, opset)
 
 

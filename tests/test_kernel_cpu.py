@@ -12,12 +12,24 @@ import pytest
 
 import contrib_ops
 from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm
-from tests._ops import BFLOAT16, FLOAT, FLOAT16, TYPE_NAMES, as_type, feed, make_model, one_node_model, random_inputs
+from tests._ops import (
+    BFLOAT16,
+    FLOAT,
+    FLOAT16,
+    TYPE_NAMES,
+    as_type,
+    feed,
+    make_model,
+    one_node_model,
+    random_inputs,
+)
 
 TYPES = (FLOAT, FLOAT16, BFLOAT16)
 
 
-def run_op(model: onnx.ModelProto, y: np.ndarray, z: np.ndarray, w: np.ndarray, threads: int = 1) -> np.ndarray:
+def run_op(
+    model: onnx.ModelProto, y: np.ndarray, z: np.ndarray, w: np.ndarray, threads: int = 1
+) -> np.ndarray:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = contrib_ops.session(model, session_options=options, use_library=True)
@@ -38,7 +50,12 @@ def check_against_reference(
     """Run the kernel on (y, z, w) and assert it is within the accuracy budget of the float64 reference."""
     types = [next(k for k, v in SUPPORTED_TYPES.items() if v == a.dtype) for a in (y, z, w)]
     model = one_node_model(
-        *types, shape=list(y.shape), group_size=group_size, epsilon=epsilon, norm_dtype=norm_type, output_dtype=out_type
+        *types,
+        shape=list(y.shape),
+        group_size=group_size,
+        epsilon=epsilon,
+        norm_dtype=norm_type,
+        output_dtype=out_type,
     )
     result_type = out_type if out_type is not None else types[0]
     actual = as_type(run_op(model, y, z, w, threads), result_type)
@@ -110,7 +127,9 @@ def test_shapes(shape: tuple[int, ...], group_size: int, elem_type: int, threads
     ],
     ids=["C-f16", "B-f16", "B-bf16", "C-bf16"],
 )
-def test_exporter_type_mixes_at_decode_width(y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int) -> None:
+def test_exporter_type_mixes_at_decode_width(
+    y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int
+) -> None:
     rng = np.random.default_rng(7)
     y, z, w = random_inputs(rng, (1, 7680), y_type, z_type, w_type)
     check_against_reference(y, z, w, group_size=960, norm_type=norm_type, out_type=out_type)
@@ -144,7 +163,14 @@ def test_edge_values(elem_type: int) -> None:
     bad = {(int(r), int(c)) for r, c in zip(*np.nonzero(~finite_groups), strict=True)}
     assert bad == expected_bad
     actual = as_type(
-        run_op(one_node_model(elem_type, elem_type, elem_type, shape=[3, group_size * groups], group_size=group_size), y, z, w),
+        run_op(
+            one_node_model(
+                elem_type, elem_type, elem_type, shape=[3, group_size * groups], group_size=group_size
+            ),
+            y,
+            z,
+            w,
+        ),
         elem_type,
     )
     assert np.array_equal(np.isfinite(actual.astype(np.float32)), np.isfinite(out.astype(np.float32)))
@@ -168,7 +194,9 @@ def test_empty_leading_axis_gives_empty_output() -> None:
 
 
 def test_output_shape_and_type_are_inferred() -> None:
-    model = one_node_model(FLOAT16, FLOAT16, FLOAT, shape=["batch", "seq", 96], group_size=48, output_dtype=FLOAT)
+    model = one_node_model(
+        FLOAT16, FLOAT16, FLOAT, shape=["batch", "seq", 96], group_size=48, output_dtype=FLOAT
+    )
     session = contrib_ops.session(model, use_library=True)
     out = session.get_outputs()[0]
     assert out.type == "tensor(float)"
@@ -182,13 +210,21 @@ def test_fp16_node_feeding_matmul_on_cpu() -> None:
     y, z, w = random_inputs(rng, (1, 96), FLOAT16, FLOAT16, FLOAT16)
     proj = (rng.standard_normal((96, 16)) * 0.1).astype(np.float16)
     nodes = [
-        oh.make_node("GatedGroupRMSNorm", ["y", "z", "w"], ["normed"], domain="ai.mambafuse", epsilon=1e-5, group_size=48),
+        oh.make_node(
+            "GatedGroupRMSNorm",
+            ["y", "z", "w"],
+            ["normed"],
+            domain="ai.mambafuse",
+            epsilon=1e-5,
+            group_size=48,
+        ),
         oh.make_node("MatMul", ["normed", "proj"], ["out"]),
     ]
     graph = oh.make_graph(
         nodes,
         "fused_then_matmul",
-        [oh.make_tensor_value_info(n, FLOAT16, [1, 96]) for n in "yz"] + [oh.make_tensor_value_info("w", FLOAT16, [96])],
+        [oh.make_tensor_value_info(n, FLOAT16, [1, 96]) for n in "yz"]
+        + [oh.make_tensor_value_info("w", FLOAT16, [96])],
         [oh.make_tensor_value_info("out", FLOAT16, [1, 16])],
         initializer=[onnx.numpy_helper.from_array(proj, "proj")],
     )
@@ -217,7 +253,9 @@ def _expect_error(model: onnx.ModelProto, feeds: dict[str, np.ndarray] | None, p
 def test_rejects_w_of_wrong_length_at_run_time() -> None:
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["wc"], group_size=8)
     y = np.ones((2, 16), np.float32)
-    _expect_error(model, {"y": y, "z": y, "w": np.ones(15, np.float32)}, r"W must have shape \[C\] = \[16\], got \[15\]")
+    _expect_error(
+        model, {"y": y, "z": y, "w": np.ones(15, np.float32)}, r"W must have shape \[C\] = \[16\], got \[15\]"
+    )
 
 
 def test_rejects_w_of_wrong_length_at_load_time() -> None:
@@ -228,7 +266,9 @@ def test_rejects_w_of_wrong_length_at_load_time() -> None:
 def test_rejects_w_of_wrong_rank() -> None:
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["a", "b"], group_size=8)
     y = np.ones((2, 16), np.float32)
-    _expect_error(model, {"y": y, "z": y, "w": np.ones((2, 8), np.float32)}, r"W must (have shape \[C\]|be 1-D)")
+    _expect_error(
+        model, {"y": y, "z": y, "w": np.ones((2, 8), np.float32)}, r"W must (have shape \[C\]|be 1-D)"
+    )
 
 
 def test_rejects_channels_not_divisible_by_group_size_at_load_time() -> None:
@@ -239,13 +279,19 @@ def test_rejects_channels_not_divisible_by_group_size_at_load_time() -> None:
 def test_rejects_channels_not_divisible_by_group_size_at_run_time() -> None:
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["c"], group_size=8)
     y = np.ones((2, 30), np.float32)
-    _expect_error(model, {"y": y, "z": y, "w": np.ones(30, np.float32)}, r"C = 30 .* not divisible by group_size = 8")
+    _expect_error(
+        model, {"y": y, "z": y, "w": np.ones(30, np.float32)}, r"C = 30 .* not divisible by group_size = 8"
+    )
 
 
 def test_rejects_y_z_shape_mismatch() -> None:
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", 16], z_shape=["m", 16], group_size=8)
     y = np.ones((2, 16), np.float32)
-    _expect_error(model, {"y": y, "z": np.ones((3, 16), np.float32), "w": np.ones(16, np.float32)}, r"Z must have Y's shape \[2, 16\], got \[3, 16\]")
+    _expect_error(
+        model,
+        {"y": y, "z": np.ones((3, 16), np.float32), "w": np.ones(16, np.float32)},
+        r"Z must have Y's shape \[2, 16\], got \[3, 16\]",
+    )
 
 
 def test_rejects_y_z_shape_mismatch_at_load_time() -> None:
@@ -260,7 +306,9 @@ def test_rejects_non_positive_group_size(group_size: int) -> None:
 
 
 def test_rejects_unsupported_input_type() -> None:
-    node = oh.make_node("GatedGroupRMSNorm", ["y", "z", "w"], ["out"], domain="ai.mambafuse", epsilon=1e-5, group_size=8)
+    node = oh.make_node(
+        "GatedGroupRMSNorm", ["y", "z", "w"], ["out"], domain="ai.mambafuse", epsilon=1e-5, group_size=8
+    )
     graph = oh.make_graph(
         [node],
         "double",
@@ -272,7 +320,14 @@ def test_rejects_unsupported_input_type() -> None:
     _expect_error(model, None, r"input Y has element type double; supported: float, float16, bfloat16")
 
 
-@pytest.mark.parametrize(("attr", "value", "name"), [("norm_dtype", 11, "double"), ("output_dtype", 7, "int64"), ("norm_dtype", 99, "an unsupported element type")])
+@pytest.mark.parametrize(
+    ("attr", "value", "name"),
+    [
+        ("norm_dtype", 11, "double"),
+        ("output_dtype", 7, "int64"),
+        ("norm_dtype", 99, "an unsupported element type"),
+    ],
+)
 def test_rejects_bad_dtype_attribute(attr: str, value: int, name: str) -> None:
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 16], group_size=8, **{attr: value}, out_type=FLOAT)
     _expect_error(model, None, rf"{attr} = {value} \({name}.*\) is not a supported type")
@@ -283,7 +338,8 @@ def test_rejects_missing_epsilon() -> None:
     graph = oh.make_graph(
         [node],
         "no_eps",
-        [oh.make_tensor_value_info(n, FLOAT, [2, 16]) for n in "yz"] + [oh.make_tensor_value_info("w", FLOAT, [16])],
+        [oh.make_tensor_value_info(n, FLOAT, [2, 16]) for n in "yz"]
+        + [oh.make_tensor_value_info("w", FLOAT, [16])],
         [oh.make_tensor_value_info("out", FLOAT, None)],
     )
     model = make_model(graph)
@@ -301,7 +357,9 @@ def test_library_path_env_override_must_exist(monkeypatch: pytest.MonkeyPatch, t
 
 def test_library_not_found_lists_where_it_looked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(contrib_ops.LIBRARY_ENV, raising=False)
-    monkeypatch.setattr(contrib_ops, "_candidates", lambda: [contrib_ops.Path("/nonexistent/libmambafuse_ops.so")])
+    monkeypatch.setattr(
+        contrib_ops, "_candidates", lambda: [contrib_ops.Path("/nonexistent/libmambafuse_ops.so")]
+    )
     with pytest.raises(contrib_ops.LibraryNotFoundError, match="/nonexistent/libmambafuse_ops.so"):
         contrib_ops.library_path()
 
