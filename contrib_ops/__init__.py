@@ -87,6 +87,18 @@ def library_path() -> str:
     )
 
 
+def cpu_isa() -> str:
+    """Return the instruction-set variant the CPU kernel runs in this process (e.g. "avx512", "neon").
+
+    ``MAMBAFUSE_CPU_ISA=baseline|avx2|avx512`` (set before the library is first used) forces a lower one.
+    """
+    import ctypes
+
+    library = ctypes.CDLL(library_path())
+    library.MambafuseCpuIsa.restype = ctypes.c_char_p
+    return library.MambafuseCpuIsa().decode()
+
+
 def register(session_options: onnxruntime.SessionOptions) -> onnxruntime.SessionOptions:
     """Register the library's kernels in ``session_options`` and return it."""
     session_options.register_custom_ops_library(library_path())

@@ -6,14 +6,20 @@
 //
 // This file is compiled once per instruction-set level (CMake passes MAMBAFUSE_ISA_NS and the -m flags);
 // the dispatcher in gated_group_rms_norm_impl.cc picks the widest one the CPU supports at run time.
-// Everything here is branch-free per element (selects, not branches) so that the loops vectorize at any
-// width: the half-precision conversions are bit manipulations, and exp is a Cody-Waite reduction with a
-// polynomial instead of a libm call.
+//
+// Structure: one float32 core (silu, sum of squares, scale, weight multiply) and, around it, conversion
+// passes over L1-resident buffers (half -> float on the way in, rounding through norm/output types on the
+// way out). Every loop is branch-free per element (selects, not branches) so it vectorizes at any width:
+// the half conversions are bit manipulations (single F16C instructions where the ISA has them), and exp
+// is a Cody-Waite reduction with a polynomial instead of a libm call.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "gated_group_rms_norm_impl.h"
 
@@ -24,15 +30,6 @@
 namespace mambafuse {
 namespace MAMBAFUSE_ISA_NS {
 namespace {
-
-// Storage types: plain 16-bit patterns for the half formats, so nothing depends on compiler support
-// for _Float16 / __bf16 and every conversion is explicit and exact.
-struct F16 {
-  uint16_t bits;
-};
-struct BF16 {
-  uint16_t bits;
-};
 
 inline uint32_t FloatBits(float f) {
   uint32_t u;
@@ -45,15 +42,23 @@ inline float BitsFloat(uint32_t u) {
   return f;
 }
 
-// --- exact widening -------------------------------------------------------------------------------
-inline float Widen(float v) { return v; }
-inline float Widen(BF16 v) { return BitsFloat(static_cast<uint32_t>(v.bits) << 16); }
-inline float Widen(F16 v) {
+// --- exact conversions of one element (portable; the loops below vectorize them) -------------------
+inline float BF16ToFloat(uint16_t bits) { return BitsFloat(static_cast<uint32_t>(bits) << 16); }
+
+inline uint16_t FloatToBF16(float f) {  // round to nearest even; NaN stays a quiet NaN
+  const uint32_t u = FloatBits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
+  const bool is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return static_cast<uint16_t>(is_nan ? quiet_nan : rounded);
+}
+
+inline float F16ToFloat(uint16_t bits) {
   // Move exponent+mantissa into float position and rebias by 112 (= 127 - 15). Subnormal halves are
   // renormalized by an ordinary float subtraction (no float denormals involved, so DAZ/FTZ modes do not
   // change the result); Inf/NaN get the full float exponent.
-  const uint32_t sign = (static_cast<uint32_t>(v.bits) & 0x8000u) << 16;
-  const uint32_t em = (static_cast<uint32_t>(v.bits) & 0x7FFFu) << 13;
+  const uint32_t sign = (static_cast<uint32_t>(bits) & 0x8000u) << 16;
+  const uint32_t em = (static_cast<uint32_t>(bits) & 0x7FFFu) << 13;
   const uint32_t exp = em & 0x0F800000u;
   const uint32_t normal = em + (112u << 23);
   const float sub = BitsFloat(em + (113u << 23)) - BitsFloat(113u << 23);
@@ -63,26 +68,7 @@ inline float Widen(F16 v) {
   return BitsFloat(r | sign);
 }
 
-// --- round-to-nearest-even narrowing --------------------------------------------------------------
-template <typename T>
-inline T Narrow(float f);
-
-template <>
-inline float Narrow<float>(float f) {
-  return f;
-}
-
-template <>
-inline BF16 Narrow<BF16>(float f) {
-  const uint32_t u = FloatBits(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
-  const bool is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return BF16{static_cast<uint16_t>(is_nan ? quiet_nan : rounded)};
-}
-
-template <>
-inline F16 Narrow<F16>(float f) {
+inline uint16_t FloatToF16(float f) {  // round to nearest even
   const uint32_t u = FloatBits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7FFFFFFFu;
@@ -96,12 +82,71 @@ inline F16 Narrow<F16>(float f) {
   const uint32_t normal = (a - (112u << 23) + 0x0FFFu + ((a >> 13) & 1u)) >> 13;
   uint32_t r = a >= 0x47800000u ? big : normal;
   r = a < 0x38800000u ? tiny : r;
-  return F16{static_cast<uint16_t>(r | sign)};
+  return static_cast<uint16_t>(r | sign);
 }
 
-template <typename T>
-inline float RoundThrough(float f) {
-  return Widen(Narrow<T>(f));
+// --- conversion passes over a buffer --------------------------------------------------------------
+void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__F16C__)
+  for (; j + 8 <= n; j += 8) {
+    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = F16ToFloat(src[j]);
+}
+
+void FloatToF16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
+  int64_t j = 0;
+#if defined(__F16C__)
+  for (; j + 8 <= n; j += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = FloatToF16(src[j]);
+}
+
+void BF16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = BF16ToFloat(src[j]);
+}
+
+void FloatToBF16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = FloatToBF16(src[j]);
+}
+
+// Rounds every value to `type` and back (exact: the result is representable in float).
+void RoundThrough(ElemType type, float* __restrict values, int64_t n) {
+  if (type == ElemType::kBFloat16) {
+    for (int64_t j = 0; j < n; ++j) values[j] = BF16ToFloat(FloatToBF16(values[j]));
+  } else if (type == ElemType::kFloat16) {
+    int64_t j = 0;
+#if defined(__F16C__)
+    for (; j + 8 <= n; j += 8) {
+      const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(values + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_storeu_ps(values + j, _mm256_cvtph_ps(half));
+    }
+#endif
+    for (; j < n; ++j) values[j] = F16ToFloat(FloatToF16(values[j]));
+  }
+}
+
+// Returns `src` as float: the pointer itself for float data, else `scratch` filled with the exact values.
+const float* AsFloat(const void* src, ElemType type, float* scratch, int64_t n) {
+  switch (type) {
+    case ElemType::kFloat: return static_cast<const float*>(src);
+    case ElemType::kFloat16: F16ToFloat(static_cast<const uint16_t*>(src), scratch, n); return scratch;
+    case ElemType::kBFloat16: BF16ToFloat(static_cast<const uint16_t*>(src), scratch, n); return scratch;
+  }
+  return static_cast<const float*>(src);
+}
+
+void StoreFloat(const float* src, ElemType type, void* dst, int64_t n) {
+  switch (type) {
+    case ElemType::kFloat: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
+    case ElemType::kFloat16: FloatToF16(src, static_cast<uint16_t*>(dst), n); return;
+    case ElemType::kBFloat16: FloatToBF16(src, static_cast<uint16_t*>(dst), n); return;
+  }
 }
 
 // --- silu -----------------------------------------------------------------------------------------
@@ -143,16 +188,13 @@ inline float Silu(float z) {
   return z * sig;
 }
 
-// --- the two passes over a group ------------------------------------------------------------------
+// --- the float core ---------------------------------------------------------------------------------
 constexpr int kLanes = 16;  // independent partial sums: lets the reduction vectorize without -ffast-math
 
-// h = y * silu(z) into `gated`; returns sum(h^2) in float. Two plain loops rather than one fused loop:
-// GCC vectorizes each of them at every ISA level, while the fused form fell back to scalar code behind a
-// run-time alias check.
-template <typename TY, typename TZ>
-float GatePass(const TY* __restrict y, const TZ* __restrict z, float* __restrict gated, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) gated[j] = Widen(y[j]) * Silu(Widen(z[j]));
-  // kLanes independent partial sums in a fixed order: the same bits from every ISA variant.
+// gated = y * silu(z); returns sum(gated^2). Two plain loops: GCC vectorizes each at every ISA level.
+float GatePass(const float* __restrict y, const float* __restrict z, float* __restrict gated, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) gated[j] = y[j] * Silu(z[j]);
+  // kLanes partial sums in a fixed order: the same bits from every ISA variant.
   float partial[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -164,104 +206,69 @@ float GatePass(const TY* __restrict y, const TZ* __restrict z, float* __restrict
   return sum;
 }
 
-// O = round(TOut, f32(W) * round(TNorm, h * nf)), stored as TStore (TStore is TOut, or float holding
-// the TOut-rounded value when ONNX Runtime widened the node's output).
-template <typename TW, typename TNorm, typename TOut, typename TStore>
-void NormPass(const float* __restrict gated, float inv_rms, const TW* __restrict w, TStore* __restrict out,
-              int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float normed = RoundThrough<TNorm>(gated[j] * inv_rms);
-    const float product = Widen(w[j]) * normed;
-    if constexpr (std::is_same_v<TStore, TOut>) {
-      out[j] = Narrow<TOut>(product);
-    } else {
-      out[j] = RoundThrough<TOut>(product);
-    }
-  }
+void Scale(float* __restrict values, float factor, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) values[j] *= factor;
 }
 
-using GateFn = float (*)(const void*, const void*, float*, int64_t);
-using NormFn = void (*)(const float*, float, const void*, void*, int64_t);
-
-template <typename TY, typename TZ>
-float GateErased(const void* y, const void* z, float* gated, int64_t n) {
-  return GatePass(static_cast<const TY*>(y), static_cast<const TZ*>(z), gated, n);
-}
-template <typename TW, typename TNorm, typename TOut, typename TStore>
-void NormErased(const float* gated, float inv_rms, const void* w, void* out, int64_t n) {
-  NormPass<TW, TNorm, TOut, TStore>(gated, inv_rms, static_cast<const TW*>(w), static_cast<TStore*>(out), n);
+void ScaleByWeight(const float* __restrict normed, float factor, const float* __restrict w,
+                   float* __restrict out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = w[j] * (normed[j] * factor);
 }
 
-inline int TypeIndex(ElemType t) { return t == ElemType::kFloat ? 0 : t == ElemType::kFloat16 ? 1 : 2; }
-inline size_t TypeBytes(ElemType t) { return t == ElemType::kFloat ? 4 : 2; }
-
-template <typename TY>
-GateFn PickGate(ElemType z) {
-  switch (TypeIndex(z)) {
-    case 0: return &GateErased<TY, float>;
-    case 1: return &GateErased<TY, F16>;
-    default: return &GateErased<TY, BF16>;
-  }
-}
-GateFn PickGate(ElemType y, ElemType z) {
-  switch (TypeIndex(y)) {
-    case 0: return PickGate<float>(z);
-    case 1: return PickGate<F16>(z);
-    default: return PickGate<BF16>(z);
-  }
+void MultiplyByWeight(const float* __restrict normed, const float* __restrict w, float* __restrict out,
+                      int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = w[j] * normed[j];
 }
 
-template <typename TW, typename TNorm, typename TOut>
-NormFn PickNormStore(ElemType store, ElemType out) {
-  // Storage differs from the rounding type only when ORT widened the output to float.
-  if (store != out) return &NormErased<TW, TNorm, TOut, float>;
-  return &NormErased<TW, TNorm, TOut, TOut>;
-}
-template <typename TW, typename TNorm>
-NormFn PickNormOut(ElemType out, ElemType store) {
-  switch (TypeIndex(out)) {
-    case 0: return PickNormStore<TW, TNorm, float>(store, out);
-    case 1: return PickNormStore<TW, TNorm, F16>(store, out);
-    default: return PickNormStore<TW, TNorm, BF16>(store, out);
+size_t TypeBytes(ElemType t) { return t == ElemType::kFloat ? 4 : 2; }
+
+// Per-thread scratch, grown once: steady-state calls do not allocate.
+struct Scratch {
+  std::vector<float> y, z, gated, product, weight;
+  void Reserve(int64_t group_size, int64_t channels) {
+    const auto gs = static_cast<size_t>(group_size);
+    if (gated.size() < gs) y.resize(gs), z.resize(gs), gated.resize(gs), product.resize(gs);
+    if (weight.size() < static_cast<size_t>(channels)) weight.resize(static_cast<size_t>(channels));
   }
-}
-template <typename TW>
-NormFn PickNormNorm(ElemType norm, ElemType out, ElemType store) {
-  switch (TypeIndex(norm)) {
-    case 0: return PickNormOut<TW, float>(out, store);
-    case 1: return PickNormOut<TW, F16>(out, store);
-    default: return PickNormOut<TW, BF16>(out, store);
-  }
-}
-NormFn PickNorm(ElemType w, ElemType norm, ElemType out, ElemType store) {
-  switch (TypeIndex(w)) {
-    case 0: return PickNormNorm<float>(norm, out, store);
-    case 1: return PickNormNorm<F16>(norm, out, store);
-    default: return PickNormNorm<BF16>(norm, out, store);
-  }
-}
+};
 
 }  // namespace
 
 void ComputeItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_item) {
-  const GateFn gate = PickGate(a.y_type, a.z_type);
-  const NormFn norm = PickNorm(a.w_type, a.norm_type, a.out_type, a.out_storage_type);
-  const int64_t groups_per_row = a.channels / a.group_size;
+  thread_local Scratch scratch;
+  scratch.Reserve(a.group_size, a.channels);
+  const int64_t gs = a.group_size;
+  const int64_t groups_per_row = a.channels / gs;
   const size_t y_bytes = TypeBytes(a.y_type), z_bytes = TypeBytes(a.z_type);
-  const size_t w_bytes = TypeBytes(a.w_type), out_bytes = TypeBytes(a.out_storage_type);
-  // h of one group; reused across calls on this thread, so steady-state calls do not allocate.
-  thread_local std::vector<float> gated;
-  if (gated.size() < static_cast<size_t>(a.group_size)) gated.resize(static_cast<size_t>(a.group_size));
-  const float group_size = static_cast<float>(a.group_size);
+  const size_t out_bytes = TypeBytes(a.out_storage_type);
+  const float group_size = static_cast<float>(gs);
+  const float* weight = AsFloat(a.w, a.w_type, scratch.weight.data(), a.channels);
+  const bool float_norm = a.norm_type == ElemType::kFloat;
+  // The product can go straight into the output buffer when that is float (rounded there in place).
+  const bool float_store = a.out_storage_type == ElemType::kFloat;
   for (int64_t item = first_item; item < last_item; ++item) {
     const int64_t row = item / groups_per_row;
-    const int64_t col = (item % groups_per_row) * a.group_size;
-    const size_t offset = static_cast<size_t>(row * a.channels + col);
-    const float sum_sq = gate(static_cast<const char*>(a.y) + offset * y_bytes,
-                              static_cast<const char*>(a.z) + offset * z_bytes, gated.data(), a.group_size);
+    const int64_t col = (item % groups_per_row) * gs;
+    const auto offset = static_cast<size_t>(row * a.channels + col);
+    const float* y = AsFloat(static_cast<const char*>(a.y) + offset * y_bytes, a.y_type, scratch.y.data(), gs);
+    const float* z = AsFloat(static_cast<const char*>(a.z) + offset * z_bytes, a.z_type, scratch.z.data(), gs);
+    float* gated = scratch.gated.data();
+    const float sum_sq = GatePass(y, z, gated, gs);
     const float inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
-    norm(gated.data(), inv_rms, static_cast<const char*>(a.w) + static_cast<size_t>(col) * w_bytes,
-         static_cast<char*>(a.out) + offset * out_bytes, a.group_size);
+    void* out = static_cast<char*>(a.out) + offset * out_bytes;
+    float* product = float_store ? static_cast<float*>(out) : scratch.product.data();
+    if (float_norm) {
+      ScaleByWeight(gated, inv_rms, weight + col, product, gs);
+    } else {
+      Scale(gated, inv_rms, gs);
+      RoundThrough(a.norm_type, gated, gs);  // rounding point 1: norm_dtype
+      MultiplyByWeight(gated, weight + col, product, gs);
+    }
+    if (float_store) {
+      RoundThrough(a.out_type, product, gs);  // rounding point 2, stored widened (exact)
+    } else {
+      StoreFloat(product, a.out_type, out, gs);  // rounding point 2: output_dtype
+    }
   }
 }
 
