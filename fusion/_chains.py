@@ -243,3 +243,50 @@ def chain_inputs(spec: ChainSpec, leading: Sequence[int] | None = None) -> dict[
     if spec.epsilon_as == "graph_input":
         feeds["epsilon"] = np.array(spec.epsilon, np.float32)
     return feeds
+
+
+def build_chain_sequence(
+    spec: ChainSpec, count: int, between: str | None = None, residual: bool = False
+) -> onnx.ModelProto:
+    """Return ``count`` copies of one chain in sequence: chain i's output is chain i+1's ``y``.
+
+    All chains share the gate input ``z``, which keeps the inputs few. ``between`` puts one unary node
+    of that op type (e.g. "Relu") between consecutive chains; ``residual`` adds the chain's ``y`` to its
+    output (``Add``), as the residual stream of a real model does — without it, elements whose gate is
+    near 0 shrink by silu(z) per chain and reach float subnormals after a few dozen chains, which would
+    make a benchmark measure denormal arithmetic. Models a decode step's worth of Mamba layers for
+    benchmarks and for counts known by construction.
+    """
+    base = build_chain(spec)
+    y_in, z_in = (i.name for i in base.graph.input)
+    out = base.graph.output[0].name
+    if base.graph.node[-1].op_type == "Identity":  # build_chain names its output through an Identity
+        out = base.graph.node[-1].input[0]
+        base.graph.node.pop()
+    nodes, initializers = [], []
+    previous = y_in
+    for i in range(count):
+        part = onnx.compose.add_prefix(base, f"c{i}_")
+        rename = {f"c{i}_{y_in}": previous, f"c{i}_{z_in}": z_in}
+        for node in part.graph.node:
+            node.input[:] = [rename.get(name, name) for name in node.input]
+            nodes.append(node)
+        initializers.extend(part.graph.initializer)
+        if residual:
+            nodes.append(helper.make_node("Add", [f"c{i}_{out}", previous], [f"c{i}_residual"]))
+            previous = f"c{i}_residual"
+        else:
+            previous = f"c{i}_{out}"
+        if between is not None and i < count - 1:
+            nodes.append(helper.make_node(between, [previous], [f"{between.lower()}{i}"]))
+            previous = f"{between.lower()}{i}"
+    graph = helper.make_graph(
+        nodes,
+        f"{count}_chains",
+        list(base.graph.input),
+        [helper.make_value_info(previous, base.graph.output[0].type)],  # same type and shape as y
+        initializer=initializers,
+    )
+    model = helper.make_model(graph, opset_imports=list(base.opset_import), ir_version=base.ir_version)
+    onnx.checker.check_model(model)
+    return model

@@ -194,6 +194,9 @@ class ProviderResult:
     kernels_per_run: int = 0
     kernels_by_provider: dict[str, int] = field(default_factory=dict)
     kernels_by_op: dict[str, int] = field(default_factory=dict)
+    #: Sum of the profiled kernel durations of one Run (median over the profiled runs), and per op type.
+    kernel_us_per_run: float = 0.0
+    kernel_us_by_op: dict[str, float] = field(default_factory=dict)
     latency_us: dict[str, float] = field(default_factory=dict)
 
 
@@ -261,6 +264,7 @@ class Report:
             rows.append((f"[{short}]", "", "", "", ""))
             add("  nodes after ORT optimization", b.optimized_nodes, a.optimized_nodes, "")
             add("  kernel dispatches per Run", b.kernels_per_run, a.kernels_per_run, "")
+            add("  kernel time per Run (profiler)", b.kernel_us_per_run, a.kernel_us_per_run, " us", "{:.1f}")
             add("  provider partitions", b.partitions, a.partitions, "")
             add("  memcpy nodes", b.memcpy_nodes, a.memcpy_nodes, "")
             add("  latency median", b.latency_us["median"], a.latency_us["median"], " us", "{:.1f}")
@@ -410,6 +414,7 @@ def measure(
     threads: int = 1,
     dims: dict[str, int] | None = None,
     optimization_level: str = "all",
+    profile_runs: int = 10,
     progress: Progress | None = None,
 ) -> Report:
     """Return the before/after Report of two models on each provider (see the module docstring)."""
@@ -475,15 +480,25 @@ def measure(
                 res.optimized_nodes = count_nodes(opt_model)
                 res.memcpy_nodes = sum(1 for n in opt_model.graph.node if n.op_type.startswith("Memcpy"))
                 runner = _Runner(session, feeds, provider)
-                for _ in range(3):
+                for _ in range(profile_runs + 1):  # the first run pays one-time costs; it is dropped
                     runner()
                 profile_path = session.end_profiling()
                 try:
                     events = json.loads(Path(profile_path).read_text())
                 finally:
                     Path(profile_path).unlink(missing_ok=True)
-            last = profile_kernels(events)[-1]
+            per_run = profile_kernels(events)[1:]
+            last = per_run[-1]
             res.kernels_per_run = len(last)
+            res.kernel_us_per_run = statistics.median(sum(e["dur"] for e in run) for run in per_run)
+            by_op: dict[str, list[float]] = {}
+            for run in per_run:
+                totals = Counter()
+                for e in run:
+                    totals[e["args"].get("op_name", "?")] += e["dur"]
+                for op, total in totals.items():
+                    by_op.setdefault(op, []).append(total)
+            res.kernel_us_by_op = {op: statistics.median(v) for op, v in by_op.items()}
             res.kernels_by_provider = dict(Counter(e["args"].get("provider", "?") for e in last))
             res.kernels_by_op = dict(Counter(e["args"].get("op_name", "?") for e in last))
             res.partitions = count_partitions(e["args"].get("provider", "?") for e in last)

@@ -25,6 +25,12 @@ def make_model(graph: onnx.GraphProto, opset: int = 18) -> onnx.ModelProto:
     )
 
 
+def stored_output_type(y_type: int, z_type: int, w_type: int, output_dtype: int) -> int:
+    """Return the element type of the op's output tensor: output_dtype, except float32 when Y, Z and W
+    are all float32 (the values are still rounded to output_dtype; see InferGatedGroupRMSNorm)."""
+    return FLOAT if (y_type, z_type, w_type) == (FLOAT, FLOAT, FLOAT) else output_dtype
+
+
 def io_type(elem_type: int) -> int:
     """Return the element type a test feeds/reads for ``elem_type``: numpy has no bfloat16 that ORT takes."""
     return FLOAT if elem_type == BFLOAT16 else elem_type
@@ -56,6 +62,8 @@ def one_node_model(
     if output_dtype is not None:
         attrs["output_dtype"] = output_dtype
     result_type = out_type if out_type is not None else (output_dtype if output_dtype is not None else y_type)
+    if out_type is None:
+        result_type = stored_output_type(y_type, z_type, w_type, result_type)
     nodes: list[onnx.NodeProto] = []
     inputs = []
     op_inputs = []
@@ -107,6 +115,7 @@ __all__ = [
     "dtype_to_onnx_type",
     "feed",
     "make_model",
+    "stored_output_type",
     "one_node_model",
     "random_inputs",
 ]

@@ -369,3 +369,62 @@ def test_coreml_first_sessions_do_not_want_the_library() -> None:
     assert contrib_ops.wants_library(None)
     assert not contrib_ops.wants_library(["CoreMLExecutionProvider", "CPUExecutionProvider"])
     assert not contrib_ops.wants_library([("CoreMLExecutionProvider", {}), "CPUExecutionProvider"])
+
+
+def test_all_float_inputs_with_half_output_dtype_give_float_tensor_of_rounded_values() -> None:
+    """Y, Z, W float32 and output_dtype float16: the output tensor is float32 (as ONNX Runtime's fp16
+    fallback expects of a node it widened), its values rounded to float16."""
+    rng = np.random.default_rng(8)
+    y, z, w = random_inputs(rng, (2, 96), FLOAT, FLOAT, FLOAT)
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 96], group_size=48, output_dtype=FLOAT16)
+    session = contrib_ops.session(model, use_library=True)
+    assert session.get_outputs()[0].type == "tensor(float)"
+    out = session.run(None, {"y": y, "z": z, "w": w})[0]
+    assert out.dtype == np.float32
+    assert np.array_equal(out, out.astype(np.float16).astype(np.float32)), "values are not float16-rounded"
+    expected = gated_group_rms_norm(
+        y, z, w, epsilon=1e-5, group_size=48, output_dtype=np.float16, compute_dtype=np.float64
+    )
+    ok, message = budget_report(out.astype(np.float16), expected)
+    assert ok, message
+
+
+@pytest.mark.parametrize("level", ["disable", "all"])
+def test_fp16_nodes_between_ops_without_fp16_cpu_kernels(level: str) -> None:
+    """Fused fp16 nodes between residual Adds (no fp16 CPU kernel): ONNX Runtime widens the isolated
+    fused nodes to float32 (DESIGN.md §4); the model must load and match the unfused graph."""
+    from fusion._chains import ChainSpec, build_chain_sequence
+    from fusion.rewrite import rewrite_model
+
+    spec = ChainSpec(
+        channels=96,
+        group_size=48,
+        leading=(1, 1),
+        y_dtype=FLOAT16,
+        z_dtype=FLOAT16,
+        cast_y=True,
+        cast_z=True,
+        norm_cast=FLOAT16,
+        weight_dtype=FLOAT16,
+    )
+    model = build_chain_sequence(spec, 3, residual=True)
+    fused, result = rewrite_model(model)
+    assert result.fused == 3
+    options = ort.SessionOptions()
+    options.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[level]
+    rng = np.random.default_rng(9)
+    feeds = {
+        "y": rng.standard_normal((1, 1, 96)).astype(np.float16),
+        "z": rng.standard_normal((1, 1, 96)).astype(np.float16),
+    }
+    got = contrib_ops.session(fused, session_options=options, use_library=True).run(None, feeds)[0]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(
+        got.astype(np.float32), want.astype(np.float32), rtol=2e-2, atol=2e-2 * np.abs(want).max()
+    )

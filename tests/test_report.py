@@ -9,11 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnx.helper as oh
 import pytest
 
 from fusion import report
-from fusion._chains import ChainSpec, build_chain
+from fusion._chains import ChainSpec, build_chain, build_chain_sequence
 from fusion.rewrite import rewrite_model
 
 K_CHAINS = 4
@@ -23,35 +22,8 @@ EXTRA_NODES = K_CHAINS - 1  # one Relu between consecutive chains
 def k_chain_model(k: int = K_CHAINS, spec: ChainSpec | None = None) -> tuple[onnx.ModelProto, int]:
     """Return (model, nodes per chain): k copies of one chain in sequence, a Relu between two chains."""
     spec = spec or ChainSpec(channels=64, group_size=16, leading=(1,))
-    base = build_chain(spec)
-    (y_in, z_in) = (i.name for i in base.graph.input)
-    (out,) = (o.name for o in base.graph.output)
-    if base.graph.node[-1].op_type == "Identity":  # build_chain names its output through an Identity
-        out = base.graph.node[-1].input[0]
-        base.graph.node.pop()
-    nodes, inits = [], []
-    previous = y_in
-    for i in range(k):
-        part = onnx.compose.add_prefix(base, f"c{i}_")
-        rename = {f"c{i}_{y_in}": previous, f"c{i}_{z_in}": z_in}
-        for node in part.graph.node:
-            node.input[:] = [rename.get(name, name) for name in node.input]
-            nodes.append(node)
-        inits.extend(part.graph.initializer)
-        previous = f"c{i}_{out}"
-        if i < k - 1:
-            nodes.append(oh.make_node("Relu", [previous], [f"relu{i}"]))
-            previous = f"relu{i}"
-    graph = oh.make_graph(
-        nodes,
-        "k_chains",
-        list(base.graph.input),
-        [oh.make_value_info(previous, base.graph.output[0].type)],  # same type and shape as y
-        initializer=inits,
-    )
-    model = oh.make_model(graph, opset_imports=list(base.opset_import), ir_version=base.ir_version)
-    onnx.checker.check_model(model)
-    return model, len(base.graph.node)
+    per_chain = sum(1 for n in build_chain(spec).graph.node if n.op_type != "Identity")
+    return build_chain_sequence(spec, k, between="Relu"), per_chain
 
 
 @pytest.fixture(scope="module")

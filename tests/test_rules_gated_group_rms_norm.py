@@ -490,3 +490,17 @@ def test_intermediate_read_by_another_node_is_refused() -> None:
     assert _serialized(ir_model) == before
     _, report = rewrite_model(model)
     assert "outside the chain" in report.refused[0][1]
+
+
+def test_trailing_half_cast_after_all_float_chain_stays() -> None:
+    """y, gate and W float32 with a trailing Cast(to=f16): the op's output is float32 for all-float
+    inputs, so the chain fuses with output_dtype float and the Cast stays after it."""
+    model = build_chain(ChainSpec(trailing_cast=FLOAT16))
+    fused, report = rewrite_model(model)
+    assert report.fused == 1
+    (node,) = [n for n in fused.graph.node if n.op_type == "GatedGroupRMSNorm"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["output_dtype"] == FLOAT
+    casts = [n for n in fused.graph.node if n.op_type == "Cast"]
+    assert [onnx.helper.get_attribute_value(c.attribute[0]) for c in casts] == [FLOAT16]
+    assert casts[0].input[0] == node.output[0]

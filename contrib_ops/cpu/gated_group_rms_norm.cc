@@ -307,8 +307,17 @@ OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context) {
     bool present = false;
     const int64_t group_size = InferAttrInt(context, "group_size", 0, &present);
     if (!present || group_size <= 0 || !CheckStaticSignature(inputs, group_size).IsOK()) return Ort::Status{};
-    const int64_t output_dtype = InferAttrInt(context, "output_dtype", inputs[0].elem_type, &present);
+    int64_t output_dtype = InferAttrInt(context, "output_dtype", inputs[0].elem_type, &present);
     if (!IsSupportedElemType(output_dtype)) return Ort::Status{};
+    // ONNX Runtime's CPU fp16 fallback (InsertCastTransformer) may widen every fp16 input of an "isolated"
+    // fp16 node to float32 and then expects the node's output to be float32 as well. So: when Y, Z and W
+    // are all float32, the output is float32, holding values rounded to output_dtype (exact). The
+    // rewriter never emits all-float32 inputs with a half output_dtype (it keeps the Cast instead), so
+    // for fused models this is exactly DESIGN.md §1.
+    const auto is_float = [](const StaticInput& in) { return in.elem_type == static_cast<int64_t>(ElemType::kFloat); };
+    if (is_float(inputs[0]) && is_float(inputs[1]) && is_float(inputs[2])) {
+      output_dtype = static_cast<int64_t>(ElemType::kFloat);
+    }
 
     // Output: Y's shape (symbolic dims kept), element type output_dtype (default: Y's).
     OrtTensorTypeAndShapeInfo* raw_out = nullptr;

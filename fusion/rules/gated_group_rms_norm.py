@@ -328,6 +328,15 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
                     f"the trailing Cast is to {_dtype_name(output_dtype)}, not an output type of the op",
                     b["weighted"],
                 )
+            all_float = all(v.dtype == ir.DataType.FLOAT for v in (y_input, z_input, weight_input))
+            if all_float and output_dtype != ir.DataType.FLOAT:
+                # The op's output is float32 whenever Y, Z and W all are (that is how ONNX Runtime's CPU
+                # fp16 fallback retypes a node it widened); the half-precision Cast stays after it.
+                raise _Refusal(
+                    "Y, Z and W are float32, so the fused output is float32: the trailing Cast to "
+                    f"{_dtype_name(output_dtype)} stays in the graph",
+                    b["weighted"],
+                )
         shape_readers = _outside_readers(context, anchor, flat.producer())
         # Shape(x) of a bypassed Cast's output is Shape of its input: reroute so the Cast can go.
         rewire = [(node, index, y_input) for node, index in shape_readers + y_shape_readers]

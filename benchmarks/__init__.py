@@ -1,0 +1,1 @@
+"""Benchmarks of mambafuse: one script per question, fused vs unfused in one process (RESULTS.md)."""
