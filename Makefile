@@ -9,15 +9,16 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMPS := $(VENV)/.stamps
 NATIVE_SOURCES := $(shell find contrib_ops -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \
-                    -o -name '*.cmake' -o -name CMakeLists.txt \) 2>/dev/null)
+                    -o -name '*.mm' -o -name '*.metal' -o -name '*.cmake' -o -name CMakeLists.txt \) 2>/dev/null)
 PYTEST_ARGS ?=
 
 .PHONY: demo test build deps sanitize lint compat clean
 
 # Python dependencies (runtime + test extras + the build backend, so that rebuilding the library needs no
 # isolated build environment). Re-run when pyproject.toml changes.
-$(STAMPS)/deps: pyproject.toml
+$(STAMPS)/deps: pyproject.toml contrib_ops/tests/install_cross_tools.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	sh contrib_ops/tests/install_cross_tools.sh
 	$(PIP) install --upgrade pip
 	$(PIP) install "scikit-build-core>=0.10" "cmake>=3.24" ninja
 	$(PIP) install $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \

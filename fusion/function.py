@@ -70,9 +70,12 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         # silu(z) = z / (1 + exp(-z)): ORT CPU's Sigmoid (MLAS) is off by far more than the op's
         # budget where sigmoid is tiny (measured: 5x relative at z = -30, 3e-5 at z = -6), its Exp is
         # not (1.7e-7 over [-30, 30]). exp(-z) = inf for z < -88 gives -0, the correct limit.
-        _node("Neg", ["z32"], ["minus_z"]),
-        _node("Exp", ["minus_z"], ["exp_minus_z"]),
+        # (Mul by -1 rather than Neg, and Div(1, x) rather than Reciprocal below: the same values, in ops
+        # that CoreML's MLProgram builder takes exactly — see contrib_ops/APPLE.md.)
         _node("Constant", [], ["one"], value=helper.make_tensor("one", FLOAT, [], [1.0])),
+        _node("Constant", [], ["minus_one_f"], value=helper.make_tensor("minus_one_f", FLOAT, [], [-1.0])),
+        _node("Mul", ["z32", "minus_one_f"], ["minus_z"]),
+        _node("Exp", ["minus_z"], ["exp_minus_z"]),
         _node("Add", ["exp_minus_z", "one"], ["denominator"]),
         _node("Div", ["z32", "denominator"], ["silu"]),
         # y * silu(z) in this multiplication order, as the contract and the HF module do.
@@ -82,9 +85,13 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         _node("Constant", [], ["zero"], value=ints("zero", onnx.TensorProto.INT64, [1], [0])),
         _node("Constant", [], ["minus_one"], value=ints("minus_one", onnx.TensorProto.INT64, [1], [-1])),
         _node("Slice", ["shape", "zero", "minus_one"], ["leading"]),
+        _node("Constant", [], ["end"], value=ints("end", onnx.TensorProto.INT64, [1], [2**62])),
+        _node("Slice", ["shape", "minus_one", "end"], ["channels"]),
         _node_with_refs("Constant", [], ["group_size_scalar"], [_ref("value_int", "group_size", 2)]),
         _node("Unsqueeze", ["group_size_scalar", "zero"], ["group_size_1d"]),
-        _node("Concat", ["leading", "minus_one", "group_size_1d"], ["group_shape"], axis=0),
+        # C / group_size spelled out instead of -1: CoreML's Reshape builder refuses -1 in a target.
+        _node("Div", ["channels", "group_size_1d"], ["groups_1d"]),
+        _node("Concat", ["leading", "groups_1d", "group_size_1d"], ["group_shape"], axis=0),
         _node("Reshape", ["gated", "group_shape"], ["groups"]),
         _node("Mul", ["groups", "groups"], ["square"]),
     ]
@@ -96,7 +103,7 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         _node_with_refs("Constant", [], ["epsilon_value"], [_ref("value_float", "epsilon", 1)]),
         _node("Add", ["mean_square", "epsilon_value"], ["variance"]),
         _node("Sqrt", ["variance"], ["rms"]),
-        _node("Reciprocal", ["rms"], ["inv_rms"]),
+        _node("Div", ["one", "rms"], ["inv_rms"]),
         _node("Mul", ["groups", "inv_rms"], ["normed_groups"]),
         _node("Reshape", ["normed_groups", "shape"], ["normed32"]),
         # First rounding point: the normalized value in norm_dtype, before the weight multiply.

@@ -1,5 +1,9 @@
 #include "gated_group_rms_norm.h"
 
+#if defined(MAMBAFUSE_WITH_METAL)
+#include "metal/gated_group_rms_norm_metal.h"
+#endif
+
 #include <algorithm>
 #include <sstream>
 #include <vector>
@@ -166,6 +170,10 @@ OrtStatusPtr GatedGroupRMSNormCpuKernel::ComputeV2(OrtKernelContext* raw_context
     if (Ort::Status status = PrepareArgs(attrs_, context, args); !status.IsOK()) return status;
     const int64_t items = args.rows * (args.channels / args.group_size);
     if (items == 0 || args.channels == 0) return Ort::Status{};
+#if defined(MAMBAFUSE_WITH_METAL)
+    // Opt-in GPU path on Apple (MAMBAFUSE_METAL=1, large tensors only); false means "not taken".
+    if (TryGatedGroupRMSNormMetal(args)) return Ort::Status{};
+#endif
     const int64_t elements = args.rows * args.channels;
     const int64_t chunks = std::clamp<int64_t>(elements / kMinElementsPerChunk, 1, items);
     if (chunks == 1) {

@@ -10,7 +10,8 @@
 // Structure: one float32 core (silu, sum of squares, scale, weight multiply) and, around it, conversion
 // passes over L1-resident buffers (half -> float on the way in, rounding through norm/output types on the
 // way out). Every loop is branch-free per element (selects, not branches) so it vectorizes at any width:
-// the half conversions are bit manipulations (single F16C instructions where the ISA has them), and exp
+// the half conversions are bit manipulations (single F16C / AArch64 instructions where the ISA has them),
+// and exp
 // is a Cody-Waite reduction with a polynomial instead of a libm call.
 #include <cmath>
 #include <cstdint>
@@ -19,6 +20,8 @@
 
 #if defined(__F16C__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #include "gated_group_rms_norm_impl.h"
@@ -92,6 +95,8 @@ void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n
   for (; j + 8 <= n; j += 8) {
     _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
   }
+#elif defined(__aarch64__)
+  for (; j + 4 <= n; j += 4) vst1q_f32(dst + j, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(src + j))));
 #endif
   for (; j < n; ++j) dst[j] = F16ToFloat(src[j]);
 }
@@ -103,6 +108,8 @@ void FloatToF16(const float* __restrict src, uint16_t* __restrict dst, int64_t n
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
                      _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
+#elif defined(__aarch64__)
+  for (; j + 4 <= n; j += 4) vst1_u16(dst + j, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(src + j))));
 #endif
   for (; j < n; ++j) dst[j] = FloatToF16(src[j]);
 }
@@ -126,6 +133,8 @@ void RoundThrough(ElemType type, float* __restrict values, int64_t n) {
       const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(values + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm256_storeu_ps(values + j, _mm256_cvtph_ps(half));
     }
+#elif defined(__aarch64__)
+    for (; j + 4 <= n; j += 4) vst1q_f32(values + j, vcvt_f32_f16(vcvt_f16_f32(vld1q_f32(values + j))));
 #endif
     for (; j < n; ++j) values[j] = F16ToFloat(FloatToF16(values[j]));
   }

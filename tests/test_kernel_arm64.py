@@ -1,0 +1,179 @@
+"""The CPU math core on AArch64 (NEON, as on Apple silicon) against fusion/reference.py (DESIGN.md §1).
+
+The standalone program contrib_ops/tests/kernel_golden_test.cc links the math core without ONNX Runtime.
+On Linux x86-64 it is cross-compiled (static) with aarch64-linux-gnu-g++ and run under qemu-aarch64; on an
+arm64 host (a Mac, Linux aarch64) it is built natively. Golden inputs and float64 expected outputs come
+from contrib_ops/tests/golden.py at test time. A missing cross toolchain on Linux x86-64 is a failure,
+not a skip: `make deps` installs it (contrib_ops/tests/install_cross_tools.sh).
+
+qemu runs the real AArch64 instructions (NEON included) with IEEE semantics, so the numbers are those of
+an Arm CPU; what it cannot say is how fast they are.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contrib_ops.tests import golden
+
+HOST = platform.machine().lower()
+NATIVE_ARM64 = HOST in ("arm64", "aarch64")
+LINUX_X86_64 = sys.platform.startswith("linux") and HOST in ("x86_64", "amd64")
+CASES = golden.all_cases()
+
+
+def _require_cross_tools() -> None:
+    problem = golden.cross_tools_problem()
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def golden_cases(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, golden.GoldenData]]:
+    directory = tmp_path_factory.mktemp("golden_arm64")
+    return directory, golden.write_cases(directory, CASES)
+
+
+@pytest.fixture(scope="module")
+def arm64_command(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Return the command that runs the AArch64 build of the golden program."""
+    build = tmp_path_factory.mktemp("arm64_build")
+    if NATIVE_ARM64:
+        binary = build / "kernel_golden_test"
+        golden.compile_program(binary, cxx=os.environ.get("CXX", "c++"))
+        return [str(binary)]
+    if not LINUX_X86_64:
+        pytest.skip(f"no AArch64 build path on {sys.platform}/{HOST} (needs Linux x86-64 + qemu, or an arm64 host)")
+    _require_cross_tools()
+    binary = build / "kernel_golden_test.aarch64"
+    golden.compile_program(binary, cxx=golden.CROSS_CXX, link_flags=["-static"])
+    return [golden.QEMU, str(binary)]
+
+
+@pytest.fixture(scope="module")
+def arm64_run(
+    arm64_command: list[str], golden_cases: tuple[Path, dict[str, golden.GoldenData]]
+) -> subprocess.CompletedProcess[str]:
+    directory, _ = golden_cases
+    return golden.run_program(arm64_command, directory, output_directory=directory / "arm64")
+
+
+def test_program_passes_its_own_checks(arm64_run: subprocess.CompletedProcess[str]) -> None:
+    failed = [line for line in arm64_run.stdout.splitlines() if "FAILED" in line or "ERROR" in line]
+    assert arm64_run.returncode == 0, f"rc {arm64_run.returncode}: {failed[:10]}\n{arm64_run.stderr[-2000:]}"
+    assert "validate_args: ok" in arm64_run.stdout
+    assert f"{len(CASES)} cases, 0 failures" in arm64_run.stdout
+
+
+def test_dispatches_to_the_neon_build(arm64_run: subprocess.CompletedProcess[str]) -> None:
+    # On AArch64 NEON is baseline: the dispatcher has one variant and reports it as "neon".
+    assert "isa: neon" in arm64_run.stdout.splitlines()
+
+
+@pytest.mark.parametrize("name", [case.name for case in CASES])
+def test_case_within_budget(
+    name: str,
+    arm64_run: subprocess.CompletedProcess[str],
+    golden_cases: tuple[Path, dict[str, golden.GoldenData]],
+) -> None:
+    directory, data = golden_cases
+    outputs = directory / "arm64"
+    assert (outputs / f"{name}.out").is_file(), f"the program wrote no output for {name}:\n{arm64_run.stdout[-2000:]}"
+    ok, message = golden.check_case(outputs, data[name])
+    assert ok, message
+
+
+#: Loops of gated_group_rms_norm_math.cc that stay scalar on purpose (fixed summation order, the item loop).
+SCALAR_BY_DESIGN = (
+    re.compile(r"partial\[0\]\s*\+="),  # remainder of the 16-lane sum of squares, in order
+    re.compile(r"sum\s*\+=\s*partial\["),  # the 16 partial sums, in a fixed order
+    re.compile(r"for \(int64_t item = "),  # one group per iteration; its inner loops are the vector ones
+    re.compile(r"\bv(ld|st)1q?_"),  # explicit NEON loops: already vector code
+)
+
+
+def test_math_core_loops_vectorize_on_aarch64(tmp_path: Path) -> None:
+    """Every per-element loop of the math core vectorizes with the library's flags (GCC's report)."""
+    if NATIVE_ARM64 and sys.platform.startswith("linux"):
+        cxx = os.environ.get("CXX", "g++")
+    elif LINUX_X86_64:
+        _require_cross_tools()
+        cxx = golden.CROSS_CXX
+    else:
+        pytest.skip("reads GCC's -fopt-info report; Apple clang: see contrib_ops/APPLE.md (-Rpass=loop-vectorize)")
+    source = golden.CPU_DIR / "gated_group_rms_norm_math.cc"
+    result = subprocess.run(
+        [
+            cxx,
+            "-std=c++17",
+            *golden.cmake_flags("_math_flags"),
+            "-fopt-info-vec-all",
+            f"-I{golden.CPU_DIR}",
+            "-c",
+            str(source),
+            "-o",
+            str(tmp_path / "math.o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = source.read_text().splitlines()
+    vectorized, missed = set(), set()
+    for match in re.finditer(
+        r"gated_group_rms_norm_math\.cc:(\d+):\d+: (optimized: loop vectorized|missed: couldn't vectorize loop)",
+        result.stderr,
+    ):
+        (vectorized if match.group(2).startswith("optimized") else missed).add(int(match.group(1)))
+    def by_design(line: int) -> bool:
+        # The remainder (< 4 elements) after an explicit NEON loop (one or two lines up) is scalar too.
+        above = " ".join(lines[max(0, line - 3) : line - 1])
+        return bool(SCALAR_BY_DESIGN[-1].search(above)) or any(p.search(lines[line - 1]) for p in SCALAR_BY_DESIGN)
+
+    unexpected = sorted(line for line in missed if not by_design(line))
+    assert not unexpected, "loops left scalar on AArch64:\n" + "\n".join(
+        f"  line {n}: {lines[n - 1].strip()}" for n in unexpected
+    )
+    assert len(vectorized) >= 5, f"GCC reported only {len(vectorized)} vectorized loops:\n{result.stderr[-3000:]}"
+
+
+@pytest.mark.skipif(not LINUX_X86_64, reason="the sanitizer build targets Linux x86-64 (AVX2/AVX-512 dispatch)")
+@pytest.mark.parametrize("isa", ["baseline", "avx2", "widest"])
+def test_native_build_under_sanitizers(
+    isa: str,
+    tmp_path_factory: pytest.TempPathFactory,
+    golden_cases: tuple[Path, dict[str, golden.GoldenData]],
+) -> None:
+    """The same program on x86-64 with AddressSanitizer + UBSan, for each dispatch level this CPU has."""
+    binary = _sanitized_binary(tmp_path_factory)
+    directory, data = golden_cases
+    env = {
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+        "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+    }
+    if isa != "widest":
+        env["MAMBAFUSE_CPU_ISA"] = isa
+    outputs = tmp_path_factory.mktemp(f"sanitized_{isa}")
+    result = golden.run_program([str(binary)], directory, output_directory=outputs, env=env)
+    assert result.returncode == 0, f"rc {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    failures = golden.failures(outputs, data)
+    assert not failures, f"{len(failures)} cases over budget:\n" + "\n".join(failures[:20])
+
+
+_SANITIZED: dict[str, Path] = {}
+
+
+def _sanitized_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if "binary" not in _SANITIZED:
+        binary = tmp_path_factory.mktemp("sanitized") / "kernel_golden_test"
+        sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+        golden.compile_program(binary, cxx=os.environ.get("CXX", "g++"), extra_flags=sanitize, x86_dispatch=True)
+        _SANITIZED["binary"] = binary
+    return _SANITIZED["binary"]
