@@ -87,7 +87,9 @@ def _library() -> str:
 )
 def test_every_type_combination(y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int) -> None:
     rng = np.random.default_rng([y_type, z_type, w_type, norm_type, out_type])
-    y, z, w = random_inputs(rng, (3, 5, 96), y_type, z_type, w_type)
+    # 14 400 elements: a half norm_dtype with a float output flips ~0.01 % of ties (see budget_report), and
+    # the 0.1 % allowance must not hinge on the seed.
+    y, z, w = random_inputs(rng, (30, 5, 96), y_type, z_type, w_type)
     check_against_reference(y, z, w, group_size=48, norm_type=norm_type, out_type=out_type)
 
 
