@@ -1,0 +1,47 @@
+// Between the CUDA launcher (gated_group_rms_norm_impl.cu) and the kernel instantiations
+// (gated_group_rms_norm_impl_y*.cu): the kernel parameters, launch constants, and the declaration of the
+// per-type launch that each instantiation file defines for one Y type.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "gated_group_rms_norm_launcher.h"
+
+namespace mambafuse {
+namespace cuda_kernels {
+
+constexpr int kWarpSize = 32;
+constexpr int kWarpBlock = 128;        // warp path: 4 (row, group) items per block
+constexpr int kWarpKept = 8;           // warp path: strided elements per lane kept in registers
+constexpr int kVec = 8;                // vector path: elements per chunk (one 16-byte load of a 2-byte type)
+constexpr int kMaxChunks = 4;          // vector path: chunks per thread kept in registers
+constexpr int kMaxWarpsPerGroup = 8;   // vector path: group_size <= 8 * 32 * 4 * 8 = 8192 (8 * 32 * 1 * 8 = 2048
+                                       // for the one-chunk kernel)
+constexpr int kVectorBlockOneWarp = 128;  // vector path, one warp per group: 4 groups per block
+constexpr int kVectorBlockMax = kMaxWarpsPerGroup * kWarpSize;
+
+struct KernelParams {
+  const void* y;
+  const void* z;
+  const void* w;
+  void* out;
+  int64_t items;           // rows * groups_per_row
+  int64_t groups_per_row;
+  int64_t channels;
+  int group_size;
+  float group_size_f;
+  float epsilon;
+  int epilogue;            // see ForEachEpilogue
+  int warps_per_group;     // vector path
+};
+
+// Launches the kernel of `launch.path` for one (Y, Z, W) type combination; errors are read by the caller.
+template <typename TY, typename TZ, typename TW>
+void LaunchTyped(const KernelParams& params, const CudaLaunch& launch, int multiprocessors, cudaStream_t stream);
+
+}  // namespace cuda_kernels
+}  // namespace mambafuse
