@@ -217,9 +217,7 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
     outputs = [helper.make_tensor_value_info("out", out_dtype, dims)]
     if spec.leak is not None:
         leaked = {"gated": gated, "grouped": grouped, "normed_groups": normed_groups, "flat": flat}[spec.leak]
-        leaked_dims = (
-            [*spec.leading, groups, group_size] if spec.leak in ("grouped", "normed_groups") else dims
-        )
+        leaked_dims = [*spec.leading, groups, group_size] if spec.leak in ("grouped", "normed_groups") else dims
         outputs.append(helper.make_tensor_value_info(leaked, FLOAT, leaked_dims))
     opsets = [helper.make_opsetid("", spec.opset)]
     if spec.silu == "quick_gelu" or spec.inner == "sln_ms":

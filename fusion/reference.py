@@ -44,13 +44,9 @@ def onnx_type_to_dtype(elem_type: int) -> np.dtype:
         return SUPPORTED_TYPES[elem_type]
     except KeyError:
         name = (
-            onnx.TensorProto.DataType.Name(elem_type)
-            if elem_type in onnx.TensorProto.DataType.values()
-            else elem_type
+            onnx.TensorProto.DataType.Name(elem_type) if elem_type in onnx.TensorProto.DataType.values() else elem_type
         )
-        raise ValueError(
-            f"GatedGroupRMSNorm supports float, float16 and bfloat16; got element type {name}"
-        ) from None
+        raise ValueError(f"GatedGroupRMSNorm supports float, float16 and bfloat16; got element type {name}") from None
 
 
 def dtype_to_onnx_type(dtype: np.dtype | type) -> int:
@@ -224,9 +220,7 @@ def budget_report(
     a64, e64 = actual.astype(np.float64), expected.astype(np.float64)
     nan_a, nan_e = np.isnan(a64), np.isnan(e64)
     special = nan_e | np.isinf(e64)
-    mismatched_special = int(
-        ((nan_a ^ nan_e) | (np.isinf(e64) & (a64 != e64)) | (np.isinf(a64) & ~special)).sum()
-    )
+    mismatched_special = int(((nan_a ^ nan_e) | (np.isinf(e64) & (a64 != e64)) | (np.isinf(a64) & ~special)).sum())
     finite = ~special & np.isfinite(a64)
     with np.errstate(invalid="ignore", over="ignore"):
         err = np.where(finite, np.abs(a64 - e64), 0.0)
@@ -237,9 +231,7 @@ def budget_report(
         unit = ulp_of(e64, actual.dtype)
         tight, strict = unit, 2 * unit
     extra = np.zeros_like(e64)
-    coarser_norm = (
-        normed is not None and _MANTISSA_BITS[np.asarray(normed).dtype] < _MANTISSA_BITS[actual.dtype]
-    )
+    coarser_norm = normed is not None and _MANTISSA_BITS[np.asarray(normed).dtype] < _MANTISSA_BITS[actual.dtype]
     if coarser_norm:
         n = np.asarray(normed)
         w = np.broadcast_to(np.abs(np.asarray(weight, np.float64)), e64.shape)

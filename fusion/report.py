@@ -92,16 +92,19 @@ class Progress:
 
 def _numpy_dtype(elem_type: int) -> np.dtype:
     if elem_type == onnx.TensorProto.BFLOAT16:
-        raise ReportError(
-            "a model input is bfloat16, which numpy cannot feed; report on a fp16/fp32 model instead"
-        )
+        raise ReportError("a model input is bfloat16, which numpy cannot feed; report on a fp16/fp32 model instead")
     return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
 
 
 def dim_value(name: str, dims: dict[str, int]) -> int:
-    """Return the size bound to a symbolic dimension ``name`` (user overrides first, then defaults)."""
+    """Return the size bound to a symbolic dimension ``name`` (user overrides first, then defaults).
+
+    A dim_param that is a number ("128", as transformers' exporter writes fixed sizes) is that number.
+    """
     if name in dims:
         return dims[name]
+    if name.isdigit():
+        return int(name)
     lowered = name.lower()
     if lowered in DEFAULT_DIMS:
         return DEFAULT_DIMS[lowered]
@@ -112,20 +115,48 @@ def dim_value(name: str, dims: dict[str, int]) -> int:
     return UNKNOWN_DIM
 
 
+def load_inputs(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Return the arrays of an ``.npz`` file of model inputs, keyed by input name.
+
+    Keys may also end in ``input/<name>`` (as in tests/fixtures/models/references.npz): the part after the
+    last ``input/`` is the name.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ReportError(f"inputs file {str(file)!r} does not exist")
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            return {key.rsplit("input/", 1)[-1]: data[key] for key in data.files}
+    except Exception as exc:
+        raise ReportError(f"inputs file {str(file)!r} is not a readable .npz ({type(exc).__name__})") from None
+
+
 def make_inputs(
-    model: onnx.ModelProto, dims: dict[str, int] | None = None, seed: int = 0
+    model: onnx.ModelProto,
+    dims: dict[str, int] | None = None,
+    seed: int = 0,
+    provided: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Return seeded inputs for every graph input, symbolic dimensions bound by ``dim_value``.
 
-    Integer inputs get small non-negative values (token ids < 16, masks of ones, positions counting up),
+    ``provided`` arrays (real inputs, e.g. from ``load_inputs``) are used as they are. Others are made:
+    integer inputs get small non-negative values (token ids < 16, masks of ones, positions counting up),
     floating inputs N(0, 1) values.
     """
     dims = dims or {}
+    provided = provided or {}
     rng = np.random.default_rng(seed)
     initializers = {init.name for init in model.graph.initializer}
     feeds: dict[str, np.ndarray] = {}
     for value in model.graph.input:
         if value.name in initializers:
+            continue
+        if value.name in provided:
+            array = np.asarray(provided[value.name])
+            expected = value.type.tensor_type.elem_type
+            if expected and expected != onnx.TensorProto.BFLOAT16:
+                array = array.astype(_numpy_dtype(expected), copy=False)  # e.g. fp16 inputs saved as fp32
+            feeds[value.name] = array
             continue
         tensor_type = value.type.tensor_type
         if not value.type.HasField("tensor_type"):
@@ -176,9 +207,7 @@ def _load(path_or_model: str | os.PathLike[str] | onnx.ModelProto, what: str) ->
         # External weights stay on disk: the graph is all the static counts need, ORT reads the file itself.
         return onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError and others for a damaged file
-        raise ReportError(
-            f"{what} model {str(path)!r} is not a readable ONNX model ({type(exc).__name__})"
-        ) from None
+        raise ReportError(f"{what} model {str(path)!r} is not a readable ONNX model ({type(exc).__name__})") from None
 
 
 # --- measurement ----------------------------------------------------------------------------------
@@ -415,6 +444,7 @@ def measure(
     dims: dict[str, int] | None = None,
     optimization_level: str = "all",
     profile_runs: int = 10,
+    inputs: dict[str, np.ndarray] | None = None,
     progress: Progress | None = None,
 ) -> Report:
     """Return the before/after Report of two models on each provider (see the module docstring)."""
@@ -436,9 +466,7 @@ def measure(
         "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     }
     if optimization_level not in levels:
-        raise ReportError(
-            f"optimization level must be one of {', '.join(levels)}, got {optimization_level!r}"
-        )
+        raise ReportError(f"optimization level must be one of {', '.join(levels)}, got {optimization_level!r}")
     level = levels[optimization_level]
 
     progress.step("loading models")
@@ -454,7 +482,7 @@ def measure(
             model_bytes[what] = str(paths[what])
         else:
             model_bytes[what] = protos[what].SerializeToString()
-    feeds = make_inputs(protos["before"], dims)
+    feeds = make_inputs(protos["before"], dims, provided=inputs)
     after_inputs = {v.name for v in protos["after"].graph.input}
     if set(feeds) - after_inputs:
         raise ReportError(f"the models have different inputs: {sorted(set(feeds) ^ after_inputs)}")
@@ -473,9 +501,7 @@ def measure(
             res = ProviderResult()
             with tempfile.TemporaryDirectory() as tmp:
                 optimized = os.path.join(tmp, "optimized.onnx")
-                session = _session(
-                    model_bytes[what], provider, threads, level, profile=True, optimized_path=optimized
-                )
+                session = _session(model_bytes[what], provider, threads, level, profile=True, optimized_path=optimized)
                 opt_model = onnx.load(optimized, load_external_data=False)
                 res.optimized_nodes = count_nodes(opt_model)
                 res.memcpy_nodes = sum(1 for n in opt_model.graph.node if n.op_type.startswith("Memcpy"))
@@ -574,16 +600,10 @@ def plot(report: Report, path: str | os.PathLike[str]) -> None:
         ax.set_xticks(x, labels)
         ax.set_title(title, fontsize=10)
         for xi, (bv, av) in enumerate(zip(b, a, strict=True)):
-            ax.annotate(
-                f"{bv:.0f}" if bv >= 10 else f"{bv:.1f}", (xi - 0.2, bv), ha="center", va="bottom", fontsize=8
-            )
-            ax.annotate(
-                f"{av:.0f}" if av >= 10 else f"{av:.1f}", (xi + 0.2, av), ha="center", va="bottom", fontsize=8
-            )
+            ax.annotate(f"{bv:.0f}" if bv >= 10 else f"{bv:.1f}", (xi - 0.2, bv), ha="center", va="bottom", fontsize=8)
+            ax.annotate(f"{av:.0f}" if av >= 10 else f"{av:.1f}", (xi + 0.2, av), ha="center", va="bottom", fontsize=8)
     axes[0].legend(fontsize=8)
-    fig.suptitle(
-        f"{report.fused_nodes} gated-norm chains fused; max |error| {report.max_abs_error:.2g}", fontsize=10
-    )
+    fig.suptitle(f"{report.fused_nodes} gated-norm chains fused; max |error| {report.max_abs_error:.2g}", fontsize=10)
     fig.tight_layout()
     tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     fig.savefig(tmp, format="png", dpi=120)
@@ -599,7 +619,8 @@ def write_json(report: Report, path: str | os.PathLike[str]) -> None:
     os.replace(tmp, target)
 
 
-def _parse_dims(items: Sequence[str]) -> dict[str, int]:
+def parse_dims(items: Sequence[str]) -> dict[str, int]:
+    """Return {name: size} from ``NAME=SIZE`` strings, or raise ReportError."""
     dims = {}
     for item in items:
         name, sep, value = item.partition("=")
@@ -611,15 +632,12 @@ def _parse_dims(items: Sequence[str]) -> dict[str, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the report's options to a parser (shared with ``fusion.rewrite --report``)."""
-    parser.add_argument(
-        "--providers", default="CPUExecutionProvider", help="comma-separated execution providers"
-    )
+    parser.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
     parser.add_argument("--runs", type=int, default=200, help="timed runs per model (default 200)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed runs first (default 20)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
-    parser.add_argument(
-        "--dim", action="append", default=[], metavar="NAME=SIZE", help="bind a symbolic dimension"
-    )
+    parser.add_argument("--dim", action="append", default=[], metavar="NAME=SIZE", help="bind a symbolic dimension")
+    parser.add_argument("--inputs", metavar="FILE.npz", help="real model inputs (arrays named by input)")
     parser.add_argument(
         "--optimization-level",
         default="all",
@@ -627,15 +645,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ORT graph optimization level",
     )
     parser.add_argument("--json", dest="json_path", metavar="OUT.json", help="write the report as JSON")
-    parser.add_argument(
-        "--plot", metavar="OUT.png", help="write a PNG of dispatches and latency (needs matplotlib)"
-    )
+    parser.add_argument("--plot", metavar="OUT.png", help="write a PNG of dispatches and latency (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
-def run_from_args(
-    before: Any, after: Any, args: argparse.Namespace, print_fn: Callable[[str], None] = print
-) -> Report:
+def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> Report:
     """Measure, print the table, and write the JSON/PNG the arguments ask for."""
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     if not providers:
@@ -651,7 +665,8 @@ def run_from_args(
         runs=args.runs,
         warmup=args.warmup,
         threads=args.threads,
-        dims=_parse_dims(args.dim),
+        dims=parse_dims(args.dim),
+        inputs=load_inputs(args.inputs) if getattr(args, "inputs", None) else None,
         optimization_level=args.optimization_level,
         progress=Progress(enabled=not args.quiet),
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import sys
@@ -35,6 +36,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from fusion import function as fused_function
 from fusion.reference import DOMAIN, budget_report
+from fusion.report import ReportError, load_inputs, parse_dims
 from fusion.rules._graph import value_info_preserved
 from fusion.rules.gated_group_rms_norm import (
     FusionLog,
@@ -81,8 +83,7 @@ class Report:
         ]
         if self.fused:
             lines.append(
-                "model-local function: "
-                + ("attached" if self.function_attached else "omitted (--no-function)")
+                "model-local function: " + ("attached" if self.function_attached else "omitted (--no-function)")
             )
         lines += [f"  refused {where}: {reason}" for where, reason in self.refused]
         if self.verification is not None:
@@ -137,7 +138,15 @@ def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Repo
     # Shape inference lets the checks prove shapes; what it adds is rolled back at the end so that
     # the output differs from the input by the fusions only.
     with value_info_preserved(model):
-        ShapeInferencePass(strict_mode=False)(model)
+        # ONNX's inference stops at ops it cannot type (bfloat16 Conv, Softplus at opset 18) and onnx-ir
+        # then logs a traceback; the value_info the exporter wrote is still there, which is enough.
+        inference_log = logging.getLogger("onnx_ir.passes.common.shape_inference")
+        previous_level = inference_log.level
+        inference_log.setLevel(logging.ERROR)
+        try:
+            ShapeInferencePass(strict_mode=False)(model)
+        finally:
+            inference_log.setLevel(previous_level)
         report.fused = fuse_gated_group_rms_norm(model, log)
         _explain_refusals(model, log, report)
     if report.fused and function:
@@ -152,9 +161,7 @@ def _explain_refusals(model: ir.Model, log: FusionLog, report: Report) -> None:
     for record in log.chains.values():
         if record.fused:
             report.chains_found[record.form] = report.chains_found.get(record.form, 0) + 1
-            report.fused_chains.append(
-                {"location": record.location, "form": record.form, **record.attributes}
-            )
+            report.fused_chains.append({"location": record.location, "form": record.form, **record.attributes})
     for anchor in find_chain_anchors(model.graph):
         record = log.chains.get(anchor)
         form = record.form if record is not None else coarse_form(anchor)
@@ -229,9 +236,7 @@ def save(model: ir.Model, output: Path) -> None:
     if external and not same_dir:
         for tensor in external:
             if Path(tensor.path).resolve() == output.parent / data_name:
-                raise RewriteError(
-                    f"{output}: its data file {data_name} is the input's weights; choose another -o"
-                )
+                raise RewriteError(f"{output}: its data file {data_name} is the input's weights; choose another -o")
     scratch = Path(tempfile.mkdtemp(prefix=".mambafuse-", dir=output.parent))
     try:
         if external and not same_dir:
@@ -247,34 +252,13 @@ def save(model: ir.Model, output: Path) -> None:
 # --- verification -----------------------------------------------------------------------------------
 
 
-def _feeds(session: Any, seed: int = 0) -> dict[str, np.ndarray]:
-    """Return seeded inputs for a session; dynamic dims get small sizes, equal names equal sizes."""
-    rng = np.random.default_rng(seed)
-    sizes: dict[str, int] = {}
-    feeds = {}
-    numpy_types = {
-        "tensor(float)": np.float32,
-        "tensor(float16)": np.float16,
-        "tensor(double)": np.float64,
-        "tensor(int64)": np.int64,
-        "tensor(int32)": np.int32,
-        "tensor(bool)": np.bool_,
-    }
-    for node_arg in session.get_inputs():
-        shape = []
-        for dim in node_arg.shape:
-            if isinstance(dim, int) and dim >= 0:
-                shape.append(dim)
-            else:
-                shape.append(sizes.setdefault(str(dim), 2 + len(sizes) % 3))
-        dtype = numpy_types.get(node_arg.type)
-        if dtype is None:
-            raise RewriteError(f"--verify cannot generate input {node_arg.name!r} of type {node_arg.type}")
-        if np.issubdtype(dtype, np.floating):
-            feeds[node_arg.name] = rng.standard_normal(shape).astype(dtype)
-        else:
-            feeds[node_arg.name] = np.zeros(shape, dtype)  # ids/masks: zero is valid for any vocabulary
-    return feeds
+def _quiet_options() -> Any:
+    """Session options that keep ONNX Runtime's warnings (constant folding, fp16 casts) off the terminal."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # errors reach the user through the exception, once
+    return options
 
 
 #: --verify's tolerance on whole-model outputs, relative to each output's largest magnitude. The fused op
@@ -320,13 +304,18 @@ def _check_fused_nodes(
         names = [*node.input, node.output[0]]
         elem_types = [types.get(n) for n in node.input] + [attrs.get("output_dtype", y_type)]
         if None in elem_types or onnx.TensorProto.BFLOAT16 in elem_types:
-            results.append(
-                {"node": node.name, "checked": False, "detail": "types unknown or bfloat16 (not on CPU)"}
-            )
+            results.append({"node": node.name, "checked": False, "detail": "types unknown or bfloat16 (not on CPU)"})
             continue
         for name, elem_type in zip(names, elem_types, strict=True):
             if name not in existing:
-                probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
+                # A value listed both in value_info and as a graph output confuses ONNX Runtime's shape
+                # inference: move an existing entry (type and shape) to the outputs instead.
+                known = next((v for v in probe.graph.value_info if v.name == name), None)
+                if known is not None:
+                    probe.graph.value_info.remove(known)
+                    probe.graph.output.append(known)
+                else:
+                    probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
                 existing.add(name)
         exposed.append((node, names))
     if not exposed:
@@ -335,7 +324,7 @@ def _check_fused_nodes(
     os.close(handle)
     try:
         onnx.save(probe, probe_path)
-        session = contrib_ops.session(probe_path, use_library=use_library)
+        session = contrib_ops.session(probe_path, session_options=_quiet_options(), use_library=use_library)
         wanted = sorted({name for _, names in exposed for name in names})
         values = dict(zip(wanted, session.run(wanted, feeds), strict=True))
     finally:
@@ -358,15 +347,22 @@ def _check_fused_nodes(
     return results
 
 
-def verify(original: Path, fused: Path) -> dict[str, Any]:
+def verify(
+    original: Path,
+    fused: Path,
+    dims: dict[str, int] | None = None,
+    inputs: dict[str, np.ndarray] | None = None,
+) -> dict[str, Any]:
     """Run both models in ONNX Runtime (CPU) on the same inputs; return what agreed and what did not.
 
     Two checks: every fused node against the float64 reference on its real inputs, at the op's accuracy
     budget (DESIGN.md §1); and the model outputs, fused against original, within END_TO_END_RTOL of each
     output's largest magnitude (non-float outputs must be identical). Uses the mambafuse library when it
-    is built, else the fused model's function (stock ORT).
+    is built, else the fused model's function (stock ORT). Inputs: ``inputs`` where given, the rest
+    generated with symbolic dims bound by ``dims`` (fusion.report.make_inputs).
     """
     import contrib_ops
+    from fusion.report import make_inputs
 
     try:
         contrib_ops.library_path()
@@ -374,14 +370,29 @@ def verify(original: Path, fused: Path) -> dict[str, Any]:
     except contrib_ops.LibraryNotFoundError:
         use_library, backend = False, "model-local function (library not built)"
     try:
-        reference = contrib_ops.session(original, use_library=False)
-        candidate = contrib_ops.session(fused, use_library=use_library)
-        feeds = _feeds(reference)
+        reference = contrib_ops.session(original, session_options=_quiet_options(), use_library=False)
+    except Exception as error:
+        message = _first_line(error)
+        if "bfloat16" in message:
+            raise RewriteError(
+                "--verify: the original model does not load in ONNX Runtime's CPU provider, which has no "
+                "bfloat16 kernels for some of its ops; verify bfloat16 models on CUDA"
+            ) from None
+        raise RewriteError(f"--verify: the original model does not load in ONNX Runtime: {message}") from None
+    feeds = make_inputs(onnx.load(str(original), load_external_data=False), dims, provided=inputs)
+    try:
         expected = reference.run(None, feeds)
+    except Exception as error:
+        raise RewriteError(
+            f"--verify: the original model rejects its inputs ({_first_line(error)}); bind its "
+            "symbolic dims with --dim NAME=SIZE or give real inputs with --inputs FILE.npz"
+        ) from None
+    try:
+        candidate = contrib_ops.session(fused, session_options=_quiet_options(), use_library=use_library)
         actual = candidate.run(None, feeds)
         nodes = _check_fused_nodes(original, fused, feeds, use_library)
     except Exception as error:
-        raise RewriteError(f"--verify: ONNX Runtime failed: {_first_line(error)}") from None
+        raise RewriteError(f"--verify: the fused model failed in ONNX Runtime: {_first_line(error)}") from None
     outputs = []
     ok = all(n.get("within_budget", True) for n in nodes)
     for meta, want, got in zip(reference.get_outputs(), expected, actual, strict=True):
@@ -398,9 +409,7 @@ def verify(original: Path, fused: Path) -> dict[str, Any]:
         else:
             within = want.shape == got.shape and np.array_equal(want, got)
             message = "identical" if within else "differs"
-        outputs.append(
-            {"name": meta.name, "within_budget": within, "max_abs_error": max_abs, "detail": message}
-        )
+        outputs.append({"name": meta.name, "within_budget": within, "max_abs_error": max_abs, "detail": message})
         ok &= within
     checked = [n for n in nodes if n["checked"]]
     lines = [f"verify ({backend}): {'PASS' if ok else 'FAIL'}"]
@@ -429,14 +438,23 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="python -m fusion.rewrite",
-        description="Fuse the gated group-RMSNorm chains of a Mamba-2 model into "
-        "ai.mambafuse::GatedGroupRMSNorm.",
+        description="Fuse the gated group-RMSNorm chains of a Mamba-2 model into ai.mambafuse::GatedGroupRMSNorm.",
     )
     parser.add_argument("input", type=Path, help="the ONNX model to rewrite (never modified)")
     parser.add_argument("-o", "--output", type=Path, help="where to write (default: IN.fused.onnx beside IN)")
     parser.add_argument("--no-function", action="store_true", help="omit the model-local function")
     parser.add_argument("--verify", action="store_true", help="run both models in ONNX Runtime and compare")
     parser.add_argument("--debug", action="store_true", help="explain every chain that was not fused")
+    parser.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="bind a symbolic dimension of the generated inputs (--verify, --report)",
+    )
+    parser.add_argument(
+        "--inputs", metavar="FILE.npz", help="real model inputs for --verify and --report (arrays named by input)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     # Hook for fusion/report.py (dispatch and latency before/after): it adds its flag here.
     _add_report_arguments(parser)
@@ -449,15 +467,15 @@ def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--report", action="store_true", help="measure dispatches, latency and output error before vs after"
     )
-    group.add_argument(
-        "--providers", default="CPUExecutionProvider", help="comma-separated providers to measure"
-    )
+    group.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated providers to measure")
     group.add_argument("--runs", type=int, default=200, help="timed runs per model (default 200)")
-    group.add_argument(
-        "--dim", action="append", default=[], metavar="NAME=SIZE", help="bind a symbolic dimension"
-    )
     group.add_argument("--report-json", metavar="OUT.json", help="also write the report as JSON")
     group.add_argument("--report-plot", metavar="OUT.png", help="also write a PNG (needs matplotlib)")
+
+
+def _inputs(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
+    """Return the arrays of ``--inputs``, if given."""
+    return load_inputs(args.inputs) if args.inputs else None
 
 
 def _run_report(args: argparse.Namespace, original: Path, fused: Path) -> None:
@@ -476,6 +494,7 @@ def _run_report(args: argparse.Namespace, original: Path, fused: Path) -> None:
         json_path=args.report_json,
         plot=args.report_plot,
         quiet=args.json,
+        inputs=args.inputs,
     )
     try:
         before_after.run_from_args(original, fused, options, print_fn=print)
@@ -503,8 +522,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fused_model, report = rewrite_model(model, function=not args.no_function)
         save(fused_model, output)
         if args.verify:
-            report.verification = verify(args.input, output)
-    except RewriteError as error:
+            report.verification = verify(args.input, output, parse_dims(args.dim), _inputs(args))
+    except (RewriteError, ReportError) as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     except (OSError, MemoryError) as error:
@@ -513,9 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if args.debug:
             raise
-        print(
-            f"{prog}: internal error (rerun with --debug for details): {_first_line(error)}", file=sys.stderr
-        )
+        print(f"{prog}: internal error (rerun with --debug for details): {_first_line(error)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"output": str(output), **report.to_dict()}, indent=2))

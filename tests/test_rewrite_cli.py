@@ -49,9 +49,7 @@ def test_default_output_is_beside_the_input(tmp_path: Path, capsys: pytest.Captu
     assert [n.op_type for n in fused.graph.node] == ["GatedGroupRMSNorm", "Identity"]
     assert len(fused.functions) == 1
     assert _digest(source) == before, "the input model must never be modified"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.fused.onnx", "model.onnx"], (
-        "no temp files left"
-    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.fused.onnx", "model.onnx"], "no temp files left"
 
 
 def test_output_option_no_function_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,9 +58,7 @@ def test_output_option_no_function_and_json(tmp_path: Path, capsys: pytest.Captu
     target.parent.mkdir()
     assert main([str(source), "-o", str(target), "--no-function", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert (
-        report["fused"] == 1 and report["chains_found"] == {"C": 1} and report["function_attached"] is False
-    )
+    assert report["fused"] == 1 and report["chains_found"] == {"C": 1} and report["function_attached"] is False
     assert report["fused_chains"][0]["norm_dtype"] == "float16"
     assert onnx.load(target).functions == []
 
@@ -75,9 +71,7 @@ def test_refuses_to_overwrite_the_input(tmp_path: Path, capsys: pytest.CaptureFi
     assert _digest(source) == before
 
 
-def test_verify_passes_and_says_which_backend(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], library: str
-) -> None:
+def test_verify_passes_and_says_which_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str], library: str) -> None:
     source = _write(tmp_path / "model.onnx", ChainSpec(shape_as="dynamic", leading=("batch", "seq")))
     assert main([str(source), "--verify"]) == 0
     out = capsys.readouterr().out
@@ -162,9 +156,7 @@ def test_missing_external_data_is_an_error(tmp_path: Path, capsys: pytest.Captur
 
 def _bad_graph(path: Path) -> Path:
     node = helper.make_node("Relu", ["undefined_input"], ["out"])
-    graph = helper.make_graph(
-        [node], "g", [], [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [1])]
-    )
+    graph = helper.make_graph([node], "g", [], [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [1])])
     path.write_bytes(helper.make_model(graph).SerializeToString())
     return path
 
@@ -256,3 +248,24 @@ def test_external_weights_are_not_read_when_output_stays_beside_them(
     assert report.fused == 1
     save(model, tmp_path / "model.fused.onnx")
     assert _external_locations(tmp_path / "model.fused.onnx") == {"model.onnx.weights"}
+
+
+def test_verify_takes_real_inputs_and_dims(tmp_path: Path, capsys: pytest.CaptureFixture[str], library: str) -> None:
+    import numpy as np
+
+    source = _write(tmp_path / "model.onnx", ChainSpec(shape_as="dynamic", leading=("batch", "seq")))
+    rng = np.random.default_rng(4)
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, y=rng.standard_normal((2, 7, 64)).astype(np.float32), z=rng.standard_normal((2, 7, 64)))
+    assert main([str(source), "--verify", "--inputs", str(inputs)]) == 0
+    assert "verify (mambafuse library): PASS" in capsys.readouterr().out
+    assert main([str(source), "--verify", "--dim", "seq=5", "--dim", "batch=3"]) == 0
+    capsys.readouterr()
+    np.savez(inputs, y=np.zeros((2, 7, 64), np.float32), z=np.zeros((2, 7, 48), np.float32))
+    assert main([str(source), "--verify", "--inputs", str(inputs)]) == 2
+    line = _error_line(capsys)
+    assert "the original model rejects its inputs" in line and "--inputs FILE.npz" in line
+    assert main([str(source), "--verify", "--inputs", str(tmp_path / "none.npz")]) == 2
+    assert "does not exist" in _error_line(capsys)
+    assert main([str(source), "--verify", "--dim", "seq"]) == 2
+    assert "--dim expects NAME=SIZE" in _error_line(capsys)

@@ -55,9 +55,7 @@ class Case:
     kept_ops: tuple[str, ...] = ()
 
 
-F16_DECODE = dict(
-    y_dtype=FLOAT16, z_dtype=FLOAT16, cast_y=True, cast_z=True, norm_cast=FLOAT16, weight_dtype=FLOAT16
-)
+F16_DECODE = dict(y_dtype=FLOAT16, z_dtype=FLOAT16, cast_y=True, cast_z=True, norm_cast=FLOAT16, weight_dtype=FLOAT16)
 
 CASES: dict[str, Case] = {
     # A: dynamo fp32
@@ -83,9 +81,7 @@ CASES: dict[str, Case] = {
     "A_trailing_cast_f32": Case(ChainSpec(trailing_cast=FLOAT), "A"),
     # B: dynamo half prefill, y already f32, gate cast, trailing Cast absorbed
     "B_f16_prefill": Case(
-        ChainSpec(
-            z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT16, shape_as="dynamic", leading=("b", "s")
-        ),
+        ChainSpec(z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT16, shape_as="dynamic", leading=("b", "s")),
         "B",
         output_dtype=FLOAT16,
     ),
@@ -116,9 +112,7 @@ CASES: dict[str, Case] = {
         ChainSpec(**F16_DECODE, trailing_cast=FLOAT), "C", FLOAT16, FLOAT16, kept_ops=("Cast",)
     ),
     # D: dynamo optimize=False: Constant nodes, explicit Cast(W -> f32)
-    "D_constant_nodes": Case(
-        ChainSpec(scalars_as_constants=True, epsilon_as="constant_node", weight_cast=True), "D"
-    ),
+    "D_constant_nodes": Case(ChainSpec(scalars_as_constants=True, epsilon_as="constant_node", weight_cast=True), "D"),
     "D_f16_weight_cast": Case(
         ChainSpec(
             scalars_as_constants=True,
@@ -134,9 +128,7 @@ CASES: dict[str, Case] = {
     ),
     # E: TorchScript, opset 17
     "E_torchscript": Case(
-        ChainSpec(
-            opset=17, axes_as="attribute", rsqrt="div_one", cast_y=True, cast_z=True, shape_as="torchscript"
-        ),
+        ChainSpec(opset=17, axes_as="attribute", rsqrt="div_one", cast_y=True, cast_z=True, shape_as="torchscript"),
         "E",
     ),
     "E_positive_axis_attribute": Case(ChainSpec(opset=17, axes_as="attribute", axis=3), "E"),
@@ -150,9 +142,7 @@ CASES: dict[str, Case] = {
     "G_quick_gelu": Case(ChainSpec(silu="quick_gelu"), "G"),
     "G_div_by_sqrt": Case(ChainSpec(rsqrt="div_x"), "G"),
     "G_quick_gelu_div_f16_cast_inputs": Case(
-        ChainSpec(
-            silu="quick_gelu", rsqrt="div_x", y_dtype=FLOAT16, z_dtype=FLOAT16, cast_y=True, cast_z=True
-        ),
+        ChainSpec(silu="quick_gelu", rsqrt="div_x", y_dtype=FLOAT16, z_dtype=FLOAT16, cast_y=True, cast_z=True),
         "G",
     ),
     # H: hand-built, opset 23
@@ -327,9 +317,7 @@ def test_parity_reference_evaluator_half_types() -> None:
 
 
 def test_dynamic_leading_dims_run_at_other_sizes(library: str) -> None:
-    spec = ChainSpec(
-        shape_as="dynamic", leading=("batch", "seq"), z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT16
-    )
+    spec = ChainSpec(shape_as="dynamic", leading=("batch", "seq"), z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT16)
     original = build_chain(spec)
     fused, _ = rewrite_model(original)
     for leading in ((1, 1), (3, 7)):
@@ -504,3 +492,18 @@ def test_trailing_half_cast_after_all_float_chain_stays() -> None:
     casts = [n for n in fused.graph.node if n.op_type == "Cast"]
     assert [onnx.helper.get_attribute_value(c.attribute[0]) for c in casts] == [FLOAT16]
     assert casts[0].input[0] == node.output[0]
+
+
+def test_axes_as_a_reshaped_constant_fuse() -> None:
+    """dynamo with optimize=False writes ReduceMean's axes as Reshape(Constant([-1]), [1])."""
+    model = build_chain(ChainSpec(scalars_as_constants=True))
+    (mean,) = [n for n in model.graph.node if n.op_type == "ReduceMean"]
+    reshaped = onnx.helper.make_node("Reshape", [mean.input[1], "axes_shape"], ["axes_reshaped"])
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([1], np.int64), "axes_shape"))
+    index = list(model.graph.node).index(mean)
+    model.graph.node.insert(index, reshaped)
+    mean.input[1] = "axes_reshaped"
+    onnx.checker.check_model(model)
+    fused, report = rewrite_model(model)
+    assert report.fused == 1, report.summary()
+    assert "ReduceMean" not in {n.op_type for n in fused.graph.node}

@@ -21,13 +21,39 @@ Dim = int | str | tuple[Any, ...] | None
 _MAX_DEPTH = 32
 
 
-def constant_array(value: ir.Value | None) -> np.ndarray | None:
-    """Return the constant data of ``value`` (initializer or Constant node output), else None."""
+#: Ops that only rearrange (or, Cast, convert) a constant's elements: a small constant seen through them
+#: is still a known constant (dynamo's optimize=False writes ReduceMean axes as Reshape(Constant)).
+_ELEMENT_PRESERVING = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Identity", "Flatten", "Cast"})
+_MAX_FOLDED_ELEMENTS = 1024
+
+
+def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None:
+    """Return the constant data of ``value`` (initializer or Constant node output), else None.
+
+    Small constants are also seen through element-preserving ops (``_ELEMENT_PRESERVING``); those come
+    back flattened to 1-D (a Cast converts them), which is all the checks need of axes and scalars.
+    """
     if value is None:
         return None
     tensor = value.const_value
     if tensor is None:
         producer = value.producer()
+        if (
+            producer is not None
+            and producer.op_type in _ELEMENT_PRESERVING
+            and producer.domain in ("", "ai.onnx")
+            and producer.inputs
+            and _depth < _MAX_DEPTH
+        ):
+            inner = constant_array(producer.inputs[0], _depth + 1)
+            if inner is None or inner.size > _MAX_FOLDED_ELEMENTS:
+                return None
+            if producer.op_type == "Cast":
+                to = producer.attributes.get("to")
+                if to is None:
+                    return None
+                return inner.reshape(-1).astype(ir.DataType(to.as_int()).numpy())
+            return inner.reshape(-1)
         if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
             return None
         attr = next(iter(producer.attributes.values()), None)

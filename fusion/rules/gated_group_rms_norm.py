@@ -273,9 +273,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
                 z,
             )
         if not dims_equal(y_dims[-1], channels):
-            raise _Refusal(
-                f"the last axis of y {format_dims(y_dims)} is not the weight's length C = {channels}", y
-            )
+            raise _Refusal(f"the last axis of y {format_dims(y_dims)} is not the weight's length C = {channels}", y)
         # The chain's tensors all have y's dims (y and z are equal, the product is elementwise).
         aliases = dict.fromkeys((y, z, y_input, z_input, b["silu"], b["gated"]), y_dims)
 
@@ -303,8 +301,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
                 raise _Refusal(f"the normalized value is cast to {_dtype_name(norm_dtype)}", normed)
         if weight.dtype != norm_dtype:
             raise _Refusal(
-                f"the weight is {_dtype_name(weight.dtype)} but the normalized value is "
-                f"{_dtype_name(norm_dtype)}",
+                f"the weight is {_dtype_name(weight.dtype)} but the normalized value is {_dtype_name(norm_dtype)}",
                 weight,
             )
         # A widening Cast on W is exact only when the weight Mul runs in fp32 anyway.
@@ -420,9 +417,7 @@ def _is_shape_node(node: ir.Node) -> bool:
     return node.op_type == "Shape" and node.domain in _ONNX_DOMAINS
 
 
-def _bypass_widening_cast(
-    value: ir.Value, chain_nodes: set[ir.Node]
-) -> tuple[ir.Value, list[tuple[ir.Node, int]]]:
+def _bypass_widening_cast(value: ir.Value, chain_nodes: set[ir.Node]) -> tuple[ir.Value, list[tuple[ir.Node, int]]]:
     """Return the input of ``value``'s Cast when that Cast widens to fp32 and feeds only the chain.
 
     Also returns the Shape nodes outside the chain that read ``value`` (to reroute to the input).
@@ -437,12 +432,8 @@ def _bypass_widening_cast(
         return unchanged  # a narrowing Cast (from double) is a rounding of its own: it stays
     if producer.attributes.get_int("to", 0) != ir.DataType.FLOAT:
         return unchanged
-    shape_readers = [
-        (user, i) for user, i in value.uses() if user not in chain_nodes and _is_shape_node(user)
-    ]
-    if value.is_graph_output() or any(
-        user not in chain_nodes and not _is_shape_node(user) for user, _ in value.uses()
-    ):
+    shape_readers = [(user, i) for user, i in value.uses() if user not in chain_nodes and _is_shape_node(user)]
+    if value.is_graph_output() or any(user not in chain_nodes and not _is_shape_node(user) for user, _ in value.uses()):
         return unchanged  # someone else reads the fp32 copy: keep the Cast, feed its output
     return source, shape_readers
 
@@ -544,8 +535,7 @@ def _check_decomposed(b: dict[str, Any], group_rank: int | None) -> float:
         exponent = constant_scalar(b["exponent"])
         if exponent != 2.0:
             raise _Refusal(
-                f"the square is Pow(x, {exponent if exponent is not None else 'non-constant'}), not "
-                "Pow(x, 2)",
+                f"the square is Pow(x, {exponent if exponent is not None else 'non-constant'}), not Pow(x, 2)",
                 b["exponent"],
             )
     mean_node: ir.Node = b["mean_square"].producer()
