@@ -37,7 +37,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 from fusion import function as fused_function
 from fusion.reference import DOMAIN, budget_report
 from fusion.report import ReportError, load_inputs, parse_dims
-from fusion.rules._graph import value_info_preserved
+from fusion.rules._graph import all_values, value_info_preserved
 from fusion.rules.gated_group_rms_norm import (
     FusionLog,
     coarse_form,
@@ -148,12 +148,61 @@ def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Repo
         finally:
             inference_log.setLevel(previous_level)
         report.fused = fuse_gated_group_rms_norm(model, log)
+        if any(not chain.fused for chain in log.chains.values()) and _symbolic_shapes(model):
+            # ONNX's inference could not prove some chain's shapes (TorchScript exports lose dims through
+            # their shape arithmetic); ONNX Runtime's symbolic inference often can. Second pass, same log.
+            report.fused += fuse_gated_group_rms_norm(model, log)
         _explain_refusals(model, log, report)
     if report.fused and function:
         attach_function(model, opset)
         report.function_attached = True
     report.nodes_after = _node_count(model)
     return model, report
+
+
+def _symbolic_shapes(model: ir.Model) -> int:
+    """Fill unknown dims of ``model``'s values from ONNX Runtime's symbolic shape inference.
+
+    Returns how many values got a more complete shape; 0 when the tool is missing or gives up on this
+    graph (it raises on some ops it does not know). Weights stay where they are: the proto it reads
+    keeps external tensors external.
+    """
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    except ImportError:
+        return 0
+    tool_log = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    previous_level = tool_log.level
+    tool_log.setLevel(logging.ERROR)  # it warns about every guess it makes
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(ir.to_proto(model), auto_merge=True)
+    except Exception:
+        return 0
+    finally:
+        tool_log.setLevel(previous_level)
+    if inferred is None:
+        return 0
+    by_name = {value.name: value for value in all_values(model) if value.name}
+
+    def informative(dims: list[Any]) -> int:
+        # ints and real names count; None and ONNX's generated "unk__N" names do not
+        return sum(1 for d in dims if isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__")))
+
+    updated = 0
+    for info in inferred.graph.value_info:
+        value = by_name.get(info.name)
+        tensor_type = info.type.tensor_type
+        if value is None or not info.type.HasField("tensor_type") or not tensor_type.HasField("shape"):
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
+        known = None if value.shape is None else [d if isinstance(d, int) else d.value for d in value.shape.dims]
+        if known is not None and (len(known) != len(dims) or informative(known) >= informative(dims)):
+            continue
+        if value.dtype is None and tensor_type.elem_type:
+            value.dtype = ir.DataType(tensor_type.elem_type)
+        value.shape = ir.Shape(dims)
+        updated += 1
+    return updated
 
 
 def _explain_refusals(model: ir.Model, log: FusionLog, report: Report) -> None:

@@ -27,9 +27,7 @@ from tests._ops import (
 TYPES = (FLOAT, FLOAT16, BFLOAT16)
 
 
-def run_op(
-    model: onnx.ModelProto, y: np.ndarray, z: np.ndarray, w: np.ndarray, threads: int = 1
-) -> np.ndarray:
+def run_op(model: onnx.ModelProto, y: np.ndarray, z: np.ndarray, w: np.ndarray, threads: int = 1) -> np.ndarray:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     session = contrib_ops.session(model, session_options=options, use_library=True)
@@ -166,9 +164,7 @@ def test_edge_values(elem_type: int) -> None:
     assert bad == expected_bad
     actual = as_type(
         run_op(
-            one_node_model(
-                elem_type, elem_type, elem_type, shape=[3, group_size * groups], group_size=group_size
-            ),
+            one_node_model(elem_type, elem_type, elem_type, shape=[3, group_size * groups], group_size=group_size),
             y,
             z,
             w,
@@ -196,9 +192,7 @@ def test_empty_leading_axis_gives_empty_output() -> None:
 
 
 def test_output_shape_and_type_are_inferred() -> None:
-    model = one_node_model(
-        FLOAT16, FLOAT16, FLOAT, shape=["batch", "seq", 96], group_size=48, output_dtype=FLOAT
-    )
+    model = one_node_model(FLOAT16, FLOAT16, FLOAT, shape=["batch", "seq", 96], group_size=48, output_dtype=FLOAT)
     session = contrib_ops.session(model, use_library=True)
     out = session.get_outputs()[0]
     assert out.type == "tensor(float)"
@@ -268,9 +262,7 @@ def test_rejects_w_of_wrong_length_at_load_time() -> None:
 def test_rejects_w_of_wrong_rank() -> None:
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["a", "b"], group_size=8)
     y = np.ones((2, 16), np.float32)
-    _expect_error(
-        model, {"y": y, "z": y, "w": np.ones((2, 8), np.float32)}, r"W must (have shape \[C\]|be 1-D)"
-    )
+    _expect_error(model, {"y": y, "z": y, "w": np.ones((2, 8), np.float32)}, r"W must (have shape \[C\]|be 1-D)")
 
 
 def test_rejects_channels_not_divisible_by_group_size_at_load_time() -> None:
@@ -281,9 +273,7 @@ def test_rejects_channels_not_divisible_by_group_size_at_load_time() -> None:
 def test_rejects_channels_not_divisible_by_group_size_at_run_time() -> None:
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["c"], group_size=8)
     y = np.ones((2, 30), np.float32)
-    _expect_error(
-        model, {"y": y, "z": y, "w": np.ones(30, np.float32)}, r"C = 30 .* not divisible by group_size = 8"
-    )
+    _expect_error(model, {"y": y, "z": y, "w": np.ones(30, np.float32)}, r"C = 30 .* not divisible by group_size = 8")
 
 
 def test_rejects_y_z_shape_mismatch() -> None:
@@ -340,8 +330,7 @@ def test_rejects_missing_epsilon() -> None:
     graph = oh.make_graph(
         [node],
         "no_eps",
-        [oh.make_tensor_value_info(n, FLOAT, [2, 16]) for n in "yz"]
-        + [oh.make_tensor_value_info("w", FLOAT, [16])],
+        [oh.make_tensor_value_info(n, FLOAT, [2, 16]) for n in "yz"] + [oh.make_tensor_value_info("w", FLOAT, [16])],
         [oh.make_tensor_value_info("out", FLOAT, None)],
     )
     model = make_model(graph)
@@ -359,9 +348,7 @@ def test_library_path_env_override_must_exist(monkeypatch: pytest.MonkeyPatch, t
 
 def test_library_not_found_lists_where_it_looked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(contrib_ops.LIBRARY_ENV, raising=False)
-    monkeypatch.setattr(
-        contrib_ops, "_candidates", lambda: [contrib_ops.Path("/nonexistent/libmambafuse_ops.so")]
-    )
+    monkeypatch.setattr(contrib_ops, "_candidates", lambda: [contrib_ops.Path("/nonexistent/libmambafuse_ops.so")])
     with pytest.raises(contrib_ops.LibraryNotFoundError, match="/nonexistent/libmambafuse_ops.so"):
         contrib_ops.library_path()
 
@@ -423,10 +410,37 @@ def test_fp16_nodes_between_ops_without_fp16_cpu_kernels(level: str) -> None:
         "z": rng.standard_normal((1, 1, 96)).astype(np.float16),
     }
     got = contrib_ops.session(fused, session_options=options, use_library=True).run(None, feeds)[0]
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, feeds
-    )[0]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     assert got.dtype == np.float16
     np.testing.assert_allclose(
         got.astype(np.float32), want.astype(np.float32), rtol=2e-2, atol=2e-2 * np.abs(want).max()
     )
+
+
+def test_inferred_output_shape_takes_known_dims_from_the_gate() -> None:
+    """Y's last dim unknown (as in TorchScript exports), Z's known: the output gets Z's dims, so a MatMul
+    after the node still type-checks when the session is created."""
+    rng = np.random.default_rng(12)
+    y, z, w = random_inputs(rng, (2, 3, 96), FLOAT, FLOAT, FLOAT)
+    proj = rng.standard_normal((96, 8)).astype(np.float32)
+    nodes = [
+        oh.make_node(
+            "GatedGroupRMSNorm", ["y", "z", "w"], ["normed"], domain="ai.mambafuse", epsilon=1e-5, group_size=48
+        ),
+        oh.make_node("MatMul", ["normed", "proj"], ["out"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "unknown_y_dims",
+        [
+            oh.make_tensor_value_info("y", FLOAT, [2, 3, None]),
+            oh.make_tensor_value_info("z", FLOAT, [2, 3, 96]),
+            oh.make_tensor_value_info("w", FLOAT, [96]),
+        ],
+        [oh.make_tensor_value_info("out", FLOAT, None)],
+        initializer=[onnx.numpy_helper.from_array(proj, "proj")],
+    )
+    session = contrib_ops.session(make_model(graph), use_library=True)
+    out = session.run(None, {"y": y, "z": z, "w": w})[0]
+    expected = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=48) @ proj
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-4)

@@ -298,7 +298,7 @@ OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context) {
     Ort::ThrowOnError(api.ShapeInferContext_GetInputCount(context, &input_count));
     if (input_count != 3) return Ort::Status{};
     StaticInput inputs[3];
-    std::vector<const char*> y_symbols;
+    std::vector<const char*> symbols[2];  // of Y and Z; the strings belong to the context
     for (size_t i = 0; i < 3; ++i) {
       // The info belongs to the context: wrapping it in an owning Ort object would free it twice.
       OrtTensorTypeAndShapeInfo* info = nullptr;
@@ -307,9 +307,9 @@ OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context) {
       inputs[i].elem_type = view.GetElementType();
       inputs[i].shape = view.GetShape();
       inputs[i].has_shape = !inputs[i].shape.empty();
-      if (i == 0 && !inputs[i].shape.empty()) {
-        y_symbols.assign(inputs[i].shape.size(), nullptr);
-        view.GetSymbolicDimensions(y_symbols.data(), y_symbols.size());
+      if (i < 2 && !inputs[i].shape.empty()) {
+        symbols[i].assign(inputs[i].shape.size(), nullptr);
+        view.GetSymbolicDimensions(symbols[i].data(), symbols[i].size());
       }
     }
     bool present = false;
@@ -327,18 +327,30 @@ OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context) {
       output_dtype = static_cast<int64_t>(ElemType::kFloat);
     }
 
-    // Output: Y's shape (symbolic dims kept), element type output_dtype (default: Y's).
+    // Output: Y's shape, which is Z's (the op does not broadcast): per dim, a size either of them knows,
+    // else a name either of them has. A dim neither knows gets a fresh name: ORT writes an unnamed
+    // unknown dim as the value -1, which the ops downstream would then take literally.
+    if (!inputs[0].has_shape && !inputs[1].has_shape) return Ort::Status{};  // rank unknown: leave it to the graph
+    const auto& y_shape = inputs[0].has_shape ? inputs[0].shape : inputs[1].shape;
+    const bool z_matches = inputs[1].shape.size() == y_shape.size();
+    std::vector<int64_t> dims(y_shape.size());
+    std::vector<std::string> names(y_shape.size());
+    for (size_t d = 0; d < y_shape.size(); ++d) {
+      const int64_t z_dim = z_matches ? inputs[1].shape[d] : -1;
+      dims[d] = y_shape[d] >= 0 ? y_shape[d] : z_dim;
+      if (dims[d] >= 0) continue;
+      const char* y_name = d < symbols[0].size() ? symbols[0][d] : nullptr;
+      const char* z_name = z_matches && d < symbols[1].size() ? symbols[1][d] : nullptr;
+      names[d] = y_name && *y_name ? y_name : z_name && *z_name ? z_name : "gated_norm_dim_" + std::to_string(d);
+    }
+    std::vector<const char*> name_ptrs(dims.size());
+    for (size_t d = 0; d < dims.size(); ++d) name_ptrs[d] = names[d].c_str();
     OrtTensorTypeAndShapeInfo* raw_out = nullptr;
     Ort::ThrowOnError(api.CreateTensorTypeAndShapeInfo(&raw_out));
     const Ort::TensorTypeAndShapeInfo out_info(raw_out);  // owns raw_out
     Ort::ThrowOnError(api.SetTensorElementType(raw_out, static_cast<ONNXTensorElementDataType>(output_dtype)));
-    const auto& y_shape = inputs[0].shape;
-    Ort::ThrowOnError(api.SetDimensions(raw_out, y_shape.data(), y_shape.size()));
-    if (!y_symbols.empty()) {
-      std::vector<const char*> symbols(y_symbols.size());
-      for (size_t d = 0; d < symbols.size(); ++d) symbols[d] = y_symbols[d] ? y_symbols[d] : "";
-      Ort::ThrowOnError(api.SetSymbolicDimensions(raw_out, symbols.data(), symbols.size()));
-    }
+    Ort::ThrowOnError(api.SetDimensions(raw_out, dims.data(), dims.size()));
+    Ort::ThrowOnError(api.SetSymbolicDimensions(raw_out, name_ptrs.data(), name_ptrs.size()));
     Ort::ThrowOnError(api.ShapeInferContext_SetOutputTypeShape(context, 0, raw_out));
     return Ort::Status{};
   });
