@@ -39,7 +39,7 @@ test: build
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: build
-	$(PY) -m demo
+	$(PY) -m fusion.demo
 
 # The kernel tests against a library built with AddressSanitizer + UndefinedBehaviorSanitizer.
 sanitize: $(STAMPS)/deps
