@@ -134,6 +134,10 @@ def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Repo
 
     opset = _onnx_opset(model)
     report = Report(nodes_before=_node_count(model))
+    if model.opset_imports.get(DOMAIN, fused_function.OPSET_VERSION) != fused_function.OPSET_VERSION:
+        # A model saved by an ONNX Runtime session that had the library registered imports the domain at
+        # the runtime's placeholder version (1000); the op has one version, 1.
+        model.opset_imports[DOMAIN] = fused_function.OPSET_VERSION
     log = FusionLog()
     # Shape inference lets the checks prove shapes; what it adds is rolled back at the end so that
     # the output differs from the input by the fusions only.

@@ -507,3 +507,13 @@ def test_axes_as_a_reshaped_constant_fuse() -> None:
     fused, report = rewrite_model(model)
     assert report.fused == 1, report.summary()
     assert "ReduceMean" not in {n.op_type for n in fused.graph.node}
+
+
+def test_domain_imported_at_ort_placeholder_version_is_reset() -> None:
+    """A model saved by an ORT session with the library registered imports ai.mambafuse at 1000."""
+    model = build_chain(ChainSpec())
+    model.opset_import.append(onnx.helper.make_opsetid("ai.mambafuse", 1000))
+    fused, report = rewrite_model(model)
+    assert report.fused == 1
+    assert {o.domain: o.version for o in fused.opset_import}["ai.mambafuse"] == 1
+    onnx.checker.check_model(fused, full_check=True)
