@@ -517,3 +517,16 @@ def test_domain_imported_at_ort_placeholder_version_is_reset() -> None:
     assert report.fused == 1
     assert {o.domain: o.version for o in fused.opset_import}["ai.mambafuse"] == 1
     onnx.checker.check_model(fused, full_check=True)
+
+
+def test_y_width_written_as_an_expression_of_seq_fuses() -> None:
+    """torch.export records y's width after a chunked scan as an expression of seq that equals C."""
+    model = build_chain(ChainSpec(shape_as="dynamic", leading=("batch", "seq")))
+    y = next(i for i in model.graph.input if i.name == "y")
+    y.type.tensor_type.shape.dim[-1].dim_param = "((64*Min(seq, 16*((seq + Mod(16 - Mod(seq, 16), 16))//16)))//seq)"
+    fused, report = rewrite_model(model)
+    assert report.fused == 1, report.summary()
+    feeds = chain_inputs(ChainSpec(shape_as="dynamic", leading=("batch", "seq")), leading=(2, 5))
+    got = contrib_ops.session(fused, use_library=True).run(None, feeds)[0]
+    want = contrib_ops.session(model, use_library=False).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

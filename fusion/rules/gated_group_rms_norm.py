@@ -266,6 +266,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         z_dims = value_dims(z, {}) or value_dims(z_input, {})
         if y_dims is None or z_dims is None:
             raise _Refusal("the shapes of y and the gate are unknown (run shape inference first)", y)
+        y_dims, z_dims = _last_axis_as_channels(y_dims, z_dims, channels)
         if len(y_dims) != len(z_dims) or not all(map(dims_equal, y_dims, z_dims)):
             raise _Refusal(
                 f"y {format_dims(y_dims)} and the gate {format_dims(z_dims)} are not provably the same "
@@ -291,6 +292,13 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
 
         flat: ir.Value = b["flat"]
         restored = _target_dims(flat.producer(), b["shape_out"], group_dims, aliases)
+        if restored is None:
+            # A target computed by arithmetic not followed here (dynamic-sequence dynamo exports pad the
+            # length to a chunk multiple in 17 int64 nodes): the exporter's own record of the result's
+            # shape is the proof instead.
+            recorded = value_dims(flat, {})
+            if recorded is not None:
+                restored, _ = _last_axis_as_channels(recorded, y_dims, channels)
         _check_restores(restored, y_dims, flat.producer())
 
         normed: ir.Value = b["normed"]
@@ -415,6 +423,25 @@ def attributes_of(plan: _Plan) -> dict[str, Any]:
 
 def _is_shape_node(node: ir.Node) -> bool:
     return node.op_type == "Shape" and node.domain in _ONNX_DOMAINS
+
+
+def _last_axis_as_channels(y_dims: list[Dim], z_dims: list[Dim], channels: int | None) -> tuple[list[Dim], list[Dim]]:
+    """Return the dims with a last axis that is not a plain number taken as C, when the other one is C.
+
+    Dynamic-sequence dynamo exports carry y's width as an unevaluated expression of the sequence length
+    (equal to C for every length, not literally C); TorchScript exports often leave it unknown. The
+    product y * silu(z) is reshaped to [..., C / gs, gs], so it is C wide: the only other width the
+    broadcast would allow is 1, and the kernel's shape check rejects that at run time with a clear error
+    instead of a wrong result.
+    """
+    if not isinstance(channels, int) or not y_dims or not z_dims:
+        return y_dims, z_dims
+    y_last, z_last = y_dims[-1], z_dims[-1]
+    if not isinstance(y_last, int) and z_last == channels:
+        y_dims = [*y_dims[:-1], channels]
+    elif not isinstance(z_last, int) and y_last == channels:
+        z_dims = [*z_dims[:-1], channels]
+    return y_dims, z_dims
 
 
 def _bypass_widening_cast(value: ir.Value, chain_nodes: set[ir.Node]) -> tuple[ir.Value, list[tuple[ir.Node, int]]]:
