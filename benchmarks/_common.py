@@ -11,7 +11,7 @@ import onnx
 
 import contrib_ops
 from fusion import report
-from fusion._chains import BFLOAT16, FLOAT, FLOAT16, ChainSpec, build_chain, build_chain_sequence
+from fusion._chains import BFLOAT16, FLOAT, FLOAT16, ChainSpec, build_chain, build_chain_sequence, half_decode
 from fusion.rewrite import rewrite_model
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
@@ -19,23 +19,12 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 #: Exported decode spellings (DESIGN.md §2): fp32 -> form A with dynamic shapes, fp16 -> form C.
 DECODE_SPECS = {
     "fp32": dict(shape_as="dynamic", leading=("batch", "seq")),
-    "fp16": dict(
-        y_dtype=FLOAT16,
-        z_dtype=FLOAT16,
-        cast_y=True,
-        cast_z=True,
-        norm_cast=FLOAT16,
-        weight_dtype=FLOAT16,
-        shape_as="dynamic",
-        leading=("batch", "seq"),
-    ),
+    "fp16": dict(**half_decode(FLOAT16), shape_as="dynamic", leading=("batch", "seq")),
 }
 #: Exported prefill spellings: fp32 -> form A, fp16 -> form B (y already f32, f16 gate, f16 output).
 PREFILL_SPECS = {
     "fp32": dict(shape_as="dynamic", leading=("batch", "seq")),
-    "fp16": dict(
-        z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT16, shape_as="dynamic", leading=("batch", "seq")
-    ),
+    "fp16": dict(z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT16, shape_as="dynamic", leading=("batch", "seq")),
 }
 
 
@@ -45,9 +34,7 @@ def chain_pair(spec: ChainSpec, count: int = 1) -> tuple[onnx.ModelProto, onnx.M
     model = build_chain(spec) if count == 1 else build_chain_sequence(spec, count, residual=True)
     fused, result = rewrite_model(model)
     if result.fused != count:
-        raise SystemExit(
-            f"benchmark setup: expected {count} fused chains, got {result.fused}: {result.summary()}"
-        )
+        raise SystemExit(f"benchmark setup: expected {count} fused chains, got {result.fused}: {result.summary()}")
     return model, fused
 
 

@@ -73,14 +73,10 @@ def main() -> None:
                 if e.key == "location"
             }
             extra_files = sorted(
-                p.name
-                for p in folder.iterdir()
-                if p.name not in {"model.onnx", "model.data", fused_path.name}
+                p.name for p in folder.iterdir() if p.name not in {"model.onnx", "model.data", fused_path.name}
             )
             if locations != {"model.data"} or extra_files:
-                raise SystemExit(
-                    f"output does not reference model.data only: {locations}, extra files {extra_files}"
-                )
+                raise SystemExit(f"output does not reference model.data only: {locations}, extra files {extra_files}")
             before_nodes = len(onnx.load(str(model), load_external_data=False).graph.node)
             row = (
                 f"| {layers} | {chains} | {before_nodes} -> {len(fused.graph.node)} | {data_size / 1e9:.1f} GB "

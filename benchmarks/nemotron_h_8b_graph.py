@@ -90,13 +90,9 @@ class _Builder:
         fp32 = self.node("Cast", [x], f"{prefix}_f32", to=TensorProto.FLOAT)
         sq = self.node("Pow", [fp32, self.const(f"{prefix}_two", np.array(2.0, np.float32))], f"{prefix}_sq")
         mean = self.node("ReduceMean", [sq, self.const(f"{prefix}_axes", np.array([-1]))], f"{prefix}_mean")
-        var = self.node(
-            "Add", [mean, self.const(f"{prefix}_eps", np.array(EPS, np.float32))], f"{prefix}_var"
-        )
+        var = self.node("Add", [mean, self.const(f"{prefix}_eps", np.array(EPS, np.float32))], f"{prefix}_var")
         inv = self.node("Reciprocal", [self.node("Sqrt", [var], f"{prefix}_std")], f"{prefix}_inv")
-        normed = self.node(
-            "Cast", [self.node("Mul", [fp32, inv], f"{prefix}_n")], f"{prefix}_nc", to=self.dtype
-        )
+        normed = self.node("Cast", [self.node("Mul", [fp32, inv], f"{prefix}_n")], f"{prefix}_nc", to=self.dtype)
         return self.node("Mul", [self.weight(f"{prefix}.weight", [HIDDEN]), normed], f"{prefix}_out")
 
     def slice_last(self, x: str, start: int, end: int, name: str) -> str:
@@ -115,15 +111,11 @@ class _Builder:
         conv_state = f"cache.{i}.conv"
         state_dims = ["batch", CONV_DIM, CONV - 1]
         self.inputs.append(helper.make_tensor_value_info(conv_state, self.dtype, state_dims))
-        step_col = self.node(
-            "Reshape", [xbc, self.const(f"{p}_col", np.array([0, CONV_DIM, 1]))], f"{p}_xbc_col"
-        )
+        step_col = self.node("Reshape", [xbc, self.const(f"{p}_col", np.array([0, CONV_DIM, 1]))], f"{p}_xbc_col")
         window = self.node("Concat", [conv_state, step_col], f"{p}_window", axis=-1)
         new_state = self.slice_last(window, 1, CONV, f"{p}_conv_state_out")
         self.outputs.append(helper.make_tensor_value_info(new_state, self.dtype, state_dims))
-        taps = self.node(
-            "Mul", [window, self.weight(f"{p}.conv1d.weight", [CONV_DIM, CONV])], f"{p}_conv_mul"
-        )
+        taps = self.node("Mul", [window, self.weight(f"{p}.conv1d.weight", [CONV_DIM, CONV])], f"{p}_conv_mul")
         conv = self.node("ReduceSum", [taps, self.const(f"{p}_rax", np.array([-1]))], f"{p}_conv", keepdims=0)
         conv = self.node("Unsqueeze", [conv, self.const(f"{p}_seq", np.array([1]))], f"{p}_conv_seq")
         conv = self.node("Mul", [conv, self.node("Sigmoid", [conv], f"{p}_conv_sig")], f"{p}_conv_act")
@@ -146,18 +138,14 @@ class _Builder:
             "Reshape", [xs, self.const(f"{p}_heads", np.array([0, 0, MAMBA_HEADS, HEAD_DIM]))], f"{p}_x_heads"
         )
         scanned = self.node("Mul", [heads, step], f"{p}_scan")
-        scanned = self.node(
-            "Reshape", [scanned, self.const(f"{p}_flat", np.array([0, 0, D_INNER]))], f"{p}_scan_flat"
-        )
+        scanned = self.node("Reshape", [scanned, self.const(f"{p}_flat", np.array([0, 0, D_INNER]))], f"{p}_scan_flat")
         y = self.node(
             "Add",
             [scanned, self.node("Mul", [xs, self.weight(f"{p}.D_expanded", [D_INNER])], f"{p}_xD")],
             f"{p}_y",
         )
         for value in (y, gate):
-            self.value_info.append(
-                helper.make_tensor_value_info(value, self.dtype, ["batch", "seq", D_INNER])
-            )
+            self.value_info.append(helper.make_tensor_value_info(value, self.dtype, ["batch", "seq", D_INNER]))
         # The gated group-RMSNorm, spelled as the exporter spells it.
         y_in, z_in = (v.name for v in chain.graph.input)
         rename = {y_in: y, z_in: gate}
@@ -182,9 +170,7 @@ class _Builder:
                 self.initializers.append(copy)
         normed = f"{p}.norm.{out}"
         self.value_info.append(helper.make_tensor_value_info(normed, self.dtype, ["batch", "seq", D_INNER]))
-        o = self.node(
-            "MatMul", [normed, self.weight(f"{p}.out_proj.weight", [D_INNER, HIDDEN])], f"{p}_out_proj"
-        )
+        o = self.node("MatMul", [normed, self.weight(f"{p}.out_proj.weight", [D_INNER, HIDDEN])], f"{p}_out_proj")
         return self.node("Add", [h, o], f"layers.{i}.residual")
 
     def mlp(self, h: str, i: int) -> str:
@@ -199,9 +185,7 @@ class _Builder:
     def attention(self, h: str, i: int) -> str:
         p = f"layers.{i}.mixer"
         x = self.rms_norm(h, f"layers.{i}.norm")
-        q = self.node(
-            "MatMul", [x, self.weight(f"{p}.q_proj.weight", [HIDDEN, Q_HEADS * ATT_HEAD])], f"{p}_q"
-        )
+        q = self.node("MatMul", [x, self.weight(f"{p}.q_proj.weight", [HIDDEN, Q_HEADS * ATT_HEAD])], f"{p}_q")
         kv = []
         for name in ("k", "v"):
             new = self.node(
@@ -210,9 +194,7 @@ class _Builder:
                 f"{p}_{name}",
             )
             past = f"cache.{i}.{name}"
-            self.inputs.append(
-                helper.make_tensor_value_info(past, self.dtype, ["batch", "past", KV_HEADS * ATT_HEAD])
-            )
+            self.inputs.append(helper.make_tensor_value_info(past, self.dtype, ["batch", "past", KV_HEADS * ATT_HEAD]))
             full = self.node("Concat", [past, new], f"{p}_{name}_cache", axis=1)
             self.outputs.append(
                 helper.make_tensor_value_info(full, self.dtype, ["batch", "total", KV_HEADS * ATT_HEAD])
@@ -220,22 +202,16 @@ class _Builder:
             kv.append(full)
         # Attention stand-in with the right reads: mean of V weighted by nothing (softmax shapes omitted).
         ctx = self.node("ReduceMean", [kv[1], self.const(f"{p}_tax", np.array([1]))], f"{p}_ctx")
-        ctx = self.node(
-            "Tile", [ctx, self.const(f"{p}_rep", np.array([1, 1, Q_HEADS // KV_HEADS]))], f"{p}_ctx_rep"
-        )
+        ctx = self.node("Tile", [ctx, self.const(f"{p}_rep", np.array([1, 1, Q_HEADS // KV_HEADS]))], f"{p}_ctx_rep")
         mixed = self.node("Mul", [q, ctx], f"{p}_mix")
-        o = self.node(
-            "MatMul", [mixed, self.weight(f"{p}.o_proj.weight", [Q_HEADS * ATT_HEAD, HIDDEN])], f"{p}_o"
-        )
+        o = self.node("MatMul", [mixed, self.weight(f"{p}.o_proj.weight", [Q_HEADS * ATT_HEAD, HIDDEN])], f"{p}_o")
         return self.node("Add", [h, o], f"layers.{i}.residual")
 
 
 def chain_spec(dtype: str) -> ChainSpec:
     """Return the gated-norm chain spelling of a decode export in ``dtype`` (DESIGN.md §2, forms A / C)."""
     if dtype == "fp32":
-        return ChainSpec(
-            channels=D_INNER, group_size=D_INNER // GROUPS, shape_as="dynamic", leading=("batch", "seq")
-        )
+        return ChainSpec(channels=D_INNER, group_size=D_INNER // GROUPS, shape_as="dynamic", leading=("batch", "seq"))
     return ChainSpec(
         channels=D_INNER,
         group_size=D_INNER // GROUPS,

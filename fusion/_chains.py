@@ -21,6 +21,12 @@ from fusion.reference import SUPPORTED_TYPES
 FLOAT, FLOAT16, BFLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16
 
 
+def half_decode(dtype: int = FLOAT16) -> dict[str, int | bool]:
+    """Return the ChainSpec fields of a half-precision decode chain (form C): y and gate cast up to fp32,
+    the normalized value cast back to ``dtype`` before a ``dtype`` weight multiply."""
+    return dict(y_dtype=dtype, z_dtype=dtype, cast_y=True, cast_z=True, norm_cast=dtype, weight_dtype=dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChainSpec:
     """One chain's spelling. Defaults give form A (dynamo fp32, opset 18) with static leading dims."""

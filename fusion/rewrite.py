@@ -576,17 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         save(fused_model, output)
         if args.verify:
             report.verification = verify(args.input, output, parse_dims(args.dim), _inputs(args))
-    except (RewriteError, ReportError) as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
-    except (OSError, MemoryError) as error:
-        print(f"{prog}: error: {_first_line(error)}", file=sys.stderr)
-        return 2
     except Exception as error:
-        if args.debug:
-            raise
-        print(f"{prog}: internal error (rerun with --debug for details): {_first_line(error)}", file=sys.stderr)
-        return 2
+        return _report_error(prog, error, args.debug)
     if args.json:
         print(json.dumps({"output": str(output), **report.to_dict()}, indent=2))
     else:
@@ -599,15 +590,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sys.stdout.flush()
         _run_report(args, args.input, output)
-    except RewriteError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
     except Exception as error:
-        if args.debug:
-            raise
-        print(f"{prog}: report failed: {_first_line(error)}", file=sys.stderr)
-        return 2
+        return _report_error(prog, error, args.debug)
     return 0
+
+
+def _report_error(prog: str, error: Exception, debug: bool) -> int:
+    """Print one line for ``error`` (a traceback only with --debug, for unexpected errors); return 2."""
+    if isinstance(error, (RewriteError, ReportError)):
+        print(f"{prog}: error: {error}", file=sys.stderr)
+    elif isinstance(error, (OSError, MemoryError)):
+        print(f"{prog}: error: {_first_line(error)}", file=sys.stderr)
+    elif debug:
+        raise error
+    else:
+        print(f"{prog}: internal error (rerun with --debug for details): {_first_line(error)}", file=sys.stderr)
+    return 2
 
 
 def _debug_text(report: Report) -> str:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
 import onnx.helper as oh
 
-from fusion.reference import DOMAIN, OP_TYPE, SUPPORTED_TYPES, bfloat16, dtype_to_onnx_type
+from fusion.reference import (
+    DOMAIN,
+    OP_TYPE,
+    SUPPORTED_TYPES,
+    bfloat16,
+    budget_report,
+    dtype_to_onnx_type,
+    gated_group_rms_norm,
+)
 
 FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
 TYPE_NAMES = {FLOAT: "f32", FLOAT16: "f16", BFLOAT16: "bf16"}
@@ -106,7 +115,44 @@ def as_type(arr: np.ndarray, elem_type: int) -> np.ndarray:
     return arr.astype(SUPPORTED_TYPES[elem_type])
 
 
+def check_against_reference(
+    make_session: Callable[[onnx.ModelProto], Any],
+    y: np.ndarray,
+    z: np.ndarray,
+    w: np.ndarray,
+    *,
+    group_size: int,
+    epsilon: float = 1e-5,
+    norm_type: int | None = None,
+    out_type: int | None = None,
+) -> np.ndarray:
+    """Run the op on (y, z, w) in a session from ``make_session``; assert it is within the accuracy budget
+    of the float64 reference (DESIGN.md §1) and return its output in the op's output type."""
+    types = [next(k for k, v in SUPPORTED_TYPES.items() if v == a.dtype) for a in (y, z, w)]
+    model = one_node_model(
+        *types, shape=list(y.shape), group_size=group_size, epsilon=epsilon, norm_dtype=norm_type, output_dtype=out_type
+    )
+    result_type = out_type if out_type is not None else types[0]
+    session = make_session(model)
+    actual = as_type(session.run(None, {"y": feed(y), "z": feed(z), "w": feed(w)})[0], result_type)
+    expected, normed = gated_group_rms_norm(
+        y,
+        z,
+        w,
+        epsilon=epsilon,
+        group_size=group_size,
+        norm_dtype=None if norm_type is None else SUPPORTED_TYPES[norm_type],
+        output_dtype=None if out_type is None else SUPPORTED_TYPES[out_type],
+        compute_dtype=np.float64,
+        return_normed=True,
+    )
+    ok, message = budget_report(actual, expected, normed=normed, weight=w)
+    assert ok, message
+    return actual
+
+
 __all__ = [
+    "check_against_reference",
     "BFLOAT16",
     "FLOAT",
     "FLOAT16",

@@ -23,7 +23,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import contrib_ops
-from fusion._chains import ChainSpec, build_chain, build_chain_sequence, chain_inputs
+from fusion._chains import ChainSpec, build_chain, build_chain_sequence, chain_inputs, half_decode
 from fusion.reference import DOMAIN, OP_TYPE, SUPPORTED_TYPES, budget_report, gated_group_rms_norm
 from fusion.rewrite import rewrite_model
 
@@ -37,12 +37,7 @@ SPECS = {
         leading=(1, 1),
         channels=7680,
         group_size=960,
-        y_dtype=FLOAT16,
-        z_dtype=FLOAT16,
-        cast_y=True,
-        cast_z=True,
-        norm_cast=FLOAT16,
-        weight_dtype=FLOAT16,
+        **half_decode(FLOAT16),
     ),
 }
 

@@ -132,6 +132,7 @@ def test_math_core_loops_vectorize_on_aarch64(tmp_path: Path) -> None:
         result.stderr,
     ):
         (vectorized if match.group(2).startswith("optimized") else missed).add(int(match.group(1)))
+
     def by_design(line: int) -> bool:
         # The remainder (< 4 elements) after an explicit NEON loop (one or two lines up) is scalar too.
         above = " ".join(lines[max(0, line - 3) : line - 1])

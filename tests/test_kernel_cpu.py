@@ -23,6 +23,7 @@ from tests._ops import (
     one_node_model,
     random_inputs,
 )
+from tests._ops import check_against_reference as shared_check
 
 TYPES = (FLOAT, FLOAT16, BFLOAT16)
 
@@ -45,31 +46,14 @@ def check_against_reference(
     out_type: int | None = None,
     threads: int = 1,
 ) -> None:
-    """Run the kernel on (y, z, w) and assert it is within the accuracy budget of the float64 reference."""
-    types = [next(k for k, v in SUPPORTED_TYPES.items() if v == a.dtype) for a in (y, z, w)]
-    model = one_node_model(
-        *types,
-        shape=list(y.shape),
-        group_size=group_size,
-        epsilon=epsilon,
-        norm_dtype=norm_type,
-        output_dtype=out_type,
-    )
-    result_type = out_type if out_type is not None else types[0]
-    actual = as_type(run_op(model, y, z, w, threads), result_type)
-    expected = gated_group_rms_norm(
-        y,
-        z,
-        w,
-        epsilon=epsilon,
-        group_size=group_size,
-        norm_dtype=None if norm_type is None else SUPPORTED_TYPES[norm_type],
-        output_dtype=None if out_type is None else SUPPORTED_TYPES[out_type],
-        compute_dtype=np.float64,
-        return_normed=True,
-    )
-    ok, message = budget_report(actual, expected[0], normed=expected[1], weight=w)
-    assert ok, message
+    """Run the CPU kernel on (y, z, w) and assert it is within the accuracy budget of the reference."""
+
+    def cpu_session(model: onnx.ModelProto) -> ort.InferenceSession:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        return contrib_ops.session(model, session_options=options, use_library=True)
+
+    shared_check(cpu_session, y, z, w, group_size=group_size, epsilon=epsilon, norm_type=norm_type, out_type=out_type)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -382,20 +366,10 @@ def test_all_float_inputs_with_half_output_dtype_give_float_tensor_of_rounded_va
 def test_fp16_nodes_between_ops_without_fp16_cpu_kernels(level: str) -> None:
     """Fused fp16 nodes between residual Adds (no fp16 CPU kernel): ONNX Runtime widens the isolated
     fused nodes to float32 (DESIGN.md §4); the model must load and match the unfused graph."""
-    from fusion._chains import ChainSpec, build_chain_sequence
+    from fusion._chains import ChainSpec, build_chain_sequence, half_decode
     from fusion.rewrite import rewrite_model
 
-    spec = ChainSpec(
-        channels=96,
-        group_size=48,
-        leading=(1, 1),
-        y_dtype=FLOAT16,
-        z_dtype=FLOAT16,
-        cast_y=True,
-        cast_z=True,
-        norm_cast=FLOAT16,
-        weight_dtype=FLOAT16,
-    )
+    spec = ChainSpec(channels=96, group_size=48, leading=(1, 1), **half_decode(FLOAT16))
     model = build_chain_sequence(spec, 3, residual=True)
     fused, result = rewrite_model(model)
     assert result.fused == 3

@@ -19,7 +19,8 @@ import pytest
 
 import contrib_ops
 from fusion.reference import SUPPORTED_TYPES, bfloat16, budget_report, gated_group_rms_norm
-from tests._ops import BFLOAT16, FLOAT, FLOAT16, TYPE_NAMES, as_type, feed, make_model, one_node_model, random_inputs
+from tests._ops import BFLOAT16, FLOAT, FLOAT16, TYPE_NAMES, make_model, one_node_model, random_inputs
+from tests._ops import check_against_reference as shared_check
 
 ort = pytest.importorskip("onnxruntime")
 if hasattr(ort, "preload_dlls"):
@@ -88,32 +89,9 @@ def _path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 def check_against_reference(
     y, z, w, *, group_size: int, epsilon: float = 1e-5, norm_type=None, out_type=None
 ) -> np.ndarray:
-    types = [next(k for k, v in SUPPORTED_TYPES.items() if v == a.dtype) for a in (y, z, w)]
-    model = one_node_model(
-        *types,
-        shape=list(y.shape),
-        group_size=group_size,
-        epsilon=epsilon,
-        norm_dtype=norm_type,
-        output_dtype=out_type,
+    return shared_check(
+        cuda_session, y, z, w, group_size=group_size, epsilon=epsilon, norm_type=norm_type, out_type=out_type
     )
-    result_type = out_type if out_type is not None else types[0]
-    session = cuda_session(model)
-    actual = as_type(session.run(None, {"y": feed(y), "z": feed(z), "w": feed(w)})[0], result_type)
-    expected, normed = gated_group_rms_norm(
-        y,
-        z,
-        w,
-        epsilon=epsilon,
-        group_size=group_size,
-        norm_dtype=None if norm_type is None else SUPPORTED_TYPES[norm_type],
-        output_dtype=None if out_type is None else SUPPORTED_TYPES[out_type],
-        compute_dtype=np.float64,
-        return_normed=True,
-    )
-    ok, message = budget_report(actual, expected, normed=normed, weight=w)
-    assert ok, message
-    return actual
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -55,9 +55,7 @@ def test_kernel_suite_on_variant(variant: str) -> None:
         cwd=REPO,
     )
     selected = probe.stdout.strip()
-    assert selected == EXPECTED_NAME.get(variant, selected), (
-        f"asked for {variant}, the library runs {selected}"
-    )
+    assert selected == EXPECTED_NAME.get(variant, selected), f"asked for {variant}, the library runs {selected}"
     if variant == "baseline":
         assert selected in {"sse2", "neon", "generic"}
     proc = subprocess.run(
@@ -68,6 +66,4 @@ def test_kernel_suite_on_variant(variant: str) -> None:
         cwd=REPO,
         timeout=600,
     )
-    assert proc.returncode == 0, (
-        f"kernel suite failed on {selected}:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
-    )
+    assert proc.returncode == 0, f"kernel suite failed on {selected}:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"

@@ -67,9 +67,7 @@ def test_profiled_dispatches_equal_the_optimized_graph(pair: tuple[Path, Path, i
 def test_json_schema_is_stable(pair: tuple[Path, Path, int], tmp_path: Path) -> None:
     before, after, _ = pair
     out = tmp_path / "r.json"
-    code = report.main(
-        [str(before), str(after), "--runs", "3", "--warmup", "1", "--json", str(out), "--quiet"]
-    )
+    code = report.main([str(before), str(after), "--runs", "3", "--warmup", "1", "--json", str(out), "--quiet"])
     assert code == 0
     data = json.loads(out.read_text())
     for side in ("before", "after"):
@@ -86,10 +84,7 @@ def test_plot_is_a_png(pair: tuple[Path, Path, int], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] dependency")
     before, after, _ = pair
     out = tmp_path / "r.png"
-    assert (
-        report.main([str(before), str(after), "--runs", "3", "--warmup", "1", "--plot", str(out), "--quiet"])
-        == 0
-    )
+    assert report.main([str(before), str(after), "--runs", "3", "--warmup", "1", "--plot", str(out), "--quiet"]) == 0
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 1000
@@ -103,9 +98,7 @@ def test_table_has_units_and_changes(pair: tuple[Path, Path, int]) -> None:
 
 
 def test_inputs_bind_symbolic_dims() -> None:
-    model, _ = k_chain_model(
-        2, ChainSpec(channels=64, group_size=16, leading=("batch", "seq"), shape_as="dynamic")
-    )
+    model, _ = k_chain_model(2, ChainSpec(channels=64, group_size=16, leading=("batch", "seq"), shape_as="dynamic"))
     feeds = report.make_inputs(model, {"seq": 5})
     assert {a.shape for a in feeds.values()} == {(1, 5, 64)}
     assert all(a.dtype == np.float32 for a in feeds.values())
@@ -134,9 +127,7 @@ def test_bad_arguments_give_one_clear_line(
         "--runs" if "--runs" not in args else "--warmup",
         "2",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "fusion.report", *argv], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, "-m", "fusion.report", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -157,8 +148,7 @@ def test_rewrite_cli_report_and_verify(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert (
-        "fused nodes vs float64 reference on their real inputs: 3 of 3 within the op's accuracy budget"
-        in proc.stdout
+        "fused nodes vs float64 reference on their real inputs: 3 of 3 within the op's accuracy budget" in proc.stdout
     )
     assert "kernel dispatches per Run" in proc.stdout
     data = json.loads(out_json.read_text())

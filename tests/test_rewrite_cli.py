@@ -13,13 +13,11 @@ import onnx
 import pytest
 from onnx import helper
 
-from fusion._chains import FLOAT16, ChainSpec, build_chain
+from fusion._chains import FLOAT16, ChainSpec, build_chain, half_decode
 from fusion.rewrite import main
 
 REPO = Path(__file__).resolve().parents[1]
-F16_DECODE = ChainSpec(
-    y_dtype=FLOAT16, z_dtype=FLOAT16, cast_y=True, cast_z=True, norm_cast=FLOAT16, weight_dtype=FLOAT16
-)
+F16_DECODE = ChainSpec(**half_decode(FLOAT16))
 
 
 def _digest(*paths: Path) -> str:

@@ -15,7 +15,7 @@ import onnx_ir as ir
 import pytest
 
 import contrib_ops
-from fusion._chains import BFLOAT16, FLOAT, FLOAT16, ChainSpec, build_chain, chain_inputs
+from fusion._chains import BFLOAT16, FLOAT, FLOAT16, ChainSpec, build_chain, chain_inputs, half_decode
 from fusion.reference import budget_report, gated_group_rms_norm, onnx_type_to_dtype, ulp_distance
 from fusion.rewrite import Report, rewrite_model
 from fusion.rules.gated_group_rms_norm import FusionLog, fuse_gated_group_rms_norm
@@ -55,7 +55,7 @@ class Case:
     kept_ops: tuple[str, ...] = ()
 
 
-F16_DECODE = dict(y_dtype=FLOAT16, z_dtype=FLOAT16, cast_y=True, cast_z=True, norm_cast=FLOAT16, weight_dtype=FLOAT16)
+F16_DECODE = half_decode(FLOAT16)
 
 CASES: dict[str, Case] = {
     # A: dynamo fp32
@@ -95,14 +95,7 @@ CASES: dict[str, Case] = {
     "C_f16_decode": Case(ChainSpec(**F16_DECODE, leading=(1, 1)), "C", FLOAT16, FLOAT16),
     "C_f16_weight_last": Case(ChainSpec(**F16_DECODE, weight_first=False), "C", FLOAT16, FLOAT16),
     "C_bf16_decode": Case(
-        ChainSpec(
-            y_dtype=BFLOAT16,
-            z_dtype=BFLOAT16,
-            cast_y=True,
-            cast_z=True,
-            norm_cast=BFLOAT16,
-            weight_dtype=BFLOAT16,
-        ),
+        ChainSpec(**half_decode(BFLOAT16)),
         "C",
         BFLOAT16,
         BFLOAT16,

@@ -186,24 +186,30 @@ OrtStatusPtr GatedGroupRMSNormCpuKernel::ComputeV2(OrtKernelContext* raw_context
   });
 }
 
-GatedGroupRMSNormCpuOp::GatedGroupRMSNormCpuOp() {
-  OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) -> OrtStatusPtr {
+Ort::Status ReadNode(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs) {
+  if (Ort::Status status = GatedGroupRMSNormAttrs::Read(info, attrs); !status.IsOK()) return status;
+  StaticInput inputs[3];
+  if (Ort::Status status = ReadStaticInputs(info, inputs); !status.IsOK()) return status;
+  if (Ort::Status status = CheckStaticSignature(inputs, attrs.group_size); !status.IsOK()) {
+    return InvalidArgument("node '" + NodeName(info) + "': " +
+                           status.GetErrorMessage().substr(sizeof("GatedGroupRMSNorm: ") - 1));
+  }
+  return Ort::Status{};
+}
+
+void UseGatedGroupRMSNormInference(OrtCustomOp& op) {
+  op.InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) -> OrtStatusPtr {
     return InferGatedGroupRMSNorm(context);
   };
 }
+
+GatedGroupRMSNormCpuOp::GatedGroupRMSNormCpuOp() { UseGatedGroupRMSNormInference(*this); }
 
 OrtStatusPtr GatedGroupRMSNormCpuOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info,
                                                     void** kernel) const {
   return GuardStatus([&]() -> Ort::Status {
     GatedGroupRMSNormAttrs attrs;
-    if (Ort::Status status = GatedGroupRMSNormAttrs::Read(info, attrs); !status.IsOK()) return status;
-    // Static types and shapes are checked here, so a bad graph fails when the session is created.
-    StaticInput inputs[3];
-    if (Ort::Status status = ReadStaticInputs(info, inputs); !status.IsOK()) return status;
-    if (Ort::Status status = CheckStaticSignature(inputs, attrs.group_size); !status.IsOK()) {
-      return InvalidArgument("node '" + NodeName(info) + "': " +
-                             status.GetErrorMessage().substr(sizeof("GatedGroupRMSNorm: ") - 1));
-    }
+    if (Ort::Status status = ReadNode(info, attrs); !status.IsOK()) return status;
     *kernel = std::make_unique<GatedGroupRMSNormCpuKernel>(attrs).release();
     return Ort::Status{};
   });

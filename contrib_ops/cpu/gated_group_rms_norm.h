@@ -67,6 +67,13 @@ Ort::Status CheckStaticSignature(const StaticInput (&inputs)[3], int64_t group_s
 // Reads the static input types and shapes of a node at kernel creation.
 Ort::Status ReadStaticInputs(const OrtKernelInfo* info, StaticInput (&inputs)[3]);
 
+// What every provider's kernel creation does: read the attributes and check the static signature, so a
+// bad graph fails when the session is created. The error names the node.
+Ort::Status ReadNode(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs);
+
+// Points an op's shape inference at InferGatedGroupRMSNorm (shared by the CPU and CUDA ops).
+void UseGatedGroupRMSNormInference(OrtCustomOp& op);
+
 // Type and shape inference for the op: output = Y's shape, element type = output_dtype (default Y's).
 // Leaves the output unset for inputs the op rejects (the kernel-creation check reports them).
 OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context);

@@ -6,17 +6,6 @@
 #include "gated_group_rms_norm_launcher.h"
 
 namespace mambafuse {
-namespace {
-
-std::string NodeName(const OrtKernelInfo* info) {
-  try {
-    return Ort::ConstKernelInfo(info).GetNodeName();
-  } catch (const Ort::Exception&) {
-    return {};
-  }
-}
-
-}  // namespace
 
 OrtStatusPtr GatedGroupRMSNormCudaKernel::ComputeV2(OrtKernelContext* raw_context) {
   return GuardStatus([&]() -> Ort::Status {
@@ -38,23 +27,13 @@ OrtStatusPtr GatedGroupRMSNormCudaKernel::ComputeV2(OrtKernelContext* raw_contex
   });
 }
 
-GatedGroupRMSNormCudaOp::GatedGroupRMSNormCudaOp() {
-  OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) -> OrtStatusPtr {
-    return InferGatedGroupRMSNorm(context);
-  };
-}
+GatedGroupRMSNormCudaOp::GatedGroupRMSNormCudaOp() { UseGatedGroupRMSNormInference(*this); }
 
 OrtStatusPtr GatedGroupRMSNormCudaOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info,
                                                      void** kernel) const {
   return GuardStatus([&]() -> Ort::Status {
     GatedGroupRMSNormAttrs attrs;
-    if (Ort::Status status = GatedGroupRMSNormAttrs::Read(info, attrs); !status.IsOK()) return status;
-    StaticInput inputs[3];
-    if (Ort::Status status = ReadStaticInputs(info, inputs); !status.IsOK()) return status;
-    if (Ort::Status status = CheckStaticSignature(inputs, attrs.group_size); !status.IsOK()) {
-      return InvalidArgument("node '" + NodeName(info) + "': " +
-                             status.GetErrorMessage().substr(sizeof("GatedGroupRMSNorm: ") - 1));
-    }
+    if (Ort::Status status = ReadNode(info, attrs); !status.IsOK()) return status;
     *kernel = std::make_unique<GatedGroupRMSNormCudaKernel>(attrs).release();
     return Ort::Status{};
   });
