@@ -46,7 +46,7 @@ demo: build
 # The kernel tests against a library built with AddressSanitizer + UndefinedBehaviorSanitizer.
 sanitize: $(STAMPS)/deps
 	$(VENV)/bin/cmake -S contrib_ops -B build/sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-	  -DMAMBAFUSE_SANITIZE=ON -DMAMBAFUSE_WERROR=ON -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) > /dev/null
+	  -DMAMBAFUSE_SANITIZE=ON -DMAMBAFUSE_WERROR=ON -DMAMBAFUSE_CUDA=OFF -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) > /dev/null
 	$(VENV)/bin/cmake --build build/sanitize
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
