@@ -34,6 +34,15 @@ def make_model(graph: onnx.GraphProto, opset: int = 18) -> onnx.ModelProto:
     )
 
 
+#: (Y, Z, W, norm, output) types of the chains real exporters write (DESIGN.md §2, forms B and C).
+EXPORTER_TYPE_MIXES: dict[str, tuple[int, int, int, int, int]] = {
+    "C-f16": (FLOAT16, FLOAT16, FLOAT16, FLOAT16, FLOAT16),  # fp16 decode
+    "B-f16": (FLOAT, FLOAT16, FLOAT, FLOAT, FLOAT16),  # fp16 prefill: y already f32, f32 weight
+    "B-bf16": (FLOAT, BFLOAT16, FLOAT, FLOAT, BFLOAT16),
+    "C-bf16": (BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16),
+}
+
+
 def stored_output_type(y_type: int, z_type: int, w_type: int, output_dtype: int) -> int:
     """Return the element type of the op's output tensor: output_dtype, except float32 when Y, Z and W
     are all float32 (the values are still rounded to output_dtype; see InferGatedGroupRMSNorm)."""
@@ -152,6 +161,7 @@ def check_against_reference(
 
 
 __all__ = [
+    "EXPORTER_TYPE_MIXES",
     "check_against_reference",
     "BFLOAT16",
     "FLOAT",

@@ -14,6 +14,7 @@ import contrib_ops
 from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm
 from tests._ops import (
     BFLOAT16,
+    EXPORTER_TYPE_MIXES,
     FLOAT,
     FLOAT16,
     TYPE_NAMES,
@@ -103,13 +104,8 @@ def test_shapes(shape: tuple[int, ...], group_size: int, elem_type: int, threads
 
 @pytest.mark.parametrize(
     ("y_type", "z_type", "w_type", "norm_type", "out_type"),
-    [
-        (FLOAT16, FLOAT16, FLOAT16, FLOAT16, FLOAT16),  # form C: fp16 decode
-        (FLOAT, FLOAT16, FLOAT, FLOAT, FLOAT16),  # form B: fp16 prefill, y already f32, f32 weight
-        (FLOAT, BFLOAT16, FLOAT, FLOAT, BFLOAT16),
-        (BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16),
-    ],
-    ids=["C-f16", "B-f16", "B-bf16", "C-bf16"],
+    list(EXPORTER_TYPE_MIXES.values()),
+    ids=list(EXPORTER_TYPE_MIXES),
 )
 def test_exporter_type_mixes_at_decode_width(
     y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int

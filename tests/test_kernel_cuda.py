@@ -19,7 +19,16 @@ import pytest
 
 import contrib_ops
 from fusion.reference import SUPPORTED_TYPES, bfloat16, budget_report, gated_group_rms_norm
-from tests._ops import BFLOAT16, FLOAT, FLOAT16, TYPE_NAMES, make_model, one_node_model, random_inputs
+from tests._ops import (
+    BFLOAT16,
+    EXPORTER_TYPE_MIXES,
+    FLOAT,
+    FLOAT16,
+    TYPE_NAMES,
+    make_model,
+    one_node_model,
+    random_inputs,
+)
 from tests._ops import check_against_reference as shared_check
 
 ort = pytest.importorskip("onnxruntime")
@@ -136,13 +145,8 @@ def test_shapes(shape: tuple[int, ...], group_size: int, elem_type: int, path: s
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize(
     ("y_type", "z_type", "w_type", "norm_type", "out_type"),
-    [
-        (FLOAT16, FLOAT16, FLOAT16, FLOAT16, FLOAT16),  # form C: fp16 decode
-        (FLOAT, FLOAT16, FLOAT, FLOAT, FLOAT16),  # form B: fp16 prefill, y already f32, f32 weight
-        (FLOAT, BFLOAT16, FLOAT, FLOAT, BFLOAT16),
-        (BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16),
-    ],
-    ids=["C-f16", "B-f16", "B-bf16", "C-bf16"],
+    list(EXPORTER_TYPE_MIXES.values()),
+    ids=list(EXPORTER_TYPE_MIXES),
 )
 def test_exporter_type_mixes(y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int, path: str) -> None:
     rng = np.random.default_rng(7)
