@@ -124,6 +124,43 @@ def as_type(arr: np.ndarray, elem_type: int) -> np.ndarray:
     return arr.astype(SUPPORTED_TYPES[elem_type])
 
 
+EDGE_GROUP_SIZE, EDGE_GROUPS = 32, 8
+#: (row, group) of the edge-value inputs whose output is NaN/Inf; every other group must stay finite.
+EDGE_NONFINITE_GROUPS = {(1, 0), (1, 3), (1, 5), (2, 7)}
+
+
+def edge_value_inputs(elem_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (y, z, w) of 3 rows x 8 groups of 32 in ``elem_type`` with one edge case per group: zeros,
+    a zero gate, |h| ~ sqrt(eps), a saturated sigmoid, large values, NaN/+-Inf (EDGE_NONFINITE_GROUPS),
+    gates in exp's underflow range."""
+    dtype = SUPPORTED_TYPES[elem_type]
+    rng = np.random.default_rng(11)
+    group_size = EDGE_GROUP_SIZE
+    y, z, w = random_inputs(rng, (3, group_size * EDGE_GROUPS), elem_type, elem_type, elem_type)
+    y, z = y.astype(np.float32), z.astype(np.float32)
+
+    def g(i: int) -> slice:
+        return slice(i * group_size, (i + 1) * group_size)
+
+    y[0, g(0)] = 0.0  # a zero group gives zeros
+    z[0, g(1)] = 0.0  # zero gate: silu(0) = 0
+    y[0, g(2)] *= 3e-3  # |h| ~ sqrt(eps): eps dominates the mean square
+    z[0, g(3)] = np.linspace(-30.0, 30.0, group_size)  # saturated sigmoid on both sides
+    y[0, g(4)] *= 1e3 if elem_type != FLOAT16 else 1e2  # large values (fp16 max is 65504)
+    y[1, g(0)][5] = np.nan  # NaN in y
+    z[1, g(3)][7] = np.inf  # +Inf gate: silu = +Inf, the group becomes NaN/Inf
+    z[1, g(5)][2] = -np.inf  # -Inf gate: silu = -Inf * 0 = NaN
+    y[2, g(7)][0] = np.inf
+    z[2, g(6)] = np.linspace(-120.0, -80.0, group_size)  # exp underflow range of the sigmoid
+    return y.astype(dtype), z.astype(dtype), w
+
+
+def nonfinite_groups(out: np.ndarray) -> set[tuple[int, int]]:
+    """Return the (row, group) pairs of an edge-value output that hold a NaN or an Inf."""
+    finite = np.isfinite(out.astype(np.float32)).reshape(out.shape[0], -1, EDGE_GROUP_SIZE).all(axis=-1)
+    return {(int(r), int(c)) for r, c in zip(*np.nonzero(~finite), strict=True)}
+
+
 def check_against_reference(
     make_session: Callable[[onnx.ModelProto], Any],
     y: np.ndarray,
@@ -161,6 +198,10 @@ def check_against_reference(
 
 
 __all__ = [
+    "EDGE_GROUP_SIZE",
+    "EDGE_NONFINITE_GROUPS",
+    "edge_value_inputs",
+    "nonfinite_groups",
     "EXPORTER_TYPE_MIXES",
     "check_against_reference",
     "BFLOAT16",

@@ -11,16 +11,19 @@ import onnxruntime as ort
 import pytest
 
 import contrib_ops
-from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm
+from fusion.reference import budget_report, gated_group_rms_norm
 from tests._ops import (
     BFLOAT16,
+    EDGE_GROUP_SIZE,
+    EDGE_NONFINITE_GROUPS,
     EXPORTER_TYPE_MIXES,
     FLOAT,
     FLOAT16,
     TYPE_NAMES,
-    as_type,
+    edge_value_inputs,
     feed,
     make_model,
+    nonfinite_groups,
     one_node_model,
     random_inputs,
 )
@@ -29,11 +32,14 @@ from tests._ops import check_against_reference as shared_check
 TYPES = (FLOAT, FLOAT16, BFLOAT16)
 
 
-def run_op(model: onnx.ModelProto, y: np.ndarray, z: np.ndarray, w: np.ndarray, threads: int = 1) -> np.ndarray:
+def cpu_session(model: onnx.ModelProto, threads: int = 1) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    session = contrib_ops.session(model, session_options=options, use_library=True)
-    return session.run(None, {"y": feed(y), "z": feed(z), "w": feed(w)})[0]
+    return contrib_ops.session(model, session_options=options, use_library=True)
+
+
+def run_op(model: onnx.ModelProto, y: np.ndarray, z: np.ndarray, w: np.ndarray, threads: int = 1) -> np.ndarray:
+    return cpu_session(model, threads).run(None, {"y": feed(y), "z": feed(z), "w": feed(w)})[0]
 
 
 def check_against_reference(
@@ -46,15 +52,19 @@ def check_against_reference(
     norm_type: int | None = None,
     out_type: int | None = None,
     threads: int = 1,
-) -> None:
-    """Run the CPU kernel on (y, z, w) and assert it is within the accuracy budget of the reference."""
-
-    def cpu_session(model: onnx.ModelProto) -> ort.InferenceSession:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        return contrib_ops.session(model, session_options=options, use_library=True)
-
-    shared_check(cpu_session, y, z, w, group_size=group_size, epsilon=epsilon, norm_type=norm_type, out_type=out_type)
+) -> np.ndarray:
+    """Run the CPU kernel on (y, z, w), assert it is within the accuracy budget of the reference, and return
+    its output in the op's output type."""
+    return shared_check(
+        lambda model: cpu_session(model, threads),
+        y,
+        z,
+        w,
+        group_size=group_size,
+        epsilon=epsilon,
+        norm_type=norm_type,
+        out_type=out_type,
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,41 +128,13 @@ def test_exporter_type_mixes_at_decode_width(
 @pytest.mark.parametrize("elem_type", TYPES, ids=lambda t: TYPE_NAMES[t])
 def test_edge_values(elem_type: int) -> None:
     """Zero groups, values near sqrt(eps), large values, NaN/Inf confined to their own group."""
-    dtype = SUPPORTED_TYPES[elem_type]
-    rng = np.random.default_rng(11)
-    group_size, groups = 32, 8
-    y, z, w = random_inputs(rng, (3, group_size * groups), elem_type, elem_type, elem_type)
-    y, z = y.astype(np.float32), z.astype(np.float32)
-    g = lambda i: slice(i * group_size, (i + 1) * group_size)  # noqa: E731
-    y[0, g(0)] = 0.0  # a zero group gives zeros
-    z[0, g(1)] = 0.0  # zero gate: silu(0) = 0
-    y[0, g(2)] *= 3e-3  # |h| ~ sqrt(eps): eps dominates the mean square
-    z[0, g(3)] = np.linspace(-30.0, 30.0, group_size)  # saturated sigmoid on both sides
-    y[0, g(4)] *= 1e3 if elem_type != FLOAT16 else 1e2  # large values (fp16 max is 65504)
-    y[1, g(0)][5] = np.nan  # NaN in y
-    z[1, g(3)][7] = np.inf  # +Inf gate: silu = +Inf, the group becomes NaN/Inf
-    z[1, g(5)][2] = -np.inf  # -Inf gate: silu = -Inf * 0 = NaN
-    y[2, g(7)][0] = np.inf
-    z[2, g(6)] = np.linspace(-120.0, -80.0, group_size)  # exp underflow range of the sigmoid
-    y, z = y.astype(dtype), z.astype(dtype)
-    check_against_reference(y, z, w, group_size=group_size)
+    y, z, w = edge_value_inputs(elem_type)
+    actual = check_against_reference(y, z, w, group_size=EDGE_GROUP_SIZE)
     # The special values reach their own group only.
-    out = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=group_size, compute_dtype=np.float64)
-    finite_groups = np.isfinite(out.astype(np.float32)).reshape(3, groups, group_size).all(axis=-1)
-    expected_bad = {(1, 0), (1, 3), (1, 5), (2, 7)}
-    bad = {(int(r), int(c)) for r, c in zip(*np.nonzero(~finite_groups), strict=True)}
-    assert bad == expected_bad
-    actual = as_type(
-        run_op(
-            one_node_model(elem_type, elem_type, elem_type, shape=[3, group_size * groups], group_size=group_size),
-            y,
-            z,
-            w,
-        ),
-        elem_type,
-    )
+    out = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=EDGE_GROUP_SIZE, compute_dtype=np.float64)
+    assert nonfinite_groups(out) == EDGE_NONFINITE_GROUPS
     assert np.array_equal(np.isfinite(actual.astype(np.float32)), np.isfinite(out.astype(np.float32)))
-    zero_group = actual[0, g(0)].astype(np.float32)
+    zero_group = actual[0, :EDGE_GROUP_SIZE].astype(np.float32)
     assert np.all(zero_group == 0.0), f"zero group gave {zero_group[:4]}"
 
 

@@ -21,11 +21,15 @@ import contrib_ops
 from fusion.reference import SUPPORTED_TYPES, bfloat16, budget_report, gated_group_rms_norm
 from tests._ops import (
     BFLOAT16,
+    EDGE_GROUP_SIZE,
+    EDGE_NONFINITE_GROUPS,
     EXPORTER_TYPE_MIXES,
     FLOAT,
     FLOAT16,
     TYPE_NAMES,
+    edge_value_inputs,
     make_model,
+    nonfinite_groups,
     one_node_model,
     random_inputs,
 )
@@ -159,32 +163,10 @@ def test_exporter_type_mixes(y_type: int, z_type: int, w_type: int, norm_type: i
 @pytest.mark.parametrize("elem_type", TYPES, ids=lambda t: TYPE_NAMES[t])
 def test_edge_values(elem_type: int, path: str) -> None:
     """Zero groups give zeros; NaN/Inf stay in their own group; eps-dominated and saturated groups."""
-    dtype = SUPPORTED_TYPES[elem_type]
-    rng = np.random.default_rng(11)
-    group_size, groups = 32, 8
-    y, z, w = random_inputs(rng, (3, group_size * groups), elem_type, elem_type, elem_type)
-    y, z = y.astype(np.float32), z.astype(np.float32)
-    g = lambda i: slice(i * group_size, (i + 1) * group_size)  # noqa: E731
-    y[0, g(0)] = 0.0
-    z[0, g(1)] = 0.0
-    y[0, g(2)] *= 3e-3
-    z[0, g(3)] = np.linspace(-30.0, 30.0, group_size)
-    y[0, g(4)] *= 1e3 if elem_type != FLOAT16 else 1e2
-    y[1, g(0)][5] = np.nan
-    z[1, g(3)][7] = np.inf
-    z[1, g(5)][2] = -np.inf
-    y[2, g(7)][0] = np.inf
-    z[2, g(6)] = np.linspace(-120.0, -80.0, group_size)
-    y, z = y.astype(dtype), z.astype(dtype)
-    actual = check_against_reference(y, z, w, group_size=group_size)
-    finite = np.isfinite(actual.astype(np.float32)).reshape(3, groups, group_size).all(axis=-1)
-    assert {(int(r), int(c)) for r, c in zip(*np.nonzero(~finite), strict=True)} == {
-        (1, 0),
-        (1, 3),
-        (1, 5),
-        (2, 7),
-    }
-    assert np.all(actual[0, g(0)].astype(np.float32) == 0.0)
+    y, z, w = edge_value_inputs(elem_type)
+    actual = check_against_reference(y, z, w, group_size=EDGE_GROUP_SIZE)
+    assert nonfinite_groups(actual) == EDGE_NONFINITE_GROUPS
+    assert np.all(actual[0, :EDGE_GROUP_SIZE].astype(np.float32) == 0.0)
 
 
 def test_empty_leading_axis_gives_empty_output() -> None:

@@ -269,28 +269,20 @@ def test_fused_model_is_valid_and_carries_the_function(fused_case) -> None:
         )
 
 
-def test_parity_function_fallback(runnable_case) -> None:
+@pytest.mark.parametrize("use_library", [False, True], ids=["function", "library"])
+def test_parity(runnable_case, use_library: bool, request: pytest.FixtureRequest) -> None:
+    """The fused model, through its function or the library, against the reference and the original."""
+    if use_library:
+        request.getfixturevalue("library")  # a missing library fails here, it is not skipped
     case, original, fused, _ = runnable_case
     feeds = chain_inputs(case.spec)
-    fused_out = _run(fused, feeds, use_library=False)
-    _assert_within(fused_out, _expected(case, feeds, fused), "fused (function) vs float64 reference")
+    backend = "library" if use_library else "function"
+    fused_out = _run(fused, feeds, use_library=use_library)
+    _assert_within(fused_out, _expected(case, feeds, fused), f"fused ({backend}) vs float64 reference")
     _assert_close_to_stock_ort(
         fused_out,
         _run(original, feeds, use_library=False),
-        "fused (function) vs original",
-        half_rounding=_half(case),
-    )
-
-
-def test_parity_library(runnable_case, library: str) -> None:
-    case, original, fused, _ = runnable_case
-    feeds = chain_inputs(case.spec)
-    fused_out = _run(fused, feeds, use_library=True)
-    _assert_within(fused_out, _expected(case, feeds, fused), "fused (library) vs float64 reference")
-    _assert_close_to_stock_ort(
-        fused_out,
-        _run(original, feeds, use_library=False),
-        "fused (library) vs original",
+        f"fused ({backend}) vs original",
         half_rounding=_half(case),
     )
 

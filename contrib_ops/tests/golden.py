@@ -261,8 +261,13 @@ def read_output(output_directory: Path, data: GoldenData) -> np.ndarray:
     return stored.astype(SUPPORTED_TYPES[case.storage]).astype(SUPPORTED_TYPES[case.out_type]).reshape(case.shape)
 
 
-def check_case(output_directory: Path, data: GoldenData) -> tuple[bool, str]:
-    """Return (ok, message): the program's output of a case against the budget of DESIGN.md §1."""
+def check_case(output_directory: Path, data: GoldenData, program_log: str = "") -> tuple[bool, str]:
+    """Return (ok, message): the program's output of a case against the budget of DESIGN.md §1.
+
+    A case the program wrote no output for fails with the end of ``program_log`` (its stdout).
+    """
+    if not (output_directory / f"{data.case.name}.out").is_file():
+        return False, f"the program wrote no output for {data.case.name}:\n{program_log[-2000:]}"
     actual = read_output(output_directory, data)
     if data.case.store_type == FLOAT and data.case.out_type != FLOAT:
         # A widened output must still hold values rounded to output_dtype.
