@@ -23,6 +23,7 @@ struct GatedGroupRMSNormArgs {
   ElemType y_type = ElemType::kFloat;
   ElemType z_type = ElemType::kFloat;
   ElemType w_type = ElemType::kFloat;
+  ElemType gated_type = ElemType::kFloat;    // rounding point of h = y * silu(z) (gated_dtype; float = none)
   ElemType norm_type = ElemType::kFloat;     // rounding point before the weight multiply
   ElemType out_type = ElemType::kFloat;      // rounding point of the product
   ElemType out_storage_type = ElemType::kFloat;  // type of the output buffer; wider than or equal to out_type
