@@ -14,9 +14,10 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test build deps sanitize lint compat clean
 
-# Python dependencies (runtime + the test and models extras — torch's CPU build re-exports models in the
-# slow test tier — + the build backend, so that rebuilding the library needs no isolated build
-# environment). Re-run when pyproject.toml changes.
+# Python dependencies (runtime + the test, models and olive extras — torch's CPU build re-exports models in
+# the slow test tier; olive-ai, whose own torch requirement is unpinned, is resolved together with the
+# models extra's torch==2.13.0 — + the build backend, so that rebuilding the library needs no isolated
+# build environment). Re-run when pyproject.toml changes.
 $(STAMPS)/deps: pyproject.toml contrib_ops/tests/install_cross_tools.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	sh contrib_ops/tests/install_cross_tools.sh
@@ -24,7 +25,7 @@ $(STAMPS)/deps: pyproject.toml contrib_ops/tests/install_cross_tools.sh
 	$(PIP) install "scikit-build-core>=0.10" "cmake>=3.24" ninja
 	$(PIP) install $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 	  print(' '.join(repr(d) for d in p['dependencies'] + p['optional-dependencies']['test'] \
-	  + p['optional-dependencies']['models']))" | tr -d "'")
+	  + p['optional-dependencies']['models'] + p['optional-dependencies']['olive']))" | tr -d "'")
 	@mkdir -p $(STAMPS) && touch $@
 
 # The package in editable mode; scikit-build-core builds the custom-op library into it (incrementally,

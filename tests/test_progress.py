@@ -1,0 +1,86 @@
+"""fusion.progress: one updating line on a terminal, nothing on a file or pipe."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from fusion import progress as progress_module
+from fusion.progress import Progress, is_live, progress, track
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def _no_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(progress_module.ENV, raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setattr(progress_module, "REDRAW_INTERVAL", 0.0)  # draw every update
+
+
+def test_quiet_when_not_a_terminal() -> None:
+    log = io.StringIO()
+    with progress("verify", total=3, stream=log) as bar:
+        for _ in range(3):
+            bar.advance(message="node")
+    assert list(track(range(4), "measure", stream=log)) == [0, 1, 2, 3]
+    assert log.getvalue() == ""
+
+
+def test_terminal_gets_one_erased_line() -> None:
+    terminal = FakeTerminal()
+    with progress("verify", total=2, stream=terminal) as bar:
+        bar.advance(message="first")
+        assert bar.text().startswith("verify: 1/2 first ")
+        bar.advance(message="second")
+    written = terminal.getvalue()
+    assert "verify: 0/2" in written and "verify: 1/2 first" in written and "verify: 2/2 second" in written
+    assert "\n" not in written  # redrawn in place, never scrolls
+    assert written.endswith("\r\033[K")  # erased at the end, so real output starts on a clean line
+
+
+def test_line_is_erased_when_the_block_raises() -> None:
+    terminal = FakeTerminal()
+    with pytest.raises(RuntimeError), progress("load", stream=terminal) as bar:
+        bar.update(message="reading weights")
+        raise RuntimeError("boom")
+    assert terminal.getvalue().endswith("\r\033[K")
+
+
+def test_track_counts_items_and_takes_len() -> None:
+    terminal = FakeTerminal()
+    assert list(track(["CPU", "CUDA"], "measure", stream=terminal)) == ["CPU", "CUDA"]
+    assert "measure: 0/2" in terminal.getvalue() and "measure: 2/2" in terminal.getvalue()
+
+
+def test_callback_form_sets_total() -> None:
+    terminal = FakeTerminal()
+    bar = Progress("write", stream=terminal)
+    bar(5, 10, "weights")
+    assert (bar.done, bar.total, bar.message) == (5, 10, "weights")
+    assert "write: 5/10 weights" in terminal.getvalue()
+
+
+def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert is_live(FakeTerminal()) and not is_live(io.StringIO())
+    monkeypatch.setenv(progress_module.ENV, "0")
+    assert not is_live(FakeTerminal())
+    monkeypatch.setenv(progress_module.ENV, "1")
+    assert is_live(io.StringIO())
+    monkeypatch.delenv(progress_module.ENV)
+    monkeypatch.setenv("TERM", "dumb")
+    assert not is_live(FakeTerminal())
+
+
+def test_redraws_are_throttled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(progress_module, "REDRAW_INTERVAL", 3600.0)
+    terminal = FakeTerminal()
+    with progress("report", total=1000, stream=terminal) as bar:
+        for _ in range(1000):
+            bar.advance()
+    assert terminal.getvalue().count("report:") == 1  # the first draw only; then erased
+    assert bar.done == 1000
