@@ -5,11 +5,13 @@ library (and providers that cannot host custom ops, CoreML) inlines the body; wi
 registered, the kernel shadows it. One function serves every fused node of a model: its body is
 type-generic (ONNX functions are untyped) and ``epsilon``, ``group_size``, ``norm_dtype`` and
 ``output_dtype`` are function attributes that each call node sets, so every type combination and
-attribute set is covered by one definition.
+attribute set is covered by one definition. ``gated_dtype`` is optional, with the default FLOAT (no
+rounding) declared in the function, so call nodes written before it existed keep their meaning.
 
 The body follows the contract's rounding points exactly::
 
     h  = f32(Y) * (f32(Z) / (1 + Exp(-f32(Z))))     # silu without ORT's inexact Sigmoid
+    h  = f32(Cast(h, gated_dtype))                    # third rounding point (FLOAT: a no-op)
     hg = Reshape(h, [..., -1, group_size])            # leading dims from Shape(h): any rank works
     n  = hg * Reciprocal(Sqrt(ReduceMean(hg * hg, -1) + epsilon))
     O  = Cast(f32(W) * f32(Cast(Reshape(n, Shape(h)), norm_dtype)), output_dtype)
@@ -24,8 +26,10 @@ from fusion.reference import DOMAIN, OP_TYPE
 
 #: The op's opset version in the ``ai.mambafuse`` domain (DESIGN.md §1).
 OPSET_VERSION = 1
-#: Attributes every call node sets explicitly (the function declares no defaults).
+#: Attributes every call node sets explicitly.
 ATTRIBUTES = ("epsilon", "group_size", "norm_dtype", "output_dtype")
+#: Optional attributes and the defaults the function declares for them (FLOAT: h is not rounded).
+OPTIONAL_ATTRIBUTES = {"gated_dtype": onnx.TensorProto.FLOAT}
 #: Lowest ONNX opset the body is written for (Shape/Slice/Unsqueeze with input axes: opset 13).
 MIN_OPSET = 13
 
@@ -79,7 +83,10 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         _node("Add", ["exp_minus_z", "one"], ["denominator"]),
         _node("Div", ["z32", "denominator"], ["silu"]),
         # y * silu(z) in this multiplication order, as the contract and the HF module do.
-        _node("Mul", ["y32", "silu"], ["gated"]),
+        _node("Mul", ["y32", "silu"], ["gated_exact"]),
+        # Third rounding point: h in gated_dtype (default FLOAT: two no-op Casts), widened back.
+        _node_with_refs("Cast", ["gated_exact"], ["gated_rounded"], [_ref("to", "gated_dtype", 2)]),
+        _node("Cast", ["gated_rounded"], ["gated"], to=FLOAT),
         # [..., C] -> [..., C / group_size, group_size], keeping every leading dim of the input.
         _node("Shape", ["gated"], ["shape"]),
         _node("Constant", [], ["zero"], value=ints("zero", onnx.TensorProto.INT64, [1], [0])),
@@ -121,6 +128,7 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         nodes=nodes,
         opset_imports=[helper.make_opsetid("", onnx_opset)],
         attributes=list(ATTRIBUTES),
+        attribute_protos=[helper.make_attribute(name, value) for name, value in OPTIONAL_ATTRIBUTES.items()],
         doc_string="GatedGroupRMSNorm (DESIGN.md §1) in stock ONNX ops; ONNX Runtime inlines it "
         "when the mambafuse library is not registered.",
     )

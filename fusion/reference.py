@@ -2,7 +2,7 @@
 
 For every row (leading axes flattened) and every contiguous group ``g`` of ``group_size`` columns::
 
-    h[j]  = f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j])))      # y * silu(gate), this order
+    h[j]  = round(gated_dtype, f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j]))))  # y * silu(gate), this order
     m2    = sum_j h[j]^2                                       # over the group
     nf    = 1 / sqrt(m2 / group_size + epsilon)
     n[j]  = round(norm_dtype,   h[j] * nf)
@@ -10,7 +10,9 @@ For every row (leading axes flattened) and every contiguous group ``g`` of ``gro
 
 The two rounding points (to ``norm_dtype`` before the weight multiply, to ``output_dtype`` after it)
 are what HF ``NemotronHRMSNormGated`` / ``Zamba2RMSNormGated`` do; they decide whether a fused result
-matches the graph it replaced, so they are kept exactly.
+matches the graph it replaced, so they are kept exactly. The optional third one, ``gated_dtype`` (absent
+or float: none), is where builders such as Microsoft's mobius round the gated product to the model's half
+type before the norm.
 
 ``compute_dtype=np.float32`` mirrors the kernels; ``np.float64`` gives the "exact" evaluation that the
 accuracy budget is measured against. bfloat16 comes from ``ml_dtypes`` (round-to-nearest-even).
@@ -73,14 +75,21 @@ def gated_group_rms_norm(
     group_size: int,
     norm_dtype: np.dtype | type | None = None,
     output_dtype: np.dtype | type | None = None,
+    gated_dtype: np.dtype | type | None = None,
     compute_dtype: np.dtype | type = np.float32,
     return_normed: bool = False,
+    flip_gated_ties: float = 0.0,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Return ``GatedGroupRMSNorm(y, z, w)`` as DESIGN.md §1 defines it.
 
-    ``norm_dtype`` / ``output_dtype`` default to ``y.dtype``. With ``return_normed`` also returns ``n``,
-    the normalized value at its rounding point (``norm_dtype``), for ``budget_report``. Raises ValueError
-    for any input the op rejects, with the same conditions as the kernels.
+    ``norm_dtype`` / ``output_dtype`` default to ``y.dtype``; ``gated_dtype`` defaults to float32 (h is not
+    rounded). With ``return_normed`` also returns ``n``, the normalized value at its rounding point
+    (``norm_dtype``), for ``budget_report``. Raises ValueError for any input the op rejects, with the same
+    conditions as the kernels.
+
+    ``flip_gated_ties`` > 0 gives the *alternative* reference of ``budget_report``: every h whose exact
+    value lies within that relative distance of a ``gated_dtype`` rounding tie is rounded to the other
+    neighbour (an fp32 kernel computes h a few float32 ulps off, so it may land on either side).
     """
     y, z, w = np.asarray(y), np.asarray(z), np.asarray(w)
     for name, arr in (("Y", y), ("Z", z), ("W", w)):
@@ -89,8 +98,10 @@ def gated_group_rms_norm(
             raise ValueError(f"{name} must have at least one axis, got a scalar")
     norm_dtype = np.dtype(y.dtype if norm_dtype is None else norm_dtype)
     output_dtype = np.dtype(y.dtype if output_dtype is None else output_dtype)
+    gated_dtype = np.dtype(np.float32 if gated_dtype is None else gated_dtype)
     dtype_to_onnx_type(norm_dtype)
     dtype_to_onnx_type(output_dtype)
+    dtype_to_onnx_type(gated_dtype)
     if y.shape != z.shape:
         raise ValueError(f"Y and Z must have the same shape, got {y.shape} and {z.shape}")
     channels = y.shape[-1]
@@ -106,6 +117,8 @@ def gated_group_rms_norm(
     gate = z.reshape(groups.shape).astype(cd)
     with np.errstate(over="ignore", invalid="ignore"):  # NaN/Inf inputs propagate, as in the kernels
         h = groups.astype(cd) * (gate * _sigmoid(gate))
+        if gated_dtype != np.float32:  # rounding point 0 (float32: none, whatever compute_dtype is)
+            h = _round_to(h, gated_dtype, flip_gated_ties).astype(cd)
         m2 = np.sum(h * h, axis=-1, keepdims=True, dtype=cd)
         inv_rms = (cd.type(1.0) / np.sqrt(m2 / cd.type(group_size) + cd.type(epsilon))).astype(cd)
         normed = (h * inv_rms).astype(norm_dtype)
@@ -113,6 +126,23 @@ def gated_group_rms_norm(
     if return_normed:
         return out.reshape(y.shape), normed.reshape(y.shape)
     return out.reshape(y.shape)
+
+
+def _round_to(h: np.ndarray, dtype: np.dtype, flip_ties: float) -> np.ndarray:
+    """Return ``h`` rounded to ``dtype`` (nearest even); with ``flip_ties`` > 0, values within that relative
+    distance of a rounding tie go to the neighbour on the other side of the tie instead."""
+    rounded = h.astype(dtype)
+    if flip_ties <= 0:
+        return rounded
+    with np.errstate(invalid="ignore", over="ignore"):
+        wide = h.astype(np.float64)
+        near = rounded.astype(np.float64)
+        step = ulp_of(np.where(np.isfinite(near), near, 0.0), dtype)
+        # The neighbour across the nearest tie: one ulp up or down from the rounded value.
+        other = np.where(wide >= near, near + step, near - step)
+        tie = (near + other) / 2
+        close = np.isfinite(wide) & (np.abs(wide - tie) <= flip_ties * np.abs(wide))
+        return np.where(close, other.astype(dtype), rounded)
 
 
 class GatedGroupRMSNorm(OpRun):
@@ -129,6 +159,7 @@ class GatedGroupRMSNorm(OpRun):
         group_size: int | None = None,
         norm_dtype: int | None = None,
         output_dtype: int | None = None,
+        gated_dtype: int | None = None,
     ) -> tuple[Any]:
         if epsilon is None or group_size is None:
             raise ValueError("GatedGroupRMSNorm needs the attributes epsilon and group_size")
@@ -140,6 +171,7 @@ class GatedGroupRMSNorm(OpRun):
             group_size=int(group_size),
             norm_dtype=None if norm_dtype is None else onnx_type_to_dtype(norm_dtype),
             output_dtype=None if output_dtype is None else onnx_type_to_dtype(output_dtype),
+            gated_dtype=None if not gated_dtype else onnx_type_to_dtype(gated_dtype),
         )
         return (out,)
 
@@ -197,6 +229,7 @@ def budget_report(
     *,
     normed: np.ndarray | None = None,
     weight: np.ndarray | None = None,
+    alternative: np.ndarray | None = None,
 ) -> tuple[bool, str]:
     """Return (within budget, message) for ``actual`` against a float64-evaluated ``expected``.
 
@@ -208,6 +241,11 @@ def budget_report(
     with ``return_normed=True``, and the ``weight``), an fp32 kernel and the float64 reference can round
     ``n`` to neighbouring values in a tie-close case. Such elements (at most 0.1 %) may then differ by
     ``|w| * ulp(norm_dtype, n)`` on top of the output budget.
+
+    The same holds at the gated rounding point (``gated_dtype``), where one tie-close h that rounds the
+    other way also moves its group's nf: ``alternative`` is the reference with every tie-close h flipped
+    (``gated_group_rms_norm(..., flip_gated_ties=...)``), and each element is measured against the nearer
+    of the two references.
     """
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
@@ -224,6 +262,9 @@ def budget_report(
     finite = ~special & np.isfinite(a64)
     with np.errstate(invalid="ignore", over="ignore"):
         err = np.where(finite, np.abs(a64 - e64), 0.0)
+        if alternative is not None:
+            alt64 = np.asarray(alternative).astype(np.float64)
+            err = np.where(np.isfinite(alt64), np.minimum(err, np.abs(a64 - alt64)), err)
     if actual.dtype == np.float32:
         tight = 2e-6 * np.abs(e64) + np.finfo(np.float32).tiny
         strict = tight
@@ -248,3 +289,33 @@ def budget_report(
         f"worst error {worst:.3g} x ({unit_name})"
     )
     return ok, msg
+
+
+#: Relative distance from a gated_dtype rounding tie within which an fp32 kernel's h (a few float32 ulps
+#: off the exact value) may round either way: 16 float32 ulps.
+GATED_TIE_WINDOW = 2.0**-20
+
+
+def reference_for_budget(
+    y: np.ndarray,
+    z: np.ndarray,
+    w: np.ndarray,
+    *,
+    epsilon: float,
+    group_size: int,
+    norm_dtype: np.dtype | type | None = None,
+    output_dtype: np.dtype | type | None = None,
+    gated_dtype: np.dtype | type | None = None,
+) -> dict[str, np.ndarray | None]:
+    """Return the float64 reference and what ``budget_report`` needs with it, as its keyword arguments:
+    ``expected``, ``normed``, ``weight`` and ``alternative`` (None unless h is rounded to a half type)."""
+    attrs = dict(epsilon=epsilon, group_size=group_size, norm_dtype=norm_dtype, output_dtype=output_dtype)
+    expected, normed = gated_group_rms_norm(
+        y, z, w, **attrs, gated_dtype=gated_dtype, compute_dtype=np.float64, return_normed=True
+    )
+    alternative = None
+    if gated_dtype is not None and np.dtype(gated_dtype) != np.float32:
+        alternative = gated_group_rms_norm(
+            y, z, w, **attrs, gated_dtype=gated_dtype, compute_dtype=np.float64, flip_gated_ties=GATED_TIE_WINDOW
+        )
+    return {"expected": expected, "normed": normed, "weight": w, "alternative": alternative}

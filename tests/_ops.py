@@ -16,7 +16,7 @@ from fusion.reference import (
     bfloat16,
     budget_report,
     dtype_to_onnx_type,
-    gated_group_rms_norm,
+    reference_for_budget,
 )
 
 FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
@@ -64,6 +64,7 @@ def one_node_model(
     epsilon: float = 1e-5,
     norm_dtype: int | None = None,
     output_dtype: int | None = None,
+    gated_dtype: int | None = None,
     out_type: int | None = None,
     w_shape: Sequence[int] | None = None,
     z_shape: Sequence[int | str] | None = None,
@@ -79,6 +80,8 @@ def one_node_model(
         attrs["norm_dtype"] = norm_dtype
     if output_dtype is not None:
         attrs["output_dtype"] = output_dtype
+    if gated_dtype is not None:
+        attrs["gated_dtype"] = gated_dtype
     result_type = out_type if out_type is not None else (output_dtype if output_dtype is not None else y_type)
     if out_type is None:
         result_type = stored_output_type(y_type, z_type, w_type, result_type)
@@ -171,17 +174,27 @@ def check_against_reference(
     epsilon: float = 1e-5,
     norm_type: int | None = None,
     out_type: int | None = None,
+    gated_type: int | None = None,
 ) -> np.ndarray:
     """Run the op on (y, z, w) in a session from ``make_session``; assert it is within the accuracy budget
-    of the float64 reference (DESIGN.md §1) and return its output in the op's output type."""
+    of the float64 reference (DESIGN.md §1) and return its output in the op's output type.
+
+    ``gated_type`` None leaves the attribute gated_dtype out of the node (its default: float, no rounding).
+    """
     types = [next(k for k, v in SUPPORTED_TYPES.items() if v == a.dtype) for a in (y, z, w)]
     model = one_node_model(
-        *types, shape=list(y.shape), group_size=group_size, epsilon=epsilon, norm_dtype=norm_type, output_dtype=out_type
+        *types,
+        shape=list(y.shape),
+        group_size=group_size,
+        epsilon=epsilon,
+        norm_dtype=norm_type,
+        output_dtype=out_type,
+        gated_dtype=gated_type,
     )
     result_type = out_type if out_type is not None else types[0]
     session = make_session(model)
     actual = as_type(session.run(None, {"y": feed(y), "z": feed(z), "w": feed(w)})[0], result_type)
-    expected, normed = gated_group_rms_norm(
+    reference = reference_for_budget(
         y,
         z,
         w,
@@ -189,10 +202,9 @@ def check_against_reference(
         group_size=group_size,
         norm_dtype=None if norm_type is None else SUPPORTED_TYPES[norm_type],
         output_dtype=None if out_type is None else SUPPORTED_TYPES[out_type],
-        compute_dtype=np.float64,
-        return_normed=True,
+        gated_dtype=None if not gated_type else SUPPORTED_TYPES[gated_type],
     )
-    ok, message = budget_report(actual, expected, normed=normed, weight=w)
+    ok, message = budget_report(actual, **reference)
     assert ok, message
     return actual
 

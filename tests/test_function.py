@@ -11,7 +11,15 @@ import pytest
 from onnx import TensorProto, helper
 
 from fusion.function import MIN_OPSET, attach_function, make_function
-from fusion.reference import DOMAIN, OP_TYPE, budget_report, gated_group_rms_norm, onnx_type_to_dtype
+from fusion.reference import (
+    DOMAIN,
+    OP_TYPE,
+    budget_report,
+    gated_group_rms_norm,
+    onnx_type_to_dtype,
+    reference_evaluator,
+    reference_for_budget,
+)
 
 FLOAT, FLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16
 # ORT CPU runs no bf16 arithmetic, so the numerics here cover float and float16 combinations.
@@ -30,7 +38,9 @@ def _model(
     group_size: int = 48,
     epsilon: float = 1e-5,
     declare_output_shape: bool = True,
+    gated_dtype: int | None = None,
 ) -> onnx.ModelProto:
+    optional = {} if gated_dtype is None else {"gated_dtype": gated_dtype}
     node = helper.make_node(
         OP_TYPE,
         ["y", "z", "w"],
@@ -40,6 +50,7 @@ def _model(
         group_size=group_size,
         norm_dtype=norm_dtype,
         output_dtype=output_dtype,
+        **optional,
     )
     dims = [*leading, channels]
     out = helper.make_tensor_value_info("out", output_dtype, dims if declare_output_shape else None)
@@ -78,6 +89,8 @@ def test_function_imports_the_models_onnx_opset() -> None:
     function = make_function(17)
     assert [(o.domain, o.version) for o in function.opset_import] == [("", 17)]
     assert list(function.attribute) == ["epsilon", "group_size", "norm_dtype", "output_dtype"]
+    # gated_dtype is optional: a declared default (FLOAT, no rounding) keeps older call nodes' meaning.
+    assert [(a.name, a.i) for a in function.attribute_proto] == [("gated_dtype", FLOAT)]
     # opset 17 takes ReduceMean axes as an attribute, 18 as an input.
     (mean17,) = [n for n in function.node if n.op_type == "ReduceMean"]
     (mean18,) = [n for n in make_function(18).node if n.op_type == "ReduceMean"]
@@ -174,3 +187,55 @@ def test_edge_values_stay_in_their_group() -> None:
     (got,) = session.run(None, feeds)
     assert np.all(got[0, :48] == 0)
     assert np.all(np.isnan(got[0, 48:]))
+
+
+GATED_TYPES = (None, FLOAT, FLOAT16, TensorProto.BFLOAT16)
+
+
+@pytest.mark.parametrize("gated_dtype", GATED_TYPES, ids=lambda t: "absent" if t is None else str(t))
+@pytest.mark.parametrize(
+    ("y_type", "w_type", "norm_dtype", "output_dtype"),
+    [(FLOAT, FLOAT, FLOAT, FLOAT), (FLOAT16, FLOAT16, FLOAT16, FLOAT16), (FLOAT, FLOAT, FLOAT, FLOAT16)],
+)
+def test_function_rounds_the_gated_product(
+    y_type: int, w_type: int, norm_dtype: int, output_dtype: int, gated_dtype: int | None
+) -> None:
+    """The function's Cast to gated_dtype and back: stock ORT against the reference at the op's budget
+    (with the tie-flip alternative of budget_report where h is rounded to a half type)."""
+    model = _model(y_type, w_type, norm_dtype, output_dtype, gated_dtype=gated_dtype)
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = _feeds(y_type, w_type, (30, 5, 96), seed=21)
+    (got,) = session.run(None, feeds)
+    reference = reference_for_budget(
+        feeds["y"],
+        feeds["z"],
+        feeds["w"],
+        epsilon=1e-5,
+        group_size=48,
+        norm_dtype=onnx_type_to_dtype(norm_dtype),
+        output_dtype=onnx_type_to_dtype(output_dtype),
+        gated_dtype=None if gated_dtype is None else onnx_type_to_dtype(gated_dtype),
+    )
+    ok, message = budget_report(got, **reference)
+    assert ok, message
+
+
+@pytest.mark.parametrize("gated_dtype", [FLOAT16, TensorProto.BFLOAT16])
+def test_gated_dtype_changes_the_result(gated_dtype: int) -> None:
+    """Rounding h to a half type is visible in a float32 output (the Cast is not a no-op), and the onnx
+    reference evaluator's op reads the attribute as the function body does."""
+    model = _model(FLOAT, FLOAT, FLOAT, FLOAT, gated_dtype=gated_dtype, leading=(4,))
+    feeds = _feeds(FLOAT, FLOAT, (4, 96), seed=22)
+    (got,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    unrounded = gated_group_rms_norm(**feeds, epsilon=1e-5, group_size=48)
+    assert np.abs(got - unrounded).max() > 1e-5 * np.abs(unrounded).max(), "gated_dtype had no effect"
+    del model.functions[:]  # the evaluator must run fusion.reference's op, not the function body
+    evaluated = reference_evaluator(model).run(None, feeds)[0]
+    ok, message = budget_report(
+        evaluated.astype(np.float32),
+        **reference_for_budget(
+            feeds["y"], feeds["z"], feeds["w"], epsilon=1e-5, group_size=48, gated_dtype=onnx_type_to_dtype(gated_dtype)
+        ),
+    )
+    assert ok, message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx.helper as oh
@@ -11,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 import contrib_ops
-from fusion.reference import budget_report, gated_group_rms_norm
+from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm
 from tests._ops import (
     BFLOAT16,
     EDGE_GROUP_SIZE,
@@ -51,6 +52,7 @@ def check_against_reference(
     epsilon: float = 1e-5,
     norm_type: int | None = None,
     out_type: int | None = None,
+    gated_type: int | None = None,
     threads: int = 1,
 ) -> np.ndarray:
     """Run the CPU kernel on (y, z, w), assert it is within the accuracy budget of the reference, and return
@@ -64,6 +66,7 @@ def check_against_reference(
         epsilon=epsilon,
         norm_type=norm_type,
         out_type=out_type,
+        gated_type=gated_type,
     )
 
 
@@ -84,6 +87,109 @@ def test_every_type_combination(y_type: int, z_type: int, w_type: int, norm_type
     # the 0.1 % allowance must not hinge on the seed.
     y, z, w = random_inputs(rng, (30, 5, 96), y_type, z_type, w_type)
     check_against_reference(y, z, w, group_size=48, norm_type=norm_type, out_type=out_type)
+
+
+#: gated_dtype: absent (None), or set to each type the op accepts.
+GATED_TYPES = (None, FLOAT, FLOAT16, BFLOAT16)
+
+
+@pytest.mark.parametrize("gated_type", GATED_TYPES, ids=lambda t: "absent" if t is None else TYPE_NAMES[t])
+@pytest.mark.parametrize(
+    ("y_type", "z_type", "w_type", "norm_type", "out_type"),
+    [(FLOAT,) * 5, (FLOAT, FLOAT, FLOAT, FLOAT16, FLOAT16), *EXPORTER_TYPE_MIXES.values()],
+    ids=["f32", "f32-out-f16", *EXPORTER_TYPE_MIXES],
+)
+def test_gated_dtype(
+    y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int, gated_type: int | None
+) -> None:
+    """The third rounding point (h rounded to gated_dtype before the norm), with every type mix it meets."""
+    rng = np.random.default_rng([y_type, z_type, w_type, norm_type, out_type, gated_type or 0])
+    y, z, w = random_inputs(rng, (30, 5, 96), y_type, z_type, w_type)
+    check_against_reference(y, z, w, group_size=48, norm_type=norm_type, out_type=out_type, gated_type=gated_type)
+
+
+def gated_rounding_probes(gated_type: int) -> np.ndarray:
+    """Return float32 values of h that probe the rounding to ``gated_type``: every rounding tie between
+    neighbouring values of a binade around 1 and of the subnormal range, one float32 ulp either side of
+    those ties, the overflow edge, and random values down to the subnormals."""
+    dtype = SUPPORTED_TYPES[gated_type]
+    rng = np.random.default_rng(gated_type)
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    values = (
+        bits.view(np.float16).astype(np.float32)
+        if gated_type == FLOAT16
+        else ((bits.astype(np.uint32) << 16).view(np.float32))
+    )
+    finite = values[np.isfinite(values) & (values > 0)]
+    finite = np.sort(finite)
+    # ties between neighbours: the subnormal range and the smallest normals, and around 1
+    low = finite[:300]
+    one = finite[np.searchsorted(finite, 1.0) - 150 : np.searchsorted(finite, 1.0) + 150]
+    picked = np.concatenate([low, one])
+    ties = ((picked[:-1].astype(np.float64) + picked[1:].astype(np.float64)) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(0))])
+    # float16's overflow edge (65504 and the tie to Inf above it); bfloat16's lies where h^2 overflows
+    # float32 itself, the kernel's nf is 0 there and the float64 reference no guide.
+    top = float(ml_dtypes.finfo(dtype).max) if gated_type == FLOAT16 else 1e19
+    edges = np.array([top, top * (1 + 2.0**-12), top * (1 + 2.0**-11), top * (1 + 2.0**-6)], np.float32)
+    randoms = (rng.standard_normal(2000) * np.exp2(rng.integers(-30, 5, 2000))).astype(np.float32)
+    probes = np.concatenate([ties, near, picked, edges, randoms])
+    signs = np.where(rng.random(probes.size) < 0.5, -1.0, 1.0).astype(np.float32)
+    return probes * signs
+
+
+def gated_rounding_case(gated_type: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Return (y, z, w, h): groups of two, [probe, anchor], whose exact gated products are the probes h.
+
+    z = 64 makes silu(z) = 64 exactly in float32 and float64 (e^-64 vanishes against 1), so h = 64 * y is
+    exact. The anchor, a power of two >= 4 |h| (exact in every type), holds nf nearly constant: the probe's
+    output h_r * nf then moves with its rounded value h_r at >= 16/17 of its relative change, which is
+    >= 2^-12 for a neighbouring float16/bfloat16 value, far over the float32 budget (2e-6). Below 2^-62
+    the anchor is 0 (its square would leave float32's normal range) and epsilon sets nf.
+    """
+    probes = gated_rounding_probes(gated_type)
+    # Keep the probes that are exact multiples of 64 (in the float32 subnormal range, where bfloat16's
+    # subnormals are, h / 64 can lose bits; the bfloat16 ties there are still exact).
+    exact = (probes / np.float32(64.0)) * np.float32(64.0) == probes
+    h = probes[exact]
+    assert h.size > 0.8 * probes.size, f"only {h.size} of {probes.size} probes are exact multiples of 64"
+    magnitude = np.abs(h.astype(np.float64))
+    anchor = 4.0 * np.exp2(np.ceil(np.log2(np.maximum(magnitude, 1e-300))))
+    # No anchor where its square leaves float32's normal range or it is not a finite gated_dtype value
+    # (float16's top binade: there the probe's finiteness shows the rounding to Inf).
+    top = float(ml_dtypes.finfo(SUPPORTED_TYPES[gated_type]).max)
+    anchor = np.where((magnitude < 2.0**-62) | (anchor > top) | (anchor > 2.0**62), 0.0, anchor)
+    pairs = np.stack([h, anchor.astype(np.float32)], axis=-1).reshape(1, -1)
+    y = pairs / np.float32(64.0)
+    z = np.full_like(y, 64.0)
+    w = np.ones(y.shape[-1], np.float32)
+    return y, z, w, h
+
+
+GATED_ROUNDING_EPSILON = 1e-30
+
+
+@pytest.mark.parametrize("gated_type", [FLOAT16, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
+def test_gated_rounding_is_exact(gated_type: int) -> None:
+    """h rounded to gated_dtype bit for bit as numpy/ml_dtypes round (nearest even): ties, one float32 ulp
+    either side of them, half-subnormal products, float16's overflow to Inf (see gated_rounding_case)."""
+    y, z, w, h = gated_rounding_case(gated_type)
+    actual = check_against_reference(
+        y, z, w, group_size=2, epsilon=GATED_ROUNDING_EPSILON, gated_type=gated_type
+    ).reshape(-1, 2)[:, 0]
+    # Independently of the reference: h rounded by numpy / ml_dtypes, then normalized in float64.
+    with np.errstate(invalid="ignore", over="ignore"):
+        rounded = h.astype(SUPPORTED_TYPES[gated_type]).astype(np.float64)
+        anchor = y.reshape(-1, 2)[:, 1].astype(np.float64) * 64.0
+        want = rounded / np.sqrt((rounded * rounded + anchor * anchor) / 2 + GATED_ROUNDING_EPSILON)
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(actual), finite), "overflow of h to Inf is not where numpy puts it"
+    error = np.abs(actual[finite] - want[finite])
+    bad = np.flatnonzero(error > 2e-6 * np.abs(want[finite]))
+    assert bad.size == 0, (
+        f"{bad.size} of {finite.sum()} h rounded differently (max error {error.max():.3g}), "
+        f"e.g. h = {h[finite][bad[:5]]}"
+    )
 
 
 def test_default_norm_and_output_types_follow_y() -> None:
@@ -280,6 +386,8 @@ def test_rejects_unsupported_input_type() -> None:
         ("norm_dtype", 11, "double"),
         ("output_dtype", 7, "int64"),
         ("norm_dtype", 99, "an unsupported element type"),
+        ("gated_dtype", 11, "double"),
+        ("gated_dtype", 6, "int32"),
     ],
 )
 def test_rejects_bad_dtype_attribute(attr: str, value: int, name: str) -> None:

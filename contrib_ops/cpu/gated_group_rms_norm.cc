@@ -87,6 +87,16 @@ Ort::Status GatedGroupRMSNormAttrs::Read(const OrtKernelInfo* info, GatedGroupRM
       return InvalidArgument(where + bad.GetErrorMessage().substr(sizeof("GatedGroupRMSNorm: ") - 1));
     }
   }
+  // Why an optional attribute and still opset version 1: builders (Microsoft's mobius) round the gated
+  // product y * silu(z) to the model's half type before the norm, a third rounding point. Absent (or 0, or
+  // FLOAT) means no rounding, which is what every model fused before this attribute existed computes.
+  if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, "gated_dtype", &attrs.gated_dtype)) {
+    api.ReleaseStatus(status);
+    attrs.gated_dtype = 0;
+  }
+  if (Ort::Status bad = CheckDtypeAttr("gated_dtype", attrs.gated_dtype); !bad.IsOK()) {
+    return InvalidArgument(where + bad.GetErrorMessage().substr(sizeof("GatedGroupRMSNorm: ") - 1));
+  }
   return Ort::Status{};
 }
 
@@ -135,6 +145,7 @@ Ort::Status PrepareArgs(const GatedGroupRMSNormAttrs& attrs, Ort::KernelContext&
   args.w_type = types[2];
   args.norm_type = attrs.norm_dtype ? static_cast<ElemType>(attrs.norm_dtype) : types[0];
   args.out_type = attrs.output_dtype ? static_cast<ElemType>(attrs.output_dtype) : types[0];
+  args.gated_type = attrs.gated_dtype ? static_cast<ElemType>(attrs.gated_dtype) : ElemType::kFloat;
   args.rows = rows;
   args.channels = channels;
   args.group_size = attrs.group_size;

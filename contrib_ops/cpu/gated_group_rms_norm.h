@@ -18,6 +18,7 @@ struct GatedGroupRMSNormAttrs {
   int64_t group_size = 0;
   int64_t norm_dtype = 0;    // 0: same as Y
   int64_t output_dtype = 0;  // 0: same as Y
+  int64_t gated_dtype = 0;   // 0 or FLOAT: h = y * silu(z) is not rounded
 
   // Reads the attributes of a node; the error names the node and the attribute.
   static Ort::Status Read(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs);

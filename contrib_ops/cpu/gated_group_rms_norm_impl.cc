@@ -95,6 +95,7 @@ const char* ValidateArgs(const GatedGroupRMSNormArgs& a) {
   if (a.rows < 0 || a.channels < 0) return "negative dimension";
   const auto supported = [](ElemType t) { return IsSupportedElemType(static_cast<int64_t>(t)); };
   if (!supported(a.y_type) || !supported(a.z_type) || !supported(a.w_type) || !supported(a.norm_type) ||
+      !supported(a.gated_type) ||
       !supported(a.out_type) || !supported(a.out_storage_type)) {
     return "unsupported element type";
   }

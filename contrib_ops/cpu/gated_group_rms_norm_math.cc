@@ -1,6 +1,6 @@
 // GatedGroupRMSNorm, the per-group math (DESIGN.md §1), written so the compiler vectorizes every loop.
 //
-//   h[j]  = f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j])))
+//   h[j]  = round(gated_type, f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j]))))
 //   nf    = 1 / sqrt(sum_j h[j]^2 / group_size + epsilon)
 //   O[j]  = round(out_type, f32(W[col]) * f32(round(norm_type, h[j] * nf)))
 //
@@ -241,9 +241,12 @@ void GateProduct(const float* __restrict y, const float* __restrict z, float* __
 #pragma GCC diagnostic pop
 #endif
 
-// gated = y * silu(z); returns sum(gated^2). Two plain loops: GCC vectorizes each at every ISA level.
-float GatePass(const float* __restrict y, const float* __restrict z, float* __restrict gated, int64_t n) {
+// gated = round(gated_type, y * silu(z)); returns sum(gated^2). Plain loops: GCC vectorizes each at every
+// ISA level.
+float GatePass(const float* __restrict y, const float* __restrict z, float* __restrict gated, int64_t n,
+               ElemType gated_type) {
   GateProduct(y, z, gated, n);
+  RoundThrough(gated_type, gated, n);  // rounding point 0: gated_dtype (the sum of squares uses it)
   // kLanes partial sums in a fixed order: the same bits from every ISA variant.
   float partial[kLanes] = {};
   int64_t j = 0;
@@ -303,7 +306,7 @@ void ComputeItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t la
     const float* y = AsFloat(static_cast<const char*>(a.y) + offset * y_bytes, a.y_type, scratch.y.data(), gs);
     const float* z = AsFloat(static_cast<const char*>(a.z) + offset * z_bytes, a.z_type, scratch.z.data(), gs);
     float* gated = scratch.gated.data();
-    const float sum_sq = GatePass(y, z, gated, gs);
+    const float sum_sq = GatePass(y, z, gated, gs, a.gated_type);
     const float inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     void* out = static_cast<char*>(a.out) + offset * out_bytes;
     float* product = float_store ? static_cast<float*>(out) : scratch.product.data();

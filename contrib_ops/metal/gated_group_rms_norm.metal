@@ -1,6 +1,6 @@
 // GatedGroupRMSNorm on Apple GPUs (DESIGN.md §1), in Metal Shading Language 3.1.
 //
-//   h[j]  = f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j])))
+//   h[j]  = round(gated_type, f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j]))))
 //   nf    = 1 / sqrt(sum_j h[j]^2 / group_size + epsilon)
 //   O[j]  = round(out_type, f32(W[col]) * f32(round(norm_type, h[j] * nf)))
 //
@@ -32,6 +32,7 @@ constant int w_type [[function_constant(2)]];
 constant int norm_type [[function_constant(3)]];  // rounding point before the weight multiply
 constant int out_type [[function_constant(4)]];   // rounding point of the product
 constant int store_type [[function_constant(5)]]; // output buffer type: out_type, or float (widened output)
+constant int gated_type [[function_constant(6)]]; // rounding point of h = y * silu(z) (float: none)
 
 // Mirrored by the host (gated_group_rms_norm_metal.mm); keep both in step.
 struct GatedGroupRMSNormParams {
@@ -96,7 +97,7 @@ inline float gated_value(device const uchar* y, device const uchar* z, ulong ind
   const float t = exp_non_positive(-fabs(gate));
   const float inv = 1.0f / (1.0f + t);
   const float sigmoid = gate >= 0.0f ? inv : t * inv;
-  return load_value(y, index, y_type) * (gate * sigmoid);
+  return round_through(load_value(y, index, y_type) * (gate * sigmoid), gated_type);  // rounding point 0
 }
 
 kernel void gated_group_rms_norm(device const uchar* y [[buffer(0)]],

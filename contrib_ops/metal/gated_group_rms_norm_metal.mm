@@ -102,17 +102,19 @@ MetalRunner::MetalRunner() {
 }
 
 id<MTLComputePipelineState> MetalRunner::Pipeline(const GatedGroupRMSNormArgs& args, std::string& error) {
-  // Function constants 0..5 of the kernel: y, z, w, norm, out, storage types (ONNX TensorProto numbers).
-  const int types[6] = {static_cast<int>(args.y_type),    static_cast<int>(args.z_type),
+  // Function constants 0..6 of the kernel: y, z, w, norm, out, storage, gated types (ONNX TensorProto
+  // numbers).
+  const int types[7] = {static_cast<int>(args.y_type),    static_cast<int>(args.z_type),
                         static_cast<int>(args.w_type),    static_cast<int>(args.norm_type),
-                        static_cast<int>(args.out_type),  static_cast<int>(args.out_storage_type)};
+                        static_cast<int>(args.out_type),  static_cast<int>(args.out_storage_type),
+                        static_cast<int>(args.gated_type)};
   uint64_t key = 0;
   for (int type : types) key = key * 32u + static_cast<uint64_t>(type);
   const auto found = pipelines_.find(key);
   if (found != pipelines_.end()) return found->second;
 
   MTLFunctionConstantValues* values = [[MTLFunctionConstantValues alloc] init];
-  for (NSUInteger i = 0; i < 6; ++i) [values setConstantValue:&types[i] type:MTLDataTypeInt atIndex:i];
+  for (NSUInteger i = 0; i < 7; ++i) [values setConstantValue:&types[i] type:MTLDataTypeInt atIndex:i];
   NSError* ns_error = nil;
   id<MTLFunction> function = [library_ newFunctionWithName:@"gated_group_rms_norm"
                                             constantValues:values

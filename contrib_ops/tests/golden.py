@@ -14,7 +14,7 @@ it is useful without Python; the budget verdict is the one made here.
 
 ``cases.txt``, one case per line::
 
-    name y_type z_type w_type norm_type out_type store_type rows channels group_size epsilon chunks ulp_limit
+    name y_type z_type w_type norm_type out_type store_type gated_type rows channels group_size epsilon chunks ulp_limit
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm
+from fusion.reference import SUPPORTED_TYPES, budget_report, reference_for_budget
 
 FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
 TYPES = (FLOAT, FLOAT16, BFLOAT16)
@@ -64,6 +64,7 @@ class GoldenCase:
     norm_type: int = FLOAT
     out_type: int = FLOAT
     store_type: int | None = None  # None: out_type; FLOAT: ORT widened the node's output
+    gated_type: int = FLOAT  # rounding point of h (attribute gated_dtype; FLOAT: none)
     epsilon: float = 1e-5
     edge_values: bool = False  # zeros, tiny, huge, NaN/Inf in chosen groups (see _edge_inputs)
     chunks: int = 1  # the item range is split into this many calls, on as many threads
@@ -139,8 +140,32 @@ def special_cases() -> list[GoldenCase]:
     return cases
 
 
+def gated_cases() -> list[GoldenCase]:
+    """h rounded to each gated_dtype, with the type mixes builders write: all half (mobius), float32 with a
+    float32 output (where a flipped h shows most), an exporter's B form, and the edge values."""
+    mixes = {
+        "f32": (FLOAT,) * 5,
+        "f16": (FLOAT16,) * 5,
+        "bf16": (BFLOAT16,) * 5,
+        "B-f16": (FLOAT, FLOAT16, FLOAT, FLOAT, FLOAT16),
+    }
+    cases = [
+        GoldenCase(f"gated_{TYPE_NAMES[g]}_{mix}", (3, 4560), 456, *types, gated_type=g, seed=40 + i)
+        for i, (g, (mix, types)) in enumerate(itertools.product(TYPES, mixes.items()))
+    ]
+    cases += [
+        GoldenCase(f"gated_{TYPE_NAMES[g]}_shape_1x7680", (1, 7680), 960, *(g,) * 5, gated_type=g, seed=60)
+        for g in (FLOAT16, BFLOAT16)
+    ]
+    cases += [
+        GoldenCase(f"gated_edge_{TYPE_NAMES[t]}", (3, 256), 32, *(t,) * 5, gated_type=t, edge_values=True, seed=11)
+        for t in (FLOAT16, BFLOAT16)
+    ]
+    return cases
+
+
 def all_cases() -> list[GoldenCase]:
-    return type_combination_cases() + shape_cases() + special_cases()
+    return type_combination_cases() + shape_cases() + special_cases() + gated_cases()
 
 
 # --- data -------------------------------------------------------------------------------------------
@@ -148,7 +173,8 @@ def all_cases() -> list[GoldenCase]:
 
 @dataclasses.dataclass
 class GoldenData:
-    """A case's inputs and its float64-evaluated reference (``normed``: n at its rounding point)."""
+    """A case's inputs and its float64-evaluated reference (``normed``: n at its rounding point;
+    ``alternative``: the reference with tie-close gated values rounded the other way, see budget_report)."""
 
     case: GoldenCase
     y: np.ndarray
@@ -156,15 +182,17 @@ class GoldenData:
     w: np.ndarray
     expected: np.ndarray
     normed: np.ndarray
+    alternative: np.ndarray | None = None
 
     @property
     def ulp_limit(self) -> int:
         """A coarse bound (in ulps of the output type) for the program's own check; budget_report decides."""
         out, norm = self.case.out_type, self.case.norm_type
         limit = 2 if out != FLOAT else 40  # rel 2e-6 is at most 34 float32 ulps
-        if _MANTISSA_BITS[norm] < _MANTISSA_BITS[out]:
-            # a tie-close n may round the other way: |w| * ulp(norm, n), in output ulps
-            limit += 4 * 2 ** (_MANTISSA_BITS[out] - _MANTISSA_BITS[norm])
+        for rounding in (norm, self.case.gated_type):
+            if _MANTISSA_BITS[rounding] < _MANTISSA_BITS[out]:
+                # a tie-close n (or h) may round the other way: about |w| * ulp(norm, n), in output ulps
+                limit += 4 * 2 ** (_MANTISSA_BITS[out] - _MANTISSA_BITS[rounding])
         return limit
 
 
@@ -205,7 +233,7 @@ def make_data(case: GoldenCase) -> GoldenData:
     y = y.astype(SUPPORTED_TYPES[case.y_type])
     z = z.astype(SUPPORTED_TYPES[case.z_type])
     w = w.astype(SUPPORTED_TYPES[case.w_type])
-    expected, normed = gated_group_rms_norm(
+    reference = reference_for_budget(
         y,
         z,
         w,
@@ -213,10 +241,9 @@ def make_data(case: GoldenCase) -> GoldenData:
         group_size=case.group_size,
         norm_dtype=SUPPORTED_TYPES[case.norm_type],
         output_dtype=SUPPORTED_TYPES[case.out_type],
-        compute_dtype=np.float64,
-        return_normed=True,
+        gated_dtype=SUPPORTED_TYPES[case.gated_type],
     )
-    return GoldenData(case, y, z, w, expected, normed)
+    return GoldenData(case, y, z, w, reference["expected"], reference["normed"], reference["alternative"])
 
 
 def write_cases(directory: Path, cases: Iterable[GoldenCase]) -> dict[str, GoldenData]:
@@ -239,6 +266,7 @@ def write_cases(directory: Path, cases: Iterable[GoldenCase]) -> dict[str, Golde
             case.norm_type,
             case.out_type,
             case.storage,
+            case.gated_type,
             case.rows,
             case.channels,
             case.group_size,
@@ -274,7 +302,7 @@ def check_case(output_directory: Path, data: GoldenData, program_log: str = "") 
         stored = np.fromfile(output_directory / f"{data.case.name}.out", dtype="<f4").reshape(data.case.shape)
         if not np.array_equal(stored, actual.astype(np.float32), equal_nan=True):
             return False, "the widened float output holds values that are not rounded to output_dtype"
-    ok, message = budget_report(actual, data.expected, normed=data.normed, weight=data.w)
+    ok, message = budget_report(actual, data.expected, normed=data.normed, weight=data.w, alternative=data.alternative)
     if ok and data.case.edge_values:
         finite_actual = np.isfinite(actual.astype(np.float32))
         finite_expected = np.isfinite(data.expected.astype(np.float32))

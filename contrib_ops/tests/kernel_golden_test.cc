@@ -41,7 +41,7 @@ using mambafuse::ElemType;
 
 struct Case {
   std::string name;
-  int64_t types[6] = {};  // y, z, w, norm, out, storage (ONNX element types)
+  int64_t types[7] = {};  // y, z, w, norm, out, storage, gated (ONNX element types)
   int64_t rows = 0;
   int64_t channels = 0;
   int64_t group_size = 0;
@@ -174,6 +174,7 @@ mambafuse::GatedGroupRMSNormArgs MakeArgs(const Case& c, const std::vector<char>
   args.norm_type = static_cast<ElemType>(c.types[3]);
   args.out_type = static_cast<ElemType>(c.types[4]);
   args.out_storage_type = static_cast<ElemType>(c.types[5]);
+  args.gated_type = static_cast<ElemType>(c.types[6]);
   args.rows = c.rows;
   args.channels = c.channels;
   args.group_size = c.group_size;
@@ -238,6 +239,9 @@ int CheckValidateArgs() {
   bad = good;
   bad.norm_type = static_cast<ElemType>(11);
   expect(mambafuse::ValidateArgs(bad) != nullptr, "double norm_type is rejected");
+  bad = good;
+  bad.gated_type = static_cast<ElemType>(11);
+  expect(mambafuse::ValidateArgs(bad) != nullptr, "double gated_type is rejected");
   bad = good;
   bad.out_type = ElemType::kFloat16;
   bad.out_storage_type = ElemType::kBFloat16;

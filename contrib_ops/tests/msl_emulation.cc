@@ -29,6 +29,7 @@ std::string Run(const GatedGroupRMSNormArgs& args, const Options& options) {
   norm_type = static_cast<int>(args.norm_type);
   out_type = static_cast<int>(args.out_type);
   store_type = static_cast<int>(args.out_storage_type);
+  gated_type = static_cast<int>(args.gated_type);
 
   GatedGroupRMSNormParams params;
   params.channels = static_cast<uint>(args.channels);
