@@ -63,6 +63,11 @@ class ChainSpec:
     # shapes
     shape_as: Literal["constant", "dynamic", "torchscript"] = "constant"
     restore_shape: tuple[int, ...] | None = None  # override the 2nd Reshape's constant target
+    # override the 1st Reshape's target: ints are constants (0 and -1 keep ONNX's meaning), "Li" is
+    # Shape(product)[i] (computed at run time)
+    group_target: tuple[int | str, ...] | None = None
+    # the 1st Reshape's target is a graph input "group_shape" (its value_info claims [..., G, gs])
+    group_target_as_input: bool = False
     # norm dtype / weight / output
     norm_cast: int | None = None  # Cast after the 2nd Reshape (form C: FLOAT16)
     weight_dtype: int = FLOAT
@@ -147,7 +152,19 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
         parts.append(ints(f"tail_{tag}", list(tail), constant_nodes))
         return node("Concat", parts, axis=0)
 
-    grouped = node("Reshape", [gated, target_shape([groups, group_size], "in")])
+    if spec.group_target_as_input:
+        extra_inputs.append(helper.make_tensor_value_info("group_shape", TensorProto.INT64, [len(spec.leading) + 2]))
+        grouped = node("Reshape", [gated, "group_shape"])
+    elif spec.group_target is not None:
+        elements = []
+        for index, element in enumerate(spec.group_target):
+            if isinstance(element, str):
+                elements.append(node("Shape", [gated], start=int(element[1:]), end=int(element[1:]) + 1))
+            else:
+                elements.append(ints(f"group_target_{index}", [element]))
+        grouped = node("Reshape", [gated, node("Concat", elements, axis=0)])
+    else:
+        grouped = node("Reshape", [gated, target_shape([groups, group_size], "in")])
 
     if spec.inner in ("sln", "sln_ms", "rms"):
         scale_shape = [group_size] if spec.inner_scale_shape == "gs" else [groups, group_size]
@@ -232,7 +249,14 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
     model = helper.make_model(graph, opset_imports=opsets, producer_name="mambafuse-tests")
     model.ir_version = min(model.ir_version, 10)  # loadable by onnxruntime 1.23
     # Exports carry value_info for every tensor; shape inference gives the tiny model the same.
-    return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    if spec.group_target_as_input:
+        # What an exporter might claim about the grouped tensor: [..., G, gs], true or not at run time.
+        claimed = helper.make_tensor_value_info(grouped, FLOAT, [*spec.leading, groups, group_size])
+        kept = [v for v in model.graph.value_info if v.name != grouped]
+        del model.graph.value_info[:]
+        model.graph.value_info.extend([*kept, claimed])
+    return model
 
 
 def chain_inputs(spec: ChainSpec, leading: Sequence[int] | None = None) -> dict[str, np.ndarray]:

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from fusion.rules import _arith
+
 Dim = int | str | tuple[Any, ...] | None
 
 #: Producers of shape tensors that resolve_shape_tensor looks through; deeper chains give up.
@@ -147,11 +149,21 @@ def resolve_shape_tensor(
         if any(part is None for part in parts):
             return None
         return [dim for part in parts for dim in part]  # type: ignore[union-attr]
+    if op == "Reshape" and len(inputs) > 1:
+        # A scalar made 1-D: one element. Reshape to [1] guarantees that (or fails); to [-1] only when
+        # the input is proven to be one element (a resolved scalar).
+        target = constant_array(inputs[1])
+        if target is not None and target.size == 1 and int(target.reshape(-1)[0]) in (-1, 1):
+            scalar = resolve_scalar(inputs[0], aliases, depth + 1)
+            if scalar is not _UNRESOLVED:
+                return [scalar]
+            return [None] if int(target.reshape(-1)[0]) == 1 else None
     if op in ("Cast", "Identity"):
         return resolve_shape_tensor(inputs[0], aliases, depth + 1)
     if op == "Unsqueeze":
+        # The result is a valid 1-D shape only when the input is a scalar: one element, known or not.
         scalar = resolve_scalar(inputs[0], aliases, depth + 1)
-        return None if scalar is _UNRESOLVED else [scalar]
+        return [None if scalar is _UNRESOLVED else scalar]
     if op == "Gather":
         source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         indices = constant_array(inputs[1]) if len(inputs) > 1 else None
@@ -184,7 +196,27 @@ _UNRESOLVED: Any = _Unresolved()
 
 
 def resolve_scalar(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int = 0) -> Any:
-    """Return one shape element held by a scalar int tensor, as a Dim; _UNRESOLVED when unknown."""
+    """Return one shape element held by a scalar int tensor, as a Dim; _UNRESOLVED when unknown.
+
+    Int arithmetic on shape elements (Add, Sub, Mul, Div, Mod, Min, Max) is followed when it is proven
+    to give a constant, or exactly one symbolic dim, for every size of that dim (fusion/rules/_arith.py).
+    """
+    leaf = _scalar_leaf(value, aliases, depth)
+    if leaf is not _UNRESOLVED:
+        return leaf
+    expression = quasi_affine(value, aliases, depth)
+    if expression is None:
+        return _UNRESOLVED
+    constant = expression.as_constant()
+    if constant is not None:
+        return constant
+    if expression.is_symbol():
+        return expression.symbol
+    return _UNRESOLVED
+
+
+def _scalar_leaf(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int) -> Any:
+    """Return a scalar that is a constant or one element of a shape (no arithmetic); else _UNRESOLVED."""
     if value is None or depth > _MAX_DEPTH:
         return _UNRESOLVED
     array = constant_array(value)
@@ -194,27 +226,67 @@ def resolve_scalar(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[D
     if producer is None or producer.domain not in ("", "ai.onnx"):
         return _UNRESOLVED
     op, inputs = producer.op_type, producer.inputs
-    if op in ("Cast", "Identity", "Squeeze"):
+    if op in ("Cast", "Identity", "Squeeze", "Reshape", "Unsqueeze"):
         inner = resolve_shape_tensor(inputs[0], aliases, depth + 1)
-        if inner is not None and len(inner) == 1:
+        if inner is not None and len(inner) == 1 and inner[0] is not None:
             return inner[0]
-        return resolve_scalar(inputs[0], aliases, depth + 1)
+        return _scalar_leaf(inputs[0], aliases, depth + 1)
     if op == "Gather":
         source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         index = constant_array(inputs[1])
         if source is None or index is None or index.size != 1:
             return _UNRESOLVED
         try:
-            return source[int(index.reshape(-1)[0])]
+            element = source[int(index.reshape(-1)[0])]
         except IndexError:
             return _UNRESOLVED
-    if op in ("Mul", "Div"):
-        left = resolve_scalar(inputs[0], aliases, depth + 1)
-        right = resolve_scalar(inputs[1], aliases, depth + 1)
-        if isinstance(left, int) and isinstance(right, int) and right != 0:
-            return left * right if op == "Mul" else left // right
-        return _UNRESOLVED
+        return _UNRESOLVED if element is None else element
     return _UNRESOLVED
+
+
+_ARITHMETIC = {
+    "Add": lambda a, b: _arith.add(a, b),
+    "Sub": lambda a, b: _arith.add(a, b, sign=-1),
+    "Mul": _arith.multiply,
+    "Min": _arith.minimum,
+    "Max": lambda a, b: _arith.minimum(a, b, pick_max=True),
+}
+
+
+def quasi_affine(
+    value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int = 0
+) -> _arith.QuasiAffine | None:
+    """Return a scalar int value as an exact expression of one symbolic dim, or None when not proven."""
+    if value is None or depth > _MAX_DEPTH:
+        return None
+    leaf = _scalar_leaf(value, aliases, depth)
+    if isinstance(leaf, int):
+        return _arith.QuasiAffine.constant(leaf)
+    if leaf is not _UNRESOLVED and leaf is not None:
+        return _arith.QuasiAffine.of_symbol(leaf)
+    producer = value.producer()
+    if producer is None or producer.domain not in ("", "ai.onnx"):
+        return None
+    op, inputs = producer.op_type, [v for v in producer.inputs]
+    if op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape") and inputs:
+        return quasi_affine(inputs[0], aliases, depth + 1)
+    if len(inputs) != 2 or op not in (*_ARITHMETIC, "Div", "Mod"):
+        return None
+    left = quasi_affine(inputs[0], aliases, depth + 1)
+    right = quasi_affine(inputs[1], aliases, depth + 1)
+    if left is None or right is None:
+        return None
+    if op == "Div":
+        # ONNX integer Div truncates toward zero: equal to the floor only for non-negative operands.
+        low_left, low_right = left.lower_bound(), right.lower_bound()
+        if low_left is None or low_left < 0 or low_right is None or low_right < 1:
+            return None
+        return _arith.floor_divide(left, right)
+    if op == "Mod":
+        if producer.attributes.get_int("fmod", 0) != 0:
+            return None
+        return _arith.modulo(left, right)
+    return _ARITHMETIC[op](left, right)
 
 
 def dims_equal(left: Dim, right: Dim) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
@@ -127,6 +128,9 @@ class _Plan:
     output_dtype: ir.DataType
     leftovers: list[ir.Value]
     rewire: list[tuple[ir.Node, int, ir.Value]]
+    #: "y" or "z" when that input's last axis is not proven C wide (it may be 1 and broadcast in the
+    #: original product): the fused node then reads it through Expand to the other input's shape.
+    broadcast: str | None = None
 
 
 # --- the rule ---------------------------------------------------------------------------------------
@@ -262,11 +266,11 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         z_input, z_shape_readers = _bypass_widening_cast(z, chain_nodes)
 
         channels = _weight_channels(weight)
-        y_dims = value_dims(y, {}) or value_dims(y_input, {})
-        z_dims = value_dims(z, {}) or value_dims(z_input, {})
+        y_dims = _proven_dims(y) or _proven_dims(y_input)
+        z_dims = _proven_dims(z) or _proven_dims(z_input)
         if y_dims is None or z_dims is None:
             raise _Refusal("the shapes of y and the gate are unknown (run shape inference first)", y)
-        y_dims, z_dims = _last_axis_as_channels(y_dims, z_dims, channels)
+        y_dims, z_dims, broadcast = _last_axis_as_channels(y_dims, z_dims, channels)
         if len(y_dims) != len(z_dims) or not all(map(dims_equal, y_dims, z_dims)):
             raise _Refusal(
                 f"y {format_dims(y_dims)} and the gate {format_dims(z_dims)} are not provably the same "
@@ -278,12 +282,9 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         # The chain's tensors all have y's dims (y and z are equal, the product is elementwise).
         aliases = dict.fromkeys((y, z, y_input, z_input, b["silu"], b["gated"]), y_dims)
 
-        groups: ir.Value = b["groups"]
         group_dims = _target_dims(anchor, b["shape_in"], y_dims, aliases)
-        group_size = _group_size(group_dims, groups, channels)
-        if channels % group_size != 0:
-            raise _Refusal(f"C = {channels} is not divisible by the group size {group_size}", anchor)
-        group_rank = len(group_dims) if group_dims is not None else _rank(groups)
+        group_size = _group_size(group_dims, y_dims, channels, anchor)
+        group_rank = len(group_dims) if group_dims is not None else None
 
         if self._inner == "decomposed":
             epsilon = _check_decomposed(b, group_rank)
@@ -292,13 +293,6 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
 
         flat: ir.Value = b["flat"]
         restored = _target_dims(flat.producer(), b["shape_out"], group_dims, aliases)
-        if restored is None:
-            # A target computed by arithmetic not followed here (dynamic-sequence dynamo exports pad the
-            # length to a chunk multiple in 17 int64 nodes): the exporter's own record of the result's
-            # shape is the proof instead.
-            recorded = value_dims(flat, {})
-            if recorded is not None:
-                restored, _ = _last_axis_as_channels(recorded, y_dims, channels)
         _check_restores(restored, y_dims, flat.producer())
 
         normed: ir.Value = b["normed"]
@@ -372,6 +366,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             output_dtype=output_dtype,
             leftovers=[v for v in leftovers if v is not None],
             rewire=rewire,
+            broadcast=broadcast,
         )
 
     # rewrite ----------------------------------------------------------------------------------------
@@ -386,9 +381,14 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         self._leftovers.extend(plan.leftovers)
         for node, index, value in plan.rewire:
             node.replace_input_with(index, value)
+        y, z = plan.y, plan.z
+        if plan.broadcast == "y":
+            y = op.Expand(y, op.Shape(z))
+        elif plan.broadcast == "z":
+            z = op.Expand(z, op.Shape(y))
         return op.GatedGroupRMSNorm(
-            plan.y,
-            plan.z,
+            y,
+            z,
             plan.weight,
             _domain=DOMAIN,
             _version=1,
@@ -425,23 +425,44 @@ def _is_shape_node(node: ir.Node) -> bool:
     return node.op_type == "Shape" and node.domain in _ONNX_DOMAINS
 
 
-def _last_axis_as_channels(y_dims: list[Dim], z_dims: list[Dim], channels: int | None) -> tuple[list[Dim], list[Dim]]:
-    """Return the dims with a last axis that is not a plain number taken as C, when the other one is C.
+def _proven_dims(value: ir.Value) -> list[Dim] | None:
+    """Return the dims of ``value``, its last one proven from its producer where it is not a number.
 
-    Dynamic-sequence dynamo exports carry y's width as an unevaluated expression of the sequence length
-    (equal to C for every length, not literally C); TorchScript exports often leave it unknown. The
-    product y * silu(z) is reshaped to [..., C / gs, gs], so it is C wide: the only other width the
-    broadcast would allow is 1, and the kernel's shape check rejects that at run time with a clear error
-    instead of a wrong result.
+    A declared symbolic width is only a hint; when ``value`` is made by a Reshape whose target's last
+    element is proven (a constant, or shape arithmetic that gives C for every size), that is the width.
+    """
+    dims = value_dims(value, {})
+    if dims is None or not dims or isinstance(dims[-1], int):
+        return dims
+    producer = value.producer()
+    while producer is not None and producer.op_type in ("Cast", "Identity") and producer.inputs[0] is not None:
+        producer = producer.inputs[0].producer()  # same shape
+    if producer is not None and producer.op_type == "Reshape" and producer.domain in _ONNX_DOMAINS:
+        target = resolve_shape_tensor(producer.inputs[1], {}) if len(producer.inputs) > 1 else None
+        if target and isinstance(target[-1], int) and target[-1] > 0:
+            return [*dims[:-1], target[-1]]
+    return dims
+
+
+def _last_axis_as_channels(
+    y_dims: list[Dim], z_dims: list[Dim], channels: int | None
+) -> tuple[list[Dim], list[Dim], str | None]:
+    """Return the dims with an unproven last axis taken as C when the other input's is C, and which one.
+
+    Dynamic-sequence dynamo exports carry y's width as an expression of the sequence length (equal to C
+    for every length, but not provable here); TorchScript exports often leave it unknown. In the product
+    y * silu(z) such an axis is C or 1 (broadcast): the fused node reads that input through
+    Expand(x, Shape(other)), which is a copy when it is C and the original's broadcast when it is 1, so
+    the fused model computes what the original does for every width. The third value names that input.
     """
     if not isinstance(channels, int) or not y_dims or not z_dims:
-        return y_dims, z_dims
+        return y_dims, z_dims, None
     y_last, z_last = y_dims[-1], z_dims[-1]
     if not isinstance(y_last, int) and z_last == channels:
-        y_dims = [*y_dims[:-1], channels]
-    elif not isinstance(z_last, int) and y_last == channels:
-        z_dims = [*z_dims[:-1], channels]
-    return y_dims, z_dims
+        return [*y_dims[:-1], channels], z_dims, "y"
+    if not isinstance(z_last, int) and y_last == channels:
+        return y_dims, [*z_dims[:-1], channels], "z"
+    return y_dims, z_dims, None
 
 
 def _bypass_widening_cast(value: ir.Value, chain_nodes: set[ir.Node]) -> tuple[ir.Value, list[tuple[ir.Node, int]]]:
@@ -535,21 +556,42 @@ def _target_dims(
     return resolved
 
 
-def _group_size(group_dims: list[Dim] | None, groups: ir.Value, channels: int) -> int:
-    """Return the group width: the last target dim of the first Reshape."""
-    last: Dim = group_dims[-1] if group_dims else None
-    # [..., G, -1]: the group width follows from G.
-    groups_dim = group_dims[-2] if group_dims is not None and len(group_dims) >= 2 else None
-    if last == -1 and isinstance(groups_dim, int) and groups_dim > 0 and channels % groups_dim == 0:
-        last = channels // groups_dim
-    if not (isinstance(last, int) and last > 0) and groups.shape is not None and groups.shape.rank():
-        last = groups.shape[-1] if isinstance(groups.shape[-1], int) else None
-    if not (isinstance(last, int) and last > 0):
+def _group_size(group_dims: list[Dim] | None, y_dims: list[Dim], channels: int, reshape: ir.Node) -> int:
+    """Return the group width that the first Reshape's target proves, else refuse.
+
+    Groups are contiguous runs of the flattened product. A constant last element gs with C % gs == 0
+    makes every run lie inside one row, whatever the leading elements are. A last element -1 leaves the
+    width to the element count: it is C / G only when the leading elements are provably y's own leading
+    dims (otherwise, for example [B, G, -1] on [B, L, C], rows and channels are grouped together).
+    Declared shapes of the grouped tensor are not evidence: they are not checked at run time.
+    """
+    if group_dims is None or not group_dims or group_dims[-1] is None:
         raise _Refusal(
-            f"cannot tell the group size: the group Reshape's target is {format_dims(group_dims)}",
-            groups.producer(),
+            f"the group Reshape's target {format_dims(group_dims)} is not a constant or shape arithmetic "
+            "the rule can follow, so the group size is not proven",
+            reshape,
         )
-    return last
+    last = group_dims[-1]
+    if isinstance(last, int) and last > 0:
+        if channels % last != 0:
+            raise _Refusal(f"C = {channels} is not divisible by the group size {last}", reshape)
+        return last
+    groups = group_dims[-2] if len(group_dims) >= 2 else None
+    if last == -1 and isinstance(groups, int) and groups > 0 and channels % groups == 0:
+        leading, y_leading = group_dims[:-2], y_dims[:-1]
+        same_rows = len(leading) == len(y_leading) and all(map(dims_equal, leading, y_leading))
+        static = all(isinstance(d, int) and d > 0 for d in [*leading, *y_leading])
+        if same_rows or (static and math.prod(leading) == math.prod(y_leading)):  # type: ignore[arg-type]
+            return channels // groups
+        raise _Refusal(
+            f"the group Reshape's target {format_dims(group_dims)} ends in -1 and its leading dims are not "
+            f"provably y's {format_dims(y_leading)}: its groups could span rows",
+            reshape,
+        )
+    raise _Refusal(
+        f"the group Reshape's target {format_dims(group_dims)} does not prove the group size",
+        reshape,
+    )
 
 
 def _is_last_axis(axis: int, rank: int | None) -> bool:

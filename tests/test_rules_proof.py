@@ -1,0 +1,223 @@
+"""A chain is fused only when the graph proves it is the op: group Reshape targets, declared shapes that
+lie, symbolic widths, and shape arithmetic the rule follows (fusion/rules/_arith.py).
+
+The property test generates the first Reshape's target from every kind of element (constants, -1, 0,
+Shape of the product) over leading shapes with one row per position and with several: the chain is
+fused exactly when the target provably groups C-wide rows into groups of gs, and a fused model always
+computes what the original does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import contrib_ops
+from fusion._chains import ChainSpec, build_chain, chain_inputs
+from fusion.rewrite import rewrite_model
+from fusion.rules import _arith
+
+CHANNELS, GROUP_SIZE = 64, 16
+GROUPS = CHANNELS // GROUP_SIZE
+
+
+def _outputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray], *, use_library: bool) -> np.ndarray:
+    return contrib_ops.session(model, use_library=use_library).run(None, feeds)[0]
+
+
+def _fused_count(model: onnx.ModelProto) -> int:
+    return sum(1 for n in model.graph.node if n.op_type == "GatedGroupRMSNorm")
+
+
+def _assert_same_as_original(original: onnx.ModelProto, fused: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> None:
+    want = _outputs(original, feeds, use_library=False)
+    for use_library in (True, False):
+        got = _outputs(fused, feeds, use_library=use_library)
+        assert got.shape == want.shape
+        scale = float(np.max(np.abs(want)))
+        error = float(np.max(np.abs(got - want)))
+        assert error <= 1e-5 * max(scale, 1.0), f"fused differs from the original by {error:.3g} (max {scale:.3g})"
+
+
+# --- the three wrong fusions of the hardening issue -----------------------------------------------------
+
+
+@pytest.mark.parametrize("target", [(2, GROUPS, -1), (GROUPS, -1), (0, GROUPS, -1)])
+def test_group_target_ending_in_minus_one_over_several_rows_is_refused(target: tuple[int, ...]) -> None:
+    """[B, G, -1] on [B, L, C] with L > 1 groups rows and channels together: not the op."""
+    spec = ChainSpec(leading=(2, 3), group_target=target)
+    model = build_chain(spec)
+    feeds = chain_inputs(spec)
+    fused, report = rewrite_model(model)
+    assert report.fused == 0, report.summary()
+    assert "could span rows" in report.refused[0][1]
+    # and the original really is not the op: its groups span rows
+    assert fused.SerializeToString() == model.SerializeToString()
+    _outputs(model, feeds, use_library=False)
+
+
+def test_group_target_ending_in_minus_one_with_rows_copied_fuses() -> None:
+    """[0, 0, G, -1] and [L0, L1, G, -1] copy y's own leading dims: the group size C/G is proven."""
+    for target in [(0, 0, GROUPS, -1), ("L0", "L1", GROUPS, -1)]:
+        spec = ChainSpec(leading=(2, 3), group_target=target)
+        model = build_chain(spec)
+        fused, report = rewrite_model(model)
+        assert report.fused == 1, report.summary()
+        assert report.fused_chains[0]["group_size"] == GROUP_SIZE
+        _assert_same_as_original(model, fused, chain_inputs(spec))
+
+
+def test_group_shape_from_a_graph_input_is_not_proven_by_value_info() -> None:
+    """value_info claims [.., 4, 16]; the target is a graph input that says otherwise at run time."""
+    spec = ChainSpec(leading=(2, 3), group_target_as_input=True)
+    model = build_chain(spec)
+    fused, report = rewrite_model(model)
+    assert report.fused == 0, report.summary()
+    assert "not a constant or shape arithmetic" in report.refused[0][1]
+    # the graph really computes something else when fed another grouping
+    feeds = {**chain_inputs(spec), "group_shape": np.array([2, 3, 2, 32], np.int64)}
+    other = _outputs(model, feeds, use_library=False)
+    feeds["group_shape"] = np.array([2, 3, GROUPS, GROUP_SIZE], np.int64)
+    assert not np.allclose(other, _outputs(model, feeds, use_library=False))
+
+
+def _with_symbolic_width(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    value = next(i for i in model.graph.input if i.name == name)
+    value.type.tensor_type.shape.dim[-1].ClearField("dim_value")
+    value.type.tensor_type.shape.dim[-1].dim_param = "width"
+    del model.graph.value_info[:]
+    return onnx.shape_inference.infer_shapes(model, strict_mode=False)
+
+
+@pytest.mark.parametrize("name", ["y", "z"])
+def test_symbolic_width_of_one_input_runs_wherever_the_original_runs(name: str) -> None:
+    """A symbolic last dim of y (or z) may be 1 and broadcast: the fused model must run it too."""
+    spec = ChainSpec(leading=(2, 3))
+    model = _with_symbolic_width(build_chain(spec), name)
+    fused, report = rewrite_model(model)
+    assert report.fused == 1, report.summary()
+    for width in (CHANNELS, 1):
+        feeds = chain_inputs(spec)
+        feeds[name] = np.ascontiguousarray(feeds[name][..., :width])
+        _assert_same_as_original(model, fused, feeds)
+
+
+def test_proven_width_needs_no_broadcast_guard() -> None:
+    spec = ChainSpec(leading=(2, 3))
+    fused, report = rewrite_model(build_chain(spec))
+    assert report.fused == 1
+    assert not [n for n in fused.graph.node if n.op_type == "Expand"]
+
+
+# --- shape arithmetic ---------------------------------------------------------------------------------
+
+
+def _evaluate(expression: _arith.QuasiAffine, size: int) -> int:
+    a, b = expression.pieces[size % expression.period]
+    return a * (size // expression.period) + b
+
+
+def test_padded_length_arithmetic_is_proven_constant() -> None:
+    """torch.export's chunked-scan width: 64 * Min(s, 16 * ((s + Mod(16 - Mod(s, 16), 16)) // 16)) // s."""
+    s, c = _arith.QuasiAffine.of_symbol("seq"), _arith.QuasiAffine.constant
+    padding = _arith.modulo(_arith.add(c(16), _arith.modulo(s, c(16)), sign=-1), c(16))
+    padded = _arith.multiply(c(16), _arith.floor_divide(_arith.add(s, padding), c(16)))
+    width = _arith.floor_divide(_arith.multiply(c(64), _arith.minimum(s, padded)), s)
+    assert width is not None and width.as_constant() == 64
+    assert _arith.minimum(s, padded).is_symbol()
+
+
+def test_arithmetic_that_is_not_one_expression_is_not_proven() -> None:
+    s, c = _arith.QuasiAffine.of_symbol("seq"), _arith.QuasiAffine.constant
+    assert _arith.minimum(s, c(16)) is None  # crosses at s = 16
+    assert _arith.multiply(s, s) is None
+    assert _arith.floor_divide(c(64), s) is None  # not a multiple of s
+    assert _arith.add(s, _arith.QuasiAffine.of_symbol("batch")) is None
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(["add", "sub", "mul", "div", "mod"]), st.integers(1, 24)), max_size=5),
+    st.integers(1, 300),
+)
+def test_quasi_affine_evaluates_like_python(steps: list[tuple[str, int]], size: int) -> None:
+    """Every expression the algebra builds is exact at every size (checked at one random size)."""
+    expression, value = _arith.QuasiAffine.of_symbol("s"), size
+    for op, constant in steps:
+        c = _arith.QuasiAffine.constant(constant)
+        if op == "add":
+            expression, value = _arith.add(expression, c), value + constant
+        elif op == "sub":
+            expression, value = _arith.add(expression, c, sign=-1), value - constant
+        elif op == "mul":
+            expression, value = _arith.multiply(expression, c), value * constant
+        elif op == "div":
+            expression, value = _arith.floor_divide(expression, c), value // constant
+        else:
+            expression, value = _arith.modulo(expression, c), value % constant
+        if expression is None:
+            return  # period cap: not followed, never wrong
+    assert _evaluate(expression, size) == value
+
+
+# --- property: fused <=> provably the op, and fused always matches --------------------------------------
+
+
+@st.composite
+def group_targets(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int | str, ...]]:
+    """Return (leading dims of y, a group Reshape target that is valid for them) of every kind."""
+    leading = tuple(draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)))
+    rows = math.prod(leading)
+    kind = draw(st.sampled_from(["copy", "flatten", "minus_one_last", "mixed"]))
+    width = draw(st.sampled_from([GROUP_SIZE, 8, 32, CHANNELS]))
+    groups = CHANNELS // width
+    if kind == "copy":  # each leading element: constant, 0 or Shape(product)[i]
+        lead = tuple(draw(st.sampled_from([d, 0, f"L{i}"])) for i, d in enumerate(leading))
+        target: tuple[int | str, ...] = (*lead, groups, width)
+    elif kind == "flatten":
+        target = (-1, groups, width) if draw(st.booleans()) else (rows * groups, width)
+    elif kind == "minus_one_last":
+        lead_options = [tuple(f"L{i}" for i in range(len(leading))), leading, (leading[0],), ()]
+        lead = draw(st.sampled_from(lead_options))
+        # keep only targets the original can run: the element count must divide
+        total = rows * CHANNELS
+        if total % (max(math.prod(d for d in lead if isinstance(d, int)) if lead else 1, 1) * groups):
+            lead = leading
+        target = (*lead, groups, -1)
+    else:
+        lead = tuple(-1 if i == 0 else f"L{i}" for i in range(len(leading)))
+        target = (*lead, groups, width)
+    return leading, target
+
+
+def _provably_the_op(leading: tuple[int, ...], target: tuple[int | str, ...]) -> int | None:
+    """The test's own oracle: the group size when the target groups C-wide rows, else None."""
+    last = target[-1]
+    if isinstance(last, int) and last > 0:
+        return last if CHANNELS % last == 0 else None
+    lead, groups = target[:-2], target[-2]
+    copies = len(lead) == len(leading) and all(d == f"L{i}" or d == 0 or d == leading[i] for i, d in enumerate(lead))
+    static = all(isinstance(d, int) and d > 0 for d in lead) and math.prod(lead) == math.prod(leading)  # type: ignore[arg-type]
+    return CHANNELS // groups if isinstance(groups, int) and (copies or static) else None
+
+
+@settings(derandomize=True, max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(group_targets())
+def test_group_targets_fuse_exactly_when_proven(case: tuple[tuple[int, ...], tuple[int | str, ...]]) -> None:
+    leading, target = case
+    spec = ChainSpec(leading=leading, group_target=target)
+    model = build_chain(spec)
+    feeds = chain_inputs(spec)
+    fused, report = rewrite_model(model)
+    expected = _provably_the_op(leading, target)
+    if expected is None:
+        assert report.fused == 0, f"{target} on {leading}: fused but not provably the op"
+        return
+    assert report.fused == 1, f"{target} on {leading}: {report.summary()}"
+    assert report.fused_chains[0]["group_size"] == expected
+    _assert_same_as_original(model, fused, feeds)
