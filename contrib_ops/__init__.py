@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,9 +100,16 @@ def cpu_isa() -> str:
     return library.MambafuseCpuIsa().decode()
 
 
+#: SessionOptions that already hold the library: ONNX Runtime refuses a second registration of the
+#: domain ("Domain already set in registry"), so registering is made idempotent here.
+_REGISTERED: weakref.WeakSet[onnxruntime.SessionOptions] = weakref.WeakSet()
+
+
 def register(session_options: onnxruntime.SessionOptions) -> onnxruntime.SessionOptions:
-    """Register the library's kernels in ``session_options`` and return it."""
-    session_options.register_custom_ops_library(library_path())
+    """Register the library's kernels in ``session_options`` (once; again is a no-op) and return it."""
+    if session_options not in _REGISTERED:
+        session_options.register_custom_ops_library(library_path())
+        _REGISTERED.add(session_options)
     return session_options
 
 

@@ -482,10 +482,18 @@ def measure(
             model_bytes[what] = str(paths[what])
         else:
             model_bytes[what] = protos[what].SerializeToString()
+    inputs_of = {
+        what: {v.name for v in proto.graph.input} - {t.name for t in proto.graph.initializer}
+        for what, proto in protos.items()
+    }
+    if inputs_of["before"] != inputs_of["after"]:
+        only_before = sorted(inputs_of["before"] - inputs_of["after"])
+        only_after = sorted(inputs_of["after"] - inputs_of["before"])
+        raise ReportError(
+            f"the models have different inputs: only before {only_before}, only after {only_after}; "
+            "compare a model with its own fused version"
+        )
     feeds = make_inputs(protos["before"], dims, provided=inputs)
-    after_inputs = {v.name for v in protos["after"].graph.input}
-    if set(feeds) - after_inputs:
-        raise ReportError(f"the models have different inputs: {sorted(set(feeds) ^ after_inputs)}")
 
     before_nodes, after_nodes = count_nodes(protos["before"]), count_nodes(protos["after"])
     fused = count_fused(protos["after"]) - count_fused(protos["before"])
@@ -624,7 +632,7 @@ def parse_dims(items: Sequence[str]) -> dict[str, int]:
     dims = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not sep or not name or not value.strip().isdigit():
+        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
             raise ReportError(f"--dim expects NAME=SIZE (a positive integer), got {item!r}")
         dims[name] = int(value)
     return dims
@@ -658,6 +666,12 @@ def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: C
         raise ReportError(f"--threads must be >= 1, got {args.threads}")
     if args.warmup < 0:
         raise ReportError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.runs < 1:
+        raise ReportError(f"--runs must be >= 1, got {args.runs}")
+    for option, value in (("--json", args.json_path), ("--plot", args.plot)):
+        # Checked before minutes of measuring, not after.
+        if value and not Path(value).resolve().parent.is_dir():
+            raise ReportError(f"{option}: directory {str(Path(value).parent)!r} does not exist")
     report = measure(
         before,
         after,
@@ -678,8 +692,16 @@ def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: C
     return report
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        # One line, no usage block: bad arguments are reported like every other error.
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fusion.report", description=__doc__.split("\n\n")[0])
+    """Run the command line; return the exit status (0 ok, 1 ONNX Runtime failed, 2 bad argument or model)."""
+    parser = _Parser(prog="python -m fusion.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="the original model")
     parser.add_argument("after", help="the fused model")
     add_arguments(parser)

@@ -21,22 +21,19 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from fusion import function as fused_function
-from fusion.reference import DOMAIN, budget_report
-from fusion.report import ReportError, load_inputs, parse_dims
+from fusion.model_io import Interrupted, RewriteError, check_output, first_line, interruptible, load, save
+from fusion.reference import DOMAIN, OP_TYPE
+from fusion.report import ReportError
 from fusion.rules._graph import all_values, value_info_preserved
 from fusion.rules.gated_group_rms_norm import (
     FusionLog,
@@ -46,6 +43,7 @@ from fusion.rules.gated_group_rms_norm import (
     fuse_gated_group_rms_norm,
     location,
 )
+from fusion.verify import prepare_inputs, verify
 
 ModelT = TypeVar("ModelT", onnx.ModelProto, ir.Model)
 
@@ -53,8 +51,7 @@ ModelT = TypeVar("ModelT", onnx.ModelProto, ir.Model)
 MAX_OPSET = onnx.defs.onnx_opset_version()
 
 
-class RewriteError(Exception):
-    """A model or argument the rewriter cannot work with; the message says what to do."""
+__all__ = ["Report", "RewriteError", "attach_function", "load", "main", "rewrite_model", "save", "verify"]
 
 
 @dataclasses.dataclass
@@ -123,6 +120,10 @@ def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Repo
     carry the op's model-local function so that stock ONNX Runtime runs them. Raises RewriteError for
     a model it cannot handle (unsupported opset).
     """
+    if not isinstance(model, (onnx.ModelProto, ir.Model)):
+        hint = " (parse it first: onnx.load_from_string(data))" if isinstance(model, (bytes, bytearray)) else ""
+        hint = " (wrap it: onnx.helper.make_model(graph))" if isinstance(model, onnx.GraphProto) else hint
+        raise TypeError(f"rewrite_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}{hint}")
     if isinstance(model, onnx.ModelProto):
         ir_model = ir.from_proto(model)
         _, report = rewrite_model(ir_model, function=function)
@@ -151,6 +152,7 @@ def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Repo
             ShapeInferencePass(strict_mode=False)(model)
         finally:
             inference_log.setLevel(previous_level)
+        _check_existing_fused_nodes(model)
         report.fused = fuse_gated_group_rms_norm(model, log)
         if any(not chain.fused for chain in log.chains.values()) and _symbolic_shapes(model):
             # ONNX's inference could not prove some chain's shapes (TorchScript exports lose dims through
@@ -162,6 +164,27 @@ def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Repo
         report.function_attached = True
     report.nodes_after = _node_count(model)
     return model, report
+
+
+def _check_existing_fused_nodes(model: ir.Model) -> None:
+    """Refuse fused nodes already in the model that break the op's type rule (README: all-float32 rule).
+
+    When Y, Z and W are all float32 the output is float32 (holding values rounded to output_dtype); a
+    graph that declares such a node's output half precision cannot load in ONNX Runtime with the library.
+    """
+    half = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.domain != DOMAIN or node.op_type != OP_TYPE or len(node.inputs) < 3:
+            continue
+        output_dtype = node.attributes.get_int("output_dtype", 0)
+        declared = node.outputs[0].dtype if node.outputs else None
+        all_float = all(v is not None and v.dtype == ir.DataType.FLOAT for v in node.inputs[:3])
+        if all_float and output_dtype in half and declared in half:
+            raise RewriteError(
+                f"fused node {location(node)!r}: Y, Z and W are float32, so its output is float32 (holding "
+                f"values rounded to {ir.DataType(output_dtype).name.lower()}), but the graph declares it "
+                f"{declared.name.lower()}; keep a Cast after the node (README: the all-float32 output rule)"
+            )
 
 
 def _symbolic_shapes(model: ir.Model) -> int:
@@ -231,253 +254,6 @@ def attach_function(model: ir.Model, onnx_opset: int | None = None) -> None:
     model.opset_imports.setdefault(DOMAIN, fused_function.OPSET_VERSION)
 
 
-# --- files ------------------------------------------------------------------------------------------
-
-
-def load(path: Path) -> ir.Model:
-    """Return the model at ``path`` with its external weights left on disk; RewriteError if unusable."""
-    if not path.exists():
-        raise RewriteError(f"{path}: no such file")
-    if path.is_dir():
-        raise RewriteError(f"{path}: is a directory, not an ONNX model")
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception as error:  # protobuf raises several types for garbage and truncated files
-        reason = _first_line(error)
-        raise RewriteError(f"{path}: not a readable ONNX model (truncated or not ONNX): {reason}") from None
-    if not proto.HasField("graph") or len(proto.graph.node) == 0:
-        raise RewriteError(f"{path}: not an ONNX model with a graph (empty, truncated or not ONNX)")
-    model = ir.serde.deserialize_model(proto)
-    ir.external_data.set_base_dir(model.graph, path.resolve().parent)
-    for tensor in _external_tensors(model):
-        if not Path(tensor.path).is_file():
-            raise RewriteError(f"{path}: external data file {tensor.location!r} is missing")
-    try:
-        # From the path, so that external data resolves beside the model (and > 2 GiB models work).
-        onnx.checker.check_model(str(path))
-    except Exception as error:
-        raise RewriteError(f"{path}: invalid ONNX model: {_first_line(error)}") from None
-    _onnx_opset(model)
-    return model
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
-
-
-def _external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
-    return [
-        value.const_value
-        for graph in model.graphs()
-        for value in graph.initializers.values()
-        if isinstance(value.const_value, ir.ExternalTensor)
-    ]
-
-
-def save(model: ir.Model, output: Path) -> None:
-    """Write ``model`` to ``output`` atomically, keeping external weights external.
-
-    In the directory of the original data files the output refers to them (no copy); elsewhere it
-    gets its own ``<output>.data``. Either way all files are written in a temporary directory beside
-    ``output`` and moved into place, data before model.
-    """
-    output = output.resolve()
-    external = _external_tensors(model)
-    same_dir = all(Path(t.base_dir).resolve() == output.parent for t in external)
-    data_name = output.name + ".data"
-    if external and not same_dir:
-        for tensor in external:
-            if Path(tensor.path).resolve() == output.parent / data_name:
-                raise RewriteError(f"{output}: its data file {data_name} is the input's weights; choose another -o")
-    scratch = Path(tempfile.mkdtemp(prefix=".mambafuse-", dir=output.parent))
-    try:
-        if external and not same_dir:
-            ir.save(model, scratch / output.name, external_data=data_name)
-            os.replace(scratch / data_name, output.parent / data_name)
-        else:
-            ir.save(model, scratch / output.name)
-        os.replace(scratch / output.name, output)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-# --- verification -----------------------------------------------------------------------------------
-
-
-def _quiet_options() -> Any:
-    """Session options that keep ONNX Runtime's warnings (constant folding, fp16 casts) off the terminal."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # errors reach the user through the exception, once
-    return options
-
-
-#: --verify's tolerance on whole-model outputs, relative to each output's largest magnitude. The fused op
-#: is checked against its own budget node by node (below); the model outputs only have to agree with the
-#: original to this looser bound, because the unfused chain as ONNX Runtime runs it is not exact (its
-#: Sigmoid, fp16 Casts it drops on the CPU) and the layers after a chain carry the difference on.
-END_TO_END_RTOL = {np.dtype(np.float32): 1e-3, np.dtype(np.float16): 2e-2}
-
-
-def _value_types(model: onnx.ModelProto) -> dict[str, int]:
-    """Return the element type of every value that ONNX shape inference can type in ``model``."""
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    types = {}
-    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
-        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
-            types[value.name] = value.type.tensor_type.elem_type
-    types.update({init.name: init.data_type for init in model.graph.initializer})
-    return types
-
-
-def _check_fused_nodes(
-    original: Path, fused: Path, feeds: dict[str, np.ndarray], use_library: bool
-) -> list[dict[str, Any]]:
-    """Run every fused node on the model's real intermediate values; compare it with the float64 reference.
-
-    The fused model is run once more with each fused node's inputs and output exposed as graph outputs
-    (a probe copy written beside it, so relative external-data paths still resolve, then deleted).
-    """
-    import contrib_ops
-    from fusion.reference import gated_group_rms_norm, onnx_type_to_dtype
-
-    probe = onnx.load(str(fused), load_external_data=False)
-    nodes = [n for n in probe.graph.node if n.domain == DOMAIN and n.op_type == "GatedGroupRMSNorm"]
-    if not nodes:
-        return []
-    types = _value_types(onnx.load(str(original), load_external_data=False))
-    results: list[dict[str, Any]] = []
-    exposed: list[tuple[onnx.NodeProto, list[str]]] = []
-    existing = {o.name for o in probe.graph.output}
-    for node in nodes:
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        y_type = types.get(node.input[0])
-        names = [*node.input, node.output[0]]
-        elem_types = [types.get(n) for n in node.input] + [attrs.get("output_dtype", y_type)]
-        if None in elem_types or onnx.TensorProto.BFLOAT16 in elem_types:
-            results.append({"node": node.name, "checked": False, "detail": "types unknown or bfloat16 (not on CPU)"})
-            continue
-        for name, elem_type in zip(names, elem_types, strict=True):
-            if name not in existing:
-                # A value listed both in value_info and as a graph output confuses ONNX Runtime's shape
-                # inference: move an existing entry (type and shape) to the outputs instead.
-                known = next((v for v in probe.graph.value_info if v.name == name), None)
-                if known is not None:
-                    probe.graph.value_info.remove(known)
-                    probe.graph.output.append(known)
-                else:
-                    probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
-                existing.add(name)
-        exposed.append((node, names))
-    if not exposed:
-        return results
-    handle, probe_path = tempfile.mkstemp(prefix=".verify-", suffix=".onnx", dir=fused.parent)
-    os.close(handle)
-    try:
-        onnx.save(probe, probe_path)
-        session = contrib_ops.session(probe_path, session_options=_quiet_options(), use_library=use_library)
-        wanted = sorted({name for _, names in exposed for name in names})
-        values = dict(zip(wanted, session.run(wanted, feeds), strict=True))
-    finally:
-        os.unlink(probe_path)
-    for node, (y, z, w, out) in exposed:
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        expected, normed = gated_group_rms_norm(
-            values[y],
-            values[z],
-            values[w],
-            epsilon=float(attrs["epsilon"]),
-            group_size=int(attrs["group_size"]),
-            norm_dtype=onnx_type_to_dtype(attrs["norm_dtype"]) if "norm_dtype" in attrs else None,
-            output_dtype=onnx_type_to_dtype(attrs["output_dtype"]) if "output_dtype" in attrs else None,
-            compute_dtype=np.float64,
-            return_normed=True,
-        )
-        within, message = budget_report(np.asarray(values[out]), expected, normed=normed, weight=values[w])
-        results.append({"node": node.name, "checked": True, "within_budget": within, "detail": message})
-    return results
-
-
-def verify(
-    original: Path,
-    fused: Path,
-    dims: dict[str, int] | None = None,
-    inputs: dict[str, np.ndarray] | None = None,
-) -> dict[str, Any]:
-    """Run both models in ONNX Runtime (CPU) on the same inputs; return what agreed and what did not.
-
-    Two checks: every fused node against the float64 reference on its real inputs, at the op's accuracy
-    budget (DESIGN.md §1); and the model outputs, fused against original, within END_TO_END_RTOL of each
-    output's largest magnitude (non-float outputs must be identical). Uses the mambafuse library when it
-    is built, else the fused model's function (stock ORT). Inputs: ``inputs`` where given, the rest
-    generated with symbolic dims bound by ``dims`` (fusion.report.make_inputs).
-    """
-    import contrib_ops
-    from fusion.report import make_inputs
-
-    try:
-        contrib_ops.library_path()
-        use_library, backend = True, "mambafuse library"
-    except contrib_ops.LibraryNotFoundError:
-        use_library, backend = False, "model-local function (library not built)"
-    try:
-        reference = contrib_ops.session(original, session_options=_quiet_options(), use_library=False)
-    except Exception as error:
-        message = _first_line(error)
-        if "bfloat16" in message:
-            raise RewriteError(
-                "--verify: the original model does not load in ONNX Runtime's CPU provider, which has no "
-                "bfloat16 kernels for some of its ops; verify bfloat16 models on CUDA"
-            ) from None
-        raise RewriteError(f"--verify: the original model does not load in ONNX Runtime: {message}") from None
-    feeds = make_inputs(onnx.load(str(original), load_external_data=False), dims, provided=inputs)
-    try:
-        expected = reference.run(None, feeds)
-    except Exception as error:
-        raise RewriteError(
-            f"--verify: the original model rejects its inputs ({_first_line(error)}); bind its "
-            "symbolic dims with --dim NAME=SIZE or give real inputs with --inputs FILE.npz"
-        ) from None
-    try:
-        candidate = contrib_ops.session(fused, session_options=_quiet_options(), use_library=use_library)
-        actual = candidate.run(None, feeds)
-        nodes = _check_fused_nodes(original, fused, feeds, use_library)
-    except Exception as error:
-        raise RewriteError(f"--verify: the fused model failed in ONNX Runtime: {_first_line(error)}") from None
-    outputs = []
-    ok = all(n.get("within_budget", True) for n in nodes)
-    for meta, want, got in zip(reference.get_outputs(), expected, actual, strict=True):
-        want, got = np.asarray(want), np.asarray(got)
-        with np.errstate(invalid="ignore"):
-            diff = np.abs(got.astype(np.float64) - want.astype(np.float64)) if want.size else np.zeros(0)
-        max_abs = float(np.nanmax(diff)) if diff.size else 0.0
-        if want.dtype in END_TO_END_RTOL and want.shape == got.shape:
-            scale = float(np.nanmax(np.abs(want.astype(np.float64)))) if want.size else 0.0
-            limit = END_TO_END_RTOL[want.dtype] * max(scale, 1e-30)
-            same_nan = np.array_equal(np.isnan(want), np.isnan(got))
-            within = same_nan and max_abs <= limit
-            message = f"limit {limit:.3g} ({END_TO_END_RTOL[want.dtype]:g} x max |original|)"
-        else:
-            within = want.shape == got.shape and np.array_equal(want, got)
-            message = "identical" if within else "differs"
-        outputs.append({"name": meta.name, "within_budget": within, "max_abs_error": max_abs, "detail": message})
-        ok &= within
-    checked = [n for n in nodes if n["checked"]]
-    lines = [f"verify ({backend}): {'PASS' if ok else 'FAIL'}"]
-    failing = [n for n in checked if not n["within_budget"]]
-    unchecked = [n for n in nodes if not n["checked"]]
-    lines.append(
-        f"  fused nodes vs float64 reference on their real inputs: {len(checked) - len(failing)} of "
-        f"{len(checked)} within the op's accuracy budget"
-        + (f" ({len(unchecked)} not checkable: {unchecked[0]['detail']})" if unchecked else "")
-    )
-    lines += [f"    {n['node']}: {n['detail']}" for n in failing]
-    lines += [f"  output {o['name']}: max abs error {o['max_abs_error']:.3g}; {o['detail']}" for o in outputs]
-    return {"backend": backend, "ok": ok, "nodes": nodes, "outputs": outputs, "summary": "\n".join(lines)}
-
-
 # --- command line -----------------------------------------------------------------------------------
 
 
@@ -526,11 +302,6 @@ def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--report-plot", metavar="OUT.png", help="also write a PNG (needs matplotlib)")
 
 
-def _inputs(args: argparse.Namespace) -> dict[str, np.ndarray] | None:
-    """Return the arrays of ``--inputs``, if given."""
-    return load_inputs(args.inputs) if args.inputs else None
-
-
 def _run_report(args: argparse.Namespace, original: Path, fused: Path) -> None:
     """Measure and print the before/after report when ``--report`` asks for it."""
     if not (args.report or args.report_json or args.report_plot):
@@ -562,22 +333,34 @@ def default_output(input_path: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 ok, 1 verification failed, 2 error)."""
+    """Run the command line; return the exit status (0 ok, 1 verification failed, 2 error, 130/143 signal)."""
     args = _parser().parse_args(argv)
     prog = "python -m fusion.rewrite"
     try:
-        output = args.output if args.output is not None else default_output(args.input)
-        if output.exists() and args.input.exists() and output.resolve() == args.input.resolve():
-            raise RewriteError(f"{output}: refusing to overwrite the input model; choose another -o")
-        if not output.parent.is_dir():
-            raise RewriteError(f"{output.parent}: output directory does not exist")
-        model = load(args.input)
-        fused_model, report = rewrite_model(model, function=not args.no_function)
-        save(fused_model, output)
-        if args.verify:
-            report.verification = verify(args.input, output, parse_dims(args.dim), _inputs(args))
+        with interruptible():
+            return _run(args)
+    except Interrupted as interrupted:
+        print(f"{prog}: interrupted ({interrupted}); no output was written or it is complete", file=sys.stderr)
+        return 128 + interrupted.signal_number
     except Exception as error:
         return _report_error(prog, error, args.debug)
+
+
+def _run(args: argparse.Namespace) -> int:
+    output = args.output if args.output is not None else default_output(args.input)
+    if not output.parent.is_dir():
+        raise RewriteError(f"{output.parent}: output directory does not exist")
+    if output.is_dir():
+        raise RewriteError(f"{output}: is a directory; -o names the output file")
+    model = load(args.input)
+    check_output(args.input, model, output)
+    # Every argument is checked before anything is written.
+    dims, inputs = prepare_inputs(args.input, args.dim, args.inputs) if args.verify or args.report else ({}, None)
+    _check_report_paths(args)
+    fused_model, report = rewrite_model(model, function=not args.no_function)
+    save(fused_model, output)
+    if args.verify:
+        report.verification = verify(args.input, output, dims, inputs)
     if args.json:
         print(json.dumps({"output": str(output), **report.to_dict()}, indent=2))
     else:
@@ -587,12 +370,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_debug_text(report), file=sys.stderr)
     if report.verification is not None and not report.verification["ok"]:
         return 1
-    try:
-        sys.stdout.flush()
-        _run_report(args, args.input, output)
-    except Exception as error:
-        return _report_error(prog, error, args.debug)
+    sys.stdout.flush()
+    _run_report(args, args.input, output)
     return 0
+
+
+def _check_report_paths(args: argparse.Namespace) -> None:
+    """Refuse --report-json / --report-plot paths whose directory is missing, before any work."""
+    for option, value in (("--report-json", args.report_json), ("--report-plot", args.report_plot)):
+        if value and not Path(value).resolve().parent.is_dir():
+            raise RewriteError(f"{option}: directory {str(Path(value).parent)!r} does not exist")
 
 
 def _report_error(prog: str, error: Exception, debug: bool) -> int:
@@ -600,11 +387,11 @@ def _report_error(prog: str, error: Exception, debug: bool) -> int:
     if isinstance(error, (RewriteError, ReportError)):
         print(f"{prog}: error: {error}", file=sys.stderr)
     elif isinstance(error, (OSError, MemoryError)):
-        print(f"{prog}: error: {_first_line(error)}", file=sys.stderr)
+        print(f"{prog}: error: {first_line(error)}", file=sys.stderr)
     elif debug:
         raise error
     else:
-        print(f"{prog}: internal error (rerun with --debug for details): {_first_line(error)}", file=sys.stderr)
+        print(f"{prog}: internal error (rerun with --debug for details): {first_line(error)}", file=sys.stderr)
     return 2
 
 

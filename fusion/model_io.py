@@ -1,0 +1,285 @@
+"""Reading and writing models for the rewriter without risking the user's files.
+
+- ``load`` reads a model with its external weights left on disk and refuses, with one line that names
+  the problem, anything that would fail later: a truncated or non-ONNX file, duplicate value names,
+  missing or truncated external data, an invalid graph. ONNX Runtime's contrib ops in the ONNX domain
+  (``SimplifiedLayerNormalization``, written by transformers' exporter) are accepted: a model ONNX
+  Runtime loads is not refused.
+- ``check_output`` refuses an output path that is one of the input's files (the model or any external
+  data file it reads), through any spelling: relative, ``..``, a symlink or a hard link.
+- ``save`` writes atomically: every file goes to a hidden scratch directory beside the output and is
+  renamed into place (data before model); the scratch directory is removed on errors and on SIGINT /
+  SIGTERM (``interruptible``). Every external tensor of the output resolves from the output's directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+
+class RewriteError(Exception):
+    """A model, path or argument the rewriter cannot work with; the message says what to do."""
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived while the rewriter was working; nothing half-written is left."""
+
+    def __init__(self, signal_number: int) -> None:
+        super().__init__(signal.Signals(signal_number).name)
+        self.signal_number = signal_number
+
+
+def first_line(error: BaseException) -> str:
+    """Return the first line of an error's message (its type name when it has none)."""
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+# --- reading ----------------------------------------------------------------------------------------
+
+
+def load(path: Path) -> ir.Model:
+    """Return the model at ``path`` with its external weights left on disk; RewriteError if unusable."""
+    path = Path(path)
+    if not path.exists():
+        raise RewriteError(f"{path}: no such file")
+    if path.is_dir():
+        raise RewriteError(f"{path}: is a directory, not an ONNX model")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as error:  # protobuf raises several types for garbage and truncated files
+        raise RewriteError(f"{path}: not a readable ONNX model (truncated or not ONNX): {first_line(error)}") from None
+    if not proto.HasField("graph") or len(proto.graph.node) == 0:
+        raise RewriteError(f"{path}: not an ONNX model with a graph (empty, truncated or not ONNX)")
+    _check_unique_names(path, proto.graph)
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except Exception as error:
+        raise RewriteError(f"{path}: not a valid ONNX graph: {first_line(error)}") from None
+    base_dir = path.resolve().parent
+    for graph in model.graphs():
+        ir.external_data.set_base_dir(graph, base_dir)
+    for tensor in external_tensors(model):
+        tensor.base_dir = base_dir
+    _check_external_data(path, model)
+    _check_model(path, proto)
+    return model
+
+
+def _check_unique_names(path: Path, graph: onnx.GraphProto) -> None:
+    """Refuse a graph in which two nodes (or a node and an input/initializer) produce the same name."""
+    # An initializer may share its graph input's name (a default value); nothing else may repeat.
+    producers: dict[str, str] = {v.name: "a graph input" for v in graph.input}
+    producers.update({t.name: "an initializer" for t in graph.initializer})
+    for index, node in enumerate(graph.node):
+        where = f"node {node.name or f'{node.op_type} #{index}'!r}"
+        for name in node.output:
+            if not name:
+                continue
+            if name in producers:
+                raise RewriteError(
+                    f"{path}: value {name!r} is produced twice (by {producers[name]} and by {where}); "
+                    "an ONNX graph names each value once"
+                )
+            producers[name] = where
+
+
+def external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
+    """Return every tensor of ``model`` whose data is in an external file: initializers of every graph
+    and tensors in node attributes (Constant nodes saved with ``convert_attribute=True``), functions too."""
+    found: list[ir.ExternalTensor] = []
+    for graph in model.graphs():
+        found += [v.const_value for v in graph.initializers.values() if isinstance(v.const_value, ir.ExternalTensor)]
+    for graph in [model.graph, *model.functions.values()]:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            for attribute in node.attributes.values():
+                if attribute.type == ir.AttributeType.TENSOR and isinstance(attribute.value, ir.ExternalTensor):
+                    found.append(attribute.value)
+                elif attribute.type == ir.AttributeType.TENSORS:
+                    found += [t for t in attribute.value if isinstance(t, ir.ExternalTensor)]
+    return found
+
+
+def _check_external_data(path: Path, model: ir.Model) -> None:
+    """Refuse missing external data files and tensors that reach past the end of theirs (truncated)."""
+    sizes: dict[str, int] = {}
+    for tensor in external_tensors(model):
+        data = Path(tensor.path)
+        if str(data) not in sizes:
+            if not data.is_file():
+                raise RewriteError(f"{path}: external data file {tensor.location!r} is missing")
+            sizes[str(data)] = data.stat().st_size
+        length = tensor.length if tensor.length is not None else tensor.nbytes
+        end = (tensor.offset or 0) + length
+        if end > sizes[str(data)]:
+            raise RewriteError(
+                f"{path}: external data file {tensor.location!r} is truncated: tensor {tensor.name!r} needs "
+                f"bytes up to {end}, the file has {sizes[str(data)]}"
+            )
+
+
+_NO_SCHEMA = re.compile(r"No Op registered for (\S+) with domain_version of \d+")
+
+
+def _onnxruntime_schemas() -> set[tuple[str, str]]:
+    """Return (domain, op type) of every op ONNX Runtime registers, its contrib ops included."""
+    try:
+        from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+
+        return {(schema.domain, schema.name) for schema in ort_c.get_all_operator_schema()}
+    except Exception:  # a build without schema export: fall back to ONNX's own checker only
+        return set()
+
+
+def _check_model(path: Path, proto: onnx.ModelProto) -> None:
+    """Run onnx.checker on the model; ops that only ONNX Runtime defines in the ONNX domain are allowed."""
+    try:
+        # From the path, so that external data resolves beside the model (and > 2 GiB models work).
+        onnx.checker.check_model(str(path))
+        return
+    except Exception as error:
+        message = first_line(error)
+        if not _NO_SCHEMA.search(message):
+            raise RewriteError(f"{path}: invalid ONNX model: {message}") from None
+    # ONNX Runtime contrib ops in the ONNX domain: check everything else with them in a private domain
+    # (a copy of the small graph proto, the external data files reached through links).
+    known = _onnxruntime_schemas()
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    moved = False
+    for node in copy.graph.node:
+        domain = node.domain if node.domain != "ai.onnx" else ""
+        if domain == "" and not onnx.defs.has(node.op_type) and ("", node.op_type) in known:
+            node.domain = "mambafuse.onnxruntime-contrib"
+            moved = True
+    if not moved:
+        match = _NO_SCHEMA.search(message)
+        raise RewriteError(f"{path}: invalid ONNX model: {match.group(0) if match else message}") from None
+    copy.opset_import.append(onnx.helper.make_opsetid("mambafuse.onnxruntime-contrib", 1))
+    with tempfile.TemporaryDirectory(prefix="mambafuse-check-") as scratch:
+        for location in {e.value for t in _proto_tensors(copy) for e in t.external_data if e.key == "location"}:
+            link = Path(scratch, location)
+            link.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                link.symlink_to(path.resolve().parent / location)
+        checked = Path(scratch, "model.onnx")
+        onnx.save(copy, str(checked))
+        try:
+            onnx.checker.check_model(str(checked))
+        except Exception as error:
+            raise RewriteError(f"{path}: invalid ONNX model: {first_line(error)}") from None
+
+
+def _proto_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
+    yield from model.graph.initializer
+    for node in model.graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                yield attribute.t
+
+
+# --- where the output may go ------------------------------------------------------------------------
+
+
+def _same_file(left: Path, right: Path) -> bool:
+    """Return whether two paths name one file: the same path resolved, or the same inode (hard link)."""
+    if left.resolve() == right.resolve():
+        return True
+    try:
+        return os.path.samefile(left, right)
+    except OSError:
+        return False
+
+
+def data_file_name(output: Path) -> str:
+    """Return the name of the external data file written beside ``output`` when it gets its own."""
+    return output.name + ".data"
+
+
+def writes_own_data(model: ir.Model, output: Path) -> bool:
+    """Return whether saving ``model`` to ``output`` writes a data file (else it refers to the input's)."""
+    external = external_tensors(model)
+    directory = output.resolve().parent
+    return bool(external) and not all(Path(t.base_dir).resolve() == directory for t in external)
+
+
+def check_output(input_path: Path, model: ir.Model, output: Path) -> None:
+    """Refuse an output (or the data file it would write) that is one of the input's files."""
+    inputs = [Path(input_path), *{Path(t.path) for t in external_tensors(model)}]
+    targets = [output]
+    if writes_own_data(model, output):
+        targets.append(output.parent / data_file_name(output))
+    for target in targets:
+        if not target.exists() and not target.is_symlink():
+            continue
+        for source in inputs:
+            if _same_file(target, source):
+                what = "the input model" if source == inputs[0] else f"the input's external data file {source.name!r}"
+                raise RewriteError(f"{target}: is {what}; refusing to overwrite the input, choose another -o")
+
+
+# --- writing ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Turn SIGTERM (and SIGINT) into ``Interrupted`` for the block, so cleanup code runs."""
+
+    def handler(signal_number: int, _frame: object) -> None:
+        raise Interrupted(signal_number)
+
+    previous = {}
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread: signals stay as they are
+            previous[signal_number] = signal.signal(signal_number, handler)
+    try:
+        yield
+    finally:
+        for signal_number, old in previous.items():
+            signal.signal(signal_number, old)
+
+
+def _embed_attribute_tensors(model: ir.Model) -> None:
+    """Read external tensors held in node attributes into memory, so the output carries them inline."""
+    for graph in [model.graph, *model.functions.values()]:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            for name, attribute in list(node.attributes.items()):
+                if attribute.type == ir.AttributeType.TENSOR and isinstance(attribute.value, ir.ExternalTensor):
+                    tensor = attribute.value
+                    node.attributes[name] = ir.AttrTensor(name, ir.Tensor(tensor.numpy(), name=tensor.name))
+
+
+def save(model: ir.Model, output: Path) -> None:
+    """Write ``model`` to ``output`` atomically, keeping external weights external.
+
+    In the directory of the original data files the output refers to them (no copy); elsewhere its
+    initializers go to its own ``<output>.data`` and external tensors held in node attributes are read
+    and written inline. Either way all files are written in a temporary directory beside ``output`` and
+    moved into place, data before model; that directory is gone afterwards, also after an error or a
+    signal.
+    """
+    output = Path(output).resolve()
+    own_data = writes_own_data(model, output)
+    data_name = data_file_name(output)
+    if own_data:
+        _embed_attribute_tensors(model)
+    scratch = Path(tempfile.mkdtemp(prefix=".mambafuse-", dir=output.parent))
+    try:
+        if own_data:
+            ir.save(model, scratch / output.name, external_data=data_name)
+            os.replace(scratch / data_name, output.parent / data_name)
+        else:
+            ir.save(model, scratch / output.name)
+        os.replace(scratch / output.name, output)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

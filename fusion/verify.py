@@ -1,0 +1,247 @@
+"""``--verify``: run the original and the fused model in ONNX Runtime on the same inputs and compare.
+
+Two checks: every fused node against the float64 reference on its real inputs, at the op's accuracy
+budget; and the model outputs, fused against original. ``prepare_inputs`` validates ``--dim`` and
+``--inputs`` against the original model before anything is written, so a bad argument never leaves an
+output behind.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from fusion.model_io import RewriteError, first_line
+from fusion.reference import DOMAIN, OP_TYPE, budget_report
+from fusion.report import ReportError, load_inputs, make_inputs, parse_dims
+
+
+def prepare_inputs(
+    original: Path, dim_items: list[str], inputs_file: str | None
+) -> tuple[dict[str, int], dict[str, np.ndarray] | None]:
+    """Return the parsed ``--dim`` bindings and ``--inputs`` arrays, checked against ``original``.
+
+    Raises RewriteError naming the argument: a malformed ``--dim``, an unreadable or pickled ``.npz``, an
+    array for an input the model does not have, or one whose rank or element type is not the input's.
+    """
+    try:
+        dims = parse_dims(dim_items)
+        arrays = load_inputs(inputs_file) if inputs_file else None
+    except ReportError as error:
+        raise RewriteError(str(error)) from None
+    if arrays is None:
+        return dims, None
+    graph = onnx.load(str(original), load_external_data=False).graph
+    initializers = {t.name for t in graph.initializer}
+    declared = {v.name: v for v in graph.input if v.name not in initializers}
+    for name, array in arrays.items():
+        value = declared.get(name)
+        if value is None:
+            raise RewriteError(f"--inputs: {name!r} is not an input of the model (inputs: {', '.join(declared)})")
+        tensor_type = value.type.tensor_type
+        if tensor_type.HasField("shape") and len(tensor_type.shape.dim) != array.ndim:
+            raise RewriteError(
+                f"--inputs: {name!r} has rank {array.ndim}; the model's input has rank {len(tensor_type.shape.dim)}"
+            )
+        if tensor_type.elem_type and tensor_type.elem_type != onnx.TensorProto.BFLOAT16:
+            want = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type))
+            # Floats are converted to the input's float type (fp16 inputs saved as fp32); other kinds are not.
+            if (array.dtype.kind == "f") != (want.kind == "f"):
+                raise RewriteError(f"--inputs: {name!r} is {array.dtype}; the model's input is {want}")
+    return dims, arrays
+
+
+def _holds_unfunctioned_fused_nodes(model: onnx.ModelProto) -> bool:
+    """Return whether ``model`` has GatedGroupRMSNorm nodes but no function body for them."""
+    has_nodes = any(n.domain == DOMAIN and n.op_type == OP_TYPE for n in model.graph.node)
+    has_function = any(f.domain == DOMAIN and f.name == OP_TYPE for f in model.functions)
+    return has_nodes and not has_function
+
+
+def _quiet_options() -> Any:
+    """Session options that keep ONNX Runtime's warnings (constant folding, fp16 casts) off the terminal."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # errors reach the user through the exception, once
+    return options
+
+
+#: --verify's tolerance on whole-model outputs, relative to each output's largest magnitude. The fused op
+#: is checked against its own budget node by node (below); the model outputs only have to agree with the
+#: original to this looser bound, because the unfused chain as ONNX Runtime runs it is not exact (its
+#: Sigmoid, fp16 Casts it drops on the CPU) and the layers after a chain carry the difference on.
+END_TO_END_RTOL = {np.dtype(np.float32): 1e-3, np.dtype(np.float16): 2e-2}
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, int]:
+    """Return the element type of every value that ONNX shape inference can type in ``model``."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    types = {}
+    for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.elem_type:
+            types[value.name] = value.type.tensor_type.elem_type
+    types.update({init.name: init.data_type for init in model.graph.initializer})
+    return types
+
+
+def _check_fused_nodes(
+    original: Path, fused: Path, feeds: dict[str, np.ndarray], use_library: bool
+) -> list[dict[str, Any]]:
+    """Run every fused node on the model's real intermediate values; compare it with the float64 reference.
+
+    The fused model is run once more with each fused node's inputs and output exposed as graph outputs
+    (a probe copy written beside it, so relative external-data paths still resolve, then deleted).
+    """
+    import contrib_ops
+    from fusion.reference import gated_group_rms_norm, onnx_type_to_dtype
+
+    probe = onnx.load(str(fused), load_external_data=False)
+    nodes = [n for n in probe.graph.node if n.domain == DOMAIN and n.op_type == "GatedGroupRMSNorm"]
+    if not nodes:
+        return []
+    types = _value_types(onnx.load(str(original), load_external_data=False))
+    results: list[dict[str, Any]] = []
+    exposed: list[tuple[onnx.NodeProto, list[str]]] = []
+    existing = {o.name for o in probe.graph.output}
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        y_type = types.get(node.input[0])
+        names = [*node.input, node.output[0]]
+        elem_types = [types.get(n) for n in node.input] + [attrs.get("output_dtype", y_type)]
+        if None in elem_types or onnx.TensorProto.BFLOAT16 in elem_types:
+            results.append({"node": node.name, "checked": False, "detail": "types unknown or bfloat16 (not on CPU)"})
+            continue
+        for name, elem_type in zip(names, elem_types, strict=True):
+            if name not in existing:
+                # A value listed both in value_info and as a graph output confuses ONNX Runtime's shape
+                # inference: move an existing entry (type and shape) to the outputs instead.
+                known = next((v for v in probe.graph.value_info if v.name == name), None)
+                if known is not None:
+                    probe.graph.value_info.remove(known)
+                    probe.graph.output.append(known)
+                else:
+                    probe.graph.output.append(onnx.helper.make_tensor_value_info(name, elem_type, None))
+                existing.add(name)
+        exposed.append((node, names))
+    if not exposed:
+        return results
+    handle, probe_path = tempfile.mkstemp(prefix=".verify-", suffix=".onnx", dir=fused.parent)
+    os.close(handle)
+    try:
+        onnx.save(probe, probe_path)
+        session = contrib_ops.session(probe_path, session_options=_quiet_options(), use_library=use_library)
+        wanted = sorted({name for _, names in exposed for name in names})
+        values = dict(zip(wanted, session.run(wanted, feeds), strict=True))
+    finally:
+        os.unlink(probe_path)
+    for node, (y, z, w, out) in exposed:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        expected, normed = gated_group_rms_norm(
+            values[y],
+            values[z],
+            values[w],
+            epsilon=float(attrs["epsilon"]),
+            group_size=int(attrs["group_size"]),
+            norm_dtype=onnx_type_to_dtype(attrs["norm_dtype"]) if "norm_dtype" in attrs else None,
+            output_dtype=onnx_type_to_dtype(attrs["output_dtype"]) if "output_dtype" in attrs else None,
+            compute_dtype=np.float64,
+            return_normed=True,
+        )
+        within, message = budget_report(np.asarray(values[out]), expected, normed=normed, weight=values[w])
+        results.append({"node": node.name, "checked": True, "within_budget": within, "detail": message})
+    return results
+
+
+def verify(
+    original: Path,
+    fused: Path,
+    dims: dict[str, int] | None = None,
+    inputs: dict[str, np.ndarray] | None = None,
+) -> dict[str, Any]:
+    """Run both models in ONNX Runtime (CPU) on the same inputs; return what agreed and what did not.
+
+    Two checks: every fused node against the float64 reference on its real inputs, at the op's accuracy
+    budget (DESIGN.md §1); and the model outputs, fused against original, within END_TO_END_RTOL of each
+    output's largest magnitude (non-float outputs must be identical). Uses the mambafuse library when it
+    is built, else the fused model's function (stock ORT). Inputs: ``inputs`` where given, the rest
+    generated with symbolic dims bound by ``dims`` (fusion.report.make_inputs).
+    """
+    import contrib_ops
+
+    try:
+        contrib_ops.library_path()
+        use_library, backend = True, "mambafuse library"
+    except contrib_ops.LibraryNotFoundError:
+        use_library, backend = False, "model-local function (library not built)"
+    original_proto = onnx.load(str(original), load_external_data=False)
+    # A model saved by an ONNX Runtime session already holds fused nodes, without their function: only
+    # the library runs those.
+    original_needs_library = _holds_unfunctioned_fused_nodes(original_proto)
+    if original_needs_library and not use_library:
+        raise RewriteError(
+            "--verify: the input already holds GatedGroupRMSNorm nodes without their function; build the "
+            "mambafuse library (make build) to run it"
+        )
+    try:
+        reference = contrib_ops.session(original, session_options=_quiet_options(), use_library=original_needs_library)
+    except Exception as error:
+        message = first_line(error)
+        if "bfloat16" in message:
+            raise RewriteError(
+                "--verify: the original model does not load in ONNX Runtime's CPU provider, which has no "
+                "bfloat16 kernels for some of its ops; verify bfloat16 models on CUDA"
+            ) from None
+        raise RewriteError(f"--verify: the original model does not load in ONNX Runtime: {message}") from None
+    try:
+        feeds = make_inputs(original_proto, dims, provided=inputs)
+    except ReportError as error:
+        raise RewriteError(f"--verify: {error}") from None
+    try:
+        expected = reference.run(None, feeds)
+    except Exception as error:
+        raise RewriteError(
+            f"--verify: the original model rejects its inputs ({first_line(error)}); bind its "
+            "symbolic dims with --dim NAME=SIZE or give real inputs with --inputs FILE.npz"
+        ) from None
+    try:
+        candidate = contrib_ops.session(fused, session_options=_quiet_options(), use_library=use_library)
+        actual = candidate.run(None, feeds)
+        nodes = _check_fused_nodes(original, fused, feeds, use_library)
+    except Exception as error:
+        raise RewriteError(f"--verify: the fused model failed in ONNX Runtime: {first_line(error)}") from None
+    outputs = []
+    ok = all(n.get("within_budget", True) for n in nodes)
+    for meta, want, got in zip(reference.get_outputs(), expected, actual, strict=True):
+        want, got = np.asarray(want), np.asarray(got)
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(got.astype(np.float64) - want.astype(np.float64)) if want.size else np.zeros(0)
+        max_abs = float(np.nanmax(diff)) if diff.size else 0.0
+        if want.dtype in END_TO_END_RTOL and want.shape == got.shape:
+            scale = float(np.nanmax(np.abs(want.astype(np.float64)))) if want.size else 0.0
+            limit = END_TO_END_RTOL[want.dtype] * max(scale, 1e-30)
+            same_nan = np.array_equal(np.isnan(want), np.isnan(got))
+            within = same_nan and max_abs <= limit
+            message = f"limit {limit:.3g} ({END_TO_END_RTOL[want.dtype]:g} x max |original|)"
+        else:
+            within = want.shape == got.shape and np.array_equal(want, got)
+            message = "identical" if within else "differs"
+        outputs.append({"name": meta.name, "within_budget": within, "max_abs_error": max_abs, "detail": message})
+        ok &= within
+    checked = [n for n in nodes if n["checked"]]
+    lines = [f"verify ({backend}): {'PASS' if ok else 'FAIL'}"]
+    failing = [n for n in checked if not n["within_budget"]]
+    unchecked = [n for n in nodes if not n["checked"]]
+    lines.append(
+        f"  fused nodes vs float64 reference on their real inputs: {len(checked) - len(failing)} of "
+        f"{len(checked)} within the op's accuracy budget"
+        + (f" ({len(unchecked)} not checkable: {unchecked[0]['detail']})" if unchecked else "")
+    )
+    lines += [f"    {n['node']}: {n['detail']}" for n in failing]
+    lines += [f"  output {o['name']}: max abs error {o['max_abs_error']:.3g}; {o['detail']}" for o in outputs]
+    return {"backend": backend, "ok": ok, "nodes": nodes, "outputs": outputs, "summary": "\n".join(lines)}
