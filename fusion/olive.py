@@ -1,0 +1,99 @@
+"""Olive integration: a surgeon for Olive's ``GraphSurgeries`` pass that fuses gated group-RMSNorm chains.
+
+Olive has no plugin entry points: its ``Surgeon`` base class registers every subclass (under the class
+name, case-insensitive) when the class is created. Importing this module therefore makes the surgeon
+``MambafuseGatedGroupRMSNorm`` available to every workflow run in the same Python process::
+
+    import fusion.olive                     # registers the surgeon
+    from olive.workflows import run
+
+    run({
+        "input_model": {"type": "HfModel", "model_path": "path/to/hf_model"},
+        "passes": {
+            "build": {"type": "MobiusBuilder", "precision": "fp32"},
+            "fuse": {"type": "GraphSurgeries", "surgeries": [{"surgeon": "MambafuseGatedGroupRMSNorm"}]},
+        },
+        "output_dir": "out",
+    })
+
+``olive run --config …`` on the command line does not import it; ``python -m fusion.olive CONFIG.json``
+does the same run with the surgeon registered.
+
+Evaluation inside Olive: Olive's own ONNX Runtime sessions register no custom-op library but
+onnxruntime-extensions', so they cannot load mambafuse's kernels. The surgeon therefore attaches the
+op's model-local function (``function=True``, the default): ONNX Runtime inlines the fused node's
+stock-op body and Olive's evaluators and its ``is_valid_ep`` check run the fused model with the same
+math (docs/op.md). Latency measured inside Olive is that of the body, not of the kernel; measure the
+kernel with ``mambafuse report`` or a session from ``contrib_ops.session``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import onnx_ir as ir
+from olive.passes.onnx.graph_surgeries import Surgeon
+
+from fusion.rewrite import Report, rewrite_model
+
+# A child of the "olive" logger, so that the surgeon's lines appear where Olive shows its own.
+logger = logging.getLogger("olive.passes.mambafuse")
+
+#: The name to use in a GraphSurgeries ``surgeries`` entry (Olive matches it case-insensitively).
+SURGEON = "MambafuseGatedGroupRMSNorm"
+
+
+class MambafuseGatedGroupRMSNorm(Surgeon):
+    """Fuse every gated group-RMSNorm chain into ``ai.mambafuse::GatedGroupRMSNorm``.
+
+    Args (the keys of the ``surgeries`` entry besides ``surgeon``):
+        function: attach the op's model-local function (default True). Leave it on for any model that
+            Olive evaluates or that runs without the mambafuse library.
+        min_fused: fail the pass when fewer chains are fused (default 0: a model without chains passes
+            through unchanged). Set it to the number of Mamba layers to catch an export whose chains the
+            rewriter does not know.
+    """
+
+    def __init__(self, function: bool = True, min_fused: int = 0) -> None:
+        super().__init__()
+        if not isinstance(function, bool):
+            raise ValueError(f"{SURGEON}: 'function' must be true or false, got {function!r}")
+        if not isinstance(min_fused, int) or isinstance(min_fused, bool) or min_fused < 0:
+            raise ValueError(f"{SURGEON}: 'min_fused' must be a non-negative integer, got {min_fused!r}")
+        self.function = function
+        self.min_fused = min_fused
+        #: The report of the last model this surgeon rewrote.
+        self.report: Report | None = None
+
+    def call_ir(self, model: ir.Model) -> ir.Model:
+        model, report = rewrite_model(model, function=self.function)
+        self.report = report
+        for line in report.summary().splitlines():
+            logger.info("%s: %s", SURGEON, line)
+        if report.fused < self.min_fused:
+            reasons = "; ".join(f"{where}: {reason}" for where, reason in report.refused) or "no chain found"
+            raise ValueError(f"{SURGEON}: fused {report.fused} chains, min_fused is {self.min_fused} ({reasons})")
+        return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m fusion.olive CONFIG.json``: run an Olive workflow with the surgeon registered."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1 or args[0] in ("-h", "--help"):
+        print("usage: python -m fusion.olive CONFIG.json  (an Olive workflow config)", file=sys.stderr)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    from olive.workflows import run
+
+    try:
+        run(args[0])
+    except Exception as error:  # Olive's and the passes' errors: one line
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"python -m fusion.olive: error: {type(error).__name__}: {message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
