@@ -1,4 +1,4 @@
-// GatedGroupRMSNorm, the per-group math (DESIGN.md §1), written so the compiler vectorizes every loop.
+// GatedGroupRMSNorm, the per-group math (DESIGN.md §1), written once for every vector width.
 //
 //   h[j]  = round(gated_type, f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j]))))
 //   nf    = 1 / sqrt(sum_j h[j]^2 / group_size + epsilon)
@@ -7,19 +7,37 @@
 // This file is compiled once per instruction-set level (CMake passes MAMBAFUSE_ISA_NS and the -m flags);
 // the dispatcher in gated_group_rms_norm_impl.cc picks the widest one the CPU supports at run time.
 //
-// Structure: one float32 core (silu, sum of squares, scale, weight multiply) and, around it, conversion
-// passes over L1-resident buffers (half -> float on the way in, rounding through norm/output types on the
-// way out). Every loop is branch-free per element (selects, not branches) so it vectorizes at any width:
-// the half conversions are bit manipulations (single F16C / AArch64 instructions where the ISA has them),
-// and exp
-// is a Cody-Waite reduction with a polynomial instead of a libm call.
+// Structure: two passes over each group, both reading their inputs in their own types (the half
+// conversions are fused into the loads and stores, no conversion pass over a buffer):
+//   1. the gate pass: h = y * silu(z) (rounded to gated_type), into an L1-resident buffer of group_size
+//      floats, and the sum of h^2 in vector accumulators;
+//   2. the norm pass: out = w * (h * nf), through the rounding points, straight into the output.
+// The code is GCC vector extensions of the ISA's width (16 floats for AVX-512, 8 for AVX2, 4 for SSE2,
+// NEON and the generic build), with the few instructions a width has that the extensions cannot express
+// (half conversions, an approximate reciprocal, vscalefps) behind small per-ISA helpers.
+//
+// silu: sigmoid(z) = 1/(1+t) for z >= 0 and t/(1+t) for z < 0, with t = e^-|z| (never overflows).
+// e^x: Cody-Waite reduction x = n ln2 + r (|r| <= ln2/2, ln2 in two parts so n * ln2_hi is exact), e^r by a
+// degree-6 minimax polynomial (relative error 7e-8 evaluated in float32), 2^n applied so that results
+// down to the float subnormals are right; then one division. Together h is within ~3e-7 (relative) of the
+// exact product, inside the float32 budget of 2e-6 and inside the window that budget_report allows a
+// gated_dtype rounding to fall either way (fusion/reference.py, GATED_TIE_WINDOW).
+//
+// Float32 subnormals (x86): results that underflow cost ~3x an ordinary instruction on the CPUs measured,
+// and rows whose values decay into the subnormals would pay that on every element. The x86 variants run
+// with MXCSR.FTZ set (results that underflow become 0, fast) and DAZ clear (subnormal inputs are read
+// exactly), and read MXCSR's underflow flag after each pass: FTZ changes a result only when it underflows,
+// and every such result raises the flag, so a pass that ends without it computed exactly what it computes
+// without FTZ. A pass that raised it is computed again with FTZ clear. The caller's MXCSR is restored on
+// return.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
 #include <immintrin.h>
+#define MAMBAFUSE_MXCSR 1
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 #endif
@@ -30,299 +48,419 @@
 #define MAMBAFUSE_ISA_NS isa_generic
 #endif
 
+// GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_ps(), which -Wmaybe-uninitialized
+// reports once they are inlined here (a known false positive); nothing here reads an undefined lane.
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+
 namespace mambafuse {
 namespace MAMBAFUSE_ISA_NS {
 namespace {
 
-inline uint32_t FloatBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-inline float BitsFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+#if defined(__AVX512F__)
+constexpr int kWidth = 16;
+#elif defined(__AVX2__)
+constexpr int kWidth = 8;
+#else
+constexpr int kWidth = 4;
+#endif
 
-// --- exact conversions of one element (portable; the loops below vectorize them) -------------------
-inline float BF16ToFloat(uint16_t bits) { return BitsFloat(static_cast<uint32_t>(bits) << 16); }
+typedef float VF __attribute__((vector_size(4 * kWidth)));
+typedef int32_t VI __attribute__((vector_size(4 * kWidth)));
+typedef uint32_t VU __attribute__((vector_size(4 * kWidth)));
+typedef uint16_t VH __attribute__((vector_size(2 * kWidth)));
 
-inline uint16_t FloatToBF16(float f) {  // round to nearest even; NaN stays a quiet NaN
-  const uint32_t u = FloatBits(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t quiet_nan = (u >> 16) | 0x0040u;
-  const bool is_nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return static_cast<uint16_t>(is_nan ? quiet_nan : rounded);
-}
+inline VF Splat(float f) { return VF{} + f; }
+inline VU SplatU(uint32_t u) { return VU{} + u; }
+inline VU Bits(VF v) { return reinterpret_cast<VU>(v); }
+inline VF FromBits(VU v) { return reinterpret_cast<VF>(v); }
 
-inline float F16ToFloat(uint16_t bits) {
-  // Move exponent+mantissa into float position and rebias by 112 (= 127 - 15). Subnormal halves are
-  // renormalized by an ordinary float subtraction (no float denormals involved, so DAZ/FTZ modes do not
-  // change the result); Inf/NaN get the full float exponent.
-  const uint32_t sign = (static_cast<uint32_t>(bits) & 0x8000u) << 16;
-  const uint32_t em = (static_cast<uint32_t>(bits) & 0x7FFFu) << 13;
-  const uint32_t exp = em & 0x0F800000u;
-  const uint32_t normal = em + (112u << 23);
-  const float sub = BitsFloat(em + (113u << 23)) - BitsFloat(113u << 23);
-  const uint32_t special = em + (224u << 23);  // exponent 31 -> 255
-  uint32_t r = exp == 0x0F800000u ? special : normal;
-  r = exp == 0 ? FloatBits(sub) : r;
-  return BitsFloat(r | sign);
+// --- loads and stores in the element types, widened to / rounded from float -------------------------
+
+inline VF LoadF32(const void* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-inline uint16_t FloatToF16(float f) {  // round to nearest even
-  const uint32_t u = FloatBits(f);
-  const uint32_t sign = (u >> 16) & 0x8000u;
-  const uint32_t a = u & 0x7FFFFFFFu;
-  // |f| >= 65536 (or Inf/NaN): overflow to Inf, NaN stays a quiet NaN. 65520..65535 overflow through
-  // the rounding carry of the normal path below.
-  const uint32_t big = a > 0x7F800000u ? 0x7E00u : 0x7C00u;
+inline VH LoadHalfBits(const void* p) {
+  VH v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline VF BF16ToFloat(VH bits) { return FromBits(__builtin_convertvector(bits, VU) << 16); }
+
+inline VH FloatToBF16(VF f) {  // round to nearest even; NaN stays a quiet NaN
+  const VU u = Bits(f);
+  const VU rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const VU quiet_nan = (u >> 16) | 0x0040u;
+  const VU result = (u & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded;
+  return __builtin_convertvector(result, VH);
+}
+
+// Portable float16 <-> float, for the widths without a conversion instruction (SSE2, generic). Exact;
+// the subnormal paths use float additions of normal numbers only, so FTZ cannot change them.
+[[maybe_unused]] inline VF F16ToFloatPortable(VH bits) {
+  const VU h = __builtin_convertvector(bits, VU);
+  const VU sign = (h & 0x8000u) << 16;
+  const VU em = (h & 0x7FFFu) << 13;
+  const VU exponent = em & 0x0F800000u;
+  const VU normal = em + (112u << 23);
+  const VU sub = Bits(FromBits(em + (113u << 23)) - Splat(6.103515625e-05f));  // 2^-14 = BitsFloat(113 << 23)
+  const VU special = em + (224u << 23);  // exponent 31 -> 255
+  VU r = exponent == 0x0F800000u ? special : normal;
+  r = exponent == 0u ? sub : r;
+  return FromBits(r | sign);
+}
+
+[[maybe_unused]] inline VH FloatToF16Portable(VF f) {  // round to nearest even
+  const VU u = Bits(f);
+  const VU sign = (u >> 16) & 0x8000u;
+  const VU a = u & 0x7FFFFFFFu;
+  // |f| >= 65536 (or Inf/NaN): overflow to Inf, NaN stays a quiet NaN. 65520..65535 overflow through the
+  // rounding carry of the normal path below.
+  const VU big = a > 0x7F800000u ? SplatU(0x7E00u) : SplatU(0x7C00u);
   // |f| < 2^-14: the half is subnormal. Adding 0.5 puts the value's 2^-24 units into the low mantissa
-  // bits of the sum, rounded to nearest even by the FPU.
-  const uint32_t tiny = FloatBits(BitsFloat(a) + 0.5f) - FloatBits(0.5f);
-  // Normal: rebias the exponent, round the 13 dropped bits to nearest even.
-  const uint32_t normal = (a - (112u << 23) + 0x0FFFu + ((a >> 13) & 1u)) >> 13;
-  uint32_t r = a >= 0x47800000u ? big : normal;
+  // bits of the sum, rounded to nearest even by the FPU (a normal result: FTZ does not touch it).
+  const VU tiny = Bits(FromBits(a) + 0.5f) - 0x3F000000u;
+  const VU normal = (a - (112u << 23) + 0x0FFFu + ((a >> 13) & 1u)) >> 13;
+  VU r = a >= 0x47800000u ? big : normal;
   r = a < 0x38800000u ? tiny : r;
-  return static_cast<uint16_t>(r | sign);
+  return __builtin_convertvector(r | sign, VH);
 }
 
-// --- conversion passes over a buffer --------------------------------------------------------------
-void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  int64_t j = 0;
-#if defined(__F16C__)
-  for (; j + 8 <= n; j += 8) {
-    _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + j))));
-  }
+inline VF F16ToFloat(VH bits) {
+#if defined(__AVX512F__)
+  __m256i raw;
+  std::memcpy(&raw, &bits, sizeof raw);
+  return reinterpret_cast<VF>(_mm512_cvtph_ps(raw));
+#elif defined(__F16C__)
+  __m128i raw;
+  std::memcpy(&raw, &bits, sizeof raw);
+  return reinterpret_cast<VF>(_mm256_cvtph_ps(raw));
 #elif defined(__aarch64__)
-  for (; j + 4 <= n; j += 4) vst1q_f32(dst + j, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(src + j))));
+  uint16x4_t raw;
+  std::memcpy(&raw, &bits, sizeof raw);
+  return reinterpret_cast<VF>(vcvt_f32_f16(vreinterpret_f16_u16(raw)));
+#else
+  return F16ToFloatPortable(bits);
 #endif
-  for (; j < n; ++j) dst[j] = F16ToFloat(src[j]);
 }
 
-void FloatToF16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
-  int64_t j = 0;
-#if defined(__F16C__)
-  for (; j + 8 <= n; j += 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+inline VH FloatToF16(VF f) {  // round to nearest even (the conversion instructions ignore FTZ/DAZ)
+#if defined(__AVX512F__)
+  const __m256i raw = _mm512_cvtps_ph(reinterpret_cast<__m512>(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  VH v;
+  std::memcpy(&v, &raw, sizeof v);
+  return v;
+#elif defined(__F16C__)
+  const __m128i raw = _mm256_cvtps_ph(reinterpret_cast<__m256>(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  VH v;
+  std::memcpy(&v, &raw, sizeof v);
+  return v;
 #elif defined(__aarch64__)
-  for (; j + 4 <= n; j += 4) vst1_u16(dst + j, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(src + j))));
+  const uint16x4_t raw = vreinterpret_u16_f16(vcvt_f16_f32(reinterpret_cast<float32x4_t>(f)));
+  VH v;
+  std::memcpy(&v, &raw, sizeof v);
+  return v;
+#else
+  return FloatToF16Portable(f);
 #endif
-  for (; j < n; ++j) dst[j] = FloatToF16(src[j]);
 }
 
-void BF16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = BF16ToFloat(src[j]);
+inline VF Load(const void* p, ElemType type) {
+  if (type == ElemType::kFloat16) return F16ToFloat(LoadHalfBits(p));
+  if (type == ElemType::kBFloat16) return BF16ToFloat(LoadHalfBits(p));
+  return LoadF32(p);
 }
 
-void FloatToBF16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = FloatToBF16(src[j]);
+// The value rounded to `type` and widened back (exact: the result is representable in float).
+inline VF RoundThrough(VF v, ElemType type) {
+  if (type == ElemType::kFloat16) return F16ToFloat(FloatToF16(v));
+  if (type == ElemType::kBFloat16) return BF16ToFloat(FloatToBF16(v));
+  return v;
 }
 
-// Rounds every value to `type` and back (exact: the result is representable in float).
-void RoundThrough(ElemType type, float* __restrict values, int64_t n) {
-  if (type == ElemType::kBFloat16) {
-    for (int64_t j = 0; j < n; ++j) values[j] = BF16ToFloat(FloatToBF16(values[j]));
-  } else if (type == ElemType::kFloat16) {
-    int64_t j = 0;
-#if defined(__F16C__)
-    for (; j + 8 <= n; j += 8) {
-      const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(values + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm256_storeu_ps(values + j, _mm256_cvtph_ps(half));
-    }
-#elif defined(__aarch64__)
-    for (; j + 4 <= n; j += 4) vst1q_f32(values + j, vcvt_f32_f16(vcvt_f16_f32(vld1q_f32(values + j))));
-#endif
-    for (; j < n; ++j) values[j] = F16ToFloat(FloatToF16(values[j]));
+inline void Store(void* p, VF v, ElemType type) {
+  if (type == ElemType::kFloat16) {
+    const VH h = FloatToF16(v);
+    std::memcpy(p, &h, sizeof h);
+  } else if (type == ElemType::kBFloat16) {
+    const VH h = FloatToBF16(v);
+    std::memcpy(p, &h, sizeof h);
+  } else {
+    std::memcpy(p, &v, sizeof v);
   }
 }
 
-// Returns `src` as float: the pointer itself for float data, else `scratch` filled with the exact values.
-const float* AsFloat(const void* src, ElemType type, float* scratch, int64_t n) {
-  switch (type) {
-    case ElemType::kFloat: return static_cast<const float*>(src);
-    case ElemType::kFloat16: F16ToFloat(static_cast<const uint16_t*>(src), scratch, n); return scratch;
-    case ElemType::kBFloat16: BF16ToFloat(static_cast<const uint16_t*>(src), scratch, n); return scratch;
-  }
-  return static_cast<const float*>(src);
+inline size_t TypeBytes(ElemType t) { return t == ElemType::kFloat ? 4 : 2; }
+
+// A load of the last, partial vector of a group: the remaining elements, zeros after them (a zero y and
+// z give h = 0, which adds nothing to the sum of squares).
+inline VF LoadPartial(const char* p, ElemType type, int64_t count) {
+  alignas(64) char buffer[4 * kWidth] = {};
+  std::memcpy(buffer, p, static_cast<size_t>(count) * TypeBytes(type));
+  return Load(buffer, type);
 }
 
-void StoreFloat(const float* src, ElemType type, void* dst, int64_t n) {
-  switch (type) {
-    case ElemType::kFloat: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
-    case ElemType::kFloat16: FloatToF16(src, static_cast<uint16_t*>(dst), n); return;
-    case ElemType::kBFloat16: FloatToBF16(src, static_cast<uint16_t*>(dst), n); return;
-  }
+inline void StorePartial(char* p, VF v, ElemType type, int64_t count) {
+  alignas(64) char buffer[4 * kWidth];
+  Store(buffer, v, type);
+  std::memcpy(p, buffer, static_cast<size_t>(count) * TypeBytes(type));
 }
 
-// --- silu -----------------------------------------------------------------------------------------
-// exp(x) for x <= 0 (NaN passes through). Cody-Waite: x = n ln2 + r, |r| <= ln2/2, e^r by its degree-7
-// Taylor polynomial (truncation error < 6e-9, below half an ulp of 1), 2^n applied in two factors so that
-// results down to the float subnormals are right. Below -104 the result rounds to 0 anyway.
-inline float ExpNonPositive(float x) {
-  x = x < -104.f ? -104.f : x;
+// --- silu ---------------------------------------------------------------------------------------------
+
+// a/d for d in [1, 2] (or NaN): a true division, not a reciprocal estimate refined by Newton steps. The
+// divider runs beside the FMA pipes and keeps up with the loop (measured faster than estimate + Newton on
+// AVX-512 and AVX2), and a division is exact where the sigmoid saturates: 1/(1 + t) is exactly 1 for
+// t < 2^-24, so silu(z) = z exactly for large z, as in the reference (an estimate is off by an ulp there,
+// enough to move a product that sits on a gated_dtype rounding tie).
+inline VF Divide(VF a, VF d) { return a / d; }
+
+// Degree-6 minimax polynomial of e^r on [-ln2/2, ln2/2] (float32 coefficients; c0 = c1 = 1).
+constexpr float kExpC2 = 0x1.fffffap-2f, kExpC3 = 0x1.55540ap-3f, kExpC4 = 0x1.55589ap-5f;
+constexpr float kExpC5 = 0x1.126d0cp-7f, kExpC6 = 0x1.6ab97ap-10f;
+
+// Vectors processed side by side: the silu chain is ~20 dependent instructions, so independent vectors
+// interleaved stage by stage keep the pipelines full (the out-of-order window alone does not hold enough
+// of them). As many as the register file holds: 32 zmm registers for AVX-512, 16 elsewhere.
+constexpr int kUnroll = kWidth == 16 ? 4 : 2;
+
+// silu(z) of kUnroll vectors, in place. Written stage by stage so the instruction stream interleaves them.
+__attribute__((always_inline)) inline void Silu(VF (&v)[kUnroll]) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693145751953125f;  // 15 significant bits: n * kLn2Hi is exact
   constexpr float kLn2Lo = 1.42860682030941723212e-6f;
   constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float shifted = x * kLog2e + kRoundMagic;
-  const float n = shifted - kRoundMagic;
-  const int32_t ni = static_cast<int32_t>(FloatBits(shifted) & 0x7FFFFFu) - 0x400000;  // n, from the mantissa
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  float p = 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t n1 = ni >> 1;  // n in [-150, 0]: both halves stay >= -75, normal floats
-  const int32_t n2 = ni - n1;
-  const float s1 = BitsFloat(static_cast<uint32_t>(n1 + 127) << 23);
-  const float s2 = BitsFloat(static_cast<uint32_t>(n2 + 127) << 23);
-  return p * s1 * s2;
-}
-
-// z * sigmoid(z), with sigmoid(z) = 1/(1+e^-z) for z >= 0 and e^z/(1+e^z) for z < 0 (e of a
-// non-positive argument never overflows, so both halves are accurate; NaN and +-Inf behave like the
-// formula: silu(+Inf) = +Inf, silu(-Inf) = -Inf * 0 = NaN).
-inline float Silu(float z) {
-  const float t = ExpNonPositive(-std::fabs(z));
-  const float inv = 1.f / (1.f + t);
-  const float sig = z >= 0.f ? inv : t * inv;
-  return z * sig;
-}
-
-// --- the float core ---------------------------------------------------------------------------------
-constexpr int kLanes = 16;  // independent partial sums: lets the reduction vectorize without -ffast-math
-
-// GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_ps(), which -Wmaybe-uninitialized
-// reports once they are inlined here (a known false positive); nothing here reads an undefined lane.
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-// gated = y * silu(z), element by element.
-void GateProduct(const float* __restrict y, const float* __restrict z, float* __restrict gated, int64_t n) {
-  int64_t j = 0;
+  VF x[kUnroll], shifted[kUnroll], n[kUnroll], r[kUnroll], p[kUnroll], t[kUnroll];
+  // x = -|z|, clamped to >= -104 (e^-104 rounds to 0; a NaN compares false and stays NaN).
+  for (int k = 0; k < kUnroll; ++k) x[k] = FromBits(Bits(v[k]) | 0x80000000u);
+  for (int k = 0; k < kUnroll; ++k) x[k] = x[k] < -104.f ? Splat(-104.f) : x[k];
+  for (int k = 0; k < kUnroll; ++k) shifted[k] = x[k] * kLog2e + kRoundMagic;
+  for (int k = 0; k < kUnroll; ++k) n[k] = shifted[k] - kRoundMagic;  // in [-150, 0]
+  for (int k = 0; k < kUnroll; ++k) r[k] = x[k] - n[k] * kLn2Hi;
+  for (int k = 0; k < kUnroll; ++k) r[k] = r[k] - n[k] * kLn2Lo;
+  for (int k = 0; k < kUnroll; ++k) p[k] = r[k] * kExpC6 + kExpC5;
+  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + kExpC4;
+  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + kExpC3;
+  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + kExpC2;
+  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + 1.f;
+  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + 1.f;
+  for (int k = 0; k < kUnroll; ++k) {
 #if defined(__AVX512F__)
-  // The same computation as Silu(), written with AVX-512 intrinsics for one instruction GCC does not
-  // find on its own: vscalefps applies 2^n (subnormal results included) where the portable code needs
-  // two exponent-field multiplies and their integer set-up. Measured: 17 % less time per decode row.
-  const __m512 min_arg = _mm512_set1_ps(-104.f), log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 magic = _mm512_set1_ps(12582912.f), ln2_hi = _mm512_set1_ps(0.693145751953125f);
-  const __m512 ln2_lo = _mm512_set1_ps(1.42860682030941723212e-6f), one = _mm512_set1_ps(1.f);
-  const __m512 zero = _mm512_setzero_ps();
-  const __m512 coeffs[6] = {_mm512_set1_ps(1.f / 720.f), _mm512_set1_ps(1.f / 120.f), _mm512_set1_ps(1.f / 24.f),
-                            _mm512_set1_ps(1.f / 6.f),   _mm512_set1_ps(0.5f),         one};
-  for (; j + 16 <= n; j += 16) {
-    const __m512 zv = _mm512_loadu_ps(z + j);
-    // max(-104, -|z|) with the operands in this order keeps a NaN (MAXPS returns its 2nd operand).
-    const __m512 x = _mm512_max_ps(min_arg, _mm512_sub_ps(zero, _mm512_abs_ps(zv)));
-    const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, log2e, magic), magic);
-    const __m512 r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x));
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    for (const __m512& c : coeffs) p = _mm512_fmadd_ps(p, r, c);
-    p = _mm512_fmadd_ps(p, r, one);
-    const __m512 t = _mm512_scalef_ps(p, k);  // e^-|z| in [0, 1]
-    const __m512 inv = _mm512_div_ps(one, _mm512_add_ps(one, t));
-    const __mmask16 negative = _mm512_cmp_ps_mask(zv, zero, _CMP_LT_OQ);
-    const __m512 sig = _mm512_mask_mul_ps(inv, negative, t, inv);
-    _mm512_storeu_ps(gated + j, _mm512_mul_ps(_mm512_loadu_ps(y + j), _mm512_mul_ps(zv, sig)));
-  }
+    t[k] = reinterpret_cast<VF>(_mm512_scalef_ps(reinterpret_cast<__m512>(p[k]), reinterpret_cast<__m512>(n[k])));
+#else
+    // 2^(n+64) is a normal float for every n here; the final product by 2^-64 rounds once, into the
+    // subnormals where e^x is that small. bits(shifted) = bits(magic) + n, and bits(magic) << 23 wraps to 0.
+    const VF scale = FromBits((Bits(shifted[k]) << 23) + (191u << 23));
+    t[k] = (p[k] * scale) * 5.42101086242752217e-20f;  // 2^-64
 #endif
-  for (; j < n; ++j) gated[j] = y[j] * Silu(z[j]);
+  }
+  // silu(z) = z * num / (1 + t), num = t for z < 0, else 1.
+  for (int k = 0; k < kUnroll; ++k) v[k] = v[k] < 0.f ? v[k] * t[k] : v[k];
+  for (int k = 0; k < kUnroll; ++k) v[k] = Divide(v[k], 1.f + t[k]);
 }
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
-// gated = round(gated_type, y * silu(z)); returns sum(gated^2). Plain loops: GCC vectorizes each at every
-// ISA level.
-float GatePass(const float* __restrict y, const float* __restrict z, float* __restrict gated, int64_t n,
-               ElemType gated_type) {
-  GateProduct(y, z, gated, n);
-  RoundThrough(gated_type, gated, n);  // rounding point 0: gated_dtype (the sum of squares uses it)
-  // kLanes partial sums in a fixed order: the same bits from every ISA variant.
-  float partial[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) partial[l] += gated[j + l] * gated[j + l];
+// --- the two passes -----------------------------------------------------------------------------------
+
+template <ElemType T>
+struct Type {
+  static constexpr ElemType value = T;
+  static constexpr size_t bytes = T == ElemType::kFloat ? 4 : 2;
+};
+
+// Calls f(Type<t>{}) with t as a compile-time constant (a switch, not an indirect call).
+template <class F>
+inline auto WithType(ElemType t, F&& f) {
+  switch (t) {
+    case ElemType::kFloat16: return f(Type<ElemType::kFloat16>{});
+    case ElemType::kBFloat16: return f(Type<ElemType::kBFloat16>{});
+    case ElemType::kFloat: break;
   }
-  for (; j < n; ++j) partial[0] += gated[j] * gated[j];
+  return f(Type<ElemType::kFloat>{});
+}
+
+// h = round(G, y * silu(z)) into `gated`; returns sum(h^2).
+template <ElemType Y, ElemType Z, ElemType G>
+float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n) {
+  constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
+  constexpr int64_t step = kWidth * kUnroll;
+  VF acc[kUnroll] = {};
+  int64_t j = 0;
+  for (; j + step <= n; j += step) {
+    VF v[kUnroll];
+    for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
+    Silu(v);
+    for (int k = 0; k < kUnroll; ++k) {
+      const VF h = RoundThrough(Load(y + (j + k * kWidth) * yb, Y) * v[k], G);  // rounding point 0
+      std::memcpy(gated + j + k * kWidth, &h, sizeof h);
+      acc[k] += h * h;
+    }
+  }
+  for (; j < n; j += kWidth) {  // the rest, one (possibly partial) vector at a time
+    const int64_t count = n - j < kWidth ? n - j : kWidth;
+    VF v[kUnroll] = {};
+    v[0] = count == kWidth ? Load(z + j * zb, Z) : LoadPartial(z + j * zb, Z, count);
+    Silu(v);
+    const VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
+    const VF h = RoundThrough(yv * v[0], G);
+    std::memcpy(gated + j, &h, static_cast<size_t>(count) * sizeof(float));
+    acc[0] += h * h;
+  }
+  for (int k = 1; k < kUnroll; ++k) acc[0] += acc[k];
   float sum = 0.f;
-  for (int l = 0; l < kLanes; ++l) sum += partial[l];
+  for (int l = 0; l < kWidth; ++l) sum += acc[0][l];
   return sum;
 }
 
-void Scale(float* __restrict values, float factor, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) values[j] *= factor;
-}
-
-void ScaleByWeight(const float* __restrict normed, float factor, const float* __restrict w,
-                   float* __restrict out, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) out[j] = w[j] * (normed[j] * factor);
-}
-
-void MultiplyByWeight(const float* __restrict normed, const float* __restrict w, float* __restrict out,
-                      int64_t n) {
-  for (int64_t j = 0; j < n; ++j) out[j] = w[j] * normed[j];
-}
-
-size_t TypeBytes(ElemType t) { return t == ElemType::kFloat ? 4 : 2; }
-
-// Per-thread scratch, grown once: steady-state calls do not allocate.
-struct Scratch {
-  std::vector<float> y, z, gated, product, weight;
-  void Reserve(int64_t group_size, int64_t channels) {
-    const auto gs = static_cast<size_t>(group_size);
-    if (gated.size() < gs) y.resize(gs), z.resize(gs), gated.resize(gs), product.resize(gs);
-    if (weight.size() < static_cast<size_t>(channels)) weight.resize(static_cast<size_t>(channels));
+// out = round(O, w * round(N, h * nf)), stored as S (O, or float holding values rounded to O).
+template <ElemType W, ElemType N, ElemType O, ElemType S>
+void NormPass(const float* __restrict gated, float inv_rms, const char* w, char* out, int64_t n) {
+  constexpr size_t wb = Type<W>::bytes, ob = Type<S>::bytes;
+  const auto value = [inv_rms](VF h, VF weight) {
+    const VF normed = RoundThrough(h * inv_rms, N);  // rounding point 1: norm_dtype
+    const VF product = weight * normed;
+    return S == O ? product : RoundThrough(product, O);  // rounding point 2, when stored widened
+  };
+  int64_t j = 0;
+  for (; j + kWidth <= n; j += kWidth) {
+    Store(out + j * ob, value(LoadF32(gated + j), Load(w + j * wb, W)), S);
   }
+  if (j < n) {
+    const int64_t count = n - j;
+    alignas(64) float tail[kWidth] = {};
+    std::memcpy(tail, gated + j, static_cast<size_t>(count) * sizeof(float));
+    StorePartial(out + j * ob, value(LoadF32(tail), LoadPartial(w + j * wb, W, count)), S, count);
+  }
+}
+
+// The norm pass for the run-time types: nested switches down to a direct call of one instantiation.
+void NormPassFor(ElemType w_type, ElemType norm, ElemType out_type, ElemType store, const float* gated,
+                 float inv_rms, const char* w, char* out, int64_t n) {
+  WithType(w_type, [&](auto wt) {
+    WithType(norm, [&](auto nt) {
+      WithType(out_type, [&](auto ot) {
+        constexpr ElemType kW = decltype(wt)::value, kN = decltype(nt)::value, kO = decltype(ot)::value;
+        if (store == kO) {
+          NormPass<kW, kN, kO, kO>(gated, inv_rms, w, out, n);
+        } else {
+          NormPass<kW, kN, kO, ElemType::kFloat>(gated, inv_rms, w, out, n);
+        }
+      });
+    });
+  });
+}
+
+// --- MXCSR: flush-to-zero with underflow detection (see the file comment) ------------------------------
+
+#if defined(MAMBAFUSE_MXCSR)
+constexpr uint32_t kFlushToZero = 1u << 15, kDenormalsAreZero = 1u << 6, kUnderflowFlag = 1u << 4;
+constexpr uint32_t kExceptionFlags = 0x3Fu;
+
+inline uint32_t ReadCsr() {
+  uint32_t csr;
+  __asm__ __volatile__("stmxcsr %0" : "=m"(csr) : : "memory");
+  return csr;
+}
+inline void WriteCsr(uint32_t csr) { __asm__ __volatile__("ldmxcsr %0" : : "m"(csr) : "memory"); }
+
+// Sets FTZ (and clears DAZ and the flags) for its lifetime; restores the caller's MXCSR after.
+class FlushScope {
+ public:
+  FlushScope() : saved_(ReadCsr()) { WriteCsr(Fast()); }
+  ~FlushScope() { WriteCsr(saved_); }
+  FlushScope(const FlushScope&) = delete;
+  FlushScope& operator=(const FlushScope&) = delete;
+  // Whether anything underflowed since the last call (and clears the flag). `value` ties the read to
+  // the computation of a register result: the asm takes it as an input, so it cannot move before it.
+  static bool Underflowed(float value) {
+    __asm__ __volatile__("" : : "x"(value) : "memory");
+    const uint32_t csr = ReadCsr();
+    if ((csr & kUnderflowFlag) == 0) return false;
+    WriteCsr(csr & ~kExceptionFlags);
+    return true;
+  }
+  void Exact() const { WriteCsr(saved_ & ~(kFlushToZero | kDenormalsAreZero | kExceptionFlags)); }
+  void Resume() const { WriteCsr(Fast()); }
+
+ private:
+  uint32_t Fast() const { return (saved_ | kFlushToZero) & ~(kDenormalsAreZero | kExceptionFlags); }
+  uint32_t saved_;
 };
+#endif
+
+// Scratch for h: on the stack for the group sizes of real models, else a per-thread buffer, released
+// after the call when it is large (a huge group_size must not leave its buffer held by a pool thread).
+constexpr int64_t kStackGroup = 4096;
+constexpr size_t kKeptScratch = 1 << 16;  // floats (256 KB) kept per thread between calls
 
 }  // namespace
 
-void ComputeItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_item) {
-  thread_local Scratch scratch;
-  scratch.Reserve(a.group_size, a.channels);
+namespace {
+
+// All items of one call, with the gate pass's types fixed at compile time.
+template <ElemType Y, ElemType Z, ElemType G>
+void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_item) {
   const int64_t gs = a.group_size;
   const int64_t groups_per_row = a.channels / gs;
-  const size_t y_bytes = TypeBytes(a.y_type), z_bytes = TypeBytes(a.z_type);
-  const size_t out_bytes = TypeBytes(a.out_storage_type);
+  const size_t w_bytes = TypeBytes(a.w_type), out_bytes = TypeBytes(a.out_storage_type);
   const float group_size = static_cast<float>(gs);
-  const float* weight = AsFloat(a.w, a.w_type, scratch.weight.data(), a.channels);
-  const bool float_norm = a.norm_type == ElemType::kFloat;
-  // The product can go straight into the output buffer when that is float (rounded there in place).
-  const bool float_store = a.out_storage_type == ElemType::kFloat;
+
+  alignas(64) float stack_buffer[kStackGroup];
+  thread_local std::vector<float> heap_buffer;
+  float* gated = stack_buffer;
+  if (gs > kStackGroup) {
+    if (heap_buffer.size() < static_cast<size_t>(gs)) heap_buffer.resize(static_cast<size_t>(gs));
+    gated = heap_buffer.data();
+  }
+#if defined(MAMBAFUSE_MXCSR)
+  FlushScope flush;
+#endif
   for (int64_t item = first_item; item < last_item; ++item) {
     const int64_t row = item / groups_per_row;
     const int64_t col = (item % groups_per_row) * gs;
     const auto offset = static_cast<size_t>(row * a.channels + col);
-    const float* y = AsFloat(static_cast<const char*>(a.y) + offset * y_bytes, a.y_type, scratch.y.data(), gs);
-    const float* z = AsFloat(static_cast<const char*>(a.z) + offset * z_bytes, a.z_type, scratch.z.data(), gs);
-    float* gated = scratch.gated.data();
-    const float sum_sq = GatePass(y, z, gated, gs, a.gated_type);
+    const char* y = static_cast<const char*>(a.y) + offset * Type<Y>::bytes;
+    const char* z = static_cast<const char*>(a.z) + offset * Type<Z>::bytes;
+    const char* w = static_cast<const char*>(a.w) + static_cast<size_t>(col) * w_bytes;
+    char* out = static_cast<char*>(a.out) + offset * out_bytes;
+    float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+#if defined(MAMBAFUSE_MXCSR)
+    const bool gate_underflowed = FlushScope::Underflowed(sum_sq);
+    if (gate_underflowed) {
+      flush.Exact();
+      sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+    }
+#endif
     const float inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
-    void* out = static_cast<char*>(a.out) + offset * out_bytes;
-    float* product = float_store ? static_cast<float*>(out) : scratch.product.data();
-    if (float_norm) {
-      ScaleByWeight(gated, inv_rms, weight + col, product, gs);
-    } else {
-      Scale(gated, inv_rms, gs);
-      RoundThrough(a.norm_type, gated, gs);  // rounding point 1: norm_dtype
-      MultiplyByWeight(gated, weight + col, product, gs);
+    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs);
+#if defined(MAMBAFUSE_MXCSR)
+    if (gate_underflowed) {
+      flush.Resume();
+    } else if (FlushScope::Underflowed(inv_rms)) {
+      flush.Exact();
+      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs);
+      flush.Resume();
     }
-    if (float_store) {
-      RoundThrough(a.out_type, product, gs);  // rounding point 2, stored widened (exact)
-    } else {
-      StoreFloat(product, a.out_type, out, gs);  // rounding point 2: output_dtype
-    }
+#endif
   }
+  if (heap_buffer.capacity() > kKeptScratch) std::vector<float>().swap(heap_buffer);
+}
+
+}  // namespace
+
+void ComputeItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_item) {
+  WithType(a.y_type, [&](auto yt) {
+    WithType(a.z_type, [&](auto zt) {
+      WithType(a.gated_type, [&](auto gt) {
+        RunItems<decltype(yt)::value, decltype(zt)::value, decltype(gt)::value>(a, first_item, last_item);
+      });
+    });
+  });
 }
 
 }  // namespace MAMBAFUSE_ISA_NS
