@@ -68,6 +68,16 @@ class ChainSpec:
     group_target: tuple[int | str, ...] | None = None
     # the 1st Reshape's target is a graph input "group_shape" (its value_info claims [..., G, gs])
     group_target_as_input: bool = False
+    # the 2nd Reshape's target is Shape(product) (mobius)
+    restore_from_shape: bool = False
+    # no Reshapes: the norm works on the product's last axis (one group, group_size = C)
+    grouped: bool = True
+    # Cast(to=gated_cast) of the product before the norm: the third rounding point (mobius, fp16/bf16)
+    gated_cast: int | None = None
+    # the inner RMSNormalization's scale is the weight (mobius): Reshape(W[C], [G, gs]) when grouped
+    # (a constant [G, gs] when scale_reshaped is False), W[C] when not; no weight Mul after the norm
+    weight_as_scale: bool = False
+    scale_reshaped: bool = True
     # norm dtype / weight / output
     norm_cast: int | None = None  # Cast after the 2nd Reshape (form C: FLOAT16)
     weight_dtype: int = FLOAT
@@ -130,6 +140,8 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
         return node("Mul", [silu, value] if spec.silu_first else [value, silu])
 
     gated = y if spec.norm_before_gate else gate(y)
+    if spec.gated_cast is not None:
+        gated = node("Cast", [gated], to=spec.gated_cast)
     constant_nodes = spec.scalars_as_constants or spec.shape_as == "torchscript"
 
     def target_shape(tail: Sequence[int], tag: str) -> str:
@@ -152,7 +164,11 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
         parts.append(ints(f"tail_{tag}", list(tail), constant_nodes))
         return node("Concat", parts, axis=0)
 
-    if spec.group_target_as_input:
+    weight_shape = list(spec.weight_shape) if spec.weight_shape is not None else [channels]
+    weight_data = (1.0 + 0.5 * rng.standard_normal(weight_shape)).astype(_np_dtype(spec.weight_dtype))
+    if not spec.grouped:
+        grouped = gated
+    elif spec.group_target_as_input:
         extra_inputs.append(helper.make_tensor_value_info("group_shape", TensorProto.INT64, [len(spec.leading) + 2]))
         grouped = node("Reshape", [gated, "group_shape"])
     elif spec.group_target is not None:
@@ -166,7 +182,15 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
     else:
         grouped = node("Reshape", [gated, target_shape([groups, group_size], "in")])
 
-    if spec.inner in ("sln", "sln_ms", "rms"):
+    if spec.weight_as_scale:
+        if not spec.grouped:
+            scale = const("weight", weight_data)
+        elif spec.scale_reshaped:
+            scale = node("Reshape", [const("weight", weight_data), ints("scale_shape", [groups, group_size])])
+        else:
+            scale = const("weight", weight_data.reshape(groups, group_size))
+        normed_groups = node("RMSNormalization", [grouped, scale], axis=spec.inner_axis, epsilon=spec.epsilon)
+    elif spec.inner in ("sln", "sln_ms", "rms"):
         scale_shape = [group_size] if spec.inner_scale_shape == "gs" else [groups, group_size]
         scale = const("inner_scale", np.full(scale_shape, spec.inner_scale_value, np.float32))
         op = "RMSNormalization" if spec.inner == "rms" else "SimplifiedLayerNormalization"
@@ -211,19 +235,23 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
             pair = [inv_rms, grouped] if spec.normed_rsqrt_first else [grouped, inv_rms]
             normed_groups = node("Mul", pair)
 
-    if spec.restore_shape is not None:
-        restore = ints("shape_restore", list(spec.restore_shape))
+    if not spec.grouped:
+        flat = normed_groups
+    elif spec.restore_shape is not None:
+        flat = node("Reshape", [normed_groups, ints("shape_restore", list(spec.restore_shape))])
+    elif spec.restore_from_shape:
+        flat = node("Reshape", [normed_groups, node("Shape", [gated])])
     else:
-        restore = target_shape([channels], "out")
-    flat = node("Reshape", [normed_groups, restore])
+        flat = node("Reshape", [normed_groups, target_shape([channels], "out")])
     normed = node("Cast", [flat], to=spec.norm_cast) if spec.norm_cast is not None else flat
 
-    weight_shape = list(spec.weight_shape) if spec.weight_shape is not None else [channels]
-    weight_data = (1.0 + 0.5 * rng.standard_normal(weight_shape)).astype(_np_dtype(spec.weight_dtype))
-    weight = const("weight", weight_data)
-    if spec.weight_cast:
-        weight = node("Cast", [weight], to=FLOAT)
-    out = node("Mul", [weight, normed] if spec.weight_first else [normed, weight])
+    if spec.weight_as_scale:
+        out = normed
+    else:
+        weight = const("weight", weight_data)
+        if spec.weight_cast:
+            weight = node("Cast", [weight], to=FLOAT)
+        out = node("Mul", [weight, normed] if spec.weight_first else [normed, weight])
     if spec.norm_before_gate:
         out = gate(out)
     if spec.trailing_cast is not None:
@@ -236,7 +264,7 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
         helper.make_tensor_value_info("z", spec.z_dtype, dims),
         *extra_inputs,
     ]
-    out_dtype = spec.trailing_cast or spec.norm_cast or FLOAT
+    out_dtype = spec.trailing_cast or spec.norm_cast or (spec.weight_dtype if spec.weight_as_scale else FLOAT)
     outputs = [helper.make_tensor_value_info("out", out_dtype, dims)]
     if spec.leak is not None:
         leaked = {"gated": gated, "grouped": grouped, "normed_groups": normed_groups, "flat": flat}[spec.leak]

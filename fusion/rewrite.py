@@ -401,7 +401,7 @@ def _debug_text(report: Report) -> str:
     lines.append("debug: fused chains:")
     lines += [
         "  {location} [form {form}]: epsilon={epsilon:g} group_size={group_size} "
-        "norm_dtype={norm_dtype} output_dtype={output_dtype}".format(**chain)
+        "norm_dtype={norm_dtype} output_dtype={output_dtype} gated_dtype={gated_dtype}".format(**chain)
         for chain in report.fused_chains
     ] or ["  (none)"]
     return "\n".join(lines)

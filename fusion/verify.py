@@ -56,6 +56,10 @@ def prepare_inputs(
     return dims, arrays
 
 
+#: The op's attributes that name an element type (absent: the op's default).
+_DTYPE_ATTRIBUTES = ("norm_dtype", "output_dtype", "gated_dtype")
+
+
 def _holds_unfunctioned_fused_nodes(model: onnx.ModelProto) -> bool:
     """Return whether ``model`` has GatedGroupRMSNorm nodes but no function body for them."""
     has_nodes = any(n.domain == DOMAIN and n.op_type == OP_TYPE for n in model.graph.node)
@@ -99,7 +103,7 @@ def _check_fused_nodes(
     (a probe copy written beside it, so relative external-data paths still resolve, then deleted).
     """
     import contrib_ops
-    from fusion.reference import gated_group_rms_norm, onnx_type_to_dtype
+    from fusion.reference import onnx_type_to_dtype, reference_for_budget
 
     probe = onnx.load(str(fused), load_external_data=False)
     nodes = [n for n in probe.graph.node if n.domain == DOMAIN and n.op_type == "GatedGroupRMSNorm"]
@@ -142,18 +146,16 @@ def _check_fused_nodes(
         os.unlink(probe_path)
     for node, (y, z, w, out) in exposed:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        expected, normed = gated_group_rms_norm(
+        dtypes = {name: onnx_type_to_dtype(attrs[name]) if attrs.get(name) else None for name in _DTYPE_ATTRIBUTES}
+        reference = reference_for_budget(
             values[y],
             values[z],
             values[w],
             epsilon=float(attrs["epsilon"]),
             group_size=int(attrs["group_size"]),
-            norm_dtype=onnx_type_to_dtype(attrs["norm_dtype"]) if "norm_dtype" in attrs else None,
-            output_dtype=onnx_type_to_dtype(attrs["output_dtype"]) if "output_dtype" in attrs else None,
-            compute_dtype=np.float64,
-            return_normed=True,
+            **dtypes,
         )
-        within, message = budget_report(np.asarray(values[out]), expected, normed=normed, weight=values[w])
+        within, message = budget_report(np.asarray(values[out]), **reference)
         results.append({"node": node.name, "checked": True, "within_budget": within, "detail": message})
     return results
 

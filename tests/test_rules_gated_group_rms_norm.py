@@ -15,7 +15,16 @@ import onnx_ir as ir
 import pytest
 
 import contrib_ops
-from fusion._chains import BFLOAT16, FLOAT, FLOAT16, ChainSpec, build_chain, chain_inputs, half_decode
+from fusion._chains import (
+    BFLOAT16,
+    FLOAT,
+    FLOAT16,
+    ChainSpec,
+    build_chain,
+    build_chain_sequence,
+    chain_inputs,
+    half_decode,
+)
 from fusion.reference import budget_report, gated_group_rms_norm, onnx_type_to_dtype, ulp_distance
 from fusion.rewrite import Report, rewrite_model
 from fusion.rules.gated_group_rms_norm import FusionLog, fuse_gated_group_rms_norm
@@ -53,9 +62,17 @@ class Case:
     runnable: bool = True
     #: Nodes that must stay outside the fused node (a Cast the op cannot absorb).
     kept_ops: tuple[str, ...] = ()
+    gated_dtype: int = FLOAT
 
 
 F16_DECODE = half_decode(FLOAT16)
+MOBIUS = dict(weight_as_scale=True, opset=23)
+
+
+def mobius_half(dtype: int) -> dict[str, int | bool]:
+    """Return the ChainSpec fields of a mobius half build: y and gate cast up, h rounded back to ``dtype``."""
+    return dict(y_dtype=dtype, z_dtype=dtype, cast_y=True, cast_z=True, gated_cast=dtype, weight_dtype=dtype)
+
 
 CASES: dict[str, Case] = {
     # A: dynamo fp32
@@ -143,6 +160,38 @@ CASES: dict[str, Case] = {
     "H_rms_normalization_gs_scale": Case(ChainSpec(opset=23, inner="rms"), "H"),
     "H_mul_square": Case(ChainSpec(opset=23, square="mul"), "H"),
     "H_pow_rsqrt": Case(ChainSpec(opset=23, rsqrt="pow"), "H"),
+    # I: mobius, the weight is the RMSNormalization's scale; half builds round h before the norm
+    "I_f32_grouped": Case(ChainSpec(**MOBIUS, group_target=(-1, 4, 16), restore_from_shape=True), "I"),
+    "I_f16_grouped": Case(
+        ChainSpec(**MOBIUS, **mobius_half(FLOAT16), group_target=(-1, 4, 16), restore_from_shape=True),
+        "I",
+        output_dtype=FLOAT16,
+        gated_dtype=FLOAT16,
+    ),
+    "I_bf16_grouped": Case(
+        ChainSpec(**MOBIUS, **mobius_half(BFLOAT16), group_target=(-1, 4, 16), restore_from_shape=True),
+        "I",
+        output_dtype=BFLOAT16,
+        gated_dtype=BFLOAT16,
+        runnable=False,
+    ),
+    "I_constant_G_gs_scale": Case(ChainSpec(**MOBIUS, scale_reshaped=False), "I"),
+    "I_f32_ungrouped": Case(ChainSpec(**MOBIUS, grouped=False, group_size=64), "I"),
+    "I_f16_ungrouped": Case(
+        ChainSpec(**MOBIUS, **mobius_half(FLOAT16), grouped=False, group_size=64),
+        "I",
+        output_dtype=FLOAT16,
+        gated_dtype=FLOAT16,
+    ),
+    # ungrouped spellings of the other forms (n_groups = 1 without a Reshape): group_size = C
+    "A_ungrouped": Case(ChainSpec(grouped=False, group_size=64), "A"),
+    "C_ungrouped_f16": Case(ChainSpec(**F16_DECODE, grouped=False, group_size=64), "C", FLOAT16, FLOAT16),
+    "F_ungrouped": Case(ChainSpec(inner="sln", grouped=False, group_size=64), "F"),
+    "H_ungrouped": Case(ChainSpec(opset=23, inner="rms", grouped=False, group_size=64), "H"),
+    # TorchScript's no-op Cast(to=f32) of the product before the first Reshape
+    "E_no_op_gated_cast": Case(
+        ChainSpec(opset=17, axes_as="attribute", rsqrt="div_one", shape_as="torchscript", gated_cast=FLOAT), "E"
+    ),
     # inputs: a narrowing Cast (double -> f32) stays in front of the fused node
     "narrowing_input_cast_stays": Case(ChainSpec(y_dtype=DOUBLE, cast_y=True), "A", kept_ops=("Cast",)),
 }
@@ -159,7 +208,8 @@ def _fused_node(model: onnx.ModelProto) -> onnx.NodeProto:
 
 def _expected(case: Case, feeds: dict[str, np.ndarray], model: onnx.ModelProto) -> np.ndarray:
     """Return the float64-evaluated op on the fused node's attributes (the accuracy yardstick)."""
-    weight = onnx.numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "weight"))
+    weight = onnx.numpy_helper.to_array(next(i for i in model.graph.initializer if i.name.startswith("weight")))
+    weight = weight.reshape(-1)  # a [G, gs] scale is W row by row
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in _fused_node(model).attribute}
     y = feeds["y"].astype(np.float32) if feeds["y"].dtype == np.float64 else feeds["y"]
     result = gated_group_rms_norm(
@@ -170,6 +220,7 @@ def _expected(case: Case, feeds: dict[str, np.ndarray], model: onnx.ModelProto) 
         group_size=attrs["group_size"],
         norm_dtype=onnx_type_to_dtype(attrs["norm_dtype"]),
         output_dtype=onnx_type_to_dtype(attrs["output_dtype"]),
+        gated_dtype=onnx_type_to_dtype(attrs["gated_dtype"]) if "gated_dtype" in attrs else None,
         compute_dtype=np.float64,
     )
     if case.spec.trailing_cast is not None and case.kept_ops:
@@ -251,6 +302,7 @@ def test_infers_attributes(fused_case) -> None:
     assert attrs["group_size"] == case.spec.group_size
     assert attrs["norm_dtype"] == case.norm_dtype
     assert attrs["output_dtype"] == case.output_dtype
+    assert attrs.get("gated_dtype", FLOAT) == case.gated_dtype
     # Inputs are the tensors before any widening Cast: the kernel widens them exactly. A narrowing
     # Cast (double -> f32) stays, and its output is the input.
     if case.spec.y_dtype == DOUBLE:
@@ -515,3 +567,44 @@ def test_y_width_written_as_an_expression_of_seq_fuses() -> None:
     got = contrib_ops.session(fused, use_library=True).run(None, feeds)[0]
     want = contrib_ops.session(model, use_library=False).run(None, feeds)[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+# --- diagnostics: counts count chains, reasons are true -------------------------------------------------
+
+
+def _insert_identity_after(model: onnx.ModelProto, op_type: str) -> onnx.ModelProto:
+    """Put an Identity after every ``op_type`` node: a spelling no rule knows, the chain otherwise intact."""
+    for index in reversed(range(len(model.graph.node))):
+        node = model.graph.node[index]
+        if node.op_type != op_type:
+            continue
+        original = node.output[0]
+        node.output[0] = f"{original}_pre_identity"
+        model.graph.node.insert(index + 1, onnx.helper.make_node("Identity", [node.output[0]], [original]))
+    return model
+
+
+def test_weight_reshape_is_not_counted_as_a_chain() -> None:
+    """mobius reshapes the weight into the norm's scale: 2 chains are 2, fused or refused."""
+    spec = ChainSpec(**MOBIUS, group_target=(-1, 4, 16), restore_from_shape=True)
+    _, report = rewrite_model(build_chain_sequence(spec, 2))
+    assert (report.fused, sum(report.chains_found.values())) == (2, 2)
+    unknown = _insert_identity_after(build_chain_sequence(spec, 2), "RMSNormalization")
+    _, report = rewrite_model(unknown)
+    assert (report.fused, sum(report.chains_found.values()), len(report.refused)) == (0, 2, 2), report.summary()
+
+
+def test_unknown_spelling_of_a_gate_first_chain_is_not_called_gate_after_norm() -> None:
+    """The reason comes from the chain itself, never from the next layer's gate."""
+    spec = ChainSpec(**MOBIUS, **mobius_half(FLOAT16), group_target=(-1, 4, 16), restore_from_shape=True)
+    model = _insert_identity_after(build_chain_sequence(spec, 2), "RMSNormalization")
+    _, report = rewrite_model(model)
+    reasons = [reason for _, reason in report.refused]
+    assert len(reasons) == 2
+    assert not any("after the norm" in reason for reason in reasons), reasons
+
+
+def test_norm_before_gate_is_still_named() -> None:
+    _, report = rewrite_model(build_chain(ChainSpec(norm_before_gate=True)))
+    assert report.fused == 0
+    assert "after the norm" in report.refused[0][1]

@@ -126,11 +126,14 @@ class _Plan:
     group_size: int
     norm_dtype: ir.DataType
     output_dtype: ir.DataType
+    gated_dtype: ir.DataType
     leftovers: list[ir.Value]
     rewire: list[tuple[ir.Node, int, ir.Value]]
     #: "y" or "z" when that input's last axis is not proven C wide (it may be 1 and broadcast in the
     #: original product): the fused node then reads it through Expand to the other input's shape.
     broadcast: str | None = None
+    #: the weight is a constant [G, gs] scale: the node reads it flattened to [C]
+    flatten_weight: bool = False
 
 
 # --- the rule ---------------------------------------------------------------------------------------
@@ -143,9 +146,22 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         inner: how the per-group RMS norm between the two Reshapes is spelled.
         weight_first: the final Mul is ``Mul(W, normed)`` (else ``Mul(normed, W)``).
         trailing_cast: match (and absorb into ``output_dtype``) a Cast after the weight Mul.
+        grouped: the norm works on ``Reshape(h, [..., G, gs])`` and is reshaped back; else it normalizes
+            h over its last axis directly (one group, group_size = C).
+        weight_as_scale: the weight is the RMSNormalization's scale (mobius builds: ``W[C]``, or
+            ``Reshape(W, [G, gs])`` when grouped) and nothing multiplies after the norm.
     """
 
-    def __init__(self, name: str, *, inner: InnerNorm, weight_first: bool, trailing_cast: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        inner: InnerNorm,
+        weight_first: bool = True,
+        trailing_cast: bool = False,
+        grouped: bool = True,
+        weight_as_scale: bool = False,
+    ) -> None:
         # The matcher's own removability test would refuse any chain whose product also feeds a
         # Shape node (every dynamic-shape export does that), and without a reason. check does the
         # test instead, and the dead chain is removed by cleanup.
@@ -153,6 +169,8 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         self._inner = inner
         self._weight_first = weight_first
         self._trailing_cast = trailing_cast
+        self._grouped = grouped
+        self._weight_as_scale = weight_as_scale
         self._plan: _Plan | None = None
         self._leftovers: list[ir.Value] = []
 
@@ -174,6 +192,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         alpha,
         norm_to,
         out_to,
+        gated_to,
     ):
         silu = pattern.OrValue(
             [
@@ -186,7 +205,13 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             tag_values=("sigmoid", "sigmoid", "quick_gelu"),
         )
         gated = pattern.OrValue([op.Mul(y, silu), op.Mul(silu, y)], name="gated")
-        groups = op.Reshape(gated, shape_in, _outputs=["groups"])
+        # The third rounding point: mobius rounds h to the model's half type before the norm (a Cast to
+        # float32 there is TorchScript's no-op).
+        rounded = pattern.OrValue([op.Cast(gated, to=gated_to), gated], name="rounded")
+        groups = op.Reshape(rounded, shape_in, _outputs=["groups"]) if self._grouped else rounded
+        if self._weight_as_scale:
+            normed_groups = op.RMSNormalization(groups, weight, _outputs=["inner"])
+            return op.Reshape(normed_groups, shape_out, _outputs=["flat"]) if self._grouped else normed_groups
         if self._inner == "decomposed":
             normed_groups = self._decomposed_norm(op, groups, epsilon, exponent, numerator, rsqrt_exponent)
         elif self._inner == "simplified_layer_norm":
@@ -199,7 +224,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             )
         else:
             normed_groups = op.RMSNormalization(groups, scale, _outputs=["inner"])
-        flat = op.Reshape(normed_groups, shape_out, _outputs=["flat"])
+        flat = op.Reshape(normed_groups, shape_out, _outputs=["flat"]) if self._grouped else normed_groups
         normed = pattern.OrValue([op.Cast(flat, to=norm_to), flat], name="normed")
         if self._weight_first:
             weighted = op.Mul(weight, normed, _outputs=["weighted"])
@@ -228,6 +253,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         )
         return pattern.OrValue(
             [op.Mul(groups, inv_rms), op.Mul(inv_rms, groups), op.Div(groups, rms)],
+            name="normalized",
             tag_var="normalize_form",
             tag_values=("mul", "mul", "div"),
         )
@@ -237,8 +263,8 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
     def check(self, context, **bindings: Any) -> pattern.MatchResult:
         """Return success when the matched chain computes exactly GatedGroupRMSNorm, else why not."""
         result = pattern.MatchResult()
-        anchor = bindings["groups"].producer()
-        form = classify(bindings, self._inner)
+        anchor = self._anchor(bindings)
+        form = classify(bindings, self._inner, weight_as_scale=self._weight_as_scale)
         try:
             self._plan = self._make_plan(context, anchor, form, bindings)
         except _Refusal as refusal:
@@ -247,6 +273,14 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
                 log.record(anchor, form, reason=refusal.reason)
             return result.fail(refusal.reason, refusal.culprit)
         return result
+
+    def _anchor(self, b: dict[str, Any]) -> ir.Node:
+        """Return the node a chain is known by: its first Reshape, or the norm's first node if ungrouped."""
+        if self._grouped:
+            return b["groups"].producer()
+        if self._inner == "decomposed":
+            return b["mean_square"].producer().inputs[0].producer()  # the square
+        return b["inner"].producer()
 
     def _make_plan(self, context, anchor: ir.Node, form: str, b: dict[str, Any]) -> _Plan:
         chain_nodes = set(context.nodes)
@@ -265,7 +299,11 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         y_input, y_shape_readers = _bypass_widening_cast(y, chain_nodes)
         z_input, z_shape_readers = _bypass_widening_cast(z, chain_nodes)
 
-        channels = _weight_channels(weight)
+        flatten_weight = False
+        if self._weight_as_scale:
+            weight, channels, flatten_weight = _scale_as_weight(weight, self._grouped)
+        else:
+            channels = _weight_channels(weight)
         y_dims = _proven_dims(y) or _proven_dims(y_input)
         z_dims = _proven_dims(z) or _proven_dims(z_input)
         if y_dims is None or z_dims is None:
@@ -280,21 +318,91 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         if not dims_equal(y_dims[-1], channels):
             raise _Refusal(f"the last axis of y {format_dims(y_dims)} is not the weight's length C = {channels}", y)
         # The chain's tensors all have y's dims (y and z are equal, the product is elementwise).
-        aliases = dict.fromkeys((y, z, y_input, z_input, b["silu"], b["gated"]), y_dims)
+        rounded: ir.Value = b["rounded"]
+        aliases = dict.fromkeys((y, z, y_input, z_input, b["silu"], b["gated"], rounded), y_dims)
 
-        group_dims = _target_dims(anchor, b["shape_in"], y_dims, aliases)
-        group_size = _group_size(group_dims, y_dims, channels, anchor)
-        group_rank = len(group_dims) if group_dims is not None else None
+        gated_dtype = ir.DataType.FLOAT
+        if rounded is not b["gated"]:  # a Cast of the product before the norm: rounding point 0
+            gated_dtype = ir.DataType(b["gated_to"].as_int())
+            if gated_dtype not in SUPPORTED_DTYPES:
+                raise _Refusal(f"the gated product is cast to {_dtype_name(gated_dtype)} before the norm", rounded)
+            if gated_dtype != ir.DataType.FLOAT and not self._weight_as_scale:
+                raise _Refusal(
+                    f"the gated product is rounded to {_dtype_name(gated_dtype)} and then normalized in that "
+                    "type, not in float32",
+                    rounded,
+                )
+
+        if self._grouped:
+            group_dims = _target_dims(anchor, b["shape_in"], y_dims, aliases)
+            group_size = _group_size(group_dims, y_dims, channels, anchor)
+            group_rank = len(group_dims) if group_dims is not None else None
+        else:
+            group_dims, group_size, group_rank = y_dims, channels, len(y_dims)
 
         if self._inner == "decomposed":
             epsilon = _check_decomposed(b, group_rank)
         else:
-            epsilon = _check_inner_norm(b["inner"].producer(), group_rank, group_size, channels)
+            epsilon = _check_inner_norm(
+                b["inner"].producer(), group_rank, group_size, channels, weight_as_scale=self._weight_as_scale
+            )
 
-        flat: ir.Value = b["flat"]
-        restored = _target_dims(flat.producer(), b["shape_out"], group_dims, aliases)
-        _check_restores(restored, y_dims, flat.producer())
+        flat: ir.Value = b["flat"] if self._grouped else b["normalized" if self._inner == "decomposed" else "inner"]
+        if self._grouped:
+            restored = _target_dims(flat.producer(), b["shape_out"], group_dims, aliases)
+            _check_restores(restored, y_dims, flat.producer())
 
+        if self._weight_as_scale:
+            # RMSNormalization's output has the scale's type; ONNX Runtime's kernel multiplies the scale in
+            # float32 and rounds once (not the ONNX function body, which rounds before the scale).
+            norm_dtype = ir.DataType.FLOAT
+            weight_input, w_shape_readers = weight, []
+            if weight_input.dtype not in SUPPORTED_DTYPES:
+                raise _Refusal(f"the norm's scale is {_dtype_name(weight_input.dtype)}", weight_input)
+            output_dtype = ir.DataType(weight_input.dtype)
+        else:
+            norm_dtype, output_dtype, weight_input, w_shape_readers = self._weight_dtypes(
+                b, flat, weight, chain_nodes, y_input, z_input
+            )
+        shape_readers = _outside_readers(context, anchor, flat.producer() if self._grouped else None)
+        # Shape(x) of a bypassed Cast's output is Shape of its input: reroute so the Cast can go.
+        rewire = [(node, index, y_input) for node, index in shape_readers + y_shape_readers]
+        rewire += [(node, index, z_input) for node, index in z_shape_readers]
+        rewire += [(node, index, weight_input) for node, index in w_shape_readers]
+        leftovers = [
+            *context.output_values,
+            y,
+            z,
+            b["weight"],
+            b.get("shape_in"),
+            b.get("shape_out"),
+            b.get("epsilon"),
+            b.get("exponent"),
+            b.get("numerator"),
+            b.get("rsqrt_exponent"),
+            b.get("scale"),
+        ]
+        return _Plan(
+            anchor=anchor,
+            form=form,
+            y=y_input,
+            z=z_input,
+            weight=weight_input,
+            epsilon=epsilon,
+            group_size=group_size,
+            norm_dtype=norm_dtype,
+            output_dtype=output_dtype,
+            gated_dtype=gated_dtype,
+            leftovers=[v for v in leftovers if v is not None],
+            rewire=rewire,
+            broadcast=broadcast,
+            flatten_weight=flatten_weight,
+        )
+
+    def _weight_dtypes(
+        self, b: dict[str, Any], flat: ir.Value, weight: ir.Value, chain_nodes: set[ir.Node], y_input, z_input
+    ) -> tuple[ir.DataType, ir.DataType, ir.Value, list[tuple[ir.Node, int]]]:
+        """Return norm_dtype, output_dtype, the weight the node reads and Shape readers of a bypassed Cast."""
         normed: ir.Value = b["normed"]
         norm_dtype = ir.DataType.FLOAT
         if normed is not flat:  # a Cast after the second Reshape: the first rounding point
@@ -336,38 +444,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
                     f"{_dtype_name(output_dtype)} stays in the graph",
                     b["weighted"],
                 )
-        shape_readers = _outside_readers(context, anchor, flat.producer())
-        # Shape(x) of a bypassed Cast's output is Shape of its input: reroute so the Cast can go.
-        rewire = [(node, index, y_input) for node, index in shape_readers + y_shape_readers]
-        rewire += [(node, index, z_input) for node, index in z_shape_readers]
-        rewire += [(node, index, weight_input) for node, index in w_shape_readers]
-        leftovers = [
-            *context.output_values,
-            y,
-            z,
-            weight,
-            b["shape_in"],
-            b["shape_out"],
-            b.get("epsilon"),
-            b.get("exponent"),
-            b.get("numerator"),
-            b.get("rsqrt_exponent"),
-            b.get("scale"),
-        ]
-        return _Plan(
-            anchor=anchor,
-            form=form,
-            y=y_input,
-            z=z_input,
-            weight=weight_input,
-            epsilon=epsilon,
-            group_size=group_size,
-            norm_dtype=norm_dtype,
-            output_dtype=output_dtype,
-            leftovers=[v for v in leftovers if v is not None],
-            rewire=rewire,
-            broadcast=broadcast,
-        )
+        return norm_dtype, output_dtype, weight_input, w_shape_readers
 
     # rewrite ----------------------------------------------------------------------------------------
 
@@ -386,16 +463,22 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             y = op.Expand(y, op.Shape(z))
         elif plan.broadcast == "z":
             z = op.Expand(z, op.Shape(y))
+        weight = plan.weight
+        if plan.flatten_weight:  # a constant [G, gs] scale: the same data as W[C], row by row
+            data = plan.weight.const_value.numpy().reshape(-1)
+            weight = op.initializer(ir.tensor(data, name=f"{plan.weight.name}_flat"), name=f"{plan.weight.name}_flat")
+        extra = {"gated_dtype": int(plan.gated_dtype)} if plan.gated_dtype != ir.DataType.FLOAT else {}
         return op.GatedGroupRMSNorm(
             y,
             z,
-            plan.weight,
+            weight,
             _domain=DOMAIN,
             _version=1,
             epsilon=plan.epsilon,
             group_size=plan.group_size,
             norm_dtype=int(plan.norm_dtype),
             output_dtype=int(plan.output_dtype),
+            **extra,
         )
 
     def setup(self) -> None:
@@ -415,6 +498,7 @@ def attributes_of(plan: _Plan) -> dict[str, Any]:
         "group_size": plan.group_size,
         "norm_dtype": _dtype_name(plan.norm_dtype),
         "output_dtype": _dtype_name(plan.output_dtype),
+        "gated_dtype": _dtype_name(plan.gated_dtype),
     }
 
 
@@ -486,7 +570,7 @@ def _bypass_widening_cast(value: ir.Value, chain_nodes: set[ir.Node]) -> tuple[i
     return source, shape_readers
 
 
-def _outside_readers(context, anchor: ir.Node, restore: ir.Node) -> list[tuple[ir.Node, int]]:
+def _outside_readers(context, anchor: ir.Node, restore: ir.Node | None) -> list[tuple[ir.Node, int]]:
     """Return the Shape nodes outside the chain that read a chain tensor of y's shape.
 
     Those read only the shape, which the fused node's Y input has too, so they are rerouted to it.
@@ -522,6 +606,33 @@ def _outside_readers(context, anchor: ir.Node, restore: ir.Node) -> list[tuple[i
                     user,
                 )
     return readers
+
+
+def _scale_as_weight(scale: ir.Value, grouped: bool) -> tuple[ir.Value, int, bool]:
+    """Return (the weight W[C] behind a norm's scale, C, whether W is the [G, gs] scale to flatten).
+
+    Ungrouped, the scale is W[C] itself. Grouped, it is ``Reshape(W[C], [G, gs])`` (a constant target)
+    or a constant [G, gs]: either way row g of the scale weights group g, as W[g*gs:(g+1)*gs] does.
+    """
+    if not grouped:
+        return scale, _weight_channels(scale), False
+    producer = scale.producer()
+    if producer is not None and producer.op_type == "Reshape" and producer.domain in _ONNX_DOMAINS:
+        target = constant_array(producer.inputs[1]) if len(producer.inputs) > 1 else None
+        source = producer.inputs[0]
+        if target is not None and source is not None and source.shape is not None and source.shape.rank() == 1:
+            dims = [int(d) for d in target.reshape(-1)]
+            channels = _weight_channels(source)
+            if len(dims) == 2 and all(d > 0 for d in dims) and dims[0] * dims[1] == channels:
+                return source, channels, False
+    shape = scale.shape
+    if scale.const_value is not None and shape is not None and shape.rank() == 2 and shape.is_static():
+        return scale, int(shape[0]) * int(shape[1]), True
+    raise _Refusal(
+        f"the norm's scale has shape {_shape_text(shape)}: not the weight reshaped to [G, gs] "
+        "(Reshape(W[C], [G, gs]) or a constant [G, gs])",
+        scale,
+    )
 
 
 def _weight_channels(weight: ir.Value) -> int:
@@ -645,13 +756,23 @@ def _check_decomposed(b: dict[str, Any], group_rank: int | None) -> float:
     return epsilon
 
 
-def _check_inner_norm(node: ir.Node, group_rank: int | None, group_size: int, channels: int) -> float:
-    """Check a SimplifiedLayerNormalization / RMSNormalization inner norm; return its epsilon."""
+def _check_inner_norm(
+    node: ir.Node, group_rank: int | None, group_size: int, channels: int, *, weight_as_scale: bool = False
+) -> float:
+    """Check a SimplifiedLayerNormalization / RMSNormalization inner norm; return its epsilon.
+
+    Its scale must be all ones (the weight comes after the norm), unless ``weight_as_scale`` (the caller
+    has checked that the scale is the weight).
+    """
     axis = node.attributes.get_int("axis", -1)
     if not _is_last_axis(axis, group_rank):
         raise _Refusal(f"{node.op_type} normalizes from axis {axis}, not over the last axis only", node)
     if node.attributes.get_int("stash_type", 1) != ir.DataType.FLOAT:
         raise _Refusal(f"{node.op_type} does not compute in float32 (stash_type)", node)
+    epsilon_attr = node.attributes.get("epsilon")
+    epsilon = float(epsilon_attr.as_float()) if epsilon_attr is not None else _DEFAULT_NORM_EPSILON
+    if weight_as_scale:
+        return epsilon
     scale_value = node.inputs[1]
     scale = constant_array(scale_value)
     if scale is None:
@@ -664,8 +785,7 @@ def _check_inner_norm(node: ir.Node, group_rank: int | None, group_size: int, ch
             f"{list(scale.shape)}); the weight must come after the second Reshape",
             scale_value,
         )
-    epsilon_attr = node.attributes.get("epsilon")
-    return float(epsilon_attr.as_float()) if epsilon_attr is not None else _DEFAULT_NORM_EPSILON
+    return epsilon
 
 
 def _check_restores(restored: list[Dim] | None, y_dims: list[Dim], reshape: ir.Node) -> None:
@@ -697,12 +817,14 @@ def _cast_source_dtype(value: ir.Value | None) -> ir.DataType | None:
     return producer.inputs[0].dtype
 
 
-def classify(b: dict[str, Any], inner: InnerNorm) -> str:
-    """Return the DESIGN.md §2 form letter of a matched chain.
+def classify(b: dict[str, Any], inner: InnerNorm, *, weight_as_scale: bool = False) -> str:
+    """Return the form letter of a matched chain (the catalog in docs/forms.md).
 
     Forms overlap (G is "any form after ORT's optimizer"), so the most specific marker wins, in the
-    order G, F, H, E, D, C, B, A.
+    order I, G, F, H, E, D, C, B, A. I is mobius's: the weight is the RMSNormalization's scale.
     """
+    if weight_as_scale:
+        return "I"
     if b.get("silu_form") == "quick_gelu" or b.get("normalize_form") == "div":
         return "G"
     if inner == "simplified_layer_norm":
@@ -730,21 +852,36 @@ def classify(b: dict[str, Any], inner: InnerNorm) -> str:
 
 
 def _rules(trailing_cast: bool) -> list[pattern.RewriteRule]:
-    return [
+    rules = [
         GatedGroupRMSNormFusion.rule(
             f"GatedGroupRMSNorm[{inner}{', W first' if weight_first else ''}"
-            f"{', trailing Cast' if trailing_cast else ''}]",
+            f"{', trailing Cast' if trailing_cast else ''}{'' if grouped else ', ungrouped'}]",
             inner=inner,
             weight_first=weight_first,
             trailing_cast=trailing_cast,
+            grouped=grouped,
         )
+        for grouped in (True, False)
         for inner in INNER_NORMS
         for weight_first in (True, False)
     ]
+    return rules
 
 
-def _rule_set(trailing_cast: bool) -> pattern.RewriteRuleSet:
-    rule_set = pattern.RewriteRuleSet(_rules(trailing_cast))
+def _scale_rules() -> list[pattern.RewriteRule]:
+    return [
+        GatedGroupRMSNormFusion.rule(
+            f"GatedGroupRMSNorm[weight as RMSNormalization scale{'' if grouped else ', ungrouped'}]",
+            inner="rms_normalization",
+            grouped=grouped,
+            weight_as_scale=True,
+        )
+        for grouped in (True, False)
+    ]
+
+
+def _rule_set(rules: list[pattern.RewriteRule]) -> pattern.RewriteRuleSet:
+    rule_set = pattern.RewriteRuleSet(rules)
     # Rules that keep their matched nodes make the set run a model-wide dead-code pass, which would
     # also delete dead code that has nothing to do with the chains. Our cleanup removes exactly the
     # fused chains' leftovers instead.
@@ -753,11 +890,14 @@ def _rule_set(trailing_cast: bool) -> pattern.RewriteRuleSet:
 
 
 #: Rules that absorb a trailing Cast: applied first, so a chain is not fused at its weight Mul first.
-cast_absorbing_rules = _rule_set(trailing_cast=True)
+cast_absorbing_rules = _rule_set(_rules(trailing_cast=True))
 #: Rules that end at the weight Mul.
-plain_rules = _rule_set(trailing_cast=False)
-#: Both phases, in the order they must run.
-gated_group_rms_norm_rule_sets = (cast_absorbing_rules, plain_rules)
+plain_rules = _rule_set(_rules(trailing_cast=False))
+#: Rules whose weight is the RMSNormalization's scale (mobius): last, so that a norm with an all-ones
+#: scale followed by the weight Mul (form H) is fused with its Mul, not up to the norm alone.
+scale_rules = _rule_set(_scale_rules())
+#: The phases, in the order they must run.
+gated_group_rms_norm_rule_sets = (cast_absorbing_rules, plain_rules, scale_rules)
 
 
 def fuse_gated_group_rms_norm(model: ir.Model, log: FusionLog | None = None) -> int:
@@ -777,30 +917,52 @@ def fuse_gated_group_rms_norm(model: ir.Model, log: FusionLog | None = None) -> 
 
 
 def find_chain_anchors(graph: ir.Graph) -> list[ir.Node]:
-    """Return the Reshapes that feed a per-group RMS norm: one per (fused or not) chain left in graph.
+    """Return the anchor of every gated-norm chain left in ``graph``: one per (unfused) chain.
 
-    A chain's anchor is the Reshape whose output is squared and mean-reduced, or normalized by
-    SimplifiedLayerNormalization / RMSNormalization. Nodes inside subgraphs are included.
+    Grouped chains: the Reshape whose output is squared and mean-reduced, or is the normalized input of
+    SimplifiedLayerNormalization / RMSNormalization (not their scale: mobius reshapes the weight too).
+    Ungrouped chains: the norm's first node (the square, or the norm op) when it reads y * silu(gate)
+    (through a Cast) directly. Nodes inside subgraphs are included.
     """
     anchors = []
     for node in ir.traversal.RecursiveGraphIterator(graph):
-        if node.op_type != "Reshape" or not node.outputs:
+        if not node.outputs:
             continue
-        for user, _ in node.outputs[0].uses():
-            if user.op_type in ("SimplifiedLayerNormalization", "RMSNormalization"):
+        if node.op_type in ("SimplifiedLayerNormalization", "RMSNormalization"):
+            if node.inputs and _is_gated_product(node.inputs[0]):
+                anchors.append(node)
+            continue
+        if node.op_type in ("Pow", "Mul") and node.inputs and _is_gated_product(node.inputs[0]):
+            if _feeds_mean(node) and (node.op_type == "Pow" or node.inputs[0] is node.inputs[-1]):
+                anchors.append(node)
+            continue
+        if node.op_type != "Reshape":
+            continue
+        for user, index in node.outputs[0].uses():
+            if user.op_type in ("SimplifiedLayerNormalization", "RMSNormalization") and index == 0:
                 anchors.append(node)
                 break
-            if user.op_type in ("Pow", "Mul") and any(
-                consumer.op_type == "ReduceMean" for consumer, _ in user.outputs[0].uses()
-            ):
+            if user.op_type in ("Pow", "Mul") and _feeds_mean(user):
                 anchors.append(node)
                 break
     return anchors
 
 
+def _feeds_mean(node: ir.Node) -> bool:
+    return any(consumer.op_type == "ReduceMean" for consumer, _ in node.outputs[0].uses())
+
+
+def _is_gated_product(value: ir.Value | None) -> bool:
+    """Return whether ``value`` is y * silu(gate), possibly through Casts."""
+    producer = value.producer() if value is not None else None
+    while producer is not None and producer.op_type == "Cast" and producer.inputs[0] is not None:
+        producer = producer.inputs[0].producer()
+    return producer is not None and producer.op_type == "Mul" and any(map(_is_silu, producer.inputs))
+
+
 def coarse_form(anchor: ir.Node) -> str:
     """Return a best-effort form letter for a chain that no rule matched."""
-    users = {user.op_type for user, _ in anchor.outputs[0].uses()}
+    users = {user.op_type for user, _ in anchor.outputs[0].uses()} | {anchor.op_type}
     if "SimplifiedLayerNormalization" in users:
         return "F"
     if "RMSNormalization" in users:
@@ -808,18 +970,24 @@ def coarse_form(anchor: ir.Node) -> str:
     return "?"
 
 
-def _downstream(node: ir.Node, depth: int) -> Iterator[ir.Node]:
-    frontier, seen = [node], {node}
-    for _ in range(depth):
-        next_frontier = []
-        for current in frontier:
-            for output in current.outputs:
-                for user, _ in output.uses():
-                    if user not in seen:
-                        seen.add(user)
-                        next_frontier.append(user)
-                        yield user
-        frontier = next_frontier
+def _chain_region(anchor: ir.Node) -> Iterator[ir.Node]:
+    """Yield the nodes after ``anchor`` that can still belong to its chain.
+
+    The norm (up to 10 nodes), its restoring Reshape, and at most 3 nodes after that (Cast, the weight
+    Mul, and a gate Mul when the gate comes after the norm): never the next layer.
+    """
+    frontier, seen = [(anchor, 10)], {anchor}
+    while frontier:
+        current, budget = frontier.pop(0)
+        for output in current.outputs:
+            for user, _ in output.uses():
+                if user in seen:
+                    continue
+                seen.add(user)
+                yield user
+                left = min(3, budget - 1) if user.op_type == "Reshape" else budget - 1
+                if left > 0:
+                    frontier.append((user, left))
 
 
 def _is_silu(value: ir.Value | None) -> bool:
@@ -842,11 +1010,9 @@ def explain_unfused(model: ir.Model, anchor: ir.Node) -> str:
     Two cases: the gate is applied after the norm (a different op); otherwise the matcher's reason at
     the deepest partial match that contains the anchor.
     """
-    grouped = anchor.inputs[0]
-    producer = grouped.producer() if grouped is not None else None
-    gated_first = producer is not None and producer.op_type == "Mul" and any(map(_is_silu, producer.inputs))
+    gated_first = _is_gated_product(anchor.inputs[0] if anchor.inputs else None)
     if not gated_first:
-        for node in _downstream(anchor, depth=12):
+        for node in _chain_region(anchor):
             if node.op_type == "Mul" and any(map(_is_silu, node.inputs)):
                 return (
                     "norm(y) * silu(z): the gate is applied after the norm (norm_before_gate), a "
@@ -857,7 +1023,7 @@ def explain_unfused(model: ir.Model, anchor: ir.Node) -> str:
     best: tuple[int, str] = (-1, "does not match any chain form")
     token = _ACTIVE_LOG.set(None)
     try:
-        for root in _downstream(anchor, depth=12):
+        for root in _chain_region(anchor):
             for rule_set in gated_group_rms_norm_rule_sets:
                 for rule in rule_set:
                     match = rule.match(model, graph, root, check_nodes_are_removable=False)
