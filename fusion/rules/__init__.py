@@ -45,9 +45,10 @@ class GatedGroupRMSNormRuleSet(pattern.RewriteRuleSet):
     """The gated group-RMSNorm rules as one onnxscript ``RewriteRuleSet``.
 
     Applying it (``apply_to_model``, which ``onnxscript.rewriter.rewrite`` and ``RewritePass`` call)
-    runs the rules in their two phases, exactly as ``python -m fusion.rewrite`` does: first the rules
-    that absorb a Cast after the weight Mul into ``output_dtype``, then the rest. Iterating it gives the
-    rules themselves in that order, for concatenation with other rule lists.
+    runs the rules phase by phase (``gated_group_rms_norm_rule_sets``), exactly as ``python -m
+    fusion.rewrite`` does: first the rules that absorb a Cast after the weight Mul into ``output_dtype``,
+    then the rest. Iterating it gives the rules themselves in that order, for concatenation with other
+    rule lists.
     """
 
     def __init__(self) -> None:
