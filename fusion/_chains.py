@@ -78,6 +78,9 @@ class ChainSpec:
     # (a constant [G, gs] when scale_reshaped is False), W[C] when not; no weight Mul after the norm
     weight_as_scale: bool = False
     scale_reshaped: bool = True
+    # Falcon-H1: the weight multiplies inside the grouped view, before the 2nd Reshape, as a [G, gs]
+    # constant ("G_gs"), Reshape(W[C], [G, gs]) ("reshape"), and with a Cast(W -> f32) after or before it
+    weight_in_group: Literal["G_gs", "reshape", "reshape_cast", "cast_reshape"] | None = None
     # norm dtype / weight / output
     norm_cast: int | None = None  # Cast after the 2nd Reshape (form C: FLOAT16)
     weight_dtype: int = FLOAT
@@ -235,6 +238,18 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
             pair = [inv_rms, grouped] if spec.normed_rsqrt_first else [grouped, inv_rms]
             normed_groups = node("Mul", pair)
 
+    if spec.weight_in_group is not None:
+        grid = ints("weight_grid", [groups, group_size]) if spec.weight_in_group != "G_gs" else ""
+        if spec.weight_in_group == "G_gs":
+            weight_groups = const("weight", weight_data.reshape(groups, group_size))
+        elif spec.weight_in_group == "reshape":
+            weight_groups = node("Reshape", [const("weight", weight_data), grid])
+        elif spec.weight_in_group == "reshape_cast":
+            weight_groups = node("Cast", [node("Reshape", [const("weight", weight_data), grid])], to=FLOAT)
+        else:
+            weight_groups = node("Reshape", [node("Cast", [const("weight", weight_data)], to=FLOAT), grid])
+        pair = [weight_groups, normed_groups] if spec.weight_first else [normed_groups, weight_groups]
+        normed_groups = node("Mul", pair)
     if not spec.grouped:
         flat = normed_groups
     elif spec.restore_shape is not None:
@@ -245,7 +260,7 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
         flat = node("Reshape", [normed_groups, target_shape([channels], "out")])
     normed = node("Cast", [flat], to=spec.norm_cast) if spec.norm_cast is not None else flat
 
-    if spec.weight_as_scale:
+    if spec.weight_as_scale or spec.weight_in_group is not None:
         out = normed
     else:
         weight = const("weight", weight_data)

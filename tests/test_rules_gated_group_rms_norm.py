@@ -67,6 +67,10 @@ class Case:
 
 F16_DECODE = half_decode(FLOAT16)
 MOBIUS = dict(weight_as_scale=True, opset=23)
+#: Falcon-H1 in half precision: y and gate cast up, W cast up, one Cast to half at the end.
+FALCON_HALF = dict(
+    y_dtype=FLOAT16, z_dtype=FLOAT16, cast_y=True, cast_z=True, weight_dtype=FLOAT16, trailing_cast=FLOAT16
+)
 
 
 def mobius_half(dtype: int) -> dict[str, int | bool]:
@@ -182,6 +186,26 @@ CASES: dict[str, Case] = {
         "I",
         output_dtype=FLOAT16,
         gated_dtype=FLOAT16,
+    ),
+    # J: Falcon-H1, the weight multiplies the groups (as [G, gs]) before the second Reshape, in float32
+    "J_f32_constant_G_gs": Case(ChainSpec(weight_in_group="G_gs"), "J"),
+    "J_f32_reshaped_weight": Case(ChainSpec(weight_in_group="reshape", shape_as="dynamic", leading=("b", "s")), "J"),
+    "J_f16_reshape_then_cast": Case(
+        ChainSpec(weight_in_group="reshape_cast", **FALCON_HALF), "J", output_dtype=FLOAT16
+    ),
+    "J_f16_cast_then_reshape_weight_last": Case(
+        ChainSpec(weight_in_group="cast_reshape", weight_first=False, **FALCON_HALF), "J", output_dtype=FLOAT16
+    ),
+    "J_torchscript_no_op_cast": Case(
+        ChainSpec(
+            weight_in_group="reshape",
+            opset=17,
+            axes_as="attribute",
+            rsqrt="div_one",
+            shape_as="torchscript",
+            gated_cast=FLOAT,
+        ),
+        "J",
     ),
     # ungrouped spellings of the other forms (n_groups = 1 without a Reshape): group_size = C
     "A_ungrouped": Case(ChainSpec(grouped=False, group_size=64), "A"),

@@ -150,6 +150,8 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             h over its last axis directly (one group, group_size = C).
         weight_as_scale: the weight is the RMSNormalization's scale (mobius builds: ``W[C]``, or
             ``Reshape(W, [G, gs])`` when grouped) and nothing multiplies after the norm.
+        weight_in_group: the weight multiplies the normalized groups before the second Reshape, as
+            ``[G, gs]`` (Falcon-H1: ``weight.view(G, gs) * normed``, in float32).
     """
 
     def __init__(
@@ -161,6 +163,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         trailing_cast: bool = False,
         grouped: bool = True,
         weight_as_scale: bool = False,
+        weight_in_group: bool = False,
     ) -> None:
         # The matcher's own removability test would refuse any chain whose product also feeds a
         # Shape node (every dynamic-shape export does that), and without a reason. check does the
@@ -171,6 +174,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         self._trailing_cast = trailing_cast
         self._grouped = grouped
         self._weight_as_scale = weight_as_scale
+        self._weight_in_group = weight_in_group
         self._plan: _Plan | None = None
         self._leftovers: list[ir.Value] = []
 
@@ -224,6 +228,10 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             )
         else:
             normed_groups = op.RMSNormalization(groups, scale, _outputs=["inner"])
+        if self._weight_in_group:
+            pair = (weight, normed_groups) if self._weight_first else (normed_groups, weight)
+            weighted = op.Reshape(op.Mul(*pair, _outputs=["weighted"]), shape_out, _outputs=["flat"])
+            return op.Cast(weighted, to=out_to) if self._trailing_cast else weighted
         flat = op.Reshape(normed_groups, shape_out, _outputs=["flat"]) if self._grouped else normed_groups
         normed = pattern.OrValue([op.Cast(flat, to=norm_to), flat], name="normed")
         if self._weight_first:
@@ -264,7 +272,9 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         """Return success when the matched chain computes exactly GatedGroupRMSNorm, else why not."""
         result = pattern.MatchResult()
         anchor = self._anchor(bindings)
-        form = classify(bindings, self._inner, weight_as_scale=self._weight_as_scale)
+        form = classify(
+            bindings, self._inner, weight_as_scale=self._weight_as_scale, weight_in_group=self._weight_in_group
+        )
         try:
             self._plan = self._make_plan(context, anchor, form, bindings)
         except _Refusal as refusal:
@@ -302,6 +312,10 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         flatten_weight = False
         if self._weight_as_scale:
             weight, channels, flatten_weight = _scale_as_weight(weight, self._grouped)
+        elif self._weight_in_group:
+            if weight.dtype != ir.DataType.FLOAT:
+                raise _Refusal(f"the weight multiplies the groups in {_dtype_name(weight.dtype)}, not float32", weight)
+            weight, channels, flatten_weight = _group_weight(weight)
         else:
             channels = _weight_channels(weight)
         y_dims = _proven_dims(y) or _proven_dims(y_input)
@@ -352,7 +366,12 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             restored = _target_dims(flat.producer(), b["shape_out"], group_dims, aliases)
             _check_restores(restored, y_dims, flat.producer())
 
-        if self._weight_as_scale:
+        if self._weight_in_group:
+            # The weight Mul runs in float32 on the unrounded norm: no rounding before it (norm_dtype
+            # float); a trailing Cast is then the single rounding of the product.
+            norm_dtype, weight_input, w_shape_readers = ir.DataType.FLOAT, weight, []
+            output_dtype = self._trailing_output_dtype(b, y_input, z_input, weight_input)
+        elif self._weight_as_scale:
             # RMSNormalization's output has the scale's type; ONNX Runtime's kernel multiplies the scale in
             # float32 and rounds once (not the ONNX function body, which rounds before the scale).
             norm_dtype = ir.DataType.FLOAT
@@ -421,30 +440,37 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         if weight_input.dtype not in SUPPORTED_DTYPES:
             raise _Refusal(f"the weight is {_dtype_name(weight_input.dtype)}", weight_input)
 
-        output_dtype = norm_dtype
-        if self._trailing_cast:
-            if norm_dtype != ir.DataType.FLOAT:
-                raise _Refusal(
-                    f"the weight Mul already rounds to {_dtype_name(norm_dtype)}; the Cast after it "
-                    "would be a second rounding the op does not have, so it stays in the graph",
-                    b["weighted"],
-                )
-            output_dtype = ir.DataType(b["out_to"].as_int())
-            if output_dtype not in SUPPORTED_DTYPES:
-                raise _Refusal(
-                    f"the trailing Cast is to {_dtype_name(output_dtype)}, not an output type of the op",
-                    b["weighted"],
-                )
-            all_float = all(v.dtype == ir.DataType.FLOAT for v in (y_input, z_input, weight_input))
-            if all_float and output_dtype != ir.DataType.FLOAT:
-                # The op's output is float32 whenever Y, Z and W all are (that is how ONNX Runtime's CPU
-                # fp16 fallback retypes a node it widened); the half-precision Cast stays after it.
-                raise _Refusal(
-                    "Y, Z and W are float32, so the fused output is float32: the trailing Cast to "
-                    f"{_dtype_name(output_dtype)} stays in the graph",
-                    b["weighted"],
-                )
+        if self._trailing_cast and norm_dtype != ir.DataType.FLOAT:
+            raise _Refusal(
+                f"the weight Mul already rounds to {_dtype_name(norm_dtype)}; the Cast after it "
+                "would be a second rounding the op does not have, so it stays in the graph",
+                b["weighted"],
+            )
+        output_dtype = (
+            self._trailing_output_dtype(b, y_input, z_input, weight_input) if self._trailing_cast else norm_dtype
+        )
         return norm_dtype, output_dtype, weight_input, w_shape_readers
+
+    def _trailing_output_dtype(self, b: dict[str, Any], y_input, z_input, weight_input) -> ir.DataType:
+        """Return the output type: float32, or the trailing Cast's type (after a float32 weight Mul)."""
+        if not self._trailing_cast:
+            return ir.DataType.FLOAT
+        output_dtype = ir.DataType(b["out_to"].as_int())
+        if output_dtype not in SUPPORTED_DTYPES:
+            raise _Refusal(
+                f"the trailing Cast is to {_dtype_name(output_dtype)}, not an output type of the op",
+                b["weighted"],
+            )
+        all_float = all(v.dtype == ir.DataType.FLOAT for v in (y_input, z_input, weight_input))
+        if all_float and output_dtype != ir.DataType.FLOAT:
+            # The op's output is float32 whenever Y, Z and W all are (that is how ONNX Runtime's CPU
+            # fp16 fallback retypes a node it widened); the half-precision Cast stays after it.
+            raise _Refusal(
+                "Y, Z and W are float32, so the fused output is float32: the trailing Cast to "
+                f"{_dtype_name(output_dtype)} stays in the graph",
+                b["weighted"],
+            )
+        return output_dtype
 
     # rewrite ----------------------------------------------------------------------------------------
 
@@ -635,6 +661,44 @@ def _scale_as_weight(scale: ir.Value, grouped: bool) -> tuple[ir.Value, int, boo
     )
 
 
+def _group_weight(weight: ir.Value) -> tuple[ir.Value, int, bool]:
+    """Return (the weight W[C] behind a [G, gs] weight, C, whether it is a constant [G, gs] to flatten).
+
+    Looks through widening Casts to float32 (the kernel widens W exactly) and one Reshape of W[C] to a
+    constant [G, gs], in either order: row g of the [G, gs] weight is W[g*gs:(g+1)*gs].
+    """
+    value, source = weight, None
+    for _ in range(4):
+        producer = value.producer()
+        if producer is None or producer.domain not in _ONNX_DOMAINS or not producer.inputs:
+            break
+        inner = producer.inputs[0]
+        if producer.op_type == "Cast" and inner is not None:
+            if inner.dtype not in SUPPORTED_DTYPES or producer.attributes.get_int("to", 0) != ir.DataType.FLOAT:
+                break
+            value = inner
+        elif producer.op_type == "Reshape" and source is None and inner is not None and len(producer.inputs) > 1:
+            target = constant_array(producer.inputs[1])
+            if target is None or inner.shape is None or inner.shape.rank() != 1:
+                break
+            dims = [int(d) for d in target.reshape(-1)]
+            if len(dims) != 2 or any(d <= 0 for d in dims) or dims[0] * dims[1] != _weight_channels(inner):
+                break
+            value = source = inner
+        else:
+            break
+    if source is not None:
+        return value, _weight_channels(value), False
+    shape = value.shape
+    if value.const_value is not None and shape is not None and shape.rank() == 2 and shape.is_static():
+        return value, int(shape[0]) * int(shape[1]), True
+    raise _Refusal(
+        f"the weight inside the groups has shape {_shape_text(weight.shape)}: not W[C] reshaped to [G, gs] "
+        "(Reshape(W[C], [G, gs]) or a constant [G, gs])",
+        weight,
+    )
+
+
 def _weight_channels(weight: ir.Value) -> int:
     shape = weight.shape
     if shape is None or shape.rank() != 1 or not isinstance(shape[0], int):
@@ -817,14 +881,19 @@ def _cast_source_dtype(value: ir.Value | None) -> ir.DataType | None:
     return producer.inputs[0].dtype
 
 
-def classify(b: dict[str, Any], inner: InnerNorm, *, weight_as_scale: bool = False) -> str:
+def classify(
+    b: dict[str, Any], inner: InnerNorm, *, weight_as_scale: bool = False, weight_in_group: bool = False
+) -> str:
     """Return the form letter of a matched chain (the catalog in docs/forms.md).
 
     Forms overlap (G is "any form after ORT's optimizer"), so the most specific marker wins, in the
-    order I, G, F, H, E, D, C, B, A. I is mobius's: the weight is the RMSNormalization's scale.
+    order I, J, G, F, H, E, D, C, B, A. I is mobius's: the weight is the RMSNormalization's scale; J is
+    Falcon-H1's: the weight multiplies the groups before the second Reshape.
     """
     if weight_as_scale:
         return "I"
+    if weight_in_group:
+        return "J"
     if b.get("silu_form") == "quick_gelu" or b.get("normalize_form") == "div":
         return "G"
     if inner == "simplified_layer_norm":
@@ -862,6 +931,18 @@ def _rules(trailing_cast: bool) -> list[pattern.RewriteRule]:
             grouped=grouped,
         )
         for grouped in (True, False)
+        for inner in INNER_NORMS
+        for weight_first in (True, False)
+    ]
+    rules += [
+        GatedGroupRMSNormFusion.rule(
+            f"GatedGroupRMSNorm[{inner}, weight in the groups{', W first' if weight_first else ''}"
+            f"{', trailing Cast' if trailing_cast else ''}]",
+            inner=inner,
+            weight_first=weight_first,
+            trailing_cast=trailing_cast,
+            weight_in_group=True,
+        )
         for inner in INNER_NORMS
         for weight_first in (True, False)
     ]
