@@ -125,14 +125,18 @@ def test_mobius_builder_then_surgeon_runs_in_olive(olive_run: Path, library: str
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mobius writes the gated norm as one ungrouped RMSNormalization(y * silu(z), W[C]) (form S3), "
-    "which the rewriter does not fuse yet (docs/forms.md); strict: fails once it does, so this mark goes",
-)
 def test_mobius_builder_chains_are_fused(olive_run: Path) -> None:
+    """mobius writes form I (the weight as RMSNormalization's scale, one group here): every chain fused."""
     fused = onnx.load(olive_run / "mobius" / "model.onnx")
-    assert len(_fused_nodes(fused)) == MAMBA2_LAYERS
+    nodes = _fused_nodes(fused)
+    assert len(nodes) == MAMBA2_LAYERS
+    attributes = [{a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} for node in nodes]
+    assert all(a["group_size"] == 64 for a in attributes)  # Mamba2ForCausalLM's norm: one group of C = 64
+    assert not any(node.op_type == "RMSNormalization" and "mixer" in node.name for node in fused.graph.node)
+    assert (
+        "MambafuseGatedGroupRMSNorm: gated group-RMSNorm chains found: 2 (I: 2)"
+        in (olive_run / "olive.log").read_text()
+    )
 
 
 def test_surgeon_is_registered_and_checks_its_arguments(olive_run: Path) -> None:
