@@ -52,13 +52,16 @@ def is_live(stream: IO[str]) -> bool:
 class Progress:
     """One status line; every method is a no-op when the stream is not live (see ``is_live``)."""
 
-    def __init__(self, label: str, total: int | None = None, *, stream: IO[str] | None = None) -> None:
+    def __init__(
+        self, label: str = "", total: int | None = None, *, stream: IO[str] | None = None, enabled: bool = True
+    ) -> None:
         self.label = label
         self.total = total
-        self.done = 0
+        self.count = 0
         self.message = ""
         self.stream = stream if stream is not None else sys.stderr
-        self.live = is_live(self.stream)
+        #: Whether anything is drawn: a live stream (see ``is_live``) and not disabled (``--quiet``).
+        self.live = enabled and is_live(self.stream)
         self._start = time.monotonic()
         self._last_draw = float("-inf")
         self._drawn = False
@@ -66,7 +69,7 @@ class Progress:
     def update(self, done: int | None = None, *, message: str | None = None, force: bool = False) -> None:
         """Set the count (``done``) and/or the message, and redraw if the last redraw is old enough."""
         if done is not None:
-            self.done = done
+            self.count = done
         if message is not None:
             self.message = message
         if not self.live:
@@ -78,7 +81,7 @@ class Progress:
 
     def advance(self, step: int = 1, *, message: str | None = None) -> None:
         """Add ``step`` to the count (and set the message)."""
-        self.update(self.done + step, message=message)
+        self.update(self.count + step, message=message)
 
     def __call__(self, done: int | None = None, total: int | None = None, message: str | None = None) -> None:
         """Callback form, for code that reports ``(done, total)`` itself."""
@@ -86,11 +89,26 @@ class Progress:
             self.total = total
         self.update(done, message=message)
 
+    # The interface of the line-per-step progress that fusion/report.py grew first, so that it can be
+    # swapped for this one: a step is drawn at once, a tick is throttled, done erases the line.
+
+    def step(self, message: str) -> None:
+        """Show ``message`` now (a new phase of the work)."""
+        self.update(message=message, force=True)
+
+    def tick(self, message: str) -> None:
+        """Show ``message`` if the last redraw is old enough (a running count)."""
+        self.update(message=message)
+
+    def done(self) -> None:
+        """Erase the line (same as ``close``)."""
+        self.close()
+
     def text(self, now: float | None = None) -> str:
         """Return the status line (without the terminal control characters)."""
         elapsed = (time.monotonic() if now is None else now) - self._start
-        count = f"{self.done}/{self.total}" if self.total is not None else (str(self.done) if self.done else "")
-        parts = [f"{self.label}:", count, self.message, f"{elapsed:.1f}s"]
+        count = f"{self.count}/{self.total}" if self.total is not None else (str(self.count) if self.count else "")
+        parts = [f"{self.label}:" if self.label else "", count, self.message, f"{elapsed:.1f}s"]
         return " ".join(part for part in parts if part)
 
     def _draw(self, now: float) -> None:

@@ -61,7 +61,7 @@ def test_callback_form_sets_total() -> None:
     terminal = FakeTerminal()
     bar = Progress("write", stream=terminal)
     bar(5, 10, "weights")
-    assert (bar.done, bar.total, bar.message) == (5, 10, "weights")
+    assert (bar.count, bar.total, bar.message) == (5, 10, "weights")
     assert "write: 5/10 weights" in terminal.getvalue()
 
 
@@ -83,4 +83,29 @@ def test_redraws_are_throttled(monkeypatch: pytest.MonkeyPatch) -> None:
         for _ in range(1000):
             bar.advance()
     assert terminal.getvalue().count("report:") == 1  # the first draw only; then erased
-    assert bar.done == 1000
+    assert bar.count == 1000
+
+
+def test_step_tick_done_interface(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step/tick/done interface (what fusion/report.py uses): steps draw at once, ticks are throttled."""
+    monkeypatch.setattr(progress_module, "REDRAW_INTERVAL", 3600.0)
+    terminal = FakeTerminal()
+    bar = Progress(stream=terminal)
+    bar.step("loading models")
+    bar.tick("timing 1/200")  # within the interval: not drawn
+    bar.step("[CPU] optimizing and profiling")
+    bar.done()
+    written = terminal.getvalue()
+    assert "loading models" in written and "[CPU] optimizing and profiling" in written
+    assert "timing 1/200" not in written
+    assert written.endswith("\r\033[K") and "\n" not in written
+    assert not bar.text().startswith(":")  # no label, no dangling colon
+
+
+def test_disabled_draws_nothing_on_a_terminal() -> None:
+    terminal = FakeTerminal()
+    bar = Progress("report", stream=terminal, enabled=False)  # --quiet
+    bar.step("loading models")
+    bar.advance()
+    bar.done()
+    assert terminal.getvalue() == "" and bar.count == 1
