@@ -244,6 +244,36 @@ def test_edge_values(elem_type: int) -> None:
     assert np.all(zero_group == 0.0), f"zero group gave {zero_group[:4]}"
 
 
+#: y scales that put h = y * silu(z) into float32's subnormals (1e-39), below sqrt(FLT_MIN) so that h^2
+#: underflows (1e-25), or partly there (a row whose groups alternate normal and subnormal values).
+SUBNORMAL_ROWS = {"subnormal": 1e-39, "square_underflows": 1e-25, "mixed": None}
+
+
+@pytest.mark.parametrize("rows", list(SUBNORMAL_ROWS), ids=list(SUBNORMAL_ROWS))
+@pytest.mark.parametrize(
+    ("elem_type", "out_type", "epsilon"),
+    # (epsilon 0 is left out: a group whose squares all underflow float32 has nf = 1/0 in float32 arithmetic,
+    # while the float64 reference still sees their sum.)
+    [(FLOAT, FLOAT, 1e-5), (FLOAT, FLOAT, 1e-9), (FLOAT, FLOAT16, 1e-5), (FLOAT, BFLOAT16, 1e-5)],
+    ids=["f32", "f32-eps1e-9", "f32-out-f16", "f32-out-bf16"],
+)
+def test_subnormal_rows(rows: str, elem_type: int, out_type: int, epsilon: float) -> None:
+    """Rows whose values decay into float32 subnormals (chains without residual Adds): the kernel's fast
+    paths for them (flush-to-zero with underflow detection, y rescaled by a power of two) must give the
+    reference's results, tiny groups included (nf = 1/sqrt(eps) makes their outputs normal floats)."""
+    rng = np.random.default_rng([7, len(rows), out_type, int(epsilon > 0)])
+    y, z, w = random_inputs(rng, (6, 960), elem_type, elem_type, elem_type)
+    scale = SUBNORMAL_ROWS[rows]
+    if scale is None:
+        y.reshape(6, -1, 96)[:, 1::2] *= np.float32(1e-39)  # every other group of each row
+        y[3] *= np.float32(1e-39)  # and one row entirely
+    else:
+        y *= np.float32(scale)
+    y[5, :96] = 0.0  # a zero group among them
+    z[4, 96:192] = np.linspace(-100.0, -80.0, 96)  # silu in exp's underflow range
+    check_against_reference(y, z, w, group_size=96, epsilon=epsilon, out_type=out_type)
+
+
 @pytest.mark.parametrize("epsilon", [0.0, 1e-6, 1e-2])
 def test_epsilon(epsilon: float) -> None:
     rng = np.random.default_rng(3)

@@ -284,9 +284,10 @@ inline auto WithType(ElemType t, F&& f) {
   return f(Type<ElemType::kFloat>{});
 }
 
-// h = round(G, y * silu(z)) into `gated`; returns sum(h^2).
-template <ElemType Y, ElemType Z, ElemType G>
-float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n) {
+// h = round(G, y * silu(z)) into `gated`; returns sum(h^2). kScaled: y is multiplied by y_scale first (a
+// power of two, see ScaledGroup).
+template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false>
+float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n, float y_scale = 1.f) {
   constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
   constexpr int64_t step = kWidth * kUnroll;
   VF acc[kUnroll] = {};
@@ -296,7 +297,9 @@ float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n)
     for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
     Silu(v);
     for (int k = 0; k < kUnroll; ++k) {
-      const VF h = RoundThrough(Load(y + (j + k * kWidth) * yb, Y) * v[k], G);  // rounding point 0
+      VF yv = Load(y + (j + k * kWidth) * yb, Y);
+      if (kScaled) yv *= y_scale;
+      const VF h = RoundThrough(yv * v[k], G);  // rounding point 0
       std::memcpy(gated + j + k * kWidth, &h, sizeof h);
       acc[k] += h * h;
     }
@@ -306,7 +309,8 @@ float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n)
     VF v[kUnroll] = {};
     v[0] = count == kWidth ? Load(z + j * zb, Z) : LoadPartial(z + j * zb, Z, count);
     Silu(v);
-    const VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
+    VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
+    if (kScaled) yv *= y_scale;
     const VF h = RoundThrough(yv * v[0], G);
     std::memcpy(gated + j, &h, static_cast<size_t>(count) * sizeof(float));
     acc[0] += h * h;
@@ -315,6 +319,24 @@ float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n)
   float sum = 0.f;
   for (int l = 0; l < kWidth; ++l) sum += acc[0][l];
   return sum;
+}
+
+// max |y| over a group (NaN ignored).
+template <ElemType Y>
+float MaxAbs(const char* y, int64_t n) {
+  VF m = {};
+  int64_t j = 0;
+  for (; j + kWidth <= n; j += kWidth) {
+    const VF a = FromBits(Bits(Load(y + j * Type<Y>::bytes, Y)) & 0x7FFFFFFFu);
+    m = a > m ? a : m;
+  }
+  float result = 0.f;
+  for (int l = 0; l < kWidth; ++l) result = m[l] > result ? m[l] : result;
+  for (; j < n; ++j) {
+    const float a = std::fabs(LoadPartial(y + j * Type<Y>::bytes, Y, 1)[0]);
+    result = a > result ? a : result;
+  }
+  return result;
 }
 
 // out = round(O, w * round(N, h * nf)), stored as S (O, or float holding values rounded to O).
@@ -402,6 +424,13 @@ constexpr size_t kKeptScratch = 1 << 16;  // floats (256 KB) kept per thread bet
 
 namespace {
 
+// k such that max|y| * 2^k lies in [1/2, 1), within [0, 127] (0: y needs no scaling).
+inline int ScaleExponent(float max_abs) {
+  if (!(max_abs > 0.f) || !std::isfinite(max_abs)) return 0;
+  const int k = -std::ilogb(max_abs) - 1;
+  return k < 0 ? 0 : k > 127 ? 127 : k;
+}
+
 // All items of one call, with the gate pass's types fixed at compile time.
 template <ElemType Y, ElemType Z, ElemType G>
 void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_item) {
@@ -419,6 +448,7 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
   }
 #if defined(MAMBAFUSE_MXCSR)
   FlushScope flush;
+  thread_local bool scaled_hint = false;
 #endif
   for (int64_t item = first_item; item < last_item; ++item) {
     const int64_t row = item / groups_per_row;
@@ -428,24 +458,53 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     const char* z = static_cast<const char*>(a.z) + offset * Type<Z>::bytes;
     const char* w = static_cast<const char*>(a.w) + static_cast<size_t>(col) * w_bytes;
     char* out = static_cast<char*>(a.out) + offset * out_bytes;
-    float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+    float inv_rms = 0.f;
 #if defined(MAMBAFUSE_MXCSR)
-    const bool gate_underflowed = FlushScope::Underflowed(sum_sq);
-    if (gate_underflowed) {
-      flush.Exact();
-      sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+    // The fast pass, unless the previous group needed y scaled (rows decayed into the subnormals tend to
+    // stay there): then straight to the scaled pass.
+    bool done = false, exact = false;
+    if (!scaled_hint) {
+      const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+      done = !FlushScope::Underflowed(sum_sq);
+      if (done) inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     }
-#endif
-    const float inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+    if (!done && G == ElemType::kFloat) {
+      // y scaled by 2^k (exact) so that the products stay normal floats: h' = 2^k h, and
+      // nf' = 1 / sqrt(sum h'^2 / gs + eps 4^k) = 2^-k nf (in double: eps 4^k may exceed float's range),
+      // so h' nf' = h nf. Only where a gated_dtype does not round h at its own scale.
+      const int k = ScaleExponent(MaxAbs<Y>(y, gs));
+      const float scale = std::ldexp(1.f, k);
+      const float sum_sq = GatePass<Y, Z, G, true>(y, z, gated, gs, scale);
+      const double denominator = static_cast<double>(sum_sq) / static_cast<double>(gs) +
+                                 static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
+      inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
+      done = !FlushScope::Underflowed(sum_sq) && std::isnormal(inv_rms);
+      scaled_hint = k > 0;
+    }
+    if (!done) {
+      flush.Exact();
+      exact = true;
+      const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+      inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+    }
+    // A scaled group's outputs are mostly tiny (O = w h nf with h ~ y): many underflow, and the pass would
+    // have to run again without FTZ. Run it so at once.
+    if (!exact && scaled_hint) {
+      flush.Exact();
+      exact = true;
+    }
     NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs);
-#if defined(MAMBAFUSE_MXCSR)
-    if (gate_underflowed) {
+    if (exact) {
       flush.Resume();
     } else if (FlushScope::Underflowed(inv_rms)) {
       flush.Exact();
       NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs);
       flush.Resume();
     }
+#else
+    const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+    inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs);
 #endif
   }
   if (heap_buffer.capacity() > kKeptScratch) std::vector<float>().swap(heap_buffer);
