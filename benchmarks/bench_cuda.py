@@ -1,11 +1,18 @@
-"""GatedGroupRMSNorm on the GPU: the fused CUDA kernel against the unfused ORT chain, PyTorch eager,
-torch.compile and mamba_ssm's Triton ``rmsnorm_fn``, per launch and inside a CUDA graph; a K-layer chain
-model per ORT Run before vs after fusion, with and without ORT's CUDA graphs; bandwidth against a
-device-to-device copy; and the vector path's warps-per-group sweep that justifies the launch heuristic.
+"""GatedGroupRMSNorm on the GPU: the fused CUDA kernel against mamba_ssm's Triton ``rmsnorm_fn``, torch.compile,
+PyTorch eager, the unfused ORT chain, and a device-to-device copy of the same bytes; a K-layer chain model per ORT
+Run before vs after fusion, with and without ORT's CUDA graphs; the vector path's launch variants.
 
-One process, one GPU. Needs torch with CUDA, onnxruntime-gpu, the library built with -DMAMBAFUSE_CUDA=ON
--DMAMBAFUSE_CUDA_TOOLS=ON (``--build``), and for the Triton column mamba_ssm's
-``ops/triton/layernorm_gated.py`` given by path (``--mamba-layernorm``; benchmark-only, never committed).
+Method (every kernel-time column the same way): calls captured in one CUDA graph, time per call = graph replay
+time / calls, median of 7 replays. "hot": every call on one buffer set (at 1 and 512 rows it stays in the 60 MB
+L2 across calls); "cold": the calls rotate through enough buffer sets that the graph touches >= 4 x L2 between
+two uses of a set. The bandwidth ceiling is a ``copy_`` of the same byte count (reads + writes = the kernel's),
+measured the same way, hot and cold, in the same process. ORT numbers are per ``run_with_iobinding``, medians
+with the min-max spread of their repeats.
+
+One process, one GPU. Needs torch with CUDA, the library built with -DMAMBAFUSE_CUDA=ON -DMAMBAFUSE_CUDA_TOOLS=ON
+(``--build``), for the ORT columns onnxruntime-gpu (skipped without a CUDA provider), and for the Triton column
+mamba_ssm's ``ops/triton/layernorm_gated.py`` given by path (``--mamba-layernorm``; benchmark-only, never
+committed). ``--baseline-build`` adds a second build's kernel (e.g. the previous commit) in the same process.
 
     python benchmarks/bench_cuda.py --build build/cuda --mamba-layernorm .bench-vendor/layernorm_gated.py \
         --markdown $OUT/bench_cuda.md
@@ -19,12 +26,13 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+import math
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -34,49 +42,56 @@ import onnx.helper as oh
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+try:
+    import onnxruntime as ort
+except ImportError:  # the kernel-only columns need no ORT
+    ort = None
+
 FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
 ONNX_OF = {torch.float16: FLOAT16, torch.bfloat16: BFLOAT16, torch.float32: FLOAT}
-NAME_OF = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+NAME_OF = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 EPS = 1e-5
+L2_BYTES = 60 * 2**20  # H200; refreshed from the device in main()
 
 
 # --- timing -------------------------------------------------------------------------------------------
 
 
-def per_call_us(fn: Callable[[], object], iters: int = 200, repeats: int = 5) -> float:
+def per_call_us(fn: Callable[[int], object], iters: int = 200, repeats: int = 5) -> float:
     """Median over repeats of (events around `iters` back-to-back calls) / iters: host launch cost included."""
     for _ in range(10):
-        fn()
+        fn(0)
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
-            fn()
+            fn(0)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / iters)
     return statistics.median(times)
 
 
-def graph_us(fn: Callable[[], object], per_graph: int = 50, repeats: int = 7) -> float:
-    """Median kernel time per call with `per_graph` calls captured in one CUDA graph (launch gaps removed)."""
+def graph_us(fn: Callable[[int], object], calls: int = 50, repeats: int = 7, sets: int = 1) -> float:
+    """Median kernel time per call, `calls` calls captured in one CUDA graph; call i uses buffer set i % sets."""
+    calls = sets * max(1, math.ceil(calls / sets))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for i in range(min(3, sets) if sets > 1 else 3):
+            fn(i % sets)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(per_graph):
-            fn()
+        for i in range(calls):
+            fn(i % sets)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -86,12 +101,13 @@ def graph_us(fn: Callable[[], object], per_graph: int = 50, repeats: int = 7) ->
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / per_graph)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
     return statistics.median(times)
 
 
-def wall_us(fn: Callable[[], object], iters: int = 200, repeats: int = 5) -> float:
-    """Median host wall time per call (for ORT Runs, which return when their outputs are ready)."""
+def wall_stats(fn: Callable[[], object], iters: int = 100, repeats: int = 7) -> tuple[float, float, float]:
+    """(median, min, max) over repeats of the mean host wall time per call (ORT Runs return when done)."""
     for _ in range(10):
         fn()
     times = []
@@ -100,7 +116,12 @@ def wall_us(fn: Callable[[], object], iters: int = 200, repeats: int = 5) -> flo
         for _ in range(iters):
             fn()
         times.append((time.perf_counter() - t0) * 1e6 / iters)
-    return statistics.median(times)
+    return statistics.median(times), min(times), max(times)
+
+
+def cold_sets(set_bytes: int) -> int:
+    """Buffer sets to rotate through so that a set comes back only after >= 4 x L2 of other traffic."""
+    return max(2, math.ceil(4 * L2_BYTES / set_bytes))
 
 
 # --- the implementations --------------------------------------------------------------------------------
@@ -179,7 +200,7 @@ class FusedKernel:
             ctypes.byref(warps),
             ctypes.byref(chunks),
         )
-        return "warp" if path == 1 else f"vector, {chunks.value} chunk(s)/thread, {warps.value} warp(s)/group"
+        return "warp" if path == 1 else f"vector {chunks.value}c x {warps.value}w"
 
 
 def load_mamba_rmsnorm(path: Path | None):
@@ -272,6 +293,204 @@ def layered_model(
     return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("ai.mambafuse", 1)])
 
 
+# --- the benchmark -----------------------------------------------------------------------------------------
+
+
+def environment() -> str:
+    props = torch.cuda.get_device_properties(0)
+    ort_version = ort.__version__ if ort is not None else "not installed"
+    return (
+        f"{props.name} ({props.multi_processor_count} SMs, {props.L2_cache_size // 2**20} MB L2), torch "
+        f"{torch.__version__}, onnxruntime {ort_version}, CUDA {torch.version.cuda}, Python {platform.python_version()}"
+    )
+
+
+def ort_cuda_available() -> bool:
+    if ort is None:
+        return False
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+class Buffers:
+    """`sets` independent (y, z, out) sets of one shape and dtype, one weight."""
+
+    def __init__(self, rows: int, channels: int, dtype: torch.dtype, sets: int, gen: torch.Generator) -> None:
+        self.y = [torch.randn(rows, channels, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
+        self.z = [2 * torch.randn(rows, channels, device="cuda", dtype=dtype, generator=gen) for _ in range(sets)]
+        self.out = [torch.empty_like(self.y[0]) for _ in range(sets)]
+        self.w = (1 + 0.5 * torch.randn(channels, device="cuda", generator=gen)).to(dtype)
+        # The copy baseline: as many bytes read + written as the kernel (y, z, w read; out written).
+        moved = 3 * self.y[0].numel() * self.y[0].element_size() + self.w.numel() * self.w.element_size()
+        self.moved = moved
+        self.copy_src = [torch.ones(moved // 8, dtype=torch.float32, device="cuda") for _ in range(sets)]
+        self.copy_dst = [torch.empty_like(c) for c in self.copy_src]
+        self.set_bytes = moved  # the traffic one call of the kernel (or the copy) puts through L2
+
+
+def kernel_table(args, kernel: FusedKernel, baseline: FusedKernel | None, rmsnorm_fn, compiled, emit) -> None:
+    emit("### Kernel time per call inside a CUDA graph, µs: hot (one buffer set) / cold (rotating > 4 x L2)")
+    emit()
+    cols = ["dtype", "C", "rows", "fused path", "fused", "mamba_ssm Triton", "fused / Triton"]
+    if baseline is not None:
+        cols.insert(5, "previous kernel")
+    cols += [
+        "torch.compile",
+        "copy_ (memcpy) / copy kernel, same bytes",
+        "fused % of the faster copy",
+        "fused TB/s",
+        "launch + host, fused / Triton",
+    ]
+    emit("| " + " | ".join(cols) + " |")
+    emit("|" + "---|" * len(cols))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dtype_name in args.dtypes.split(","):
+        dtype = DTYPES[dtype_name]
+        for channels in (7680, 8192):
+            group_size = channels // 8
+            for rows in [int(r) for r in args.rows.split(",")]:
+                probe = Buffers(rows, channels, dtype, 1, gen)
+                sets = 1 if rows == 1 else cold_sets(probe.set_bytes)
+                b = Buffers(rows, channels, dtype, sets, gen)
+
+                # Decode-sized calls last ~2 µs: more of them per graph and more replays steady the median.
+                calls, repeats = (400, 15) if rows == 1 else (50, 7)
+
+                def run(impl: Callable[[int], object], hot_only: bool = False) -> tuple[float, float | None]:
+                    hot = graph_us(lambda i: impl(0), calls=calls, repeats=repeats)
+                    cold = None if hot_only or sets == 1 else graph_us(impl, sets=sets)
+                    return hot, cold
+
+                def fused(i: int) -> None:
+                    kernel(b.y[i], b.z[i], b.w, b.out[i], group_size)
+
+                fused(0)
+                expected = torch_reference(b.y[0], b.z[0], b.w, group_size)
+                max_diff = (b.out[0].float() - expected.float()).abs().max().item()
+                results = {"fused": run(fused)}
+                if baseline is not None:
+                    results["previous"] = run(lambda i: baseline(b.y[i], b.z[i], b.w, b.out[i], group_size))
+                if rmsnorm_fn is not None:
+
+                    def triton_call(i: int):
+                        return rmsnorm_fn(
+                            b.y[i], b.w, None, z=b.z[i], eps=EPS, group_size=group_size, norm_before_gate=False
+                        )
+
+                    results["triton"] = run(triton_call)
+                if compiled is not None and dtype_name in args.compile_dtypes.split(","):
+                    results["compile"] = run(lambda i: compiled(b.y[i], b.z[i], b.w, group_size))
+                # Two copies of the same bytes: copy_ (a memcpy node in a graph: the copy engines) and an
+                # elementwise kernel (x * 1 into another buffer, 16-byte vectorized); the faster is the ceiling.
+                results["memcpy"] = run(lambda i: b.copy_dst[i].copy_(b.copy_src[i]))
+                results["copy kernel"] = run(lambda i: torch.mul(b.copy_src[i], 1.0, out=b.copy_dst[i]))
+                (mh, mc), (kh, kc) = results["memcpy"], results["copy kernel"]
+                results["copy"] = (min(mh, kh), None if mc is None else min(mc, kc))
+
+                def fmt(key: str) -> str:
+                    if key not in results:
+                        return "n/a"
+                    hot, cold = results[key]
+                    return f"{hot:.2f}" if cold is None else f"{hot:.2f} / {cold:.2f}"
+
+                def ratio(a: str, c: str) -> str:
+                    if a not in results or c not in results:
+                        return "n/a"
+                    (ah, ac), (ch, cc) = results[a], results[c]
+                    text = f"{ah / ch:.2f}"
+                    return text if ac is None or cc is None else f"{text} / {ac / cc:.2f}"
+
+                fh, fc = results["fused"]
+                ch, cc = results["copy"]
+                pct = f"{100 * ch / fh:.0f} %" if fc is None else f"{100 * ch / fh:.0f} / {100 * cc / fc:.0f} %"
+                tbs = (
+                    f"{b.moved / fh / 1e6:.2f}"
+                    if fc is None
+                    else f"{b.moved / fh / 1e6:.2f} / {b.moved / fc / 1e6:.2f}"
+                )
+                launch = f"{per_call_us(fused):.1f}"
+                if rmsnorm_fn is not None:
+                    launch += f" / {per_call_us(triton_call):.1f}"
+                row = [dtype_name, str(channels), str(rows), kernel.choice(b.y[0], b.z[0], b.w, b.out[0], group_size)]
+                row += [fmt("fused")]
+                if baseline is not None:
+                    row.append(fmt("previous"))
+                row += [
+                    fmt("triton"),
+                    ratio("fused", "triton"),
+                    fmt("compile"),
+                    fmt("memcpy") + " ; " + fmt("copy kernel"),
+                ]
+                row += [pct, tbs, launch]
+                emit("| " + " | ".join(row) + " |")
+                print(f"  (sets {sets}; max |fused - torch eager| = {max_diff:g})", flush=True)
+    emit()
+    emit(
+        "A 1-element fill in the same kind of graph (the per-kernel floor of a graph replay): "
+        f"{graph_us(lambda i: FILL.fill_(1.0), calls=400, repeats=15):.2f} µs."
+    )
+
+
+FILL = None
+VARIANT_VARIABLES = (
+    "MAMBAFUSE_CUDA_CHUNKS",
+    "MAMBAFUSE_CUDA_WARPS_PER_GROUP",
+    "MAMBAFUSE_CUDA_GRID",
+    "MAMBAFUSE_CUDA_SPECIALIZED",
+)
+
+
+def variants_table(args, kernel: FusedKernel, emit) -> None:
+    """The launch configurations ChooseCudaLaunch picks among, fp16 (hot and cold), and the warp path."""
+    emit()
+    emit("### Vector path: launch variants (µs per call in a CUDA graph, hot / cold; fp16)")
+    emit()
+    variants = [  # (chunks per thread, warps per group, grid, specialized uniform-type kernel)
+        ("1", "4", "wave", "1"),
+        ("1", "4", "wave", "0"),
+        ("1", "4", "full", "1"),
+        ("2", "2", "full", "1"),
+        ("2", "2", "full", "0"),
+        ("2", "2", "wave", "1"),
+        ("2", "4", "full", "1"),
+        ("4", "1", "wave", "1"),
+        ("4", "1", "full", "1"),
+    ]
+    names = [f"{c}c x {w}w {g}{'' if sp == '1' else ' generic'}" for c, w, g, sp in variants]
+    emit("| C / group | rows | warp path | " + " | ".join(names) + " | launcher's choice |")
+    emit("|---|---|---|" + "---|" * len(names) + "---|")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for channels in (7680, 8192):
+        group_size = channels // 8
+        for rows in [int(r) for r in args.rows.split(",")]:
+            probe = Buffers(rows, channels, torch.float16, 1, gen)
+            sets = 1 if rows == 1 else cold_sets(probe.set_bytes)
+            b = Buffers(rows, channels, torch.float16, sets, gen)
+
+            def timed(path: int) -> str:
+                calls, repeats = (400, 15) if rows == 1 else (50, 7)
+                hot = graph_us(lambda i: kernel(b.y[0], b.z[0], b.w, b.out[0], group_size, path), calls, repeats)
+                if sets == 1:
+                    return f"{hot:.2f}"
+                cold = graph_us(lambda i: kernel(b.y[i], b.z[i], b.w, b.out[i], group_size, path), sets=sets)
+                return f"{hot:.2f} / {cold:.2f}"
+
+            row = [f"{channels} / {group_size}", str(rows), timed(1)]
+            for chunks, warps, grid, specialized in variants:
+                os.environ.update(
+                    MAMBAFUSE_CUDA_CHUNKS=chunks,
+                    MAMBAFUSE_CUDA_WARPS_PER_GROUP=warps,
+                    MAMBAFUSE_CUDA_GRID=grid,
+                    MAMBAFUSE_CUDA_SPECIALIZED=specialized,
+                )
+                row.append(timed(2))
+            for key in VARIANT_VARIABLES:
+                os.environ.pop(key, None)
+            row.append(kernel.choice(b.y[0], b.z[0], b.w, b.out[0], group_size))
+            emit("| " + " | ".join(row) + " |")
+
+
 def ort_value(t: torch.Tensor):
     from onnxruntime.capi import _pybind_state as C
 
@@ -292,144 +511,48 @@ def ort_runner(model: onnx.ModelProto, library: Path, feeds: dict[str, torch.Ten
     return lambda: session.run_with_iobinding(binding)
 
 
-# --- the benchmark -----------------------------------------------------------------------------------------
+def fmt_stats(stats: tuple[float, float, float]) -> str:
+    median, low, high = stats
+    return f"{median:.0f} ({low:.0f}–{high:.0f})"
 
 
-def environment() -> str:
-    props = torch.cuda.get_device_properties(0)
-    return (
-        f"{props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, onnxruntime {ort.__version__}, "
-        f"CUDA {torch.version.cuda}, Python {platform.python_version()}"
-    )
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = torch.empty(2**28, dtype=torch.float32, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    t = graph_us(lambda: dst.copy_(src), per_graph=10)
-    return 2 * src.numel() * src.element_size() / (t * 1e-6)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--build", type=Path, default=REPO / "build" / "cuda")
-    parser.add_argument("--mamba-layernorm", type=Path, default=REPO / ".bench-vendor" / "layernorm_gated.py")
-    parser.add_argument("--markdown", type=Path, default=None)
-    parser.add_argument("--quick", action="store_true", help="fewer sizes (smoke run)")
-    args = parser.parse_args(argv)
-
-    if hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()
-    library = args.build / "libmambafuse_ops.so"
-    kernel = FusedKernel(args.build / "cuda" / "libmambafuse_cuda_bench.so")
-    rmsnorm_fn = load_mamba_rmsnorm(args.mamba_layernorm)
-    lines: list[str] = []
-
-    def emit(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
-
-    bandwidth = copy_bandwidth()
-    emit(f"Environment: {environment()}. Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (read + write).")
-    emit()
-    emit("### Per call: launch on a stream (host cost included) / kernel time inside a CUDA graph, µs")
+def ort_tables(args, library: Path, emit) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(2)
     emit()
     emit(
-        "| dtype | C | rows | fused path | fused kernel | unfused ORT chain (per Run) "
-        "| fused ORT node (per Run) | torch eager "
-        "| torch.compile | mamba_ssm Triton | fused BW (% of copy) |"
+        "### ORT per Run (IO binding, no CUDA graph), one layer: unfused chain vs fused node, µs, median (min–max of 7)"
     )
-    emit("|---|---|---|---|---|---|---|---|---|---|---|")
-    dtypes = [torch.float16, torch.bfloat16]
-    rows_list = [1, 512] if args.quick else [1, 512, 8192]
-    # One compiled graph per (dtype, shape): a static-shape compile for each configuration, as a user would get.
-    torch._dynamo.config.recompile_limit = 64
-    torch._dynamo.config.cache_size_limit = 64
-    compiled = torch.compile(torch_reference, dynamic=False)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for dtype in dtypes:
+    emit()
+    emit("| dtype | C | rows | unfused chain | fused node | speed-up |")
+    emit("|---|---|---|---|---|---|")
+    for dtype_name in ("fp16", "bf16"):
+        dtype = DTYPES[dtype_name]
         for channels in (7680, 8192):
-            group_size = channels // 8
-            for rows in rows_list:
+            for rows in [int(r) for r in args.rows.split(",")]:
                 y = torch.randn(rows, channels, device="cuda", dtype=dtype, generator=gen)
-                z = 2 * torch.randn(rows, channels, device="cuda", dtype=dtype, generator=gen)
-                w = (1 + 0.5 * torch.randn(channels, device="cuda", generator=gen)).to(dtype)
+                z = torch.randn(rows, channels, device="cuda", dtype=dtype, generator=gen)
                 out = torch.empty_like(y)
-
-                def fused():
-                    kernel(y, z, w, out, group_size)
-
-                fused()
-                expected = torch_reference(y, z, w, group_size)
-                max_diff = (out.float() - expected.float()).abs().max().item()
-                row = [NAME_OF[dtype], str(channels), str(rows), kernel.choice(y, z, w, out, group_size)]
-                t_graph = graph_us(fused)
-                row.append(f"{per_call_us(fused):.1f} / {t_graph:.2f}")
+                stats = []
                 for fuse in (False, True):
-                    model = layered_model(1, rows, channels, group_size, ONNX_OF[dtype], fuse, np.random.default_rng(0))
-                    run = ort_runner(model, library, {"y": y, "z": z}, out, graph=False)
-                    row.append(f"{wall_us(run, iters=50):.1f}")
-                row.append(
-                    f"{per_call_us(lambda: torch_reference(y, z, w, group_size)):.1f} / "
-                    f"{graph_us(lambda: torch_reference(y, z, w, group_size)):.2f}"
+                    model = layered_model(
+                        1, rows, channels, channels // 8, ONNX_OF[dtype], fuse, np.random.default_rng(0)
+                    )
+                    stats.append(wall_stats(ort_runner(model, library, {"y": y, "z": z}, out, graph=False), iters=50))
+                emit(
+                    f"| {dtype_name} | {channels} | {rows} | {fmt_stats(stats[0])} | {fmt_stats(stats[1])} "
+                    f"| {stats[0][0] / stats[1][0]:.1f}x |"
                 )
-                row.append(
-                    f"{per_call_us(lambda: compiled(y, z, w, group_size)):.1f} / "
-                    f"{graph_us(lambda: compiled(y, z, w, group_size)):.2f}"
-                )
-                if rmsnorm_fn is not None:
-
-                    def triton_call():
-                        return rmsnorm_fn(y, w, None, z=z, eps=EPS, group_size=group_size, norm_before_gate=False)
-
-                    row.append(f"{per_call_us(triton_call):.1f} / {graph_us(triton_call):.2f}")
-                else:
-                    row.append("n/a")
-                moved = y.numel() * y.element_size() * 3 + w.numel() * w.element_size()
-                row.append(
-                    f"{moved / (t_graph * 1e-6) / 1e12:.2f} TB/s ({100 * moved / (t_graph * 1e-6) / bandwidth:.0f} %)"
-                )
-                emit("| " + " | ".join(row) + " |")
-                # torch eager uses rsqrt and another summation order: 1 ulp of the output type apart at most
-                # (the budget against the float64 reference is tests/test_kernel_cuda.py's job).
-                emit(f"  (max |fused - torch eager| = {max_diff:g})")
-
-    emit()
-    emit("### Vector path: kernel variants (kernel time inside a CUDA graph, µs; fp16)")
-    emit()
-    emit("| C / group | rows | warp path | 1 chunk/thread | 4 chunks x1 warp | x2 | x4 | x8 | launcher's choice |")
-    emit("|---|---|---|---|---|---|---|---|---|")
-    for channels in (7680, 8192):
-        group_size = channels // 8
-        for rows in rows_list:
-            y = torch.randn(rows, channels, device="cuda", dtype=torch.float16, generator=gen)
-            z = torch.randn(rows, channels, device="cuda", dtype=torch.float16, generator=gen)
-            w = torch.ones(channels, device="cuda", dtype=torch.float16)
-            out = torch.empty_like(y)
-            row = [
-                f"{channels} / {group_size}",
-                str(rows),
-                f"{graph_us(lambda: kernel(y, z, w, out, group_size, 1)):.2f}",
-            ]
-            os.environ["MAMBAFUSE_CUDA_CHUNKS"] = "1"
-            row.append(f"{graph_us(lambda: kernel(y, z, w, out, group_size, 2)):.2f}")
-            os.environ["MAMBAFUSE_CUDA_CHUNKS"] = "4"
-            for warps in (1, 2, 4, 8):
-                os.environ["MAMBAFUSE_CUDA_WARPS_PER_GROUP"] = str(warps)
-                row.append(f"{graph_us(lambda: kernel(y, z, w, out, group_size, 2)):.2f}")
-            os.environ.pop("MAMBAFUSE_CUDA_WARPS_PER_GROUP", None)
-            os.environ.pop("MAMBAFUSE_CUDA_CHUNKS", None)
-            row.append(kernel.choice(y, z, w, out, group_size))
-            emit("| " + " | ".join(row) + " |")
-
-    emit()
     layers = 24
-    emit(f"### Decode: a K = {layers} chain model, 1 row, C = 7680, 8 groups; ORT per Run (IO binding), µs")
+    emit()
+    emit(
+        f"### Decode: a K = {layers} chain model (no residual Adds), 1 row, C = 7680, 8 groups; ORT per Run (IO "
+        "binding), µs, median (min–max) of 7 repeats of 100 Runs"
+    )
     emit()
     emit("| dtype | unfused | fused | speed-up | unfused + CUDA graph | fused + CUDA graph | speed-up |")
     emit("|---|---|---|---|---|---|---|")
-    for dtype in dtypes:
+    for dtype_name in ("fp16", "bf16"):
+        dtype = DTYPES[dtype_name]
         y = torch.randn(1, 7680, device="cuda", dtype=dtype, generator=gen)
         z = torch.randn(1, 7680, device="cuda", dtype=dtype, generator=gen)
         out = torch.empty_like(y)
@@ -437,12 +560,60 @@ def main(argv: list[str] | None = None) -> int:
         for graph in (False, True):
             for fuse in (False, True):
                 model = layered_model(layers, 1, 7680, 960, ONNX_OF[dtype], fuse, np.random.default_rng(1))
-                results[(graph, fuse)] = wall_us(ort_runner(model, library, {"y": y, "z": z}, out, graph), iters=100)
+                results[(graph, fuse)] = wall_stats(ort_runner(model, library, {"y": y, "z": z}, out, graph))
         emit(
-            f"| {NAME_OF[dtype]} | {results[(False, False)]:.0f} | {results[(False, True)]:.0f} | "
-            f"{results[(False, False)] / results[(False, True)]:.1f}x | {results[(True, False)]:.0f} | "
-            f"{results[(True, True)]:.0f} | {results[(True, False)] / results[(True, True)]:.1f}x |"
+            f"| {dtype_name} | {fmt_stats(results[(False, False)])} | {fmt_stats(results[(False, True)])} | "
+            f"{results[(False, False)][0] / results[(False, True)][0]:.1f}x | {fmt_stats(results[(True, False)])} | "
+            f"{fmt_stats(results[(True, True)])} | {results[(True, False)][0] / results[(True, True)][0]:.1f}x |"
         )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    global FILL, L2_BYTES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build", type=Path, default=REPO / "build" / "cuda")
+    parser.add_argument("--baseline-build", type=Path, default=None, help="a second build's kernel, same process")
+    parser.add_argument("--mamba-layernorm", type=Path, default=REPO / ".bench-vendor" / "layernorm_gated.py")
+    parser.add_argument("--markdown", type=Path, default=None)
+    parser.add_argument("--dtypes", default="fp16,bf16,fp32")
+    parser.add_argument("--rows", default="1,512,8192")
+    parser.add_argument("--compile-dtypes", default="fp16,bf16", help="torch.compile is compiled per shape: slow")
+    parser.add_argument("--skip", default="", help="comma-separated: kernels,variants,ort")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+
+    L2_BYTES = torch.cuda.get_device_properties(0).L2_cache_size or L2_BYTES
+    FILL = torch.zeros(1, device="cuda")
+    library = args.build / "libmambafuse_ops.so"
+    kernel = FusedKernel(args.build / "cuda" / "libmambafuse_cuda_bench.so")
+    baseline = None
+    if args.baseline_build is not None:
+        baseline = FusedKernel(args.baseline_build / "cuda" / "libmambafuse_cuda_bench.so")
+    rmsnorm_fn = load_mamba_rmsnorm(args.mamba_layernorm)
+    compiled = None
+    if args.compile_dtypes:
+        # One compiled graph per (dtype, shape): a static-shape compile for each configuration, as a user would get.
+        torch._dynamo.config.recompile_limit = 64
+        torch._dynamo.config.cache_size_limit = 64
+        compiled = torch.compile(torch_reference, dynamic=False)
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    with_ort = ort_cuda_available()
+    emit(f"Environment: {environment()}.")
+    emit()
+    if "kernels" not in skip:
+        kernel_table(args, kernel, baseline, rmsnorm_fn, compiled, emit)
+    if "variants" not in skip:
+        variants_table(args, kernel, emit)
+    if with_ort and "ort" not in skip:
+        ort_tables(args, library, emit)
+    elif "ort" not in skip:
+        emit()
+        emit("(ORT tables skipped: onnxruntime has no CUDAExecutionProvider here.)")
     if args.markdown is not None:
         args.markdown.write_text("\n".join(lines) + "\n")
     return 0

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Everything the CUDA kernels need a GPU for, in one go on a GPU machine: build (or take a prebuilt library),
-# the CUDA self-check, the GPU pytest suite, compute-sanitizer memcheck + racecheck, and the benchmark.
-# Logs and the benchmark's markdown go to $OUT (default ./gpu-out). Each step runs even when an earlier
-# one failed; the exit status is non-zero when any failed.
+# the CUDA self-check, the GPU pytest suite, compute-sanitizer memcheck + racecheck, the benchmark and Nsight
+# Compute profiles. Logs and the benchmark's markdown go to $OUT (default ./gpu-out). Each step runs even when
+# an earlier one failed; the exit status is non-zero when any failed.
 #
 #   bash benchmarks/gpu_session.sh                 # builds into build/cuda with cmake + nvcc
 #   MAMBAFUSE_PREBUILT=.gpu-build bash benchmarks/gpu_session.sh   # a library built elsewhere (same layout)
 #   STEPS="selfcheck sanitizer" bash benchmarks/gpu_session.sh     # a subset of the steps
+#   BASELINE_CUDA=path/to/old/contrib_ops/cuda bash ...            # also build that kernel: the bench and ncu
+#                                                                  # compare it in the same process
 #
-# Needs onnxruntime-gpu importable (e.g. PYTHONPATH=/root/ortgpu), torch with CUDA, ONNX Runtime headers for
-# a build (ONNXRUNTIME_ROOT, default .ort-headers), and for the Triton column .bench-vendor/layernorm_gated.py.
+# Needs onnxruntime-gpu importable for pytest_cuda and the ORT tables (e.g. PYTHONPATH=/root/ortgpu), torch with
+# CUDA, ONNX Runtime headers for a build (ONNXRUNTIME_ROOT, default .ort-headers), and for the Triton column
+# .bench-vendor/layernorm_gated.py. CUDA_ARCHS (default 90-real) is what the build compiles for.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -17,7 +20,7 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 failed=()
-steps=" ${STEPS:-build selfcheck selfcheck4 pytest_cuda sanitizer bench} "  # a subset for split sessions
+steps=" ${STEPS:-build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda sanitizer bench ncu} "  # a subset for split sessions
 step() {  # step <name> <command...>: runs, logs to $out/<name>.log, remembers failures
   local name=$1
   shift
@@ -28,22 +31,56 @@ step() {  # step <name> <command...>: runs, logs to $out/<name>.log, remembers f
     echo "    FAILED ($((SECONDS - t0)) s)"
     failed+=("$name")
   fi
-  tail -n 6 "$out/$name.log" | sed 's/^/    /'
+  tail -n "${TAIL:-6}" "$out/$name.log" | sed 's/^/    /'
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
+headers=${ONNXRUNTIME_ROOT:-$PWD/.ort-headers}
+configure() {  # configure <source dir> <build dir>
+  cmake -S "$1" -B "$2" -G Ninja -DMAMBAFUSE_CUDA=ON -DMAMBAFUSE_CUDA_TOOLS=ON -DMAMBAFUSE_WERROR=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90-real}" -DONNXRUNTIME_ROOT="$headers" && cmake --build "$2"
+}
 if [[ -n "${MAMBAFUSE_PREBUILT:-}" ]]; then
   build=$MAMBAFUSE_PREBUILT
 else
   build=build/cuda
-  step build bash -c "cmake -S contrib_ops -B $build -G Ninja -DMAMBAFUSE_CUDA=ON -DMAMBAFUSE_CUDA_TOOLS=ON \
-    -DMAMBAFUSE_WERROR=ON -DONNXRUNTIME_ROOT=${ONNXRUNTIME_ROOT:-$PWD/.ort-headers} && cmake --build $build"
+  baseline_build=""
+  if [[ -n "${BASELINE_CUDA:-}" ]]; then  # the previous kernel, built beside the current one (in parallel)
+    baseline_src=/tmp/mambafuse-baseline/contrib_ops
+    rm -rf /tmp/mambafuse-baseline && mkdir -p /tmp/mambafuse-baseline && cp -r contrib_ops "$baseline_src"
+    rm -rf "$baseline_src/cuda" && cp -r "$BASELINE_CUDA" "$baseline_src/cuda"
+    baseline_build=/tmp/mambafuse-baseline/build
+    (configure "$baseline_src" "$baseline_build" >"$out/build_baseline.log" 2>&1 || echo "baseline build FAILED") &
+  fi
+  step build configure contrib_ops "$build"
+  wait
 fi
 export MAMBAFUSE_LIBRARY=$PWD/$build/libmambafuse_ops.so
+baseline_args=()
+[[ -n "${baseline_build:-}" && -f "${baseline_build}/cuda/libmambafuse_cuda_bench.so" ]] &&
+  baseline_args=(--baseline-build "$baseline_build")
 step selfcheck "$build/cuda/mambafuse_cuda_selfcheck"
 step selfcheck4 env MAMBAFUSE_CUDA_CHUNKS=4 "$build/cuda/mambafuse_cuda_selfcheck"  # the four-chunk kernel
+step selfcheck2 env MAMBAFUSE_CUDA_CHUNKS=2 MAMBAFUSE_CUDA_GRID=full "$build/cuda/mambafuse_cuda_selfcheck" --quick
+# the generic kernels on the uniform-type forms too (the launcher otherwise takes their specialized kernels)
+step selfcheck_generic env MAMBAFUSE_CUDA_SPECIALIZED=0 "$build/cuda/mambafuse_cuda_selfcheck"
 step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_cuda.py
 step sanitizer bash contrib_ops/cuda/tools/sanitize.sh "$build" "$out"
-step bench "$py" benchmarks/bench_cuda.py --build "$build" --markdown "$out/bench_cuda.md" ${BENCH_ARGS:-}
+step bench "$py" benchmarks/bench_cuda.py --build "$build" "${baseline_args[@]}" --markdown "$out/bench_cuda.md" \
+  ${BENCH_ARGS:-}
+ncu_profile() {  # the kernels at decode and prefill sizes, fp16
+  local ncu
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1 || echo /usr/local/cuda/bin/ncu)
+  for size in "${NCU_SIZES:-8192x7680 512x7680 1x7680}"; do
+    for s in $size; do
+      echo "##### ${s} fp16"
+      "$ncu" --clock-control none --nvtx --nvtx-include "profile/" --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        "$py" benchmarks/ncu_cuda.py --build "$build" "${baseline_args[@]}" --rows "${s%x*}" --channels "${s#*x}" \
+        --dtype fp16 || return 1
+    done
+  done
+}
+step ncu ncu_profile
 echo "=== failed steps: ${failed[*]:-none}"
 [[ ${#failed[@]} -eq 0 ]]

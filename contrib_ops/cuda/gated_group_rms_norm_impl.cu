@@ -24,10 +24,15 @@ int EpilogueIndex(const GatedGroupRMSNormArgs& a) {
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The vector path's conditions: 16-byte aligned buffers, whole chunks, a group that fits its registers, and
+// 32-bit item indices (the kernel splits them with FastDivisor; 2^31 groups is 2^31 * 8 elements at least).
 bool VectorPathFits(const GatedGroupRMSNormArgs& a) {
   return Aligned16(a.y) && Aligned16(a.z) && Aligned16(a.w) && Aligned16(a.out) && a.group_size % kVec == 0 &&
-         a.group_size <= static_cast<int64_t>(kVec) * kMaxChunks * kWarpSize * kMaxWarpsPerGroup;
+         a.group_size <= static_cast<int64_t>(kVec) * kMaxChunks * kWarpSize * kMaxWarpsPerGroup &&
+         a.rows * (a.channels / a.group_size) < (int64_t{1} << 31);
 }
+
+int GatedIndex(ElemType t) { return t == ElemType::kFloat16 ? 1 : t == ElemType::kBFloat16 ? 2 : 0; }
 
 CudaPath PathFromEnv(CudaPath requested) {
   const char* forced = std::getenv("MAMBAFUSE_CUDA_PATH");  // read per launch: tests switch it in-process
@@ -89,21 +94,36 @@ CudaLaunch ChooseCudaLaunch(const GatedGroupRMSNormArgs& args, CudaPath requeste
     while (chunks > static_cast<int64_t>(warps) * kWarpSize * per_thread) warps *= 2;
     return warps;
   };
-  // Two kernels (measured on an H200, C = 7680/8192 in 8 groups, fp16; RESULTS.md):
+  // Measured on an H200, C = 7680/8192 in 8 groups, fp16, kernel time in a CUDA graph (RESULTS.md, launch
+  // variants):
   //  - few groups (decode): the one-chunk kernel, a group spread over ceil(chunks / 32) warps, so that one
-  //    group's latency, which is the whole kernel, is split over the most threads: 1 row, 2.8 us vs 3.3 for
-  //    the four-chunk kernel at its best warp count and 4.5 with one warp;
-  //  - many groups (from 512 rows): the four-chunk kernel with the fewest warps, no barrier and more
-  //    independent work per thread: 512 rows 10.9 us vs 11.7; 8192 rows 151 us vs 165; more warps per
-  //    group only add barriers (8192 rows: 215 us with 2 warps).
+  //    group's latency, which is the whole kernel, is split over the most threads: 1 row, 2.1 us vs 2.6 for
+  //    the four-chunk kernel with one warp;
+  //  - many groups (from 512 rows): two chunks per thread, the fewest warps that hold the group (2 for
+  //    960/1024), one block per group, no item loop: 8192 rows 96.3 us vs 99.7 for four chunks with one warp
+  //    (128 registers, 25 % occupancy) and 114 for one chunk with four warps (barriers); 512 rows 6.6 us.
+  //  - groups of <= 256 elements: one chunk, one warp, four groups a block (two chunks would idle half the
+  //    warp).
   // "Few" is a launch of the one-chunk kernel that would fill less than 1/8 of the GPU's thread slots.
   const int64_t eighth_machine = static_cast<int64_t>(multiprocessors) * 2048 / 8;
   const bool one_chunk_fits = chunks <= static_cast<int64_t>(kMaxWarpsPerGroup) * kWarpSize;
-  int per_thread = one_chunk_fits && items * warps_for(1) * kWarpSize < eighth_machine ? 1 : kMaxChunks;
+  const bool two_chunks_fit = chunks <= static_cast<int64_t>(kMaxWarpsPerGroup) * kWarpSize * 2;
+  int per_thread = kMaxChunks;
+  if (one_chunk_fits && (chunks <= kWarpSize || items * warps_for(1) * kWarpSize < eighth_machine)) {
+    per_thread = 1;
+  } else if (two_chunks_fit) {
+    per_thread = 2;
+    launch.full_grid = true;
+  }
   if (const char* forced = std::getenv("MAMBAFUSE_CUDA_CHUNKS")) {
     if (std::strcmp(forced, "4") == 0) per_thread = kMaxChunks;
+    if (std::strcmp(forced, "2") == 0 && chunks <= static_cast<int64_t>(kMaxWarpsPerGroup) * kWarpSize * 2) {
+      per_thread = 2;
+    }
     if (std::strcmp(forced, "1") == 0 && one_chunk_fits) per_thread = 1;
   }
+  if (const char* forced = std::getenv("MAMBAFUSE_CUDA_GRID")) launch.full_grid = std::strcmp(forced, "full") == 0;
+  if (const char* forced = std::getenv("MAMBAFUSE_CUDA_SPECIALIZED")) launch.specialized = std::strcmp(forced, "0") != 0;
   launch.chunks_per_thread = per_thread;
   int warps = warps_for(per_thread);
   if (const char* forced = std::getenv("MAMBAFUSE_CUDA_WARPS_PER_GROUP")) {
@@ -116,12 +136,14 @@ CudaLaunch ChooseCudaLaunch(const GatedGroupRMSNormArgs& args, CudaPath requeste
 
 cudaError_t LaunchGatedGroupRMSNorm(const GatedGroupRMSNormArgs& args, cudaStream_t stream, CudaPath requested) {
   if (args.rows == 0 || args.channels == 0) return cudaSuccess;
-  if (args.group_size <= 0 || args.group_size > INT_MAX || args.channels % args.group_size != 0) {
+  // FastDivisor needs groups_per_row < 2^31 (a row of 2^31 groups would be 2^31 elements at least).
+  if (args.group_size <= 0 || args.group_size > INT_MAX || args.channels % args.group_size != 0 ||
+      args.channels / args.group_size > INT_MAX) {
     return cudaErrorInvalidValue;
   }
   const int multiprocessors = MultiprocessorCount();
   const CudaLaunch launch = ChooseCudaLaunch(args, requested, multiprocessors);
-  KernelParams params;
+  KernelParams params{};
   params.y = args.y;
   params.z = args.z;
   params.w = args.w;
@@ -131,9 +153,21 @@ cudaError_t LaunchGatedGroupRMSNorm(const GatedGroupRMSNormArgs& args, cudaStrea
   params.channels = args.channels;
   params.group_size = static_cast<int>(args.group_size);
   params.group_size_f = static_cast<float>(args.group_size);
+  params.inv_group_size = 1.f / static_cast<float>(args.group_size);
   params.epsilon = args.epsilon;
   params.epilogue = EpilogueIndex(args);
+  params.gated = GatedIndex(args.gated_type);
   params.warps_per_group = launch.warps_per_group;
+  const FastDivisor rows_of(params.groups_per_row);  // both paths split item indices with it
+  params.row_multiplier = rows_of.multiplier;
+  params.row_shift = rows_of.shift;
+  if (launch.path == CudaPath::kVector) {
+    // Threads per group are a power of two (warps_per_group is); with one warp per group, 4 groups a block.
+    int shift = 0;
+    while ((1 << shift) < launch.warps_per_group * kWarpSize) ++shift;
+    params.group_shift = shift;
+    params.groups_per_block = launch.warps_per_group == 1 ? kVectorBlockOneWarp / kWarpSize : 1;
+  }
   PickLauncher(args.y_type, args.z_type, args.w_type)(params, launch, multiprocessors, stream);
   // The launch's own error (bad configuration, no device, no kernel image for this GPU); never a sync.
   return cudaGetLastError();

@@ -34,9 +34,31 @@ struct KernelParams {
   int64_t channels;
   int group_size;
   float group_size_f;
+  float inv_group_size;    // 1 / group_size (vector path: FastInvRms)
   float epsilon;
   int epilogue;            // see ForEachEpilogue
-  int warps_per_group;     // vector path
+  int gated;               // rounding of h: 0 none (float), 1 float16, 2 bfloat16 (see RoundGated)
+  // Vector path only (the launcher takes it only when items < 2^31, so item indices are 32-bit):
+  int warps_per_group;
+  int group_shift;         // log2(threads per group): threads per group are a power of two
+  int groups_per_block;    // blockDim.x / threads per group
+  uint32_t row_multiplier; // item / groups_per_row == (item * row_multiplier) >> row_shift (see FastDivisor)
+  int row_shift;
+};
+
+// floor(x / d) for 0 <= x < 2^31 as one wide multiply and a shift (Granlund-Montgomery): with
+// l = ceil(log2 d) and m = ceil(2^(31+l) / d), x * m / 2^(31+l) = x / d + an error below 2^-l <= 1/d, which
+// never reaches the next integer. m < 2^32 for every d >= 1.
+struct FastDivisor {
+  uint32_t multiplier = 1u << 31;
+  int shift = 31;
+  explicit FastDivisor(int64_t d) {
+    int l = 0;
+    while ((int64_t{1} << l) < d) ++l;
+    multiplier = static_cast<uint32_t>(((uint64_t{1} << (31 + l)) + static_cast<uint64_t>(d) - 1) /
+                                       static_cast<uint64_t>(d));
+    shift = 31 + l;
+  }
 };
 
 // Launches the kernel of `launch.path` for one (Y, Z, W) type combination; errors are read by the caller.

@@ -11,7 +11,8 @@ namespace {
 
 mambafuse::GatedGroupRMSNormArgs MakeArgs(const void* y, const void* z, const void* w, void* out, int y_type,
                                           int z_type, int w_type, int norm_type, int out_type, int out_storage_type,
-                                          int64_t rows, int64_t channels, int64_t group_size, float epsilon) {
+                                          int64_t rows, int64_t channels, int64_t group_size, float epsilon,
+                                          int gated_type = 1) {
   using mambafuse::ElemType;
   mambafuse::GatedGroupRMSNormArgs args;
   args.y = y;
@@ -24,6 +25,7 @@ mambafuse::GatedGroupRMSNormArgs MakeArgs(const void* y, const void* z, const vo
   args.norm_type = static_cast<ElemType>(norm_type);
   args.out_type = static_cast<ElemType>(out_type);
   args.out_storage_type = static_cast<ElemType>(out_storage_type);
+  args.gated_type = static_cast<ElemType>(gated_type);
   args.rows = rows;
   args.channels = channels;
   args.group_size = group_size;
@@ -40,6 +42,19 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_cuda_launch(const void* y, const void* z, c
                                                  int64_t group_size, float epsilon, void* stream, int path) {
   const auto args = MakeArgs(y, z, w, out, y_type, z_type, w_type, norm_type, out_type, out_storage_type, rows,
                              channels, group_size, epsilon);
+  if (mambafuse::ValidateArgs(args) != nullptr) return -1;
+  return static_cast<int>(mambafuse::LaunchGatedGroupRMSNorm(args, static_cast<cudaStream_t>(stream),
+                                                             static_cast<mambafuse::CudaPath>(path)));
+}
+
+// mambafuse_cuda_launch with the gated_dtype rounding point (an ONNX type number; 1 = float = none).
+MAMBAFUSE_BENCH_EXPORT int mambafuse_cuda_launch_gated(const void* y, const void* z, const void* w, void* out,
+                                                       int y_type, int z_type, int w_type, int norm_type,
+                                                       int out_type, int out_storage_type, int gated_type,
+                                                       int64_t rows, int64_t channels, int64_t group_size,
+                                                       float epsilon, void* stream, int path) {
+  const auto args = MakeArgs(y, z, w, out, y_type, z_type, w_type, norm_type, out_type, out_storage_type, rows,
+                             channels, group_size, epsilon, gated_type);
   if (mambafuse::ValidateArgs(args) != nullptr) return -1;
   return static_cast<int>(mambafuse::LaunchGatedGroupRMSNorm(args, static_cast<cudaStream_t>(stream),
                                                              static_cast<mambafuse::CudaPath>(path)));

@@ -1,9 +1,12 @@
 // Self-check of the CUDA kernels against the CPU math core, and the small driver that compute-sanitizer runs
-// (tools/sanitize.sh). Every (Y, Z, W) load type x (norm, output, storage) epilogue on both paths, the
-// test shapes, unaligned buffers (each input and the output one element off 16 bytes) and NaN/zero groups.
+// (tools/sanitize.sh). Every (Y, Z, W) load type x (norm, output, storage) epilogue on both paths, each with
+// one of the three gated_dtype roundings (none, float16, bfloat16, in turn), the test shapes with every
+// gated_dtype, unaligned buffers (each input and the output one element off 16 bytes) and NaN/zero groups.
 // The accuracy budget against the float64 reference is the pytest suite's job (tests/test_kernel_cuda.py);
 // here a difference beyond two output ulps (plus one norm-type ulp times |w| where the norm type is coarser)
-// means a wrong index, a missed element or a race, and fails.
+// means a wrong index, a missed element or a race, and fails. With a gated_dtype rounding, CPU and GPU may round
+// a tie-close h to neighbouring half values (their float32 h differ by a few ulps): one gated-type ulp of
+// the value on top.
 //
 //   mambafuse_cuda_selfcheck [--quick]     exit status 0 when every case matched
 #include <cuda_bf16.h>
@@ -82,6 +85,7 @@ struct Case {
   int64_t rows, channels, group_size;
   ElemType y, z, w, norm, out, store;
   CudaPath path;
+  ElemType gated;  // kFloat: no rounding of h
   int misalign;  // elements: 0, or 1 = every buffer off 16-byte alignment, 2 = only the gate
   bool specials;
 };
@@ -98,11 +102,12 @@ struct DeviceBuffer {
 
 std::string Describe(const Case& c) {
   char text[256];
-  std::snprintf(text, sizeof text, "[%lld x %lld / %lld] y=%s z=%s w=%s norm=%s out=%s store=%s path=%s misalign=%d%s",
+  std::snprintf(text, sizeof text,
+                "[%lld x %lld / %lld] y=%s z=%s w=%s norm=%s out=%s store=%s gated=%s path=%s misalign=%d%s",
                 static_cast<long long>(c.rows), static_cast<long long>(c.channels), static_cast<long long>(c.group_size),
                 TypeName(c.y), TypeName(c.z), TypeName(c.w), TypeName(c.norm), TypeName(c.out), TypeName(c.store),
-                c.path == CudaPath::kWarp ? "warp" : c.path == CudaPath::kVector ? "vector" : "auto", c.misalign,
-                c.specials ? " specials" : "");
+                TypeName(c.gated), c.path == CudaPath::kWarp ? "warp" : c.path == CudaPath::kVector ? "vector" : "auto",
+                c.misalign, c.specials ? " specials" : "");
   return text;
 }
 
@@ -137,6 +142,7 @@ bool RunCase(const Case& c, std::mt19937& rng, cudaStream_t stream) {
   args.norm_type = c.norm;
   args.out_type = c.out;
   args.out_storage_type = c.store;
+  args.gated_type = c.gated;
   args.rows = c.rows;
   args.channels = c.channels;
   args.group_size = c.group_size;
@@ -177,6 +183,7 @@ bool RunCase(const Case& c, std::mt19937& rng, cudaStream_t stream) {
     // float outputs: both kernels are within 2e-6 of the exact value (DESIGN.md §1), so within 4e-6 of each other.
     double tol = c.out == ElemType::kFloat ? std::max(2 * Ulp(e, c.out), 4e-6 * std::fabs(e)) : 2 * Ulp(e, c.out);
     if (coarser_norm) tol += wv * Ulp(wv > 0 ? e / wv : 0.0, c.norm);
+    if (c.gated != ElemType::kFloat) tol += std::ldexp(std::fabs(e), -MantissaBits(c.gated)) + Ulp(e, c.out);
     const double err = std::fabs(a - e);
     if (err > tol) ++bad;
     if (tol > 0 && err / tol > worst) worst = err / tol;
@@ -204,15 +211,17 @@ int main(int argc, char** argv) {
   std::vector<Case> cases;
   const CudaPath paths[] = {CudaPath::kWarp, CudaPath::kVector};
   // Every load-type x epilogue combination, both paths (the storage type is float or the output type).
+  int combination = 0;
   for (ElemType y : kTypes)
     for (ElemType z : kTypes)
       for (ElemType w : kTypes)
         for (ElemType norm : kTypes)
           for (ElemType out : kTypes)
             for (ElemType store : {out, ElemType::kFloat}) {
+              const ElemType gated = kTypes[combination++ % 3];
               for (CudaPath path : paths) {
                 if (quick && (y != z || z != w)) continue;
-                cases.push_back({3, 96, 48, y, z, w, norm, out, store, path, 0, false});
+                cases.push_back({3, 96, 48, y, z, w, norm, out, store, path, gated, 0, false});
               }
               if (out == ElemType::kFloat) break;  // {out, float} is one storage type for float outputs
             }
@@ -225,10 +234,13 @@ int main(int argc, char** argv) {
   for (const Shape& s : shapes)
     for (ElemType t : kTypes)
       for (CudaPath path : {CudaPath::kAuto, CudaPath::kWarp, CudaPath::kVector})
-        for (int misalign : {0, 1, 2}) {
-          if (quick && (misalign == 2 || path == CudaPath::kAuto)) continue;
-          cases.push_back({s.rows, s.channels, s.group_size, t, t, t, t, t, t, path, misalign, s.channels / s.group_size >= 4});
-        }
+        for (int misalign : {0, 1, 2})
+          for (ElemType gated : kTypes) {
+            if (quick && (misalign == 2 || path == CudaPath::kAuto || gated != ElemType::kFloat)) continue;
+            if (gated != ElemType::kFloat && misalign == 2) continue;  // the gate-only misalignment: no rounding
+            cases.push_back({s.rows, s.channels, s.group_size, t, t, t, t, t, t, path, gated, misalign,
+                             s.channels / s.group_size >= 4});
+          }
   int failed = 0;
   for (const Case& c : cases) failed += !RunCase(c, rng, stream);
   CHECK_CUDA(cudaStreamDestroy(stream));
