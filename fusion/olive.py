@@ -34,7 +34,11 @@ import sys
 from collections.abc import Sequence
 
 import onnx_ir as ir
-from olive.passes.onnx.graph_surgeries import Surgeon
+
+try:
+    from olive.passes.onnx.graph_surgeries import Surgeon
+except ImportError as error:
+    raise ImportError(f"fusion.olive needs olive-ai: pip install 'mambafuse[olive]' ({error})") from error
 
 from fusion.rewrite import Report, rewrite_model
 
