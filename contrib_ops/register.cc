@@ -52,6 +52,8 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
   }
   Ort::InitApi(api);
   return mambafuse::GuardStatus([&]() -> Ort::Status {
+    // A mistyped MAMBAFUSE_CPU_ISA would otherwise run the baseline kernel without a word.
+    if (const char* problem = mambafuse::IsaEnvironmentError()) return mambafuse::InvalidArgument(problem);
     // ORT keeps a raw pointer to each domain added to session options and never frees it, so each
     // registration's domain is kept for the library's lifetime.
     static std::vector<Ort::CustomOpDomain> domains;

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -435,6 +439,67 @@ def test_rejects_missing_epsilon() -> None:
     )
     model = make_model(graph)
     _expect_error(model, None, r"required attribute 'epsilon' \(float\) is missing")
+
+
+# --- resources --------------------------------------------------------------------------------------
+
+_SCRATCH_PROBE = """
+import gc, sys
+import numpy as np
+sys.path.insert(0, {repo!r})
+import contrib_ops
+from tests._ops import FLOAT, one_node_model
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+def run(group_size):
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal((1, group_size), dtype=np.float32)
+    z = rng.standard_normal((1, group_size), dtype=np.float32)
+    w = np.ones(group_size, np.float32)
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[1, group_size], group_size=group_size)
+    session = contrib_ops.session(model, use_library=True)
+    out = session.run(None, {{"y": y, "z": z, "w": w}})[0]
+    assert np.isfinite(out).all()
+    del session, out, y, z, w
+    gc.collect()
+
+run(1024)  # ONNX Runtime's own one-time allocations happen here
+before = rss_mb()
+run({group_size})
+print(rss_mb() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident set size from /proc")
+def test_huge_group_size_leaves_no_scratch_behind() -> None:
+    """A group of 2^23 floats (32 MB) needs a 32 MB buffer for h while it runs; once the run is over and
+    the session gone, the process must not hold it any more (the kernel keeps at most 256 KB per thread).
+    Measured in a fresh interpreter: resident memory after, minus before the session."""
+    group_size = 1 << 23
+    script = _SCRATCH_PROBE.format(repo=str(Path(__file__).resolve().parents[1]), group_size=group_size)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    retained_mb = float(result.stdout.strip().splitlines()[-1])
+    assert retained_mb < 16, f"{retained_mb:.0f} MB still resident after a run with group_size {group_size}"
+
+
+def test_unknown_cpu_isa_is_an_error() -> None:
+    """MAMBAFUSE_CPU_ISA set to a value the library does not know fails the session with a message naming
+    the variable and the accepted values, instead of quietly running the baseline kernel."""
+    script = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "import contrib_ops\n"
+        "from tests._ops import FLOAT, one_node_model\n"
+        "contrib_ops.session(one_node_model(FLOAT, FLOAT, FLOAT, shape=[1, 8], group_size=4), use_library=True)\n"
+    )
+    env = dict(os.environ, MAMBAFUSE_CPU_ISA="avx3")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0, "a session was created with MAMBAFUSE_CPU_ISA=avx3"
+    assert "MAMBAFUSE_CPU_ISA='avx3'" in result.stderr, result.stderr[-2000:]
+    assert "baseline" in result.stderr, result.stderr[-2000:]
 
 
 # --- the Python handle ------------------------------------------------------------------------------

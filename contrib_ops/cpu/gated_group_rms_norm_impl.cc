@@ -5,6 +5,7 @@
 // x86-64-v4 = AVX-512) and the widest variant the CPU reports is chosen once.
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "gated_group_rms_norm_impl.h"
 
@@ -113,5 +114,25 @@ void GatedGroupRMSNormCpu(const GatedGroupRMSNormArgs& args, int64_t first_item,
 }
 
 const char* SelectedIsa() { return Isa().name; }
+
+const char* IsaEnvironmentError() {
+  static const std::string message = []() -> std::string {
+    const char* forced = std::getenv("MAMBAFUSE_CPU_ISA");
+    if (forced == nullptr) return {};
+#if defined(MAMBAFUSE_X86_DISPATCH)
+    const char* accepted[] = {"baseline", "avx2", "avx512"};
+    const char* accepted_text = "baseline, avx2 or avx512";
+#else
+    const char* accepted[] = {"baseline"};
+    const char* accepted_text = "baseline (the only level of this build)";
+#endif
+    for (const char* name : accepted) {
+      if (std::strcmp(forced, name) == 0) return {};
+    }
+    return std::string("MAMBAFUSE_CPU_ISA='") + forced + "' is not an instruction-set level of this library; use " +
+           accepted_text + ", or unset it for the widest this CPU has";
+  }();
+  return message.empty() ? nullptr : message.c_str();
+}
 
 }  // namespace mambafuse

@@ -43,4 +43,9 @@ const char* ValidateArgs(const GatedGroupRMSNormArgs& args);
 // ("avx512", "avx2", "sse2", "neon", "generic"). MAMBAFUSE_CPU_ISA=baseline forces the baseline.
 const char* SelectedIsa();
 
+// Returns nullptr when MAMBAFUSE_CPU_ISA is unset or names a known level (baseline; on x86-64 also avx2,
+// avx512), else a message naming the variable, its value and the accepted values. A known level the CPU
+// lacks falls back to the widest it has; an unknown one is a mistake the library reports.
+const char* IsaEnvironmentError();
+
 }  // namespace mambafuse
