@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -21,6 +22,7 @@ import contrib_ops
 from fusion._chains import ChainSpec, build_chain, chain_inputs
 from fusion.rewrite import rewrite_model
 from fusion.rules import _arith
+from fusion.rules._graph import forward_dims
 
 CHANNELS, GROUP_SIZE = 64, 16
 GROUPS = CHANNELS // GROUP_SIZE
@@ -221,3 +223,47 @@ def test_group_targets_fuse_exactly_when_proven(case: tuple[tuple[int, ...], tup
     assert report.fused == 1, f"{target} on {leading}: {report.summary()}"
     assert report.fused_chains[0]["group_size"] == expected
     _assert_same_as_original(model, fused, feeds)
+
+
+def test_width_proven_by_shape_arithmetic() -> None:
+    """y = Reshape(x, [1, s, 64 * Min(s, 16 * ceil(s / 16)) // s]) of a graph input x [1, s, 64]: the
+    width is 64 for every s, which ONNX's inference does not see and the rule's arithmetic proves."""
+    spec = ChainSpec(leading=(1, "seq"), shape_as="dynamic")
+    model = build_chain(spec)
+    graph = model.graph
+    next(v for v in graph.input if v.name == "y").name = "x"
+    ints = {"c64": 64, "c16": 16, "c1": 1, "c0": 0}
+    graph.initializer.extend(onnx.numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items())
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([0], np.int64), "axis0"))
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([1], np.int64), "one_1d"))
+    make = onnx.helper.make_node
+    width_nodes = [
+        make("Shape", ["x"], ["s_1d"], start=1, end=2),
+        make("Concat", ["one_1d", "s_1d"], ["lead"], axis=0),
+        make("Squeeze", ["s_1d", "axis0"], ["s"]),
+        make("Mod", ["s", "c16"], ["r"]),
+        make("Sub", ["c16", "r"], ["pad0"]),
+        make("Mod", ["pad0", "c16"], ["pad"]),
+        make("Add", ["s", "pad"], ["padded0"]),
+        make("Div", ["padded0", "c16"], ["chunks"]),
+        make("Mul", ["chunks", "c16"], ["padded"]),
+        make("Min", ["s", "padded"], ["kept"]),
+        make("Mul", ["kept", "c64"], ["numel"]),
+        make("Div", ["numel", "s"], ["width"]),
+        make("Unsqueeze", ["width", "axis0"], ["width_1d"]),
+        make("Concat", ["lead", "width_1d"], ["y_shape"], axis=0),
+        make("Reshape", ["x", "y_shape"], ["y"]),
+    ]
+    for node in reversed(width_nodes):
+        graph.node.insert(0, node)
+    del graph.value_info[:]
+    ir_model = ir.from_proto(model)
+    y = next(v for node in ir_model.graph for v in node.outputs if v.name == "y")
+    assert y.shape is None  # nothing declared: the proof comes from the graph alone
+    assert forward_dims(y) == [1, "seq", 64]
+    # an expression that is not the same for every length is not proven
+    graph.node.remove(next(n for n in graph.node if n.output[0] == "kept"))
+    graph.node.insert(0, onnx.helper.make_node("Min", ["s", "c16"], ["kept"]))
+    ir_model = ir.from_proto(model)
+    y = next(v for node in ir_model.graph for v in node.outputs if v.name == "y")
+    assert forward_dims(y) is None

@@ -2,7 +2,8 @@
 
 A ``Dim`` is what can be proven about one dimension: an ``int`` (static), a ``str`` (a named symbolic
 dim: two equal names are the same size), an opaque ``tuple`` token (an unnamed dim of one particular
-value: equal only to itself), or ``None`` (nothing known). Two dims are provably equal only when both
+value: equal only to itself), a ``QuasiAffine`` expression of one symbolic dim (fusion/rules/_arith.py),
+or ``None`` (nothing known). Two dims are provably equal only when both
 are not None and compare equal.
 """
 
@@ -17,7 +18,7 @@ import onnx_ir as ir
 
 from fusion.rules import _arith
 
-Dim = int | str | tuple[Any, ...] | None
+Dim = int | str | tuple[Any, ...] | _arith.QuasiAffine | None
 
 #: Producers of shape tensors that resolve_shape_tensor looks through; deeper chains give up.
 _MAX_DEPTH = 32
@@ -207,12 +208,24 @@ def resolve_scalar(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[D
     expression = quasi_affine(value, aliases, depth)
     if expression is None:
         return _UNRESOLVED
+    return simplified(expression)
+
+
+def simplified(expression: _arith.QuasiAffine) -> Dim:
+    """Return an expression as the plainest Dim: an int, the symbol itself, or the expression."""
     constant = expression.as_constant()
     if constant is not None:
         return constant
-    if expression.is_symbol():
-        return expression.symbol
-    return _UNRESOLVED
+    return expression.symbol if expression.is_symbol() else expression
+
+
+def as_expression(dim: Dim) -> _arith.QuasiAffine | None:
+    """Return a Dim as an expression (None for an unknown dim)."""
+    if dim is None:
+        return None
+    if isinstance(dim, _arith.QuasiAffine):
+        return dim
+    return _arith.QuasiAffine.constant(dim) if isinstance(dim, int) else _arith.QuasiAffine.of_symbol(dim)
 
 
 def _scalar_leaf(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int) -> Any:
@@ -260,10 +273,8 @@ def quasi_affine(
     if value is None or depth > _MAX_DEPTH:
         return None
     leaf = _scalar_leaf(value, aliases, depth)
-    if isinstance(leaf, int):
-        return _arith.QuasiAffine.constant(leaf)
     if leaf is not _UNRESOLVED and leaf is not None:
-        return _arith.QuasiAffine.of_symbol(leaf)
+        return as_expression(leaf)
     producer = value.producer()
     if producer is None or producer.domain not in ("", "ai.onnx"):
         return None
@@ -291,7 +302,132 @@ def quasi_affine(
 
 def dims_equal(left: Dim, right: Dim) -> bool:
     """Return whether two Dims are provably the same size."""
-    return left is not None and right is not None and left == right
+    if left is None or right is None:
+        return False
+    if isinstance(left, _arith.QuasiAffine) or isinstance(right, _arith.QuasiAffine):
+        difference = _arith.add(as_expression(left), as_expression(right), sign=-1)  # type: ignore[arg-type]
+        return difference is not None and difference.as_constant() == 0
+    return left == right
+
+
+#: Ops whose output has the shape of their (only) data input.
+_SAME_SHAPE = frozenset(
+    {"Cast", "Identity", "Neg", "Exp", "Log", "Sigmoid", "Softplus", "Relu", "Abs", "Sqrt", "Reciprocal", "Tanh"}
+)
+#: Elementwise ops with numpy broadcasting.
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"})
+
+
+def forward_dims(value: ir.Value | None, depth: int = 0) -> list[Dim] | None:
+    """Return the dims of ``value`` proven from the graph: graph inputs' and initializers' shapes, then
+    Reshape targets (shape arithmetic followed), Slice, Transpose, elementwise ops. None when not proven.
+
+    Declared shapes of intermediate values are never used: they are hints, not checked at run time.
+    """
+    if value is None or depth > 24:
+        return None
+    producer = value.producer()
+    if producer is None:  # a graph input (its declared shape is the model's interface) or initializer
+        return value_dims(value, {})
+    if producer.domain not in ("", "ai.onnx") or not producer.inputs:
+        return None
+    op, inputs = producer.op_type, producer.inputs
+    if op in _SAME_SHAPE:
+        return forward_dims(inputs[0], depth + 1)
+    if op in _BROADCASTING and len(inputs) == 2:
+        left, right = forward_dims(inputs[0], depth + 1), forward_dims(inputs[1], depth + 1)
+        return _broadcast(left, right)
+    if op == "Transpose":
+        dims = forward_dims(inputs[0], depth + 1)
+        perm = producer.attributes.get("perm")
+        if dims is None:
+            return None
+        order = list(perm.as_ints()) if perm is not None else list(reversed(range(len(dims))))
+        return [dims[i] for i in order] if sorted(order) == list(range(len(dims))) else None
+    if op == "Reshape" and len(inputs) > 1:
+        return _reshape_dims(producer, forward_dims(inputs[0], depth + 1))
+    if op == "Slice":
+        return _slice_dims(producer, forward_dims(inputs[0], depth + 1))
+    return None
+
+
+def _broadcast(left: list[Dim] | None, right: list[Dim] | None) -> list[Dim] | None:
+    if left is None or right is None:
+        return None
+    rank = max(len(left), len(right))
+    left, right = [1] * (rank - len(left)) + left, [1] * (rank - len(right)) + right
+    dims: list[Dim] = []
+    for a, b in zip(left, right, strict=True):
+        if dims_equal(a, b) or b == 1:
+            dims.append(a)
+        elif a == 1:
+            dims.append(b)
+        else:
+            return None
+    return dims
+
+
+def _product(dims: Sequence[Dim]) -> _arith.QuasiAffine | None:
+    total = _arith.QuasiAffine.constant(1)
+    for dim in dims:
+        factor = as_expression(dim)
+        total = None if factor is None or total is None else _arith.multiply(total, factor)
+    return total
+
+
+def _reshape_dims(reshape: ir.Node, input_dims: list[Dim] | None) -> list[Dim] | None:
+    target = resolve_shape_tensor(reshape.inputs[1], {})
+    if target is None or any(d is None for d in target):
+        return None
+    allow_zero = reshape.attributes.get_int("allowzero", 0) == 1
+    dims: list[Dim] = []
+    for index, dim in enumerate(target):
+        if dim == 0 and not allow_zero:
+            if input_dims is None or index >= len(input_dims):
+                return None
+            dim = input_dims[index]
+        dims.append(dim)
+    if -1 in dims:
+        known = [d for d in dims if d != -1]
+        total, rest = _product(input_dims) if input_dims is not None else None, _product(known)
+        if dims.count(-1) != 1 or total is None or rest is None:
+            return None
+        missing = _arith.floor_divide(total, rest)
+        back = _arith.multiply(missing, rest) if missing is not None else None
+        if back is None or not dims_equal(simplified(back), simplified(total)):
+            return None  # the element count is not provably a multiple: not followed
+        dims[dims.index(-1)] = simplified(missing)
+    return dims
+
+
+def _slice_dims(node: ir.Node, input_dims: list[Dim] | None) -> list[Dim] | None:
+    """Slices with step 1 from a non-negative start to a non-negative end, on constant axes."""
+    inputs = node.inputs
+    if input_dims is None or len(inputs) < 3:
+        return None
+    starts = resolve_shape_tensor(inputs[1], {})
+    ends = resolve_shape_tensor(inputs[2], {})
+    axes_array = constant_array(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
+    steps = constant_array(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else None
+    if starts is None or ends is None or len(starts) != len(ends):
+        return None
+    axes = [int(a) for a in axes_array.reshape(-1)] if axes_array is not None else list(range(len(starts)))
+    if steps is not None and any(int(s) != 1 for s in steps.reshape(-1)):
+        return None
+    dims = list(input_dims)
+    for axis, start, end in zip(axes, starts, ends, strict=False):
+        axis = axis + len(dims) if axis < 0 else axis
+        size, start_e, end_e = as_expression(dims[axis]), as_expression(start), as_expression(end)
+        if size is None or start_e is None or end_e is None or start_e.as_constant() != 0:
+            return None
+        low = end_e.lower_bound()
+        if low is None or low < 0:
+            return None
+        clipped = _arith.minimum(end_e, size)
+        if clipped is None:
+            return None
+        dims[axis] = simplified(clipped)
+    return dims
 
 
 def format_dims(dims: Iterable[Dim] | None) -> str:

@@ -43,6 +43,7 @@ from fusion.rules._graph import (
     constant_scalar,
     dims_equal,
     format_dims,
+    forward_dims,
     remove_dead_producers,
     resolve_shape_tensor,
     value_dims,
@@ -536,22 +537,20 @@ def _is_shape_node(node: ir.Node) -> bool:
 
 
 def _proven_dims(value: ir.Value) -> list[Dim] | None:
-    """Return the dims of ``value``, its last one proven from its producer where it is not a number.
+    """Return the dims of ``value``, its last one proven from the graph where it is not a number.
 
-    A declared symbolic width is only a hint; when ``value`` is made by a Reshape whose target's last
-    element is proven (a constant, or shape arithmetic that gives C for every size), that is the width.
+    A declared symbolic width is only a hint; when the graph's own shape arithmetic proves the width
+    (forward_dims: Reshape targets, Slice, elementwise ops from the graph inputs), that is the width.
     """
     dims = value_dims(value, {})
     if dims is None or not dims or isinstance(dims[-1], int):
         return dims
-    producer = value.producer()
-    while producer is not None and producer.op_type in ("Cast", "Identity") and producer.inputs[0] is not None:
-        producer = producer.inputs[0].producer()  # same shape
-    if producer is not None and producer.op_type == "Reshape" and producer.domain in _ONNX_DOMAINS:
-        target = resolve_shape_tensor(producer.inputs[1], {}) if len(producer.inputs) > 1 else None
-        if target and isinstance(target[-1], int) and target[-1] > 0:
-            return [*dims[:-1], target[-1]]
-    return dims
+    proven = forward_dims(value)
+    if not proven or len(proven) != len(dims) or not (isinstance(proven[-1], int) and proven[-1] > 0):
+        return dims
+    # The proven width, and proven leading dims where the declared ones are unnamed.
+    leading = [p if not isinstance(d, int | str) and p is not None else d for d, p in zip(dims, proven, strict=True)]
+    return [*leading[:-1], proven[-1]]
 
 
 def _last_axis_as_channels(
