@@ -16,7 +16,7 @@ name, case-insensitive) when the class is created. Importing this module therefo
         "output_dir": "out",
     })
 
-``olive run --config …`` on the command line does not import it; ``python -m fusion.olive CONFIG.json``
+``olive run --config …`` on the command line does not import it; ``mambafuse olive CONFIG.json``
 does the same run with the surgeon registered.
 
 Evaluation inside Olive: Olive's own ONNX Runtime sessions register no custom-op library but

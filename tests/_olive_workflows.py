@@ -3,8 +3,9 @@
 Olive takes ~8 s to import and configures logging and telemetry globally, so the tests run it once, here,
 with telemetry off and the Hugging Face hub offline, and check what it wrote to OUT:
 
-- ``fixture/``: ``python -m fusion.olive`` on a config (the committed tiny Nemotron-H prefill export →
-  ``GraphSurgeries`` with our surgeon, ``min_fused`` 2 → Olive's latency evaluator on the fused model).
+- ``fixture/``: ``mambafuse olive`` (``python -m fusion.olive``) on a config (the committed tiny Nemotron-H
+  prefill export → ``GraphSurgeries`` with our surgeon, ``min_fused`` 2 → Olive's latency evaluator on the
+  fused model).
 - ``mobius/``: a random-weight Hugging Face Mamba-2 directory → ``MobiusBuilder`` → ``GraphSurgeries``
   with our surgeon; ``mobius_only/``: the same without the surgeon (the unfused reference).
 - ``olive_session_outputs.npz``: every output model run through Olive's own session factory
@@ -96,6 +97,7 @@ def main(out: Path) -> None:
     from olive.common.ort_inference import get_ort_inference_session
     from olive.workflows import run
 
+    import fusion.cli
     import fusion.olive
 
     # 1. The fixture workflow through the command line entry point, config as a file.
@@ -132,9 +134,9 @@ def main(out: Path) -> None:
     }
     config_path = out / "fixture.json"
     config_path.write_text(json.dumps(config, indent=2))
-    status = fusion.olive.main([str(config_path)])
+    status = fusion.cli.main(["olive", str(config_path)])  # = mambafuse olive CONFIG = python -m fusion.olive
     if status != 0:
-        raise SystemExit(f"python -m fusion.olive {config_path} exited with {status}")
+        raise SystemExit(f"mambafuse olive {config_path} exited with {status}")
 
     # 2. MobiusBuilder, then our surgeon; and MobiusBuilder alone for the unfused reference.
     _shim_mobius_local_tokenizer()

@@ -61,6 +61,8 @@ def test_report_dispatches_to_fusion_report(tmp_path: Path) -> None:
         ([], 2, "usage: mambafuse"),
         (["rewrite", "tests/no-such-model.onnx"], 2, "no such file"),
         (["rewrite", "--no-such-flag"], 2, "error:"),
+        (["olive"], 2, "usage: mambafuse olive CONFIG.json"),
+        (["olive", "a.json", "b.json"], 2, "usage: mambafuse olive CONFIG.json"),
     ],
 )
 def test_errors_are_one_line(args: list[str], status: int, message: str) -> None:
@@ -73,6 +75,6 @@ def test_errors_are_one_line(args: list[str], status: int, message: str) -> None
 def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "rewrite" in out and "report" in out and "--version" in out
+    assert "rewrite" in out and "report" in out and "olive" in out and "--version" in out
     assert cli.main(["rewrite", "--help"]) == 0
     assert "--verify" in capsys.readouterr().out
