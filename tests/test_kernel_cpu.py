@@ -224,6 +224,21 @@ def test_shapes(shape: tuple[int, ...], group_size: int, elem_type: int, threads
 
 @pytest.mark.parametrize(
     ("y_type", "z_type", "w_type", "norm_type", "out_type"),
+    [(FLOAT,) * 5, EXPORTER_TYPE_MIXES["B-f16"], EXPORTER_TYPE_MIXES["C-bf16"]],
+    ids=["f32", "B-f16", "C-bf16"],
+)
+def test_prefill_sized_output_is_streamed_correctly(
+    y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int
+) -> None:
+    """Outputs of 16 MB and more are written with non-temporal stores (x86): 512 x 8192 float32 or
+    1024 x 8192 half outputs, over two threads (each thread's range fenced)."""
+    rng = np.random.default_rng(17)
+    y, z, w = random_inputs(rng, (1024 if out_type != FLOAT else 512, 8192), y_type, z_type, w_type)
+    check_against_reference(y, z, w, group_size=1024, norm_type=norm_type, out_type=out_type, threads=2)
+
+
+@pytest.mark.parametrize(
+    ("y_type", "z_type", "w_type", "norm_type", "out_type"),
     list(EXPORTER_TYPE_MIXES.values()),
     ids=list(EXPORTER_TYPE_MIXES),
 )

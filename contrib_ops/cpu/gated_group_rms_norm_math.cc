@@ -196,6 +196,36 @@ inline void Store(void* p, VF v, ElemType type) {
   }
 }
 
+// Store with a non-temporal hint (x86): the line is written without being read first and without
+// evicting the working set, which pays when the output is far larger than the caches (prefill). `p` must
+// be aligned to the store's size; the caller fences once after the last one.
+inline void StoreStream(void* p, VF v, ElemType type) {
+#if defined(MAMBAFUSE_MXCSR)
+  if (type == ElemType::kFloat) {
+#if defined(__AVX512F__)
+    _mm512_stream_ps(static_cast<float*>(p), reinterpret_cast<__m512>(v));
+#elif defined(__AVX2__)
+    _mm256_stream_ps(static_cast<float*>(p), reinterpret_cast<__m256>(v));
+#else
+    _mm_stream_ps(static_cast<float*>(p), reinterpret_cast<__m128>(v));
+#endif
+    return;
+  }
+  const VH h = type == ElemType::kFloat16 ? FloatToF16(v) : FloatToBF16(v);
+#if defined(__AVX512F__)
+  _mm256_stream_si256(static_cast<__m256i*>(p), reinterpret_cast<__m256i>(h));
+#elif defined(__AVX2__)
+  _mm_stream_si128(static_cast<__m128i*>(p), reinterpret_cast<__m128i>(h));
+#else
+  long long bits;
+  std::memcpy(&bits, &h, sizeof bits);
+  _mm_stream_si64(static_cast<long long*>(p), bits);
+#endif
+#else
+  Store(p, v, type);
+#endif
+}
+
 inline size_t TypeBytes(ElemType t) { return t == ElemType::kFloat ? 4 : 2; }
 
 // A load of the last, partial vector of a group: the remaining elements, zeros after them (a zero y and
@@ -293,6 +323,11 @@ float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
   VF acc[kUnroll] = {};
   int64_t j = 0;
   for (; j + step <= n; j += step) {
+    // The next group's y and z (the next items are contiguous in memory): in prefill the loads of a
+    // group then hit the cache instead of waiting on memory between the compute phases. Past the end of
+    // the tensor a prefetch is only a hint, never a fault.
+    for (size_t line = 0; line < step * yb; line += 64) __builtin_prefetch(y + (n + j) * yb + line, 0, 3);
+    for (size_t line = 0; line < step * zb; line += 64) __builtin_prefetch(z + (n + j) * zb + line, 0, 3);
     VF v[kUnroll];
     for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
     Silu(v);
@@ -341,7 +376,7 @@ float MaxAbs(const char* y, int64_t n) {
 
 // out = round(O, w * round(N, h * nf)), stored as S (O, or float holding values rounded to O).
 template <ElemType W, ElemType N, ElemType O, ElemType S>
-void NormPass(const float* __restrict gated, float inv_rms, const char* w, char* out, int64_t n) {
+void NormPass(const float* __restrict gated, float inv_rms, const char* w, char* out, int64_t n, bool stream) {
   constexpr size_t wb = Type<W>::bytes, ob = Type<S>::bytes;
   const auto value = [inv_rms](VF h, VF weight) {
     const VF normed = RoundThrough(h * inv_rms, N);  // rounding point 1: norm_dtype
@@ -349,6 +384,11 @@ void NormPass(const float* __restrict gated, float inv_rms, const char* w, char*
     return S == O ? product : RoundThrough(product, O);  // rounding point 2, when stored widened
   };
   int64_t j = 0;
+  if (stream) {
+    for (; j + kWidth <= n; j += kWidth) {
+      StoreStream(out + j * ob, value(LoadF32(gated + j), Load(w + j * wb, W)), S);
+    }
+  }
   for (; j + kWidth <= n; j += kWidth) {
     Store(out + j * ob, value(LoadF32(gated + j), Load(w + j * wb, W)), S);
   }
@@ -362,15 +402,15 @@ void NormPass(const float* __restrict gated, float inv_rms, const char* w, char*
 
 // The norm pass for the run-time types: nested switches down to a direct call of one instantiation.
 void NormPassFor(ElemType w_type, ElemType norm, ElemType out_type, ElemType store, const float* gated,
-                 float inv_rms, const char* w, char* out, int64_t n) {
+                 float inv_rms, const char* w, char* out, int64_t n, bool stream) {
   WithType(w_type, [&](auto wt) {
     WithType(norm, [&](auto nt) {
       WithType(out_type, [&](auto ot) {
         constexpr ElemType kW = decltype(wt)::value, kN = decltype(nt)::value, kO = decltype(ot)::value;
         if (store == kO) {
-          NormPass<kW, kN, kO, kO>(gated, inv_rms, w, out, n);
+          NormPass<kW, kN, kO, kO>(gated, inv_rms, w, out, n, stream);
         } else {
-          NormPass<kW, kN, kO, ElemType::kFloat>(gated, inv_rms, w, out, n);
+          NormPass<kW, kN, kO, ElemType::kFloat>(gated, inv_rms, w, out, n, stream);
         }
       });
     });
@@ -419,6 +459,7 @@ class FlushScope {
 // after the call when it is large (a huge group_size must not leave its buffer held by a pool thread).
 constexpr int64_t kStackGroup = 4096;
 constexpr size_t kKeptScratch = 1 << 16;  // floats (256 KB) kept per thread between calls
+constexpr size_t kStreamBytes = size_t{16} << 20;  // outputs from 16 MB (past a desktop L3) are streamed
 
 }  // namespace
 
@@ -446,6 +487,11 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     if (heap_buffer.size() < static_cast<size_t>(gs)) heap_buffer.resize(static_cast<size_t>(gs));
     gated = heap_buffer.data();
   }
+  // Non-temporal stores when the output is far larger than the caches and the groups' starts are aligned
+  // to the vector stores (ORT's buffers are 64-byte aligned; group_size a multiple of the width).
+  const size_t store_bytes = static_cast<size_t>(kWidth) * (a.out_storage_type == ElemType::kFloat ? 4 : 2);
+  const bool stream = static_cast<size_t>(a.rows * a.channels) * out_bytes >= kStreamBytes &&
+                      reinterpret_cast<uintptr_t>(a.out) % store_bytes == 0 && gs % kWidth == 0;
 #if defined(MAMBAFUSE_MXCSR)
   FlushScope flush;
   thread_local bool scaled_hint = false;
@@ -493,21 +539,24 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       flush.Exact();
       exact = true;
     }
-    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs);
+    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
     if (exact) {
       flush.Resume();
     } else if (FlushScope::Underflowed(inv_rms)) {
       flush.Exact();
-      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs);
+      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
       flush.Resume();
     }
 #else
     const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
     inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
-    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs);
+    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
 #endif
   }
   if (heap_buffer.capacity() > kKeptScratch) std::vector<float>().swap(heap_buffer);
+#if defined(MAMBAFUSE_MXCSR)
+  if (stream) _mm_sfence();  // the streamed stores are visible before the caller hands the output on
+#endif
 }
 
 }  // namespace

@@ -99,13 +99,15 @@ int main(int argc, char** argv) {
   for (auto& v : w) v = 1.f + 0.5f * normal(rng);
   const ElemType io = denormal ? ElemType::kFloat : type;
   const auto y_bytes = Fill(y, io), z_bytes = Fill(z, io), w_bytes = Fill(w, io);
-  std::vector<char> out(count * (io == ElemType::kFloat ? 4 : 2));
+  // 64-byte aligned, as ONNX Runtime's buffers are (the kernel streams large outputs only when aligned).
+  std::vector<char> out_storage(count * (io == ElemType::kFloat ? 4 : 2) + 64);
+  char* out = out_storage.data() + (64 - reinterpret_cast<uintptr_t>(out_storage.data()) % 64) % 64;
 
   mambafuse::GatedGroupRMSNormArgs args;
   args.y = y_bytes.data();
   args.z = z_bytes.data();
   args.w = w_bytes.data();
-  args.out = out.data();
+  args.out = out;
   args.y_type = args.z_type = args.w_type = args.norm_type = args.out_type = args.out_storage_type = io;
   args.gated_type = gated;
   args.rows = rows;
