@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import onnx
 
+from fusion.progress import Progress
 from fusion.reference import DOMAIN, OP_TYPE
 
 SCHEMA_VERSION = 1
@@ -52,39 +53,7 @@ class ReportError(Exception):
     """A problem with the report's arguments or models, with a message for the user."""
 
 
-# --- progress -----------------------------------------------------------------------------------
-
-
-class Progress:
-    """Progress on stderr: live updates on a terminal, a few plain lines in a log, nothing when quiet."""
-
-    def __init__(self, enabled: bool = True, stream: Any = None) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.live = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self._last = 0.0
-
-    def step(self, message: str) -> None:
-        if not self.enabled:
-            return
-        if self.live:
-            self.stream.write("\r\033[K" + message)
-            self.stream.flush()
-        else:
-            print(message, file=self.stream, flush=True)
-
-    def tick(self, message: str) -> None:
-        """Update a running count; on a terminal only (a log gets the step lines)."""
-        now = time.monotonic()
-        if self.live and now - self._last > 0.2:
-            self._last = now
-            self.stream.write("\r\033[K" + message)
-            self.stream.flush()
-
-    def done(self) -> None:
-        if self.live:
-            self.stream.write("\r\033[K")
-            self.stream.flush()
+# --- progress: one updating line on a terminal, nothing in a log (fusion/progress.py) -------------
 
 
 # --- inputs -------------------------------------------------------------------------------------
@@ -450,7 +419,7 @@ def measure(
     """Return the before/after Report of two models on each provider (see the module docstring)."""
     import onnxruntime as ort
 
-    progress = progress or Progress(enabled=False)
+    progress = progress or Progress("report", enabled=False)
     if runs < 1:
         raise ReportError(f"--runs must be >= 1, got {runs}")
     available = ort.get_available_providers()
@@ -682,7 +651,7 @@ def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: C
         dims=parse_dims(args.dim),
         inputs=load_inputs(args.inputs) if getattr(args, "inputs", None) else None,
         optimization_level=args.optimization_level,
-        progress=Progress(enabled=not args.quiet),
+        progress=Progress("report", enabled=not args.quiet),
     )
     print_fn(report.table())
     if args.json_path:

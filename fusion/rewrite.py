@@ -32,6 +32,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from fusion import function as fused_function
 from fusion.model_io import Interrupted, RewriteError, check_output, first_line, interruptible, load, save
+from fusion.progress import progress
 from fusion.reference import DOMAIN, OP_TYPE
 from fusion.report import ReportError
 from fusion.rules._graph import all_values, value_info_preserved
@@ -352,15 +353,21 @@ def _run(args: argparse.Namespace) -> int:
         raise RewriteError(f"{output.parent}: output directory does not exist")
     if output.is_dir():
         raise RewriteError(f"{output}: is a directory; -o names the output file")
-    model = load(args.input)
-    check_output(args.input, model, output)
-    # Every argument is checked before anything is written.
-    dims, inputs = prepare_inputs(args.input, args.dim, args.inputs) if args.verify or args.report else ({}, None)
-    _check_report_paths(args)
-    fused_model, report = rewrite_model(model, function=not args.no_function)
-    save(fused_model, output)
-    if args.verify:
-        report.verification = verify(args.input, output, dims, inputs)
+    # One status line on a terminal (nothing in a log) while loading, fusing, writing and verifying.
+    with progress("mambafuse rewrite") as bar:
+        bar.step("loading and checking the model")
+        model = load(args.input)
+        check_output(args.input, model, output)
+        # Every argument is checked before anything is written.
+        dims, inputs = prepare_inputs(args.input, args.dim, args.inputs) if args.verify or args.report else ({}, None)
+        _check_report_paths(args)
+        bar.step("fusing")
+        fused_model, report = rewrite_model(model, function=not args.no_function)
+        bar.step(f"writing {output.name}")
+        save(fused_model, output)
+        if args.verify:
+            bar.step("verifying: running the original and the fused model")
+            report.verification = verify(args.input, output, dims, inputs)
     if args.json:
         print(json.dumps({"output": str(output), **report.to_dict()}, indent=2))
     else:

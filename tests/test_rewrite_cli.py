@@ -267,3 +267,15 @@ def test_verify_takes_real_inputs_and_dims(tmp_path: Path, capsys: pytest.Captur
     assert "does not exist" in _error_line(capsys)
     assert main([str(source), "--verify", "--dim", "seq"]) == 2
     assert "--dim expects NAME=SIZE" in _error_line(capsys)
+
+
+def test_progress_on_a_terminal_and_quiet_in_a_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _write(tmp_path / "model.onnx")
+    assert main([str(source), "--verify"]) == 0
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here: nothing but errors
+    monkeypatch.setenv("MAMBAFUSE_PROGRESS", "1")  # as on a terminal
+    assert main([str(source), "-o", str(tmp_path / "again.onnx"), "--verify"]) == 0
+    err = capsys.readouterr().err
+    assert "verifying" in err and err.endswith("\r\033[K")  # the line is erased before the summary
