@@ -129,10 +129,12 @@ class Progress:
 
 
 def _terminal_width(stream: IO[str]) -> int:
+    """Return the terminal's width; 80 when unknown (a pseudo-terminal without a size reports 0)."""
     try:
-        return os.get_terminal_size(stream.fileno()).columns
+        columns = os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, OSError, ValueError):
         return 80
+    return columns if columns >= 20 else 80
 
 
 @contextlib.contextmanager

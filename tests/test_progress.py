@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 
@@ -109,3 +110,16 @@ def test_disabled_draws_nothing_on_a_terminal() -> None:
     bar.advance()
     bar.done()
     assert terminal.getvalue() == "" and bar.count == 1
+
+
+def test_long_lines_fit_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line wider than the terminal is cut to fit; a terminal that reports no size counts as 80 wide."""
+    for columns, width in ((40, 40), (0, 80)):
+        monkeypatch.setattr(progress_module.os, "get_terminal_size", lambda fd, c=columns: os.terminal_size((c, 24)))
+        terminal = FakeTerminal()
+        terminal.fileno = lambda: 2  # type: ignore[method-assign]
+        with progress("verify", stream=terminal) as bar:
+            bar.step("x" * 200)
+        drawn = [line for line in terminal.getvalue().split("\r\033[K") if line]
+        assert drawn and all(len(line) <= width - 1 for line in drawn), (columns, drawn)
+        assert drawn[-1].startswith("verify: xxx") and drawn[-1].endswith("…")
