@@ -285,3 +285,16 @@ def test_docs_stay_inside_the_repository(doc: Path) -> None:
 def test_readme_links_the_contract_and_the_catalog() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "(docs/op.md)" in readme and "(docs/forms.md)" in readme
+
+
+def test_tested_by_column_names_real_tests() -> None:
+    """Every "tested by" reference of the fused-forms table exists: rule test cases and test files."""
+    rows = _table(_section(FORMS_DOC.read_text(), "Forms that are fused"))
+    rule_tests = (ROOT / "tests" / "test_rules_gated_group_rms_norm.py").read_text()
+    for row in rows:
+        for prefix in re.findall(r"`([A-Z])_\*` cases", row[4]):
+            assert f'"{prefix}_' in rule_tests, (
+                f"form {row[0]}: no {prefix}_* case in test_rules_gated_group_rms_norm.py"
+            )
+        for path in re.findall(r"`(tests/[\w/]+\.py)`", row[4]):
+            assert (ROOT / path).is_file(), f"form {row[0]}: {path} does not exist"
