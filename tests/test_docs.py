@@ -291,6 +291,8 @@ def test_tested_by_column_names_real_tests() -> None:
     """Every "tested by" reference of the fused-forms table exists: rule test cases and test files."""
     rows = _table(_section(FORMS_DOC.read_text(), "Forms that are fused"))
     rule_tests = (ROOT / "tests" / "test_rules_gated_group_rms_norm.py").read_text()
+    prefixes = [prefix for row in rows for prefix in re.findall(r"`([A-Z])_\*` cases", row[4])]
+    assert prefixes == [row[0] for row in rows], prefixes  # every fused form names its rule test cases
     for row in rows:
         for prefix in re.findall(r"`([A-Z])_\*` cases", row[4]):
             assert f'"{prefix}_' in rule_tests, (
