@@ -104,10 +104,12 @@ def location(node: ir.Node) -> str:
 class _Refusal(Exception):
     """A check failure: the reason and the node or value it is about."""
 
-    def __init__(self, reason: str, culprit: ir.Node | ir.Value | None = None) -> None:
+    def __init__(self, reason: str, culprit: ir.Node | ir.Value | None = None, *, logged: bool = True) -> None:
         super().__init__(reason)
         self.reason = reason
         self.culprit = culprit
+        #: False when another rule explains this chain better (it is not this rule's form at all).
+        self.logged = logged
 
 
 def _dtype_name(dtype: ir.DataType | int | None) -> str:
@@ -280,7 +282,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             self._plan = self._make_plan(context, anchor, form, bindings)
         except _Refusal as refusal:
             log = _ACTIVE_LOG.get()
-            if log is not None:
+            if log is not None and refusal.logged:
                 log.record(anchor, form, reason=refusal.reason)
             return result.fail(refusal.reason, refusal.culprit)
         return result
@@ -639,6 +641,11 @@ def _scale_as_weight(scale: ir.Value, grouped: bool) -> tuple[ir.Value, int, boo
     Ungrouped, the scale is W[C] itself. Grouped, it is ``Reshape(W[C], [G, gs])`` (a constant target)
     or a constant [G, gs]: either way row g of the scale weights group g, as W[g*gs:(g+1)*gs] does.
     """
+    ones = constant_array(scale)
+    if ones is not None and ones.size and np.all(ones == 1):
+        # An all-ones scale is a plain norm whose weight multiplies after it (forms F, H): those rules
+        # explain the chain, this one does not apply.
+        raise _Refusal("the norm's scale is all ones: not the weight", scale, logged=False)
     if not grouped:
         return scale, _weight_channels(scale), False
     producer = scale.producer()
