@@ -1,0 +1,265 @@
+"""Fuse an onnxruntime-genai model folder: fused ``model.onnx``, the custom-op library beside it, config set.
+
+Command line::
+
+    python -m fusion.genai IN_FOLDER OUT_FOLDER [--no-function] [--genai-config-edit] [--json] [--debug]
+
+IN_FOLDER is a folder as ``mobius build ... --runtime ort-genai`` (or onnxruntime-genai's own builder)
+writes it: ``genai_config.json``, the decoder model it names (``model.decoder.filename``) with its external
+data, tokenizer files. OUT_FOLDER (new, or an empty directory) gets
+
+- the decoder model with every gated group-RMSNorm chain fused (``fusion.rewrite``; its external weights
+  in ``<filename>.data`` beside it, as ``python -m fusion.rewrite`` writes them for another directory);
+- every other file of IN_FOLDER, copied unchanged (the input model's own data files excepted);
+- mambafuse's custom-op library, copied beside the model, and ``genai_config.json`` with
+  ``model.decoder.session_options.custom_ops_library`` set to its file name. onnxruntime-genai looks the
+  file up in the model folder, an execution-provider library folder or the working directory, and
+  refuses paths with ``..``: a bare name in the model folder is what works wherever the folder is moved.
+
+onnxruntime-genai 0.18 does not know the ``model.type`` mobius writes for these families (``nemotron_h``,
+``zamba2``, ``mamba2``: "Unsupported model_type in config.json"). The command says so, and with
+``--genai-config-edit`` it declares the folder as genai's generic ``decoder`` with the model's conv /
+recurrent state names (a config-only change; genai 0.18 then generates with all three on CPU, the same
+greedy tokens as ONNX Runtime run step by step).
+
+The input folder is never modified. OUT_FOLDER is assembled in a hidden directory beside it and renamed
+into place: it appears complete or not at all. Exit status 0 ok, 2 error (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
+from fusion.rewrite import Report, rewrite_model
+
+CONFIG_NAME = "genai_config.json"
+
+#: Model types onnxruntime-genai 0.18 rejects ("Unsupported model_type in config.json: <type>").
+GENAI_UNSUPPORTED_TYPES = ("nemotron_h", "zamba2", "mamba2")
+
+
+class GenaiFolderError(RewriteError):
+    """A folder, config or argument this command cannot work with; the message says what to do."""
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """Return the parsed ``genai_config.json`` of ``folder``; GenaiFolderError when it is not a genai folder."""
+    if not folder.exists():
+        raise GenaiFolderError(f"{folder}: no such folder")
+    if not folder.is_dir():
+        raise GenaiFolderError(f"{folder}: not a folder (give the model folder that holds {CONFIG_NAME})")
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise GenaiFolderError(f"{folder}: no {CONFIG_NAME}; not an onnxruntime-genai model folder")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise GenaiFolderError(f"{path}: not valid JSON ({first_line(error)})") from None
+    decoder = config.get("model", {}).get("decoder") if isinstance(config.get("model"), dict) else None
+    if not isinstance(decoder, dict) or not isinstance(decoder.get("filename"), str):
+        raise GenaiFolderError(f"{path}: no model.decoder.filename; which model to fuse is not said")
+    filename = decoder["filename"]
+    if Path(filename).is_absolute() or ".." in Path(filename).parts:
+        raise GenaiFolderError(f"{path}: model.decoder.filename {filename!r} is not a file of the folder")
+    if not (folder / filename).is_file():
+        raise GenaiFolderError(f"{folder}: model.decoder.filename {filename!r} does not exist")
+    return config
+
+
+def genai_support(config: dict[str, Any]) -> str | None:
+    """Return why onnxruntime-genai 0.18 cannot load a folder with this config, or None when it can."""
+    model_type = config["model"].get("type")
+    if model_type not in GENAI_UNSUPPORTED_TYPES:
+        return None
+    return (
+        f'onnxruntime-genai 0.18 cannot load model type {model_type!r} ("Unsupported model_type"); '
+        "rerun with --genai-config-edit to declare it as genai's 'decoder' with its conv/recurrent states"
+    )
+
+
+def _template(names: list[str], suffix: str) -> str | None:
+    """Return ``<prefix>%d<suffix>`` when every name of ``names`` ending in ``suffix`` has one prefix."""
+    prefixes = set()
+    for name in names:
+        head, dot, _ = name.rpartition(".")
+        if dot and name.endswith(suffix) and head.rpartition(".")[2].isdigit():
+            prefixes.add(head.rpartition(".")[0] + ".")
+    return f"{prefixes.pop()}%d{suffix}" if len(prefixes) == 1 else None
+
+
+def edit_config_for_genai(config: dict[str, Any], input_names: list[str], output_names: list[str]) -> list[str]:
+    """Make a Nemotron-H / Zamba2 / Mamba2 config loadable by genai 0.18 (in place); return what was changed.
+
+    ``model.type`` becomes ``decoder``; ``past_conv_names`` / ``past_recurrent_names`` and their present
+    counterparts are taken from the model's own ``*.conv_state`` / ``*.ssm_state`` inputs and outputs.
+    """
+    model_type = config["model"].get("type")
+    if model_type not in GENAI_UNSUPPORTED_TYPES:
+        raise GenaiFolderError(
+            f"--genai-config-edit: model type {model_type!r} is not one it edits ({', '.join(GENAI_UNSUPPORTED_TYPES)})"
+        )
+    decoder = config["model"]["decoder"]
+    names = {
+        ("inputs", "past_conv_names"): _template(input_names, ".conv_state"),
+        ("inputs", "past_recurrent_names"): _template(input_names, ".ssm_state"),
+        ("outputs", "present_conv_names"): _template(output_names, ".conv_state"),
+        ("outputs", "present_recurrent_names"): _template(output_names, ".ssm_state"),
+    }
+    missing = [key for (_, key), value in names.items() if value is None]
+    if missing:
+        raise GenaiFolderError(
+            f"--genai-config-edit: the model's conv/ssm state names do not follow one pattern ({', '.join(missing)})"
+        )
+    changes = [f"model.type: {model_type!r} -> 'decoder'"]
+    config["model"]["type"] = "decoder"
+    for (section, key), value in names.items():
+        decoder.setdefault(section, {})[key] = value
+        changes.append(f"model.decoder.{section}.{key} = {value!r}")
+    return changes
+
+
+def _library() -> Path:
+    import contrib_ops
+
+    try:
+        return Path(contrib_ops.library_path())
+    except Exception as error:  # the package raises when the library was never built
+        raise GenaiFolderError(f"mambafuse custom-op library not found: {first_line(error)}") from None
+
+
+def _check_output_folder(source: Path, output: Path) -> None:
+    source, resolved = source.resolve(), output.resolve()
+    if resolved == source or source in resolved.parents:
+        raise GenaiFolderError(f"{output}: is inside the input folder; choose an output folder elsewhere")
+    if resolved in source.parents:
+        raise GenaiFolderError(f"{output}: contains the input folder; choose another output folder")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise GenaiFolderError(f"{output}: exists and is not an empty folder; choose a new output folder")
+    if not resolved.parent.is_dir():
+        raise GenaiFolderError(f"{output.parent}: output's parent folder does not exist")
+
+
+def fuse_folder(
+    source: Path, output: Path, *, function: bool = True, genai_config_edit: bool = False
+) -> tuple[Report, dict[str, Any]]:
+    """Write OUT_FOLDER from a genai model folder (module docstring); return the rewrite report and a summary."""
+    source, output = Path(source), Path(output)
+    config = read_config(source)
+    _check_output_folder(source, output)
+    library = _library()
+    model_name = config["model"]["decoder"]["filename"]
+    model = load(source / model_name)
+    config_changes: list[str] = []
+    if genai_config_edit:
+        input_names = [v.name for v in model.graph.inputs]
+        output_names = [v.name for v in model.graph.outputs]
+        config_changes = edit_config_for_genai(config, input_names, output_names)
+    # The input model and its data files are replaced by the fused model and its own data file.
+    model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
+    fused, report = rewrite_model(model, function=function)
+
+    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
+    try:
+        for entry in sorted(source.iterdir()):
+            if entry.resolve() in model_files or entry.name == CONFIG_NAME:
+                continue
+            if entry.is_dir():
+                shutil.copytree(entry, scratch / entry.name, symlinks=False)
+            else:
+                shutil.copy2(entry, scratch / entry.name)
+        (scratch / model_name).parent.mkdir(parents=True, exist_ok=True)
+        save(fused, scratch / model_name)
+        shutil.copy2(library, scratch / library.name)
+        session_options = config["model"]["decoder"].setdefault("session_options", {})
+        session_options["custom_ops_library"] = library.name
+        (scratch / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        scratch.chmod(0o777 & ~umask)  # mkdtemp makes it private; the folder is the user's deliverable
+        if output.exists():
+            output.rmdir()  # empty (checked above)
+        os.replace(scratch, output)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summary = dict(
+        output=str(output),
+        model=model_name,
+        custom_ops_library=library.name,
+        model_type=config["model"].get("type"),
+        config_changes=config_changes,
+        genai_cannot_load=None if genai_config_edit else genai_support(config),
+    )
+    return report, summary
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m fusion.genai",
+        description="Fuse the gated group-RMSNorm chains of an onnxruntime-genai model folder into a new folder "
+        "that genai runs with mambafuse's kernels.",
+    )
+    parser.add_argument(
+        "input", type=Path, help="genai model folder (genai_config.json, model.onnx, ...); never modified"
+    )
+    parser.add_argument("output", type=Path, help="new (or empty) folder to write")
+    parser.add_argument("--no-function", action="store_true", help="omit the model-local function")
+    parser.add_argument(
+        "--genai-config-edit",
+        action="store_true",
+        help="declare a Nemotron-H / Zamba2 / Mamba2 folder as genai's 'decoder' with its conv/recurrent state "
+        "names (genai 0.18 rejects their model types)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--debug", action="store_true", help="tracebacks for unexpected errors")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (0 ok, 2 error, 130/143 signal)."""
+    args = _parser().parse_args(argv)
+    prog = "python -m fusion.genai"
+    try:
+        with interruptible():
+            report, summary = fuse_folder(
+                args.input, args.output, function=not args.no_function, genai_config_edit=args.genai_config_edit
+            )
+    except Interrupted as interrupted:
+        print(f"{prog}: interrupted ({interrupted}); no output folder was written", file=sys.stderr)
+        return 128 + interrupted.signal_number
+    except (RewriteError, OSError) as error:
+        print(f"{prog}: error: {first_line(error)}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        if args.debug:
+            raise
+        print(f"{prog}: internal error (rerun with --debug for details): {first_line(error)}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**summary, **report.to_dict()}, indent=2))
+    else:
+        print(report.summary())
+        for change in summary["config_changes"]:
+            print(f"genai_config.json: {change}")
+        print(f"wrote {summary['output']} (custom_ops_library: {summary['custom_ops_library']})")
+    if summary["genai_cannot_load"]:
+        print(f"{prog}: note: {summary['genai_cannot_load']}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""``python -m fusion.genai`` on mobius's onnxruntime-genai folders, and generation with onnxruntime-genai.
+
+Folders: the ``--runtime ort-genai`` builds of ``tests/fixtures/mobius`` (Nemotron-H, Zamba2, Mamba2; f32 and
+f16; cpu target). For each: the command writes a complete new folder (fused model, the library beside it,
+``custom_ops_library`` set, every other file unchanged) and leaves the input alone; genai rejects the
+model types mobius writes and the command says so; with ``--genai-config-edit`` genai generates, and the
+greedy tokens from a fixed prompt are the same for the original model, the fused model with the
+library and the fused model without it (ORT inlines the model-local function). Logits differences are
+reported (``-s``) and bounded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from fusion import genai as fusion_genai
+from models.mobius import extract_builds, load_manifest
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install -e '.[models]')")
+
+MANIFEST = load_manifest()
+GENAI_BUILDS = sorted(r["stem"] for r in MANIFEST["builds"] if r.get("runtime") == "ort-genai" and "error" not in r)
+RECORDS = {r["stem"]: r for r in MANIFEST["builds"]}
+PROMPT = "the red door was on the west side"
+NEW_TOKENS = 16
+OP_TYPE = "GatedGroupRMSNorm"
+
+#: Fused vs original logits over the 16 generated steps, max |difference| relative to the largest |logit|
+#: (the bounds of tests/test_models_fusion.py: fp32 1e-5; fp16 4e-3, a few fp16 ulps of the logit scale).
+LOGITS_TOLERANCE = {"f32": 1e-5, "f16": 4e-3}
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return extract_builds(tmp_path_factory.mktemp("mobius-builds"))
+
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def _fuse(source: Path, output: Path, *args: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = fusion_genai.main([str(source), str(output), *args])
+    return status, out.getvalue(), err.getvalue()
+
+
+def _edited_original(source: Path, dest: Path) -> Path:
+    """Copy ``source`` to ``dest`` with the same config edit the command makes (no fusion, no library)."""
+    shutil.copytree(source, dest)
+    config = json.loads((dest / "genai_config.json").read_text())
+    model = onnx.load(dest / "model.onnx", load_external_data=False)
+    fusion_genai.edit_config_for_genai(
+        config, [v.name for v in model.graph.input], [v.name for v in model.graph.output]
+    )
+    (dest / "genai_config.json").write_text(json.dumps(config))
+    return dest
+
+
+def _without_library(fused: Path, dest: Path) -> Path:
+    """Copy a fused folder with ``custom_ops_library`` removed (genai's ORT then inlines the function)."""
+    shutil.copytree(fused, dest)
+    config = json.loads((dest / "genai_config.json").read_text())
+    del config["model"]["decoder"]["session_options"]["custom_ops_library"]
+    (dest / "genai_config.json").write_text(json.dumps(config))
+    (dest / fusion_genai_library_name()).unlink()
+    return dest
+
+
+def fusion_genai_library_name() -> str:
+    import contrib_ops
+
+    return Path(contrib_ops.library_path()).name
+
+
+def generate(folder: Path) -> tuple[list[int], np.ndarray]:
+    """Return the greedy tokens genai generates from ``PROMPT`` and, per token, the logits it was chosen from.
+
+    Logits genai masked (the EOS token before ``min_length``: -FLT_MAX) are set to 0.
+    """
+    model = og.Model(str(folder))
+    prompt = og.Tokenizer(model).encode(PROMPT)
+    params = og.GeneratorParams(model)
+    total = len(prompt) + NEW_TOKENS
+    # min_length = max_length: the random model's EOS token must not end the comparison early.
+    params.set_search_options(do_sample=False, max_length=total, min_length=total)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray(prompt, dtype=np.int32)[None, :])
+    tokens, logits = [], []
+    while not generator.is_done():
+        # generate_next_token runs the model for the previous token, then picks: the logits it picked from
+        # are the ones get_output returns after it.
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+        logits.append(np.asarray(generator.get_output("logits"), dtype=np.float32)[0, -1])
+    stacked = np.stack(logits)
+    return tokens, np.where(np.abs(stacked) < 1e30, stacked, 0.0)
+
+
+# --- the folder the command writes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stem", GENAI_BUILDS)
+def test_output_folder_layout(stem: str, builds: Path, tmp_path: Path, library: str) -> None:
+    source = builds / stem
+    before = _tree_digest(source)
+    status, _, err = _fuse(source, tmp_path / "out", "--genai-config-edit")
+    assert status == 0, err
+    assert _tree_digest(source) == before, "the input folder was modified"
+    out = tmp_path / "out"
+    config = json.loads((out / "genai_config.json").read_text())
+    name = config["model"]["decoder"]["session_options"]["custom_ops_library"]
+    assert name == Path(library).name and "/" not in name and ".." not in name
+    assert (out / name).read_bytes() == Path(library).read_bytes()
+    copied = {p for p in before if p not in ("model.onnx", "model.onnx.data", "genai_config.json")}
+    after = _tree_digest(out)
+    assert {p: after.get(p) for p in copied} == {p: before[p] for p in copied}, "files not copied unchanged"
+    assert set(after) == copied | {"model.onnx", "model.onnx.data", "genai_config.json", name}
+    model = onnx.load(out / "model.onnx")  # its weights resolve from the new folder
+    assert all(
+        e.value == "model.onnx.data" for t in model.graph.initializer for e in t.external_data if e.key == "location"
+    )
+    # The config differs from the input's by the library and the opt-in edit only.
+    original = json.loads((source / "genai_config.json").read_text())
+    original["model"]["decoder"]["session_options"]["custom_ops_library"] = name
+    expected_edit = _edited_original(source, tmp_path / "edited")
+    edited = json.loads((expected_edit / "genai_config.json").read_text())
+    edited["model"]["decoder"]["session_options"]["custom_ops_library"] = name
+    assert config == edited
+    assert config["model"]["type"] == "decoder" and original["model"]["type"] == RECORDS[stem]["family"]
+
+
+@pytest.mark.parametrize("stem", GENAI_BUILDS)
+def test_model_type_note_without_edit(stem: str, builds: Path, tmp_path: Path) -> None:
+    """Without --genai-config-edit the folder is written and the command says genai cannot load it — true."""
+    status, _, err = _fuse(builds / stem, tmp_path / "out")
+    assert status == 0
+    family = RECORDS[stem]["family"]
+    assert f"cannot load model type '{family}'" in err and "--genai-config-edit" in err
+    config = json.loads((tmp_path / "out" / "genai_config.json").read_text())
+    assert config["model"]["type"] == family
+    with pytest.raises(Exception, match=f"Unsupported model_type in config.json: {family}"):
+        og.Model(str(tmp_path / "out"))
+
+
+def test_genai_loads_the_named_library(builds: Path, tmp_path: Path) -> None:
+    """genai resolves custom_ops_library from the model folder: without the file there, loading fails.
+
+    In a fresh process each (a library genai loaded once stays loaded in its process).
+    """
+    import subprocess
+    import sys
+
+    stem = next(s for s in GENAI_BUILDS if RECORDS[s]["family"] == "nemotron_h")
+    assert _fuse(builds / stem, tmp_path / "out", "--genai-config-edit")[0] == 0
+    load = [sys.executable, "-c", "import sys, onnxruntime_genai as og; og.Model(sys.argv[1])", str(tmp_path / "out")]
+    loaded = subprocess.run(load, capture_output=True, text=True, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr
+    (tmp_path / "out" / fusion_genai_library_name()).unlink()
+    missing = subprocess.run(load, capture_output=True, text=True, cwd=tmp_path)
+    assert missing.returncode != 0 and fusion_genai_library_name() in missing.stderr, missing.stderr
+
+
+BAD_FOLDERS = {
+    "missing": lambda d: d / "nope",
+    "a file": lambda d: (d / "file.onnx").write_bytes(b"x") or d / "file.onnx",
+    "no config": lambda d: (d / "empty").mkdir() or d / "empty",
+    "bad json": lambda d: ((d / "bad").mkdir(), (d / "bad" / "genai_config.json").write_text("{"))[0] or d / "bad",
+    "no filename": lambda d: (
+        (
+            (d / "nofile").mkdir(),
+            (d / "nofile" / "genai_config.json").write_text('{"model": {"decoder": {}}}'),
+        )[0]
+        or d / "nofile"
+    ),
+    "model missing": lambda d: (
+        (
+            (d / "nomodel").mkdir(),
+            (d / "nomodel" / "genai_config.json").write_text('{"model": {"decoder": {"filename": "model.onnx"}}}'),
+        )[0]
+        or d / "nomodel"
+    ),
+    "filename outside": lambda d: (
+        (
+            (d / "outside").mkdir(),
+            (d / "outside" / "genai_config.json").write_text('{"model": {"decoder": {"filename": "../x.onnx"}}}'),
+        )[0]
+        or d / "outside"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FOLDERS))
+def test_bad_input_folder(case: str, tmp_path: Path) -> None:
+    source = BAD_FOLDERS[case](tmp_path)
+    status, out, err = _fuse(source, tmp_path / "out")
+    assert status == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("python -m fusion.genai: error: "), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["non-empty", "inside input", "is the input"])
+def test_bad_output_folder(where: str, builds: Path, tmp_path: Path) -> None:
+    source = tmp_path / "in"
+    shutil.copytree(builds / GENAI_BUILDS[0], source)
+    before = _tree_digest(source)
+    output = {"non-empty": tmp_path / "full", "inside input": source / "sub", "is the input": source}[where]
+    if where == "non-empty":
+        output.mkdir()
+        (output / "keep.txt").write_text("keep")
+    status, _, err = _fuse(source, output, "--genai-config-edit")
+    assert status == 2 and len(err.strip().splitlines()) == 1, err
+    assert _tree_digest(source) == before
+    if where == "non-empty":
+        assert [p.name for p in output.iterdir()] == ["keep.txt"]
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_edit_refused_for_other_model_types(builds: Path, tmp_path: Path) -> None:
+    source = tmp_path / "in"
+    shutil.copytree(builds / GENAI_BUILDS[0], source)
+    config = json.loads((source / "genai_config.json").read_text())
+    config["model"]["type"] = "phi3"
+    (source / "genai_config.json").write_text(json.dumps(config))
+    status, _, err = _fuse(source, tmp_path / "out", "--genai-config-edit")
+    assert status == 2 and "'phi3' is not one it edits" in err
+    assert not (tmp_path / "out").exists()
+
+
+# --- fusion and generation (need the mobius forms S1 / S3 fused) ----------------------------------
+
+
+@pytest.mark.parametrize("stem", GENAI_BUILDS)
+def test_every_gated_norm_fused(stem: str, builds: Path, tmp_path: Path) -> None:
+    status, out, err = _fuse(builds / stem, tmp_path / "out", "--genai-config-edit", "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    record = RECORDS[stem]
+    assert report["fused"] == record["mamba_layers"] and report["refused"] == [], report
+    model = onnx.load(tmp_path / "out" / "model.onnx", load_external_data=False)
+    assert sum(n.op_type == OP_TYPE for n in model.graph.node) == record["mamba_layers"]
+
+
+def _compare(tokens: list[int], logits: np.ndarray, fused_tokens: list[int], fused_logits: np.ndarray) -> str:
+    """Return a one-line comparison; assert equal tokens, or a divergence only at a tie of the original.
+
+    A divergence is accepted only at a step where the original's two best logits are closer than the
+    fused logits differ from the original's there (an fp16 tie that any last-bit difference flips);
+    logits are compared up to and including that step.
+    """
+    steps = next((k for k, (a, b) in enumerate(zip(tokens, fused_tokens, strict=True)) if a != b), len(tokens))
+    compared = slice(0, min(steps + 1, len(tokens)))
+    difference = float(np.abs(fused_logits[compared] - logits[compared]).max())
+    line = f"tokens identical over {len(tokens)}"
+    if steps < len(tokens):
+        top2 = np.sort(logits[steps])[-2:]
+        margin = float(top2[1] - top2[0])
+        step_difference = float(np.abs(fused_logits[steps] - logits[steps]).max())
+        assert margin <= step_difference, (
+            f"tokens diverge at step {steps} where the original's top-2 margin {margin:.3g} exceeds the logits "
+            f"difference {step_difference:.3g}: {fused_tokens} != {tokens}"
+        )
+        line = f"tokens identical for {steps}, then a tie flips (top-2 margin {margin:.3g} <= {step_difference:.3g})"
+    return f"{line}; logits max |fused - original| = {difference:.3g}"
+
+
+@pytest.mark.parametrize("stem", GENAI_BUILDS)
+def test_generation_same_before_and_after_fusion(stem: str, builds: Path, tmp_path: Path) -> None:
+    original = _edited_original(builds / stem, tmp_path / "original")
+    status, _, err = _fuse(builds / stem, tmp_path / "fused", "--genai-config-edit")
+    assert status == 0, err
+    function_only = _without_library(tmp_path / "fused", tmp_path / "function")
+    tokens, logits = generate(original)
+    assert len(set(tokens)) > 4, f"degenerate generation {tokens}: the comparison would prove little"
+    limit = LOGITS_TOLERANCE[RECORDS[stem]["dtype"]] * float(np.abs(logits).max())
+    for label, folder in (("library", tmp_path / "fused"), ("function", function_only)):
+        fused_tokens, fused_logits = generate(folder)
+        line = _compare(tokens, logits, fused_tokens, fused_logits)
+        print(f"{stem} [{label}]: {line} (limit {limit:.3g})")
+        difference = float(line.rsplit("= ", 1)[1])
+        assert difference <= limit, f"{label}: {line}, over {limit:.3g}"
