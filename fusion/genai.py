@@ -156,6 +156,13 @@ def fuse_folder(
     config = read_config(source)
     _check_output_folder(source, output)
     library = _library()
+    existing = (config["model"]["decoder"].get("session_options") or {}).get("custom_ops_library")
+    if existing and Path(existing).name != library.name:
+        # genai takes one custom-op library per session: replacing it would break the model's other ops.
+        raise GenaiFolderError(
+            f"{source / CONFIG_NAME}: already names custom_ops_library {existing!r}; genai loads one library "
+            "per session, so mambafuse's cannot be added"
+        )
     model_name = config["model"]["decoder"]["filename"]
     model = load(source / model_name)
     config_changes: list[str] = []

@@ -293,3 +293,25 @@ def test_generation_same_before_and_after_fusion(stem: str, builds: Path, tmp_pa
         print(f"{stem} [{label}]: {line} (limit {limit:.3g})")
         difference = float(line.rsplit("= ", 1)[1])
         assert difference <= limit, f"{label}: {line}, over {limit:.3g}"
+
+
+def test_refuses_a_folder_that_already_names_another_library(builds: Path, tmp_path: Path) -> None:
+    source = tmp_path / "in"
+    shutil.copytree(builds / GENAI_BUILDS[0], source)
+    config = json.loads((source / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["custom_ops_library"] = "libother_ops.so"
+    (source / "genai_config.json").write_text(json.dumps(config))
+    status, _, err = _fuse(source, tmp_path / "out", "--genai-config-edit")
+    assert status == 2 and "libother_ops.so" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fused_folder_fuses_again_to_the_same_model(builds: Path, tmp_path: Path) -> None:
+    """Running the command on its own output (library already named) finds nothing left to fuse."""
+    stem = GENAI_BUILDS[0]
+    assert _fuse(builds / stem, tmp_path / "once", "--genai-config-edit")[0] == 0
+    status, out, err = _fuse(tmp_path / "once", tmp_path / "twice", "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    assert report["fused"] == 0 and sum(report["chains_found"].values()) == 0
+    assert (tmp_path / "twice" / fusion_genai_library_name()).is_file()
