@@ -79,6 +79,7 @@ def gated_group_rms_norm(
     compute_dtype: np.dtype | type = np.float32,
     return_normed: bool = False,
     flip_gated_ties: float = 0.0,
+    flip_norm_ties: float = 0.0,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Return ``GatedGroupRMSNorm(y, z, w)`` as DESIGN.md §1 defines it.
 
@@ -90,6 +91,7 @@ def gated_group_rms_norm(
     ``flip_gated_ties`` > 0 gives the *alternative* reference of ``budget_report``: every h whose exact
     value lies within that relative distance of a ``gated_dtype`` rounding tie is rounded to the other
     neighbour (an fp32 kernel computes h a few float32 ulps off, so it may land on either side).
+    ``flip_norm_ties`` does the same for ``n`` at the ``norm_dtype`` rounding point.
     """
     y, z, w = np.asarray(y), np.asarray(z), np.asarray(w)
     for name, arr in (("Y", y), ("Z", z), ("W", w)):
@@ -121,7 +123,7 @@ def gated_group_rms_norm(
             h = _round_to(h, gated_dtype, flip_gated_ties).astype(cd)
         m2 = np.sum(h * h, axis=-1, keepdims=True, dtype=cd)
         inv_rms = (cd.type(1.0) / np.sqrt(m2 / cd.type(group_size) + cd.type(epsilon))).astype(cd)
-        normed = (h * inv_rms).astype(norm_dtype)
+        normed = _round_to(h * inv_rms, norm_dtype, flip_norm_ties)
         out = (w.astype(cd).reshape(-1, group_size) * normed.astype(cd)).astype(output_dtype)
     if return_normed:
         return out.reshape(y.shape), normed.reshape(y.shape)
@@ -314,8 +316,18 @@ def reference_for_budget(
         y, z, w, **attrs, gated_dtype=gated_dtype, compute_dtype=np.float64, return_normed=True
     )
     alternative = None
-    if gated_dtype is not None and np.dtype(gated_dtype) != np.float32:
+    rounds_h = gated_dtype is not None and np.dtype(gated_dtype) != np.float32
+    # n is rounded to norm_dtype before a weight multiply: a tie-close n may round the other way too.
+    rounds_n = np.dtype(y.dtype if norm_dtype is None else norm_dtype) != np.float32
+    if rounds_h or rounds_n:
         alternative = gated_group_rms_norm(
-            y, z, w, **attrs, gated_dtype=gated_dtype, compute_dtype=np.float64, flip_gated_ties=GATED_TIE_WINDOW
+            y,
+            z,
+            w,
+            **attrs,
+            gated_dtype=gated_dtype,
+            compute_dtype=np.float64,
+            flip_gated_ties=GATED_TIE_WINDOW if rounds_h else 0.0,
+            flip_norm_ties=GATED_TIE_WINDOW if rounds_n else 0.0,
         )
     return {"expected": expected, "normed": normed, "weight": w, "alternative": alternative}
