@@ -7,7 +7,9 @@
    ``save_pretrained`` in a temporary folder, with a small byte-level BPE tokenizer made in code;
 2. ``mobius build --model <that folder> OUT --dtype ... --ep ... [--runtime ort-genai]`` for every row of
    ``build_jobs()``, each in its own subprocess (mobius reads ``MOBIUS_ORT_CUDA_GROUPED_RMSNORM_WORKAROUND``
-   once per process), with the workarounds of ``_build_one`` (none of them touches a graph);
+   once per process), with the workarounds of ``_build_one`` (none of them touches a graph). The same
+   wrapper is a command: ``python -m models.mobius mobius build --model DIR OUT ...`` is ``mobius build ...``
+   with those workarounds, for a local Hugging Face folder of your own;
 3. ``builds.tar.xz``: every build folder byte for byte as mobius wrote it (one solid xz archive: the
    ~45 folders are 7 MB unpacked, mostly the per-node metadata mobius writes and weights shared between
    builds; ``extract_builds`` / ``--extract DIR`` unpack them);
@@ -394,7 +396,7 @@ def run_build(job: dict[str, Any], workdir: Path, out_dir: Path) -> dict[str, An
     # A relative --model keeps the temporary folder's name out of the graph name mobius writes.
     argv = mobius_argv(job, job["checkpoint"], str(out_dir))
     proc = subprocess.run(
-        [sys.executable, "-m", "models.mobius", "_build", *argv],
+        [sys.executable, "-m", "models.mobius", "mobius", *argv],
         cwd=workdir,
         env={**env, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
         capture_output=True,
@@ -856,9 +858,14 @@ def one_node_rms_rounding(rows: int = 256, seed: int = 0) -> list[dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     """Regenerate ``tests/fixtures/mobius/`` and print one line per build."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_build"]:
+    if argv[:1] == ["mobius"]:
         return _build_one(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m models.mobius", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m models.mobius",
+        description=main.__doc__,
+        epilog="python -m models.mobius mobius build --model DIR OUT [mobius options]: mobius' own command with "
+        "the mobius 0.1.0 workarounds (Nemotron-H layer types, tokenizer of a local folder)",
+    )
     parser.add_argument("-o", "--output", type=Path, default=FIXTURE_DIR)
     parser.add_argument("--only", help="regex on the build stem (writes only those into --output)")
     parser.add_argument("--workers", type=int, default=2)
