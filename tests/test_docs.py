@@ -303,3 +303,15 @@ def test_tested_by_column_names_real_tests() -> None:
             )
         for path in re.findall(r"`(tests/[\w/]+\.py)`", row[4]):
             assert (ROOT / path).is_file(), f"form {row[0]}: {path} does not exist"
+
+
+def test_mobius_table_is_what_the_builds_contain() -> None:
+    rows = _table(_section(FORMS_DOC.read_text(), "Microsoft's mobius builder"))
+    documented = {row[0]: row[3] for row in rows}
+    manifest = json.loads((ROOT / "tests" / "fixtures" / "mobius" / "manifest.json").read_text())
+    assert len(manifest["builds"]) > 0
+    for build in manifest["builds"]:
+        for chain in build["chains"]["details"]:
+            f32_nodes, half_nodes = (int(n) for n in documented[chain["form"]].split(" / "))
+            expected = f32_nodes if build["dtype"] == "f32" else half_nodes
+            assert chain["nodes"] == expected, f"{build['stem']}: {chain['form']} has {chain['nodes']} nodes"
