@@ -381,7 +381,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             weight_input, w_shape_readers = weight, []
             if weight_input.dtype not in SUPPORTED_DTYPES:
                 raise _Refusal(f"the norm's scale is {_dtype_name(weight_input.dtype)}", weight_input)
-            output_dtype = ir.DataType(weight_input.dtype)
+            output_dtype = ir.DataType(b["weight"].dtype)  # the scale's own type (W may be cast up to it)
         else:
             norm_dtype, output_dtype, weight_input, w_shape_readers = self._weight_dtypes(
                 b, flat, weight, chain_nodes, y_input, z_input
@@ -648,26 +648,10 @@ def _scale_as_weight(scale: ir.Value, grouped: bool) -> tuple[ir.Value, int, boo
         raise _Refusal("the norm's scale is all ones: not the weight", scale, logged=False)
     if not grouped:
         return scale, _weight_channels(scale), False
-    producer = scale.producer()
-    if producer is not None and producer.op_type == "Reshape" and producer.domain in _ONNX_DOMAINS:
-        target = constant_array(producer.inputs[1]) if len(producer.inputs) > 1 else None
-        source = producer.inputs[0]
-        if target is not None and source is not None and source.shape is not None and source.shape.rank() == 1:
-            dims = [int(d) for d in target.reshape(-1)]
-            channels = _weight_channels(source)
-            if len(dims) == 2 and all(d > 0 for d in dims) and dims[0] * dims[1] == channels:
-                return source, channels, False
-    shape = scale.shape
-    if scale.const_value is not None and shape is not None and shape.rank() == 2 and shape.is_static():
-        return scale, int(shape[0]) * int(shape[1]), True
-    raise _Refusal(
-        f"the norm's scale has shape {_shape_text(shape)}: not the weight reshaped to [G, gs] "
-        "(Reshape(W[C], [G, gs]) or a constant [G, gs])",
-        scale,
-    )
+    return _group_weight(scale, as_scale=True)
 
 
-def _group_weight(weight: ir.Value) -> tuple[ir.Value, int, bool]:
+def _group_weight(weight: ir.Value, *, as_scale: bool = False) -> tuple[ir.Value, int, bool]:
     """Return (the weight W[C] behind a [G, gs] weight, C, whether it is a constant [G, gs] to flatten).
 
     Looks through widening Casts to float32 (the kernel widens W exactly) and one Reshape of W[C] to a
@@ -698,11 +682,11 @@ def _group_weight(weight: ir.Value) -> tuple[ir.Value, int, bool]:
     shape = value.shape
     if value.const_value is not None and shape is not None and shape.rank() == 2 and shape.is_static():
         return value, int(shape[0]) * int(shape[1]), True
-    raise _Refusal(
-        f"the weight inside the groups has shape {_shape_text(weight.shape)}: not W[C] reshaped to [G, gs] "
-        "(Reshape(W[C], [G, gs]) or a constant [G, gs])",
-        weight,
-    )
+    shape_text = _shape_text(weight.shape)
+    forms = "(Reshape(W[C], [G, gs]) or a constant [G, gs])"
+    if as_scale:
+        raise _Refusal(f"the norm's scale has shape {shape_text}: not the weight reshaped to [G, gs] {forms}", weight)
+    raise _Refusal(f"the weight inside the groups has shape {shape_text}: not W[C] reshaped to [G, gs] {forms}", weight)
 
 
 def _weight_channels(weight: ir.Value) -> int:
