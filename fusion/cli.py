@@ -1,10 +1,10 @@
-"""The ``mambafuse`` console command: ``mambafuse rewrite …``, ``mambafuse report …``, ``mambafuse olive …``,
-``mambafuse --version``.
+"""The ``mambafuse`` console command: ``mambafuse rewrite …``, ``mambafuse report …``, ``mambafuse genai …``,
+``mambafuse olive …``, ``mambafuse --version``.
 
 Each subcommand is the module's own command line with the same arguments and exit statuses
 (``mambafuse rewrite ARGS`` is ``python -m fusion.rewrite ARGS``, ``mambafuse report ARGS`` is
-``python -m fusion.report ARGS``, ``mambafuse olive CONFIG`` is ``python -m fusion.olive CONFIG``); this
-module only dispatches.
+``python -m fusion.report ARGS``, ``mambafuse genai ARGS`` is ``python -m fusion.genai ARGS``,
+``mambafuse olive CONFIG`` is ``python -m fusion.olive CONFIG``); this module only dispatches.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ Fuse the gated group-RMSNorm of Mamba-2 models into ai.mambafuse::GatedGroupRMSN
 commands:
   rewrite   fuse a model's chains (python -m fusion.rewrite): {PACKAGE} rewrite model.onnx [--verify] ...
   report    dispatches and latency before vs after (python -m fusion.report): {PACKAGE} report before.onnx after.onnx
+  genai     fuse an onnxruntime-genai model folder (python -m fusion.genai): {PACKAGE} genai IN_DIR OUT_DIR
   olive     run an Olive workflow config with the mambafuse surgeon registered (python -m fusion.olive)
 
 '{PACKAGE} COMMAND --help' shows a command's options."""
@@ -57,6 +58,12 @@ def _report(argv: Sequence[str]) -> int:
     return report.main(list(argv))
 
 
+def _genai(argv: Sequence[str]) -> int:
+    from fusion import genai
+
+    return genai.main(list(argv))
+
+
 def _olive(argv: Sequence[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or len(argv) != 1:
         print(f"usage: {PACKAGE} olive CONFIG.json  (an Olive workflow config)", file=sys.stderr)
@@ -69,7 +76,12 @@ def _olive(argv: Sequence[str]) -> int:
     return olive.main(list(argv))
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"rewrite": _rewrite, "report": _report, "olive": _olive}
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "rewrite": _rewrite,
+    "report": _report,
+    "genai": _genai,
+    "olive": _olive,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

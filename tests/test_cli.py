@@ -45,6 +45,13 @@ def test_rewrite_dispatches_to_fusion_rewrite(tmp_path: Path) -> None:
     assert sum(node.op_type == "GatedGroupRMSNorm" for node in onnx.load(output).graph.node) == 2
 
 
+def test_genai_dispatches_to_fusion_genai(tmp_path: Path) -> None:
+    result = _run("genai", str(tmp_path / "no-such-folder"), str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert result.stderr.startswith("python -m fusion.genai: error:") and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_report_dispatches_to_fusion_report(tmp_path: Path) -> None:
     fused = tmp_path / "fused.onnx"
     shutil.copy(FIXTURE.with_name("nemotron_h-dynamo-fp32-prefill.onnx"), tmp_path / "model.onnx")
@@ -75,6 +82,6 @@ def test_errors_are_one_line(args: list[str], status: int, message: str) -> None
 def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "rewrite" in out and "report" in out and "olive" in out and "--version" in out
+    assert all(command in out for command in ("rewrite", "report", "genai", "olive", "--version"))
     assert cli.main(["rewrite", "--help"]) == 0
     assert "--verify" in capsys.readouterr().out
