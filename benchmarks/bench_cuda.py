@@ -247,9 +247,17 @@ def chain_nodes(prefix: str, y: str, z: str, w: str, out: str, rows: int, channe
 
 
 def layered_model(
-    layers: int, rows: int, channels: int, group_size: int, dtype: int, fused: bool, rng
+    layers: int,
+    rows: int,
+    channels: int,
+    group_size: int,
+    dtype: int,
+    fused: bool,
+    rng,
+    residual: bool = False,
 ) -> onnx.ModelProto:
-    """`layers` chains in series (each layer's output is the next layer's y; one gate), unfused or fused."""
+    """`layers` chains in series (each layer's output is the next layer's y; one gate), unfused or fused; with
+    `residual`, each layer's output is its chain's plus its y (an Add between layers, as in a model)."""
     np_dtype = np.float16 if dtype == FLOAT16 else np.float32
     nodes, inits = [], []
     y = "y"
@@ -264,6 +272,9 @@ def layered_model(
             inits.append(w_init)
             w_name = f"w{k}"
         out = "out" if k == layers - 1 else f"y{k + 1}"
+        layer_out = out
+        if residual:
+            out = f"n{k}"
         if fused:
             nodes.append(
                 oh.make_node(
@@ -279,7 +290,9 @@ def layered_model(
             chain, consts = chain_nodes(f"l{k}_", y, "z", w_name, out, rows, channels, group_size, dtype)
             nodes += chain
             inits += consts
-        y = out
+        if residual:
+            nodes.append(oh.make_node("Add", [out, y], [layer_out]))
+        y = layer_out
     graph = oh.make_graph(
         nodes,
         "layers",
@@ -545,27 +558,33 @@ def ort_tables(args, library: Path, emit) -> None:
     layers = 24
     emit()
     emit(
-        f"### Decode: a K = {layers} chain model (no residual Adds), 1 row, C = 7680, 8 groups; ORT per Run (IO "
-        "binding), µs, median (min–max) of 7 repeats of 100 Runs"
+        f"### Decode: a K = {layers} chain model, 1 row, C = 7680, 8 groups; ORT per Run (IO binding), µs, "
+        "median (min–max) of 7 repeats of 100 Runs"
     )
     emit()
-    emit("| dtype | unfused | fused | speed-up | unfused + CUDA graph | fused + CUDA graph | speed-up |")
-    emit("|---|---|---|---|---|---|---|")
+    emit(
+        "| dtype | residual Adds | unfused | fused | speed-up | unfused + CUDA graph | fused + CUDA graph | speed-up |"
+    )
+    emit("|---|---|---|---|---|---|---|---|")
     for dtype_name in ("fp16", "bf16"):
         dtype = DTYPES[dtype_name]
         y = torch.randn(1, 7680, device="cuda", dtype=dtype, generator=gen)
         z = torch.randn(1, 7680, device="cuda", dtype=dtype, generator=gen)
         out = torch.empty_like(y)
-        results = {}
-        for graph in (False, True):
-            for fuse in (False, True):
-                model = layered_model(layers, 1, 7680, 960, ONNX_OF[dtype], fuse, np.random.default_rng(1))
-                results[(graph, fuse)] = wall_stats(ort_runner(model, library, {"y": y, "z": z}, out, graph))
-        emit(
-            f"| {dtype_name} | {fmt_stats(results[(False, False)])} | {fmt_stats(results[(False, True)])} | "
-            f"{results[(False, False)][0] / results[(False, True)][0]:.1f}x | {fmt_stats(results[(True, False)])} | "
-            f"{fmt_stats(results[(True, True)])} | {results[(True, False)][0] / results[(True, True)][0]:.1f}x |"
-        )
+        for residual in (True, False):
+            results = {}
+            for graph in (False, True):
+                for fuse in (False, True):
+                    model = layered_model(
+                        layers, 1, 7680, 960, ONNX_OF[dtype], fuse, np.random.default_rng(1), residual=residual
+                    )
+                    results[(graph, fuse)] = wall_stats(ort_runner(model, library, {"y": y, "z": z}, out, graph))
+            emit(
+                f"| {dtype_name} | {'yes' if residual else 'no'} | {fmt_stats(results[(False, False)])} | "
+                f"{fmt_stats(results[(False, True)])} | {results[(False, False)][0] / results[(False, True)][0]:.1f}x "
+                f"| {fmt_stats(results[(True, False)])} | {fmt_stats(results[(True, True)])} | "
+                f"{results[(True, False)][0] / results[(True, True)][0]:.1f}x |"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@
 #   STEPS="selfcheck sanitizer" bash benchmarks/gpu_session.sh     # a subset of the steps
 #   BASELINE_CUDA=path/to/old/contrib_ops/cuda bash ...            # also build that kernel: the bench and ncu
 #                                                                  # compare it in the same process
+#   STEPS=e2e bash ...   # the Nemotron-H-8B-shaped model (benchmarks/bench_gpu_nemotron.py; graphs exported first)
 #
 # Needs onnxruntime-gpu importable for pytest_cuda and the ORT tables (e.g. PYTHONPATH=/root/ortgpu), torch with
 # CUDA, ONNX Runtime headers for a build (ONNXRUNTIME_ROOT, default .ort-headers), and for the Triton column
@@ -20,7 +21,7 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 failed=()
-steps=" ${STEPS:-build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda sanitizer bench ncu} "  # a subset for split sessions
+steps=" ${STEPS:-build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda sanitizer bench ncu e2e} "  # a subset for split sessions
 step() {  # step <name> <command...>: runs, logs to $out/<name>.log, remembers failures
   local name=$1
   shift
@@ -40,11 +41,11 @@ configure() {  # configure <source dir> <build dir>
   cmake -S "$1" -B "$2" -G Ninja -DMAMBAFUSE_CUDA=ON -DMAMBAFUSE_CUDA_TOOLS=ON -DMAMBAFUSE_WERROR=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90-real}" -DONNXRUNTIME_ROOT="$headers" && cmake --build "$2"
 }
+baseline_build=${BASELINE_BUILD:-}  # a baseline built earlier (BASELINE_CUDA builds one into /tmp/mambafuse-baseline)
 if [[ -n "${MAMBAFUSE_PREBUILT:-}" ]]; then
   build=$MAMBAFUSE_PREBUILT
 else
   build=build/cuda
-  baseline_build=""
   if [[ -n "${BASELINE_CUDA:-}" ]]; then  # the previous kernel, built beside the current one (in parallel)
     baseline_src=/tmp/mambafuse-baseline/contrib_ops
     rm -rf /tmp/mambafuse-baseline && mkdir -p /tmp/mambafuse-baseline && cp -r contrib_ops "$baseline_src"
@@ -82,5 +83,8 @@ ncu_profile() {  # the kernels at decode and prefill sizes, fp16
   done
 }
 step ncu ncu_profile
+# The Nemotron-H-8B-shaped model, graphs exported here beforehand (python -m benchmarks.bench_gpu_nemotron export)
+step e2e "$py" benchmarks/bench_gpu_nemotron.py run --graphs "${E2E_GRAPHS:-.bench-vendor/nemotron}" \
+  --library "$build/libmambafuse_ops.so" --markdown "$out/e2e.md"
 echo "=== failed steps: ${failed[*]:-none}"
 [[ ${#failed[@]} -eq 0 ]]

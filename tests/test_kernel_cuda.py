@@ -34,6 +34,7 @@ from tests._ops import (
     random_inputs,
 )
 from tests._ops import check_against_reference as shared_check
+from tests.test_kernel_cpu import GATED_ROUNDING_EPSILON, gated_rounding_case
 
 ort = pytest.importorskip("onnxruntime")
 if hasattr(ort, "preload_dlls"):
@@ -100,10 +101,18 @@ def _path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def check_against_reference(
-    y, z, w, *, group_size: int, epsilon: float = 1e-5, norm_type=None, out_type=None
+    y, z, w, *, group_size: int, epsilon: float = 1e-5, norm_type=None, out_type=None, gated_type=None
 ) -> np.ndarray:
     return shared_check(
-        cuda_session, y, z, w, group_size=group_size, epsilon=epsilon, norm_type=norm_type, out_type=out_type
+        cuda_session,
+        y,
+        z,
+        w,
+        group_size=group_size,
+        epsilon=epsilon,
+        norm_type=norm_type,
+        out_type=out_type,
+        gated_type=gated_type,
     )
 
 
@@ -121,6 +130,60 @@ def test_every_type_combination(
     # the seed.
     y, z, w = random_inputs(rng, (30, 5, 96), y_type, z_type, w_type)
     check_against_reference(y, z, w, group_size=48, norm_type=norm_type, out_type=out_type)
+
+
+#: gated_dtype: absent (None), or set to each type the op accepts.
+GATED_TYPES = (None, FLOAT, FLOAT16, BFLOAT16)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("gated_type", GATED_TYPES, ids=lambda t: "absent" if t is None else TYPE_NAMES[t])
+@pytest.mark.parametrize(
+    ("y_type", "z_type", "w_type", "norm_type", "out_type"),
+    [(FLOAT,) * 5, (FLOAT, FLOAT, FLOAT, FLOAT16, FLOAT16), *EXPORTER_TYPE_MIXES.values()],
+    ids=["f32", "f32-out-f16", *EXPORTER_TYPE_MIXES],
+)
+def test_gated_dtype(
+    y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int, gated_type: int | None, path: str
+) -> None:
+    """The third rounding point (h rounded to gated_dtype before the norm) on both kernels, every type mix it
+    meets; 14 400 elements a case (the 0.1 % allowance must not hinge on the seed), and the decode width."""
+    rng = np.random.default_rng([y_type, z_type, w_type, norm_type, out_type, gated_type or 0])
+    y, z, w = random_inputs(rng, (30, 5, 96), y_type, z_type, w_type)
+    check_against_reference(y, z, w, group_size=48, norm_type=norm_type, out_type=out_type, gated_type=gated_type)
+    y, z, w = random_inputs(rng, (3, 7680), y_type, z_type, w_type)
+    check_against_reference(y, z, w, group_size=960, norm_type=norm_type, out_type=out_type, gated_type=gated_type)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("gated_type", [FLOAT16, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
+def test_gated_rounding_is_exact(gated_type: int, path: str) -> None:
+    """h rounded to gated_dtype bit for bit as numpy/ml_dtypes round (nearest even): the CPU tests' probes
+    (ties, one float32 ulp either side, half-subnormal products, float16's overflow to Inf), each [probe,
+    anchor] pair padded with zeros to a group of 8, so that the vector path (group_size % 8 == 0) takes it."""
+    y2, z2, w2, h = gated_rounding_case(gated_type)
+    pairs = y2.reshape(-1, 2)
+    y = np.zeros((pairs.shape[0], 8), np.float32)
+    y[:, :2] = pairs
+    y = y.reshape(1, -1)
+    z = np.full_like(y, 64.0)
+    w = np.ones(y.shape[-1], np.float32)
+    actual = check_against_reference(
+        y, z, w, group_size=8, epsilon=GATED_ROUNDING_EPSILON, gated_type=gated_type
+    ).reshape(-1, 8)[:, 0]
+    # Independently of the reference: h rounded by numpy / ml_dtypes, then normalized in float64.
+    with np.errstate(invalid="ignore", over="ignore"):
+        rounded = h.astype(SUPPORTED_TYPES[gated_type]).astype(np.float64)
+        anchor = pairs[:, 1].astype(np.float64) * 64.0
+        want = rounded / np.sqrt((rounded * rounded + anchor * anchor) / 8 + GATED_ROUNDING_EPSILON)
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isfinite(actual), finite), "overflow of h to Inf is not where numpy puts it"
+    error = np.abs(actual[finite] - want[finite])
+    bad = np.flatnonzero(error > 2e-6 * np.abs(want[finite]))
+    assert bad.size == 0, (
+        f"{bad.size} of {finite.sum()} h rounded differently (max error {error.max():.3g}), "
+        f"e.g. h = {h[finite][bad[:5]]}"
+    )
 
 
 SHAPES = [

@@ -1,0 +1,513 @@
+"""A Nemotron-H-8B-shaped model on the GPU: one decode step and a 2048-token prefill, before vs after fusion.
+
+Nemotron-H-8B's widths (hidden 4096, 128 Mamba heads x 64 = C 8192 in 8 groups, state 128, MLP 21504,
+32/8 attention heads of 128; models/build.py's "real" config) with the first 8 layers of its 52-layer
+pattern, ``M-M-M-M*`` (4 Mamba-2, 3 MLP, 1 attention), vocabulary 1024, random weights, exported the way
+users get it (torch dynamo, models/export.py), in fp16 and bf16, fused with fusion.rewrite.
+
+Two halves, because the weights (~2 GB a dtype) cannot travel to the GPU machine but the graphs can:
+
+    python -m benchmarks.bench_gpu_nemotron export --out .bench-vendor/nemotron   # here: export, fuse, strip
+    python benchmarks/bench_gpu_nemotron.py run --graphs .bench-vendor/nemotron --library build/cuda/libmambafuse_ops.so
+
+``export`` keeps every tensor under 64 KB in the graph (norm weights, A, D, dt bias, conv weights, shape
+constants) and turns the larger ones (projections, embeddings) into external data of one file per dtype,
+laid out the same for the unfused and the fused graph, which is not written. ``run`` writes that file on
+the GPU machine with seeded random values (std 0.02; the same bytes for both graphs), then measures with
+the CUDA execution provider and IO binding (inputs and outputs on the GPU), per Run: median and min-max of
+7 repeats; with ORT's CUDA graph where ORT can capture (every symbolic dimension pinned with
+``add_free_dimension_override_by_name``); and from ORT's profiler (no CUDA graph): where the nodes ran, the
+kernel time of the gated-norm chains before fusion (the nodes the rewrite removed) and of the fused nodes
+after, per Run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+#: The first 8 layers of Nemotron-H-8B's 52-layer pattern (benchmarks/nemotron_h_8b_graph.py: PATTERN).
+LAYERS = ["linear_attention", "mlp", "linear_attention", "mlp", "linear_attention", "mlp", "linear_attention"]
+LAYERS += ["full_attention"]
+KEEP_BYTES = 64 * 1024
+DTYPES = ("fp16", "bf16")
+MODES = ("decode", "prefill")
+PREFILL_TOKENS = 2048
+
+
+# --- export (CPU, here) ------------------------------------------------------------------------------------
+
+
+def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], location: str) -> list[dict]:
+    """Point every initializer over KEEP_BYTES at `location` (offsets from `layout`, shared by name); return
+    the manifest of those tensors."""
+    manifest = []
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            raise SystemExit(f"{tensor.name}: export left external data; load it first")
+        size = len(tensor.raw_data)
+        if size <= KEEP_BYTES:
+            continue
+        if tensor.name not in layout:
+            end = max((o + n for o, n in layout.values()), default=0)
+            layout[tensor.name] = ((end + 4095) // 4096 * 4096, size)  # 4 KiB aligned
+        offset, length = layout[tensor.name]
+        if length != size:
+            raise SystemExit(f"{tensor.name}: {size} bytes here, {length} in another graph")
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        del tensor.external_data[:]
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        manifest.append({"name": tensor.name, "dims": list(tensor.dims), "type": tensor.data_type})
+    return manifest
+
+
+def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
+    from fusion import rewrite
+    from models import build
+    from models import export as exporter
+
+    # The "real" config with 8 layers instead of 3 (in this process only).
+    build.CONFIGS["nemotron_h"]["real"] = dict(build.CONFIGS["nemotron_h"]["real"], layers_block_type=LAYERS)
+    out.mkdir(parents=True, exist_ok=True)
+    for dtype in dtypes:
+        layout: dict[str, tuple[int, int]] = {}
+        location = f"weights-{dtype}.bin"
+        entries = {}
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix="nemotron-gpu-") as tmp:
+                t0 = time.perf_counter()
+                source = Path(tmp) / "model.onnx"
+                record = exporter.export_model("nemotron_h", "dynamo", dtype, mode, size="real", out=source)
+                fused = Path(tmp) / "model.fused.onnx"
+                if rewrite.main([str(source), "-o", str(fused)]) != 0:
+                    raise SystemExit(f"{dtype} {mode}: the rewrite failed")
+                for name, path in (("before", source), ("after", fused)):
+                    model = onnx.load(str(path), load_external_data=True)
+                    manifest = _externalize(model, layout, location)
+                    target = out / f"{dtype}-{mode}-{name}.onnx"
+                    onnx.save(model, str(target))
+                    entries[f"{mode}-{name}"] = {"graph": target.name, "weights": manifest}
+                print(
+                    f"{dtype} {mode}: {record.num_mamba_layers} Mamba layers, exported and fused in "
+                    f"{time.perf_counter() - t0:.0f} s",
+                    flush=True,
+                )
+        size = max(o + n for o, n in layout.values())
+        (out / f"{dtype}.json").write_text(
+            json.dumps({"location": location, "bytes": size, "layout": layout, "graphs": entries}, indent=1)
+        )
+        if "prefill" in modes:
+            pin_prefill(out, dtype)
+
+
+def pin_prefill(out: Path, dtype: str) -> None:
+    """Replace the prefill pair by the graph with its sequence pinned to PREFILL_TOKENS and constant-folded
+    (onnxscript's optimizer), before and after fusion.
+
+    The dynamic-sequence real-width export spells each chain's group count as the chunked scan's
+    ``8 * min(s, 128 * ceil(s / 128)) // s``, which the rewriter cannot prove constant: it refuses all four
+    chains. With s pinned the folding makes it 8, and they fuse. (ORT pins it the same way with
+    add_free_dimension_override_by_name; the measured graphs are the pinned ones, before and after.)
+    """
+    import onnx_ir as ir
+    import onnxscript.optimizer
+
+    from fusion import rewrite
+
+    meta = json.loads((out / f"{dtype}.json").read_text())
+    weights = out / meta["location"]
+    created = not weights.exists()
+    if created:  # the rewriter wants the data file to exist; a sparse one, never read
+        with open(weights, "wb") as f:
+            f.truncate(meta["bytes"])
+    try:
+        source = out / meta["graphs"]["prefill-before"]["graph"]
+        model = onnx.load(str(source), load_external_data=False)
+        for value in [*model.graph.input, *model.graph.output]:
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param == "seq":
+                    dim.dim_value = PREFILL_TOKENS
+        pinned = out / f"{dtype}-prefill-pinned.onnx"
+        onnx.save(model, str(pinned))
+        folded = ir.load(str(pinned))
+        onnxscript.optimizer.optimize(folded, num_iterations=2)
+        ir.save(folded, str(source))
+        pinned.unlink()
+        fused = out / meta["graphs"]["prefill-after"]["graph"]
+        if rewrite.main([str(source), "-o", str(fused)]) != 0:
+            raise SystemExit(f"{dtype} prefill: the rewrite failed")
+        for path in (source, fused):  # still the shared layout
+            for t in onnx.load(str(path), load_external_data=False).graph.initializer:
+                if t.data_location == onnx.TensorProto.EXTERNAL:
+                    entry = {e.key: e.value for e in t.external_data}
+                    if meta["layout"].get(t.name, [None])[0] != int(entry["offset"]):
+                        raise SystemExit(f"{path.name}: {t.name} left the shared layout")
+                elif len(t.raw_data) > KEEP_BYTES:
+                    raise SystemExit(f"{path.name}: folding made a {len(t.raw_data)}-byte tensor {t.name}")
+    finally:
+        if created:
+            weights.unlink()
+
+
+# --- run (GPU machine) -------------------------------------------------------------------------------------
+
+
+def write_weights(folder: Path, dtype: str) -> None:
+    """Write the external data file of `dtype` with seeded N(0, 0.02) values, one seed per tensor name."""
+    meta = json.loads((folder / f"{dtype}.json").read_text())
+    target = folder / meta["location"]
+    if target.is_file() and target.stat().st_size == meta["bytes"]:
+        return
+    import ml_dtypes
+
+    with open(target, "wb") as f:
+        f.truncate(meta["bytes"])
+        for name, (offset, length) in meta["layout"].items():
+            seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+            values = np.random.default_rng(seed).standard_normal(length // 2, dtype=np.float32) * 0.02
+            raw = values.astype(np.float16 if dtype == "fp16" else ml_dtypes.bfloat16).tobytes()
+            f.seek(offset)
+            f.write(raw)
+
+
+def run(args: argparse.Namespace) -> None:
+    import onnxruntime as ort
+    import torch
+
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        ort.preload_dlls()
+    folder = args.graphs
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    device_name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "CPU (smoke test)"
+    emit(
+        f"Environment: {device_name}, onnxruntime {ort.__version__}, torch {torch.__version__}; CUDA EP, IO binding; "
+        f"{len(LAYERS)} layers (4 Mamba-2, 3 MLP, 1 attention), vocabulary 1024, random weights; Run times are "
+        f"medians (min–max) of 7 repeats of {args.runs} Runs (prefill: {max(5, args.runs // 5)})."
+    )
+    emit()
+    emit(
+        "| dtype | step | ORT CUDA graph | nodes before -> after | Run before (µs) | Run after (µs) | speed-up "
+        "| GPU time: chains -> fused kernels (µs per Run) | host dispatch: chain nodes -> fused nodes (µs per Run) |"
+    )
+    emit("|---|---|---|---|---|---|---|---|---|")
+    notes = []
+    for dtype in args.dtypes.split(","):
+        write_weights(folder, dtype)
+        meta = json.loads((folder / f"{dtype}.json").read_text())
+        for mode in args.modes.split(","):
+            paths = {name: folder / meta["graphs"][f"{mode}-{name}"]["graph"] for name in ("before", "after")}
+            graphs = {name: onnx.load(str(path), load_external_data=False) for name, path in paths.items()}
+            feeds, dims = step_inputs(graphs["before"], mode)
+            try:
+                prof = {name: profile(ort, torch, path, feeds, dims, args.library) for name, path in paths.items()}
+            except Exception as error:  # noqa: BLE001 - e.g. a graph ORT rejects; reported, the rest still runs
+                emit(f"| {dtype} | {mode} | | | {str(error).splitlines()[0][:300]} | | | | |")
+                continue
+            # The chains: every node the profile shows before fusion and not after (the rewrite's removed nodes,
+            # with what ORT's optimizer made of them and the CPU<->GPU copies of their shape arithmetic).
+            replaced = set(prof["before"]["by_node"]) - set(prof["after"]["by_node"])
+            chain_us = sum(prof["before"]["by_node"][n] for n in replaced) / prof["before"]["runs"]
+            fused_us = sum(t for (_, op), t in prof["after"]["by_op"].items() if op == "GatedGroupRMSNorm")
+            fused_us /= prof["after"]["runs"]
+            # GPU side (CUPTI): the chains' GPU time is what fusion removed plus what the fused kernels take.
+            try:
+                gpu = {name: gpu_kernels(ort, torch, path, feeds, dims, args.library) for name, path in paths.items()}
+                gpu_fused = gpu["after"]["fused"]
+                gpu_chains = gpu["before"]["total"] - gpu["after"]["total"] + gpu_fused
+                gpu_text = f"{gpu_chains:.1f} -> {gpu_fused:.1f} ({100 * gpu_fused / max(gpu_chains, 1e-9):.1f} %)"
+            except Exception as error:  # noqa: BLE001 - no CUPTI (e.g. the CPU smoke test)
+                gpu, gpu_text = None, f"n/a ({str(error).splitlines()[0][:80]})"
+
+            step = "decode" if mode == "decode" else f"prefill {PREFILL_TOKENS}"
+            for graph in [m == "yes" for m in args.graph_modes.split(",")]:
+                stats = {}
+                for name, path in paths.items():
+                    try:
+                        runs = args.runs if mode == "decode" else max(5, args.runs // 5)  # prefill: ~10 ms a Run
+                        stats[name] = measure(ort, torch, path, feeds, dims, args.library, graph, runs)
+                    except Exception as error:  # noqa: BLE001 - reported in the table (e.g. capture refused)
+                        stats[name] = {"error": str(error).splitlines()[0][:200]}
+                b, a = stats["before"], stats["after"]
+                if "error" in b or "error" in a:
+                    emit(
+                        f"| {dtype} | {step} | {'yes' if graph else 'no'} | | {b.get('error') or fmt(b)} | "
+                        f"{a.get('error') or fmt(a)} | | | |"
+                    )
+                    continue
+                emit(
+                    f"| {dtype} | {step} | {'yes' if graph else 'no'} | {len(graphs['before'].graph.node)} -> "
+                    f"{len(graphs['after'].graph.node)} | {fmt(b)} | {fmt(a)} | {b['median'] / a['median']:.2f}x | "
+                    f"{gpu_text} | {chain_us:.1f} -> {fused_us:.1f} ({100 * fused_us / max(chain_us, 1e-9):.1f} %) |"
+                )
+            placement = ", ".join(f"{p} {c}" for p, c in sorted(prof["after"]["providers"].items()))
+            placement_before = ", ".join(f"{p} {c}" for p, c in sorted(prof["before"]["providers"].items()))
+            where = ", ".join(f"{op} {t:.0f}" for op, t in prof["after"]["top_ops"])
+            gpu_where = ""
+            if gpu is not None:
+                gpu_where = (
+                    f" GPU time per Run before {gpu['before']['total']:.0f} µs, after {gpu['after']['total']:.0f} µs; "
+                    "largest after: " + "; ".join(f"{name[:60]} {t:.0f}" for name, t in gpu["after"]["top"]) + "."
+                )
+            print(f"  note: {dtype} {step}", flush=True)
+            notes.append(
+                f"- {dtype} {step}: nodes by provider before: {placement_before}; after: {placement}. Host time "
+                "per Run "
+                f"in ORT's profiler after fusion, by op type (µs): {where}; all nodes {prof['after']['total']:.0f} µs "
+                f"(before {prof['before']['total']:.0f} µs; {len(replaced)} chain nodes).{gpu_where}"
+            )
+            print(notes[-1], flush=True)
+    emit()
+    for note in notes:
+        emit(note)
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines) + "\n")
+
+
+def fmt(stats: dict) -> str:
+    return f"{stats['median']:.0f} ({stats['min']:.0f}–{stats['max']:.0f})"
+
+
+#: Decode cache shapes of the real config (batch 1, an 8-token prompt): the dynamo export leaves every cache
+#: dimension symbolic, so they are set here by the leaf's name.
+PAST = 8
+CACHE_SHAPES = {
+    "conv_states": [1, 8192 + 2 * 8 * 128, 4],  # [batch, conv dim (x, B, C), conv kernel]
+    "recurrent_states": [1, 128, 64, 128],  # [batch, Mamba heads, head dim, state]
+    "keys": [1, 8, PAST, 128],  # [batch, KV heads, past, head dim]
+    "values": [1, 8, PAST, 128],
+}
+
+
+def step_inputs(model: onnx.ModelProto, mode: str) -> tuple[dict[str, tuple[np.ndarray, int]], dict[str, int]]:
+    """Seeded inputs of one step, (array, element type) by name, and the value of every symbolic dimension
+    (the same values pin them for ORT's CUDA graph)."""
+    rng = np.random.default_rng(0)
+    initializers = {t.name for t in model.graph.initializer}
+    feeds: dict[str, tuple[np.ndarray, int]] = {}
+    dims: dict[str, int] = {}
+    for value in model.graph.input:
+        if value.name in initializers:
+            continue
+        tensor = value.type.tensor_type
+        kind = next((k for k in CACHE_SHAPES if f".{k}" in value.name), None)
+        shape = []
+        for i, d in enumerate(tensor.shape.dim):
+            if kind is not None:
+                size = CACHE_SHAPES[kind][i]
+            elif d.dim_param:
+                size = 1 if i == 0 else (1 if mode == "decode" else PREFILL_TOKENS)
+            else:
+                size = d.dim_value
+            if d.dim_param and dims.setdefault(d.dim_param, size) != size:
+                raise SystemExit(f"{value.name}: dimension {d.dim_param} is {dims[d.dim_param]} and {size}")
+            shape.append(size)
+        if tensor.elem_type == onnx.TensorProto.INT64:
+            array = (
+                np.full(shape, PAST, np.int64)
+                if value.name == "position_ids"
+                else rng.integers(3, 1024, shape).astype(np.int64)
+            )
+        else:
+            array = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+        feeds[value.name] = (array, tensor.elem_type)
+    return feeds, dims
+
+
+#: "cuda"; "cpu" only to smoke-test this script without a GPU (--device cpu).
+DEVICE = "cuda"
+
+TORCH_TYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.INT64: "int64",
+}
+ORT_OUTPUT_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(bfloat16)": "bfloat16",
+    "tensor(int64)": "int64",
+}
+
+
+def ort_value(ort, torch, tensor):
+    from onnxruntime.capi import _pybind_state as C
+
+    return ort.OrtValue(C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False))
+
+
+def session_for(ort, path: Path, dims: dict[str, int], library: Path, graph: bool, profile_prefix: str | None = None):
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    for name, size in dims.items():  # pinned: the shape arithmetic folds, ORT's CUDA graph can capture
+        options.add_free_dimension_override_by_name(name, size)
+    if profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if graph else {})
+    providers = [provider, "CPUExecutionProvider"] if DEVICE == "cuda" else ["CPUExecutionProvider"]
+    return ort.InferenceSession(str(path), options, providers=providers)
+
+
+def bind(ort, torch, session, feeds) -> tuple[object, list]:
+    """IO binding: inputs and outputs as CUDA tensors at fixed addresses (a CUDA graph replays on them); the
+    output shapes come from one plain Run with ORT-allocated outputs."""
+    inputs = []
+    probe = session.io_binding()
+    for name, (array, elem_type) in feeds.items():
+        tensor = torch.from_numpy(array).to(getattr(torch, TORCH_TYPES[elem_type])).to(DEVICE)
+        inputs.append((name, tensor))
+        probe.bind_ortvalue_input(name, ort_value(ort, torch, tensor))
+    for out in session.get_outputs():
+        probe.bind_output(out.name, DEVICE)
+    session.run_with_iobinding(probe)  # with enable_cuda_graph this is the warm-up Run; capture comes later
+    binding = session.io_binding()
+    keep = [t for _, t in inputs]
+    for name, tensor in inputs:
+        binding.bind_ortvalue_input(name, ort_value(ort, torch, tensor))
+    for out, value in zip(session.get_outputs(), probe.get_outputs(), strict=True):
+        tensor = torch.empty(value.shape(), dtype=getattr(torch, ORT_OUTPUT_TYPES[out.type]), device=DEVICE)
+        keep.append(tensor)
+        binding.bind_ortvalue_output(out.name, ort_value(ort, torch, tensor))
+    return binding, keep
+
+
+def measure(ort, torch, path, feeds, dims, library, graph: bool, runs: int) -> dict:
+    """Per-Run wall time (a Run returns when its outputs are ready): median, min, max of 7 repeats."""
+    session = session_for(ort, path, dims, library, graph)
+    binding, keep = bind(ort, torch, session, feeds)
+    for _ in range(5):
+        session.run_with_iobinding(binding)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            session.run_with_iobinding(binding)
+        times.append((time.perf_counter() - t0) * 1e6 / runs)
+    del keep, session
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10) -> dict:
+    """GPU time per Run from CUPTI (torch.profiler sees every kernel and copy of the process, ORT's too): all of
+    it, the fused kernels' (mambafuse::), and the largest kernels by name."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    session = session_for(ort, path, dims, library, False)
+    binding, keep = bind(ort, torch, session, feeds)
+    for _ in range(3):
+        session.run_with_iobinding(binding)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            session.run_with_iobinding(binding)
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0.0)
+        if device_us > 0:
+            totals[event.key] = totals.get(event.key, 0.0) + device_us / runs
+    del keep, session
+    fused = sum(t for k, t in totals.items() if "mambafuse" in k)
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:5]
+    return {"total": sum(totals.values()), "fused": fused, "top": top}
+
+
+def profile(ort, torch, path, feeds, dims, library, runs: int = 5) -> dict:
+    """Kernel time per node and per (node, op type), node counts per provider, from ORT's profiler (no CUDA
+    graph; the first 3 Runs are warm-up)."""
+    with tempfile.TemporaryDirectory(prefix="ortprof-") as tmp:
+        session = session_for(ort, path, dims, library, False, profile_prefix=str(Path(tmp) / "p"))
+        binding, keep = bind(ort, torch, session, feeds)
+        for _ in range(3 + runs):
+            session.run_with_iobinding(binding)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    model_runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])
+    measured = model_runs[-runs:]
+    start = measured[0]["ts"] if measured else 0
+    by_node: dict[str, float] = {}
+    by_op: dict[tuple[str, str], float] = {}
+    ops: dict[str, float] = {}
+    providers: dict[str, int] = {}
+    seen = set()
+    for e in events:
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+            continue
+        node = e["name"][: -len("_kernel_time")]
+        op = e.get("args", {}).get("op_name", "?")
+        if node not in seen:
+            seen.add(node)
+            provider = e.get("args", {}).get("provider", "?").replace("ExecutionProvider", "")
+            providers[provider] = providers.get(provider, 0) + 1
+        if e["ts"] < start:
+            continue
+        by_node[node] = by_node.get(node, 0.0) + e["dur"]
+        by_op[(node, op)] = by_op.get((node, op), 0.0) + e["dur"]
+        ops[op] = ops.get(op, 0.0) + e["dur"]
+    n = max(1, len(measured))
+    top = sorted(((op, t / n) for op, t in ops.items()), key=lambda x: -x[1])[:6]
+    return {
+        "by_node": by_node,
+        "by_op": by_op,
+        "providers": providers,
+        "runs": n,
+        "top_ops": top,
+        "total": sum(ops.values()) / n,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("--out", type=Path, default=REPO / ".bench-vendor" / "nemotron")
+    e.add_argument("--dtypes", default=",".join(DTYPES))
+    e.add_argument("--modes", default=",".join(MODES))
+    e.add_argument("--pin-prefill-only", action="store_true", help="only redo the pinned prefill pair")
+    r = sub.add_parser("run")
+    r.add_argument("--graphs", type=Path, default=REPO / ".bench-vendor" / "nemotron")
+    r.add_argument("--library", type=Path, required=True)
+    r.add_argument("--dtypes", default=",".join(DTYPES))
+    r.add_argument("--modes", default=",".join(MODES))
+    r.add_argument("--runs", type=int, default=50)
+    r.add_argument("--markdown", type=Path, default=None)
+    r.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of this script")
+    r.add_argument("--graph-modes", default="no,yes", help="ORT CUDA graph off/on (cpu: no)")
+    args = parser.parse_args()
+    if args.command == "export" and args.pin_prefill_only:
+        for dtype in args.dtypes.split(","):
+            pin_prefill(args.out, dtype)
+    elif args.command == "export":
+        export(args.out, args.dtypes.split(","), args.modes.split(","))
+    else:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
