@@ -4,7 +4,11 @@ Effective bandwidth = bytes of Y, Z, W read + O written, per second. The referen
 pass over the same bytes in the same process with the same threads: ONNX Runtime's own Add(Y, Z) -> O
 (two reads and one write of the same tensors), so both sides use ORT's thread pool alike.
 
-    python -m benchmarks.bench_cpu_prefill [--rows 2048] [--runs 30] [--threads 1,2] [--no-save]
+A second table sweeps the row count (1 ... 8192 rows of C = 8192): fused vs unfused at every size, to
+show the fused node is never the slower one (small sizes: ORT's per-node costs; large: memory).
+
+    python -m benchmarks.bench_cpu_prefill [--rows 2048] [--runs 30] [--threads 1,2]
+        [--sweep 1,4,16,64,256,1024,2048,8192] [--no-save]
 """
 
 from __future__ import annotations
@@ -39,11 +43,53 @@ def session(model: bytes, threads: int, library: bool) -> ort.InferenceSession:
     return contrib_ops.session(model, session_options=options, use_library=library)
 
 
+def interleaved_medians(calls: dict[str, tuple[ort.InferenceSession, dict]], runs: int) -> dict[str, float]:
+    """Return the median seconds per Run of each session, the sessions called in turn (same conditions)."""
+    for sess, inputs in calls.values():
+        sess.run(None, inputs)  # warm-up: first-run allocations
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(runs):
+        for name, (sess, inputs) in calls.items():
+            t0 = time.perf_counter()
+            sess.run(None, inputs)
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def sweep(rows_list: list[int], threads_list: list[int], runs: int) -> list[str]:
+    """Return the rows of the fused-vs-unfused sweep table."""
+    lines = [
+        "| dtype | threads | " + " | ".join(f"{r} rows" for r in rows_list) + " |",
+        "|" + "---|" * (2 + len(rows_list)),
+    ]
+    for threads in threads_list:
+        for dtype, fields in PREFILL_SPECS.items():
+            spec = ChainSpec(channels=CHANNELS, group_size=GROUP_SIZE, **fields)
+            before, after = chain_pair(spec)
+            unfused = session(before.SerializeToString(), threads, library=False)
+            fused = session(after.SerializeToString(), threads, library=True)
+            cells = []
+            for rows in rows_list:
+                feeds = report.make_inputs(before, {"batch": 1, "seq": rows})
+                # Enough runs for a stable median at small sizes, few at 8192 rows (~0.3 s unfused).
+                n = max(5, min(runs * 20, int(runs * 2048 / rows)))
+                med = interleaved_medians({"unfused": (unfused, feeds), "fused": (fused, feeds)}, n)
+                cells.append(
+                    f"{med['unfused'] * 1e3:.3g} / {med['fused'] * 1e3:.3g} ms = "
+                    f"**{med['unfused'] / med['fused']:.2f}x**"
+                )
+            row = f"| {dtype} | {threads} | " + " | ".join(cells) + " |"
+            lines.append(row)
+            print(row, flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=2048)
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--sweep", default="1,4,16,64,256,1024,2048,8192", help="row counts; empty: no sweep")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     rows = [
@@ -70,20 +116,12 @@ def main() -> None:
             out_bytes = sessions["fused"].run(None, feeds)[0].nbytes
             op_bytes = y.nbytes + z.nbytes + CHANNELS * (2 if dtype == "fp16" else 4) + out_bytes
             add_bytes = 3 * y.nbytes
-            times: dict[str, list[float]] = {"unfused": [], "fused": [], "add": []}
             calls = {
                 "unfused": (sessions["unfused"], feeds),
                 "fused": (sessions["fused"], feeds),
                 "add": (adds, add_feeds),
             }
-            for sess, inputs in calls.values():
-                sess.run(None, inputs)  # warm-up: first-run allocations
-            for _ in range(args.runs):
-                for name, (sess, inputs) in calls.items():
-                    t0 = time.perf_counter()
-                    sess.run(None, inputs)
-                    times[name].append(time.perf_counter() - t0)
-            med = {k: statistics.median(v) for k, v in times.items()}
+            med = interleaved_medians(calls, args.runs)
             fused_bw = op_bytes / med["fused"] / 1e9
             add_bw = add_bytes / med["add"] / 1e9
             row = (
@@ -95,11 +133,19 @@ def main() -> None:
             print(row, flush=True)
     lines = [
         f"rows = {args.rows}, C = {CHANNELS}, group_size = {GROUP_SIZE}; exported prefill spellings "
-        f"(fp32: form A, fp16: form B — y f32, gate f16, output f16); medians of {args.runs} runs.",
+        f"(fp32: form A, fp16: form B — y f32, gate f16, output f16); medians of {args.runs} interleaved runs.",
         *env_lines,
         "",
         *rows,
     ]
+    if args.sweep:
+        rows_list = [int(r) for r in args.sweep.split(",")]
+        lines += [
+            "",
+            f"Sweep over rows (C = {CHANNELS}): unfused / fused median per Run = speed-up (> 1: fused faster).",
+            "",
+            *sweep(rows_list, [int(t) for t in args.threads.split(",")], args.runs),
+        ]
     print("\n".join(lines))
     if not args.no_save:
         append_results(f"CPU prefill: {args.rows} x {CHANNELS}", lines)

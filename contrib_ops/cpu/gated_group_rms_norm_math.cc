@@ -17,11 +17,14 @@
 // (half conversions, an approximate reciprocal, vscalefps) behind small per-ISA helpers.
 //
 // silu: sigmoid(z) = 1/(1+t) for z >= 0 and t/(1+t) for z < 0, with t = e^-|z| (never overflows).
-// e^x: Cody-Waite reduction x = n ln2 + r (|r| <= ln2/2, ln2 in two parts so n * ln2_hi is exact), e^r by a
-// degree-6 minimax polynomial (relative error 7e-8 evaluated in float32), 2^n applied so that results
-// down to the float subnormals are right; then one division. Together h is within ~3e-7 (relative) of the
-// exact product, inside the float32 budget of 2e-6 and inside the window that budget_report allows a
-// gated_dtype rounding to fall either way (fusion/reference.py, GATED_TIE_WINDOW).
+// e^x: x = n ln2 + r (|r| <= ln2/2), e^r by a degree-5 minimax polynomial (relative error 1.9e-7 evaluated
+// in float32), 2^n applied so that results down to the float subnormals are right; then one division.
+// Together h is within ~5e-7 (relative) of the exact product, inside the float32 budget of 2e-6 and inside
+// the window that budget_report allows a gated_dtype rounding to fall either way (fusion/reference.py,
+// GATED_TIE_WINDOW, 9.5e-7).
+//
+// Cost (AVX-512, per 16 elements): 13 multiply/FMA instructions and one division. On the machine measured
+// (AMD Zen 4: one 512-bit FMA per cycle) that multiply pipe is the bound; see benchmarks/RESULTS.md.
 //
 // Float32 subnormals (x86): results that underflow cost ~3x an ordinary instruction on the CPUs measured,
 // and rows whose values decay into the subnormals would pay that on every element. The x86 variants run
@@ -251,9 +254,10 @@ inline void StorePartial(char* p, VF v, ElemType type, int64_t count) {
 // enough to move a product that sits on a gated_dtype rounding tie).
 inline VF Divide(VF a, VF d) { return a / d; }
 
-// Degree-6 minimax polynomial of e^r on [-ln2/2, ln2/2] (float32 coefficients; c0 = c1 = 1).
-constexpr float kExpC2 = 0x1.fffffap-2f, kExpC3 = 0x1.55540ap-3f, kExpC4 = 0x1.55589ap-5f;
-constexpr float kExpC5 = 0x1.126d0cp-7f, kExpC6 = 0x1.6ab97ap-10f;
+// Degree-5 minimax polynomial of e^r on [-ln2/2, ln2/2] (float32 coefficients; relative error 1.9e-7
+// evaluated in float32).
+constexpr float kExpC0 = 0x1.000002p+0f, kExpC1 = 0x1.fffff6p-1f, kExpC2 = 0x1.fffd1ap-2f;
+constexpr float kExpC3 = 0x1.555a18p-3f, kExpC4 = 0x1.575eeep-5f, kExpC5 = 0x1.0fe5c4p-7f;
 
 // Vectors processed side by side: the silu chain is ~20 dependent instructions, so independent vectors
 // interleaved stage by stage keep the pipelines full (the out-of-order window alone does not hold enough
@@ -263,8 +267,6 @@ constexpr int kUnroll = kWidth == 16 ? 4 : 2;
 // silu(z) of kUnroll vectors, in place. Written stage by stage so the instruction stream interleaves them.
 __attribute__((always_inline)) inline void Silu(VF (&v)[kUnroll]) {
   constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693145751953125f;  // 15 significant bits: n * kLn2Hi is exact
-  constexpr float kLn2Lo = 1.42860682030941723212e-6f;
   constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   VF x[kUnroll], shifted[kUnroll], n[kUnroll], r[kUnroll], p[kUnroll], t[kUnroll];
   // x = -|z|, clamped to >= -104 (e^-104 rounds to 0; a NaN compares false and stays NaN).
@@ -272,14 +274,25 @@ __attribute__((always_inline)) inline void Silu(VF (&v)[kUnroll]) {
   for (int k = 0; k < kUnroll; ++k) x[k] = x[k] < -104.f ? Splat(-104.f) : x[k];
   for (int k = 0; k < kUnroll; ++k) shifted[k] = x[k] * kLog2e + kRoundMagic;
   for (int k = 0; k < kUnroll; ++k) n[k] = shifted[k] - kRoundMagic;  // in [-150, 0]
+#if defined(__FMA__)
+  // With FMA (these builds contract a - b * c into one instruction) n * ln2 is not rounded, and one
+  // constant suffices: float32's ln2 is 1.9e-9 off, so r is off by at most 150 * 1.9e-9 = 2.9e-7, and only
+  // where e^x < 2^-100 (n = -150); over the gates of real models (|z| < 20) below 4e-8.
+  constexpr float kLn2 = 0.693147180559945309f;
+  for (int k = 0; k < kUnroll; ++k) r[k] = x[k] - n[k] * kLn2;
+#else
+  // Without FMA the product n * ln2 would be rounded (to 4e-6 at n = -115): Cody-Waite's two constants,
+  // the first with few enough bits that n * kLn2Hi is exact.
+  constexpr float kLn2Hi = 0.693145751953125f;  // 15 significant bits
+  constexpr float kLn2Lo = 1.42860682030941723212e-6f;
   for (int k = 0; k < kUnroll; ++k) r[k] = x[k] - n[k] * kLn2Hi;
   for (int k = 0; k < kUnroll; ++k) r[k] = r[k] - n[k] * kLn2Lo;
-  for (int k = 0; k < kUnroll; ++k) p[k] = r[k] * kExpC6 + kExpC5;
-  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + kExpC4;
+#endif
+  for (int k = 0; k < kUnroll; ++k) p[k] = r[k] * kExpC5 + kExpC4;
   for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + kExpC3;
   for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + kExpC2;
-  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + 1.f;
-  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + 1.f;
+  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + kExpC1;
+  for (int k = 0; k < kUnroll; ++k) p[k] = p[k] * r[k] + kExpC0;
   for (int k = 0; k < kUnroll; ++k) {
 #if defined(__AVX512F__)
     t[k] = reinterpret_cast<VF>(_mm512_scalef_ps(reinterpret_cast<__m512>(p[k]), reinterpret_cast<__m512>(n[k])));

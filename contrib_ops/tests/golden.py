@@ -327,6 +327,16 @@ def cmake_flags(variable: str) -> list[str]:
     return shlex.split(match.group(1))
 
 
+def isa_variant_flags() -> list[tuple[str, list[str]]]:
+    """Return the x86-64 variants of the math core and their flags, as contrib_ops/CMakeLists.txt lists
+    them ("isa_avx2|-march=x86-64-v3 ...")."""
+    text = (CONTRIB / "CMakeLists.txt").read_text()
+    variants = [(ns, shlex.split(flags)) for ns, flags in re.findall(r'"(isa_avx\w+)\|([^"]*)"', text)]
+    if not variants:
+        raise RuntimeError("contrib_ops/CMakeLists.txt lists no isa_avx* variants; update contrib_ops/tests/golden.py")
+    return variants
+
+
 def cross_tools_problem() -> str | None:
     """Return why the AArch64 cross toolchain cannot be used here, or None when it can."""
     missing = [tool for tool in (CROSS_CXX, QEMU) if shutil.which(tool) is None]
@@ -349,13 +359,15 @@ def compile_program(
     msl_emulation: bool = False,
     metal: bool = False,
     cmake: str = "cmake",
+    driver: Path | None = None,
 ) -> None:
     """Compile kernel_golden_test (math core + dispatcher + driver) with the library's flags.
 
     The math core gets CMake's ``_math_flags`` (and, with ``x86_dispatch``, the AVX2/AVX-512 variants);
     every file gets the library's warnings plus -Werror. ``msl_emulation`` adds the Metal kernel compiled as
     C++ (any platform); ``metal`` the real Metal host (macOS only; ``cmake`` embeds the MSL source as
-    CMake's build does). Raises RuntimeError with the compiler output.
+    CMake's build does). ``driver`` replaces kernel_golden_test.cc (e.g. kernel_bench.cc). Raises RuntimeError
+    with the compiler output.
     """
     warnings = [*cmake_flags("_warnings"), "-Werror"]
     math_flags = cmake_flags("_math_flags")
@@ -364,10 +376,7 @@ def compile_program(
     base = [cxx, "-std=c++17", *warnings, *extra_flags]
     variants = [("isa_generic", [])]
     if x86_dispatch:
-        variants += [
-            ("isa_avx2", ["-march=x86-64-v3"]),
-            ("isa_avx512", ["-march=x86-64-v4", "-mprefer-vector-width=512"]),
-        ]
+        variants += isa_variant_flags()
     objects = []
     jobs = []
     for ns, flags in variants:
@@ -404,7 +413,7 @@ def compile_program(
             f"-I{TESTS_DIR}",
             f"-I{CONTRIB}",
             "-c",
-            str(TESTS_DIR / "kernel_golden_test.cc"),
+            str(driver or TESTS_DIR / "kernel_golden_test.cc"),
             "-o",
             str(obj),
         ]
