@@ -40,6 +40,11 @@ def add_model(elem_type: int, shape: list[int]) -> bytes:
 def session(model: bytes, threads: int, library: bool) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    if threads > 1:
+        # Each session has its own thread pool, whose threads spin after a Run; with the sessions called in
+        # turn on a machine with no spare cores, one session's spinning threads would slow the next one's
+        # Run (measured: 8x at 256 rows). No spinning for any of them keeps the comparison fair.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return contrib_ops.session(model, session_options=options, use_library=library)
 
 
