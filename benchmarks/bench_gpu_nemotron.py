@@ -233,7 +233,11 @@ def run(args: argparse.Namespace) -> None:
             fused_us /= prof["after"]["runs"]
             # GPU side (CUPTI): the chains' GPU time is what fusion removed plus what the fused kernels take.
             try:
-                gpu = {name: gpu_kernels(ort, torch, path, feeds, dims, args.library) for name, path in paths.items()}
+                gpu_runs = 50 if mode == "decode" else 10  # the difference of two totals: enough Runs to steady it
+                gpu = {
+                    name: gpu_kernels(ort, torch, path, feeds, dims, args.library, gpu_runs)
+                    for name, path in paths.items()
+                }
                 gpu_fused = gpu["after"]["fused"]
                 gpu_chains = gpu["before"]["total"] - gpu["after"]["total"] + gpu_fused
                 gpu_text = f"{gpu_chains:.1f} -> {gpu_fused:.1f} ({100 * gpu_fused / max(gpu_chains, 1e-9):.1f} %)"

@@ -144,7 +144,7 @@ struct EpilogueOf {
 };
 
 // Calls fn(Epilogue<...>{}) for the block-uniform runtime index; kFixed >= 0 compiles that one epilogue alone
-// (the specialized kernels of the uniform-type decode forms: a short kernel, see VectorPathKernel).
+// (the specialized kernels of the exporters' forms: a short kernel, see VectorPathKernel and LaunchTyped).
 template <int kFixed = -1, typename Fn>
 __device__ __forceinline__ void ForEachEpilogue(int index, Fn&& fn) {
   if constexpr (kFixed >= 0) {
@@ -349,8 +349,9 @@ __device__ __forceinline__ void RoundGatedChunk(float (&h)[kVec], int gated) {
 // resident warps to overlap one group's arithmetic with another's loads).
 // Order inside an item: Y and Z loads, the gate pass (Y and Z registers die), then the W loads, issued before
 // the reduction so that they are in flight during the shuffles; W is 16-60 KB, read by every row, an L1/L2 hit.
-// kFixedEpilogue >= 0: the uniform-type form with no gated rounding, one epilogue compiled (a kernel a fraction
-// of the size: at decode its code is fetched cold by whichever multiprocessors run it, every launch).
+// kFixedEpilogue >= 0: an exporter's form (uniform types, or the half prefill form B) with no gated rounding, one
+// epilogue compiled: a kernel a fraction of the size (at decode its code is fetched cold by whichever
+// multiprocessors run it, every launch) and without the gated switch (8192 rows: 93 us vs 97 generic).
 template <typename TY, typename TZ, typename TW, int kChunks, int kFixedEpilogue = -1>
 __global__ void __launch_bounds__(kVectorBlockMax) VectorPathKernel(const KernelParams p) {
   __shared__ float warp_sums[kMaxWarpsPerGroup];
@@ -454,9 +455,13 @@ void LaunchTyped(const KernelParams& params, const CudaLaunch& launch, int multi
     // groups_per_block items, no second trip through the loop.
     const int64_t resident = static_cast<int64_t>(multiprocessors) * (2048 / block);
     const unsigned grid = static_cast<unsigned>(launch.full_grid || wanted < resident ? wanted : resident);
-    if constexpr (std::is_same_v<TY, TZ> && std::is_same_v<TZ, TW>) {
-      if (launch.specialized && params.gated == 0 && params.epilogue == kUniformEpilogue<TY>) {
-        constexpr int kFixed = kUniformEpilogue<TY>;
+    // The specialized kernels: the uniform-type forms (decode, form C, and float32) and the exporters' half
+    // prefill form B (Y and W float32, a half gate, norm float32, output the gate's type).
+    constexpr bool kUniform = std::is_same_v<TY, TZ> && std::is_same_v<TZ, TW>;
+    constexpr bool kFormB = std::is_same_v<TY, float> && std::is_same_v<TW, float> && !std::is_same_v<TZ, float>;
+    if constexpr (kUniform || kFormB) {
+      constexpr int kFixed = kUniform ? kUniformEpilogue<TY> : std::is_same_v<TZ, __half> ? 1 : 3;
+      if (launch.specialized && params.gated == 0 && params.epilogue == kFixed) {
         if (launch.chunks_per_thread == 1) {
           VectorPathKernel<TY, TZ, TW, 1, kFixed><<<grid, block, 0, stream>>>(params);
         } else if (launch.chunks_per_thread == 2) {

@@ -241,6 +241,15 @@ int main(int argc, char** argv) {
             cases.push_back({s.rows, s.channels, s.group_size, t, t, t, t, t, t, path, gated, misalign,
                              s.channels / s.group_size >= 4});
           }
+  // The exporters' half prefill form B (float32 Y and W, half gate and output), which has specialized kernels.
+  for (const Shape& s : shapes)
+    for (ElemType gate : {ElemType::kFloat16, ElemType::kBFloat16})
+      for (CudaPath path : {CudaPath::kAuto, CudaPath::kVector})
+        for (int misalign : {0, 1}) {
+          if (quick && (misalign == 1 || path == CudaPath::kAuto)) continue;
+          cases.push_back({s.rows, s.channels, s.group_size, ElemType::kFloat, gate, ElemType::kFloat, ElemType::kFloat,
+                           gate, gate, path, ElemType::kFloat, misalign, s.channels / s.group_size >= 4});
+        }
   int failed = 0;
   for (const Case& c : cases) failed += !RunCase(c, rng, stream);
   CHECK_CUDA(cudaStreamDestroy(stream));
