@@ -11,8 +11,9 @@
 //   vector path 16-byte loads of Y, Z and W, every h of the group kept in registers across the reduction
 //               (one pass over memory). Needs all four pointers 16-byte aligned and group_size % 8 == 0,
 //               so that every 8-element chunk starts on a 16-byte boundary for 2-byte types (32 for
-//               float). Two instantiations: 4 chunks (32 elements) per thread, or 1 chunk (a quarter of
-//               the registers). One to kMaxWarpsPerGroup warps share a group; with more than one, the warps'
+//               float). Three instantiations: 1, 2 or 4 chunks (8, 16, 32 elements) per thread, W loaded
+//               with Y and Z at one chunk, after the gate pass otherwise (registers: 40 / 64 / 128 for fp16).
+//               One to kMaxWarpsPerGroup warps share a group; with more than one, the warps'
 //               partial sums meet in shared memory. ChooseCudaLaunch (gated_group_rms_norm_impl.cu) picks
 //               the kernel and the warps from measurements (benchmarks/RESULTS.md). Item indices are 32-bit
 //               and split into (row, group) by a multiply and a shift (FastDivisor), not a division: at
@@ -22,7 +23,9 @@
 // Templates cover the three load types (Y, Z, W: 27 instantiations per kernel). The rounding types (norm, out,
 // and the output storage) are a block-uniform switch around the epilogue, so each kernel carries the 15
 // epilogues once instead of 405 kernels being compiled (see ForEachEpilogue); the gated_dtype rounding is a
-// block-uniform switch of three cases in the gate pass (RoundGated).
+// block-uniform switch of three cases in the gate pass (RoundGated). The exporters' forms (uniform types, and
+// the half prefill form B) also get kernels with their one epilogue and no gated switch (kFixedEpilogue): 15
+// more, 123 in all.
 //
 // Numerics follow the CPU kernel (contrib_ops/cpu/gated_group_rms_norm_math.cc): expf is CUDA's accurate
 // one (2 ulp, no fast-math; __expf's error grows with |z| and breaks the relative budget for z << 0), the
