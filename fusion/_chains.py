@@ -239,7 +239,13 @@ def build_chain(spec: ChainSpec) -> onnx.ModelProto:
             normed_groups = node("Mul", pair)
 
     if spec.weight_in_group is not None:
-        grid = ints("weight_grid", [groups, group_size]) if spec.weight_in_group != "G_gs" else ""
+        if spec.weight_in_group == "G_gs":
+            grid = ""
+        elif spec.scalars_as_constants:  # dynamo optimize=False: Concat of Constant nodes
+            parts = [ints("weight_groups", [groups], True), ints("weight_group_size", [group_size], True)]
+            grid = node("Concat", parts, axis=0)
+        else:
+            grid = ints("weight_grid", [groups, group_size])
         if spec.weight_in_group == "G_gs":
             weight_groups = const("weight", weight_data.reshape(groups, group_size))
         elif spec.weight_in_group == "reshape":

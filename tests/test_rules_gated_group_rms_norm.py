@@ -190,6 +190,9 @@ CASES: dict[str, Case] = {
     # J: Falcon-H1, the weight multiplies the groups (as [G, gs]) before the second Reshape, in float32
     "J_f32_constant_G_gs": Case(ChainSpec(weight_in_group="G_gs"), "J"),
     "J_f32_reshaped_weight": Case(ChainSpec(weight_in_group="reshape", shape_as="dynamic", leading=("b", "s")), "J"),
+    "J_weight_target_concat_of_constants": Case(
+        ChainSpec(weight_in_group="reshape", scalars_as_constants=True, epsilon_as="constant_node"), "J"
+    ),
     "J_f16_reshape_then_cast": Case(
         ChainSpec(weight_in_group="reshape_cast", **FALCON_HALF), "J", output_dtype=FLOAT16
     ),

@@ -668,11 +668,12 @@ def _group_weight(weight: ir.Value, *, as_scale: bool = False) -> tuple[ir.Value
                 break
             value = inner
         elif producer.op_type == "Reshape" and source is None and inner is not None and len(producer.inputs) > 1:
-            target = constant_array(producer.inputs[1])
-            if target is None or inner.shape is None or inner.shape.rank() != 1:
+            dims = resolve_shape_tensor(producer.inputs[1], {})  # a constant, or Concat of constants
+            if dims is None or inner.shape is None or inner.shape.rank() != 1:
                 break
-            dims = [int(d) for d in target.reshape(-1)]
-            if len(dims) != 2 or any(d <= 0 for d in dims) or dims[0] * dims[1] != _weight_channels(inner):
+            if len(dims) != 2 or not all(isinstance(d, int) and d > 0 for d in dims):
+                break
+            if dims[0] * dims[1] != _weight_channels(inner):  # type: ignore[operator]
                 break
             value = source = inner
         else:
