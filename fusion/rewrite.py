@@ -113,13 +113,15 @@ def _node_count(model: ir.Model) -> int:
     return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
 
 
-def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Report]:
+def rewrite_model(model: ModelT, *, function: bool = True, assume_equal_widths: bool = False) -> tuple[ModelT, Report]:
     """Return ``model`` with its gated group-RMSNorm chains fused, and a Report.
 
     A ModelProto is left untouched (a new one is returned). An ``ir.Model`` is rewritten in place and
     returned (copying it would load lazily-read external weights). With ``function``, fused models
-    carry the op's model-local function so that stock ONNX Runtime runs them. Raises RewriteError for
-    a model it cannot handle (unsupported opset).
+    carry the op's model-local function so that stock ONNX Runtime runs them. ``assume_equal_widths``
+    (opt-in) fuses without the broadcast guard where the graph does not prove that y is as wide as the
+    gate. Raises RewriteError for a model it cannot handle (unsupported opset), TypeError for a value
+    that is not a model.
     """
     if not isinstance(model, (onnx.ModelProto, ir.Model)):
         hint = " (parse it first: onnx.load_from_string(data))" if isinstance(model, (bytes, bytearray)) else ""
@@ -127,7 +129,7 @@ def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Repo
         raise TypeError(f"rewrite_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}{hint}")
     if isinstance(model, onnx.ModelProto):
         ir_model = ir.from_proto(model)
-        _, report = rewrite_model(ir_model, function=function)
+        _, report = rewrite_model(ir_model, function=function, assume_equal_widths=assume_equal_widths)
         if report.fused == 0:
             unchanged = onnx.ModelProto()
             unchanged.CopyFrom(model)
@@ -154,11 +156,11 @@ def rewrite_model(model: ModelT, *, function: bool = True) -> tuple[ModelT, Repo
         finally:
             inference_log.setLevel(previous_level)
         _check_existing_fused_nodes(model)
-        report.fused = fuse_gated_group_rms_norm(model, log)
+        report.fused = fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
         if any(not chain.fused for chain in log.chains.values()) and _symbolic_shapes(model):
             # ONNX's inference could not prove some chain's shapes (TorchScript exports lose dims through
             # their shape arithmetic); ONNX Runtime's symbolic inference often can. Second pass, same log.
-            report.fused += fuse_gated_group_rms_norm(model, log)
+            report.fused += fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
         _explain_refusals(model, log, report)
     if report.fused and function:
         attach_function(model, opset)
@@ -273,6 +275,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("input", type=Path, help="the ONNX model to rewrite (never modified)")
     parser.add_argument("-o", "--output", type=Path, help="where to write (default: IN.fused.onnx beside IN)")
     parser.add_argument("--no-function", action="store_true", help="omit the model-local function")
+    parser.add_argument(
+        "--assume-equal-widths",
+        action="store_true",
+        help="where the graph does not prove y's width equals the gate's (dynamo prefill exports), assume it: "
+        "no broadcast guard (faster); a width-1 y is then rejected at run time instead of broadcast",
+    )
     parser.add_argument("--verify", action="store_true", help="run both models in ONNX Runtime and compare")
     parser.add_argument("--debug", action="store_true", help="explain every chain that was not fused")
     parser.add_argument(
@@ -362,7 +370,9 @@ def _run(args: argparse.Namespace) -> int:
         dims, inputs = prepare_inputs(args.input, args.dim, args.inputs) if args.verify or args.report else ({}, None)
         _check_report_paths(args)
         bar.step("fusing")
-        fused_model, report = rewrite_model(model, function=not args.no_function)
+        fused_model, report = rewrite_model(
+            model, function=not args.no_function, assume_equal_widths=args.assume_equal_widths
+        )
         bar.step(f"writing {output.name}")
         save(fused_model, output)
         if args.verify:

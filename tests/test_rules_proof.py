@@ -267,3 +267,17 @@ def test_width_proven_by_shape_arithmetic() -> None:
     ir_model = ir.from_proto(model)
     y = next(v for node in ir_model.graph for v in node.outputs if v.name == "y")
     assert forward_dims(y) is None
+
+
+def test_assume_equal_widths_drops_the_guard_and_rejects_width_one_loudly() -> None:
+    """The opt-in: no Expand; a width-1 y then fails at run time with the kernel's shape error."""
+    spec = ChainSpec(leading=(2, 3))
+    model = _with_symbolic_width(build_chain(spec), "y")
+    fused, report = rewrite_model(model, assume_equal_widths=True)
+    assert report.fused == 1
+    assert not [n for n in fused.graph.node if n.op_type == "Expand"]
+    _assert_same_as_original(model, fused, chain_inputs(spec))
+    feeds = chain_inputs(spec)
+    feeds["y"] = np.ascontiguousarray(feeds["y"][..., :1])
+    with pytest.raises(Exception, match="(?i)shape"):
+        _outputs(fused, feeds, use_library=True)

@@ -91,6 +91,10 @@ class FusionLog:
 
 
 _ACTIVE_LOG: contextvars.ContextVar[FusionLog | None] = contextvars.ContextVar("mambafuse_log", default=None)
+#: The user's opt-in (``--assume-equal-widths``): an unproven width of y or the gate is taken to be C
+#: without the broadcast guard. Faster where exporters do not prove it (dynamo prefill); a width of 1
+#: is then rejected by the kernel at run time instead of being broadcast.
+_ASSUME_EQUAL_WIDTHS: contextvars.ContextVar[bool] = contextvars.ContextVar("mambafuse_equal_widths", default=False)
 
 
 def location(node: ir.Node) -> str:
@@ -326,6 +330,8 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         if y_dims is None or z_dims is None:
             raise _Refusal("the shapes of y and the gate are unknown (run shape inference first)", y)
         y_dims, z_dims, broadcast = _last_axis_as_channels(y_dims, z_dims, channels)
+        if _ASSUME_EQUAL_WIDTHS.get():
+            broadcast = None
         if len(y_dims) != len(z_dims) or not all(map(dims_equal, y_dims, z_dims)):
             raise _Refusal(
                 f"y {format_dims(y_dims)} and the gate {format_dims(z_dims)} are not provably the same "
@@ -972,16 +978,22 @@ scale_rules = _rule_set(_scale_rules())
 gated_group_rms_norm_rule_sets = (cast_absorbing_rules, plain_rules, scale_rules)
 
 
-def fuse_gated_group_rms_norm(model: ir.Model, log: FusionLog | None = None) -> int:
+def fuse_gated_group_rms_norm(
+    model: ir.Model, log: FusionLog | None = None, *, assume_equal_widths: bool = False
+) -> int:
     """Fuse every gated group-RMSNorm chain of ``model`` in place; return how many were fused.
 
     ``log`` (optional) receives, per chain, its form and the fused attributes or the refusal reason.
+    ``assume_equal_widths`` drops the broadcast guard of widths the graph does not prove (see
+    ``_ASSUME_EQUAL_WIDTHS``).
     """
     token = _ACTIVE_LOG.set(log)
+    widths = _ASSUME_EQUAL_WIDTHS.set(assume_equal_widths)
     try:
         with value_info_preserved(model):
             return sum(rule_set.apply_to_model(model) for rule_set in gated_group_rms_norm_rule_sets)
     finally:
+        _ASSUME_EQUAL_WIDTHS.reset(widths)
         _ACTIVE_LOG.reset(token)
 
 
