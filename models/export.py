@@ -1,4 +1,4 @@
-"""Export the models of ``models.build`` to ONNX with every exporter the chain catalog knows.
+"""Export the models of ``models.build`` (every family) to ONNX with every exporter the chain catalog knows.
 
 Exporters (``EXPORTERS``):
 
@@ -6,6 +6,9 @@ Exporters (``EXPORTERS``):
 - ``dynamo-noopt``  the same with ``optimize=False`` (DESIGN §2 form D).
 - ``torchscript``   ``torch.onnx.export(..., dynamo=False)``, opset 17. The whole causal LM does not
                     export there (``models.fixtures.PROBES``), so the Mamba-2 mixer of layer 0 is exported alone.
+- ``torchscript-model`` the same exporter on the whole causal LM (prefill: token ids in, logits out). It
+                    fails for most families (``aten::diff``, see ``models.fixtures``); Mamba2 and
+                    GraniteMoeHybrid export.
 - ``transformers``  transformers 5.x's own exporter, ``transformers.exporters.OnnxExporter`` (prefill and
                     decode components captured from ``generate()``).
 - ``transformers-ort`` the same with ``OnnxConfig(ort_fusions="cpu")`` (form F).
@@ -32,10 +35,13 @@ from typing import Any
 import onnx
 
 from models.build import (
+    CONFIGS,
     DTYPES,
     FAMILIES,
+    FAMILY_SPECS,
     SIZES,
     build_model,
+    expected_fused,
     mamba_mixers,
     num_mamba_layers,
     sample_input_ids,
@@ -49,12 +55,13 @@ from models.onnx_utils import (
     strip_debug_metadata,
 )
 
-EXPORTERS = ("dynamo", "dynamo-noopt", "torchscript", "transformers", "transformers-ort")
+EXPORTERS = ("dynamo", "dynamo-noopt", "torchscript", "torchscript-model", "transformers", "transformers-ort")
 MODES = ("prefill", "decode")
 DEFAULT_OPSET = {
     "dynamo": 18,
     "dynamo-noopt": 18,
     "torchscript": 17,
+    "torchscript-model": 17,
     "transformers": None,
     "transformers-ort": None,
 }
@@ -87,6 +94,12 @@ class ExportRecord:
     repairs: list[str]
     checker: str  # "ok", or why onnx.checker rejects a graph that ONNX Runtime runs (see ``check``)
     versions: dict[str, str]
+    #: The gated norm's order ("gate_before_norm" / "norm_before_gate", ``FamilySpec.norm_order``), how many
+    #: chains the rewriter must fuse (every one, or none for norm-before-gate) and, when it must refuse
+    #: them, the kind of reason ("norm_before_gate"). Defaults keep older manifests' records loadable.
+    norm_order: str = "gate_before_norm"
+    expected_fused: int | None = None
+    expected_refusal: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return the record as a JSON-ready dict."""
@@ -203,8 +216,10 @@ def _decode_wrapper(model: Any) -> Any:
             super().__init__()
             self.lm = lm
 
-        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any) -> Any:
-            out = self.lm(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True)
+        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: Any = None) -> Any:
+            # Mamba2ForCausalLM takes no position ids (no attention, no rotary embedding).
+            extra = {} if position_ids is None else {"position_ids": position_ids}
+            out = self.lm(input_ids=input_ids, cache=cache, use_cache=True, **extra)
             return out.logits, out.cache
 
     return DecodeStep(model)
@@ -242,15 +257,21 @@ def _export_dynamo(model: Any, mode: str, opset: int, optimize: bool) -> tuple[o
     names_out = [f"present.{name}" for name in leaf_names]
     # Every cache axis Dim.AUTO (as transformers' exporter does): the key/value sequence axis grows by one
     # per step, and torch.export specializes the axes that are really fixed.
-    dynamic_shapes = {"input_ids": None, "position_ids": None, "cache": get_auto_dynamic_shapes(cache)}
+    # Inputs in the wrapper's signature order: input_ids, position_ids (not for Mamba2), the cache leaves.
+    kwargs: dict[str, Any] = {"input_ids": inputs["input_ids"]}
+    if "position_ids" in inputs:
+        kwargs["position_ids"] = inputs["position_ids"]
+    kwargs["cache"] = cache
+    dynamic_shapes = {name: None for name in kwargs} | {"cache": get_auto_dynamic_shapes(cache)}
+    step_names = [name for name in kwargs if name != "cache"]
     program = torch.onnx.export(
         _decode_wrapper(model),
         (),
-        kwargs={"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"], "cache": cache},
+        kwargs=kwargs,
         dynamo=True,
         opset_version=opset,
         optimize=optimize,
-        input_names=["input_ids", "position_ids", *names_in],
+        input_names=[*step_names, *names_in],
         output_names=["logits", *names_out],
         dynamic_shapes=dynamic_shapes,
         verbose=False,
@@ -289,6 +310,29 @@ def _export_torchscript(model: Any, mode: str, opset: int) -> onnx.ModelProto:
         input_names=["hidden_states"],
         output_names=["mixer_out"],
         dynamic_axes={"hidden_states": {1: "seq"}, "mixer_out": {1: "seq"}},
+    )
+    return onnx.load_from_string(buffer.getvalue())
+
+
+def _export_torchscript_model(model: Any, mode: str, opset: int) -> onnx.ModelProto:
+    """TorchScript export of the whole causal LM's prefill (token ids -> logits; no cache crosses)."""
+    import torch
+
+    if mode != "prefill":
+        raise ExportUnsupported(
+            "torchscript-model decode: not exported. A decode step takes a transformers Cache object, "
+            "which a TorchScript export cannot take as an input."
+        )
+    buffer = io.BytesIO()
+    torch.onnx.export(
+        _prefill_wrapper(model),
+        (prefill_inputs(model)["input_ids"],),
+        buffer,
+        dynamo=False,
+        opset_version=opset,
+        input_names=["input_ids"],
+        output_names=["logits"],
+        dynamic_axes={"input_ids": {1: "seq"}, "logits": {1: "seq"}},
     )
     return onnx.load_from_string(buffer.getvalue())
 
@@ -338,7 +382,7 @@ def export_model(
         ("exporter", exporter, EXPORTERS),
         ("dtype", dtype, tuple(DTYPES)),
         ("mode", mode, MODES),
-        ("size", size, SIZES),
+        ("size", size, tuple(CONFIGS.get(family, SIZES))),
     ):
         if value not in choices:
             raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
@@ -356,6 +400,8 @@ def export_model(
         elif exporter == "torchscript":
             proto = _export_torchscript(model, mode, opset)
             scope = "mixer"
+        elif exporter == "torchscript-model":
+            proto = _export_torchscript_model(model, mode, opset)
         else:
             fusions = "cpu" if exporter == "transformers-ort" else None
             proto, cache_map = _export_transformers(model, mode, opset, fusions)
@@ -370,6 +416,7 @@ def export_model(
         # The in-memory checker serializes the model, which protobuf refuses past 2 GiB.
         checker = check(str(out))
     layers = 1 if scope == "mixer" else num_mamba_layers(family, size)
+    norm_order = FAMILY_SPECS[family].norm_order
     return ExportRecord(
         path=str(out),
         family=family,
@@ -386,6 +433,9 @@ def export_model(
         repairs=repairs,
         checker=checker,
         versions=versions(),
+        norm_order=norm_order,
+        expected_fused=expected_fused(family, layers),
+        expected_refusal=None if norm_order == "gate_before_norm" else norm_order,
     )
 
 

@@ -1,7 +1,16 @@
 """Regenerate the tiny exported models under ``tests/fixtures/models/`` with their manifest and references.
 
-``python -m models.fixtures`` exports every combination of ``FIXTURE_MATRIX`` (family × exporter × dtype
-× mode) in a subprocess each (an exporter crash or leak stays in its own process; two run at a time),
+Two fixture sets, each a directory with its own ``manifest.json`` and ``references.npz``:
+
+- ``models`` (``tests/fixtures/models/``): Nemotron-H and Zamba2, ``FIXTURE_MATRIX`` (family × exporter ×
+  dtype × mode, every combination);
+- ``families`` (``tests/fixtures/models/families/``): Mamba2, Bamba, GraniteMoeHybrid and Falcon-H1 in both
+  norm orders, ``FAMILY_FIXTURES`` (a representative subset per family, not every combination). Its
+  records also say how many chains must be fused (``expected_fused``) and why the others must be
+  refused (``expected_refusal``), and its probes record the whole-model TorchScript export of each family.
+
+``python -m models.fixtures [--set models|families]`` exports every combination of the set in a
+subprocess each (an exporter crash or leak stays in its own process; two run at a time),
 then writes, atomically:
 
 - ``<family>-<exporter>-<dtype>-<mode>.onnx``  one self-contained model each (exporter stack traces
@@ -34,6 +43,7 @@ from typing import Any
 import numpy as np
 
 FIXTURE_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "models"
+FAMILY_FIXTURE_DIR = FIXTURE_DIR / "families"
 GREEDY_TOKENS = 16
 
 FAMILY_LIST = ("nemotron_h", "zamba2")
@@ -71,6 +81,71 @@ def fixture_jobs() -> list[dict[str, Any]]:
                     stem = fixture_stem(family, exporter, opset, dtype, mode)
                     jobs.append(dict(stem=stem, family=family, exporter=exporter, opset=opset, dtype=dtype, mode=mode))
     return jobs
+
+
+#: The families set: per family, the (exporter, opset or None, mode, dtype) combinations exported — a
+#: representative subset, not every combination (the Nemotron-H / Zamba2 set has those). Every family gets
+#: dynamo (optimize) fp32 prefill and fp16 prefill and decode, dynamo without optimize, transformers'
+#: exporter and TorchScript; Falcon-H1 (gate-before-norm: the weight inside the grouped view, a spelling
+#: of its own) gets every dtype × mode of dynamo and both dtypes of dynamo-noopt and the TorchScript
+#: mixer; its norm-before-gate twin one export per exporter.
+_COMMON: list[tuple[str, int | None, str, str]] = [
+    ("dynamo", 18, "prefill", "fp32"),
+    ("dynamo", 18, "prefill", "fp16"),
+    ("dynamo", 18, "decode", "fp16"),
+    ("dynamo-noopt", 18, "decode", "fp32"),
+    ("transformers", None, "decode", "fp16"),
+]
+#: Whole-model TorchScript: Mamba2's exports (no mixer fixture needed); Bamba's and Falcon-H1's stop at
+#: aten::diff (recorded in the manifest's failures) and get the mixer exported alone, as Nemotron-H and
+#: Zamba2 do. GraniteMoeHybrid's whole model exports too, but its graph is ~0.5 MB (every expert and
+#: shape computation as nodes): its fixture is the mixer.
+_TS_MODEL = ("torchscript-model", 17, "prefill", "fp32")
+_TS_MIXER = ("torchscript", 17, "prefill", "fp32")
+FAMILY_FIXTURES: dict[str, list[tuple[str, int | None, str, str]]] = {
+    "mamba2": [*_COMMON, _TS_MODEL],
+    "bamba": [*_COMMON, _TS_MODEL, _TS_MIXER],
+    "granitemoehybrid": [*_COMMON, _TS_MIXER],
+    "falcon_h1": [
+        _TS_MODEL,
+        ("dynamo", 18, "prefill", "fp32"),
+        ("dynamo", 18, "prefill", "fp16"),
+        ("dynamo", 18, "decode", "fp32"),
+        ("dynamo", 18, "decode", "fp16"),
+        ("dynamo-noopt", 18, "prefill", "fp32"),
+        ("dynamo-noopt", 18, "decode", "fp16"),
+        ("torchscript", 17, "prefill", "fp32"),
+        ("torchscript", 17, "prefill", "fp16"),
+        ("transformers", None, "decode", "fp16"),
+    ],
+    "falcon_h1_nbg": [
+        ("dynamo", 18, "prefill", "fp32"),
+        ("dynamo", 18, "decode", "fp16"),
+        ("torchscript", 17, "prefill", "fp32"),
+        ("transformers", None, "decode", "fp32"),
+    ],
+}
+FIXTURE_SETS = ("models", "families")
+
+
+def family_fixture_jobs() -> list[dict[str, Any]]:
+    """Return every combination of the families set as a job dict (stem, family, exporter, opset, dtype, mode)."""
+    jobs = []
+    for family, combos in FAMILY_FIXTURES.items():
+        for exporter, opset, mode, dtype in combos:
+            stem = fixture_stem(family, exporter, opset, dtype, mode)
+            jobs.append(dict(stem=stem, family=family, exporter=exporter, opset=opset, dtype=dtype, mode=mode))
+    return jobs
+
+
+def set_jobs(fixture_set: str) -> list[dict[str, Any]]:
+    """Return every job of a fixture set ("models" or "families")."""
+    return fixture_jobs() if fixture_set == "models" else family_fixture_jobs()
+
+
+def set_dir(fixture_set: str) -> Path:
+    """Return the directory of a fixture set."""
+    return FIXTURE_DIR if fixture_set == "models" else FAMILY_FIXTURE_DIR
 
 
 def _to_numpy(tensor: Any) -> np.ndarray:
@@ -117,26 +192,26 @@ def _references(job: dict[str, Any], record: Any) -> dict[str, np.ndarray]:
             if len(cache_names) != len(leaves):
                 raise RuntimeError(f"{len(cache_names)} cache inputs in the graph, {len(leaves)} cache tensors")
             refs["input/input_ids"] = inputs["input_ids"].numpy()
-            refs["input/position_ids"] = inputs["position_ids"].numpy()
+            # Mamba2ForCausalLM's decode step has no position ids.
+            has_positions = "position_ids" in inputs
+            if has_positions:
+                refs["input/position_ids"] = inputs["position_ids"].numpy()
             for name, leaf in zip(cache_names, leaves, strict=True):
                 refs[f"input/{name}"] = _to_numpy(leaf)
             cache = copy.deepcopy(inputs["cache"])
-            out = model(
-                input_ids=inputs["input_ids"],
-                position_ids=inputs["position_ids"],
-                cache=cache,
-                use_cache=True,
-            )
+            step = {"position_ids": inputs["position_ids"]} if has_positions else {}
+            out = model(input_ids=inputs["input_ids"], cache=cache, use_cache=True, **step)
             refs["output/logits"] = _to_numpy(out.logits)
             # Greedy continuation from the same cache: the token sequence a decode loop must reproduce.
             cache = copy.deepcopy(inputs["cache"])
-            token, position = inputs["input_ids"], inputs["position_ids"]
+            token = inputs["input_ids"]
             tokens = []
             for _ in range(GREEDY_TOKENS):
-                out = model(input_ids=token, position_ids=position, cache=cache, use_cache=True)
+                out = model(input_ids=token, cache=cache, use_cache=True, **step)
                 cache = out.cache
                 token = out.logits[:, -1:].float().argmax(-1)
-                position = position + 1
+                if has_positions:
+                    step = {"position_ids": step["position_ids"] + 1}
                 tokens.append(int(token))
             refs["greedy_tokens"] = np.array(tokens, dtype=np.int64)
     return refs
@@ -265,23 +340,33 @@ def _spawn(args: list[str], log: Path) -> int:
         )
 
 
-def generate(out_dir: Path = FIXTURE_DIR, jobs: list[dict[str, Any]] | None = None, workers: int = 2) -> dict:
-    """Export all fixtures into ``out_dir`` (replacing what is there); return the manifest written."""
+def generate(
+    out_dir: Path = FIXTURE_DIR,
+    jobs: list[dict[str, Any]] | None = None,
+    workers: int = 2,
+    fixture_set: str = "models",
+) -> dict:
+    """Export all fixtures of a set into ``out_dir`` (replacing what is there); return the manifest written.
+
+    ``jobs`` a subset of the set's jobs: the other fixtures of the set are kept as they are.
+    """
     from models.export import save_atomic  # noqa: F401  (fail early if the package is broken)
 
-    jobs = fixture_jobs() if jobs is None else jobs
+    all_jobs = set_jobs(fixture_set)
+    jobs = all_jobs if jobs is None else jobs
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mambafuse-fixtures-") as tmp:
         workdir = Path(tmp)
         start = time.time()
         stems = {job["stem"] for job in jobs}
-        partial = stems != {job["stem"] for job in fixture_jobs()}
+        partial = stems != {job["stem"] for job in all_jobs}
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             futures = {
                 pool.submit(_spawn, ["--one", json.dumps(job), "--workdir", tmp], workdir / f"{job['stem']}.log"): job
                 for job in jobs
             }
-            futures[pool.submit(_spawn, ["--probes", "--workdir", tmp], workdir / "_probes.log")] = None
+            if fixture_set == "models":  # the families set records its exporter failures per combination
+                futures[pool.submit(_spawn, ["--probes", "--workdir", tmp], workdir / "_probes.log")] = None
             for future in concurrent.futures.as_completed(futures):
                 job = futures[future]
                 name = job["stem"] if job else "probes"
@@ -293,7 +378,7 @@ def generate(out_dir: Path = FIXTURE_DIR, jobs: list[dict[str, Any]] | None = No
             # A partial run (--only) keeps the other fixtures as they are.
             # Combinations no longer in the matrix are dropped.
             old = json.loads((out_dir / "manifest.json").read_text())
-            keep = {job["stem"] for job in fixture_jobs()} - stems
+            keep = {job["stem"] for job in all_jobs} - stems
             for key in ("fixtures", "failures"):
                 manifest[key] = {k: v for k, v in old[key].items() if k in keep}
             with np.load(out_dir / "references.npz") as refs:
@@ -339,11 +424,112 @@ def generate(out_dir: Path = FIXTURE_DIR, jobs: list[dict[str, Any]] | None = No
     return manifest
 
 
+#: Families the fixtures do not export: gated norms that are deliberately not fused, and why. One row each
+#: in the families table (family, transformers class, variant, why).
+NOT_EXPORTED = [
+    (
+        "Qwen3-Next / Qwen3.5",
+        "`Qwen3NextRMSNormGated` / `Qwen3_5RMSNormGated`",
+        "per-head norm, then `* silu(gate)`",
+        "norm before gate, a different op (no group Reshape: the rewriter finds no chain and leaves it as is)",
+    ),
+    (
+        "Kimi Linear",
+        "`KimiLinearRMSNormGated`",
+        "per-head norm, then `* sigmoid(gate)`",
+        "norm before gate with a sigmoid gate, a different op (the rewriter finds no chain)",
+    ),
+    (
+        "TII Falcon-H1, `mamba_rms_norm=False`",
+        "`FalconH1ForCausalLM` (the mixer's `norm` is `nn.Identity`)",
+        "no gated norm (the config class default)",
+        "nothing to fuse",
+    ),
+]
+
+_FAMILY_LABELS = {
+    "nemotron_h": "NVIDIA Nemotron-H",
+    "zamba2": "Zyphra Zamba2",
+    "mamba2": "Mistral Codestral Mamba (Mamba2)",
+    "bamba": "IBM Bamba",
+    "granitemoehybrid": "IBM Granite 4.0-H",
+    "falcon_h1": "TII Falcon-H1, gate before norm",
+    "falcon_h1_nbg": "TII Falcon-H1, norm before gate",
+}
+#: (family, exporter) pairs whose chains the committed rewriter does not fuse yet, with the reason it
+#: gives: the families table says so, and their fusion tests join tests/test_families*.py with the rule.
+PENDING_RULE: dict[tuple[str, str], str] = {
+    ("falcon_h1", "dynamo-noopt"): (
+        "refused, `the weight inside the groups has shape [2, 32]: not W[C] reshaped to [G, gs]` "
+        "(its Reshape target is `Concat(Constant, Constant)`)"
+    ),
+}
+_EXPORTER_LABELS = {
+    "dynamo": "dynamo",
+    "dynamo-noopt": "dynamo-noopt",
+    "torchscript": "TorchScript (mixer)",
+    "torchscript-model": "TorchScript (model)",
+    "transformers": "transformers",
+    "transformers-ort": "transformers-ort",
+}
+
+
+def families_table(manifests: list[dict[str, Any]] | None = None) -> str:
+    """Return the families table (markdown): family → transformers class → variant → fused? → exporters tested.
+
+    Built from the fixture manifests (what was exported, how many chains each export must fuse, which
+    exporters failed) and ``models.build.FAMILY_SPECS``; ``tests/test_families.py`` checks that
+    ``models/README.md`` holds exactly this table, and the fusion tests that every count in it holds.
+    """
+    from models.build import FAMILY_SPECS
+
+    if manifests is None:
+        manifests = [json.loads((set_dir(name) / "manifest.json").read_text()) for name in FIXTURE_SETS]
+    records = [r for m in manifests for r in m["fixtures"].values()]
+    failures = [f for m in manifests for f in m["failures"].values()]
+    lines = [
+        "| family | transformers class (model / gated norm) | variant | fused? | exporters tested (fixtures) |",
+        "|---|---|---|---|---|",
+    ]
+    for family, spec in FAMILY_SPECS.items():
+        mine = [r for r in records if r["family"] == family]
+        if not mine:
+            continue
+        exporters = sorted({r["exporter"] for r in mine}, key=list(_EXPORTER_LABELS).index)
+        tested = ", ".join(_EXPORTER_LABELS[e] for e in exporters)
+        failed = sorted({_EXPORTER_LABELS[f["exporter"]] for f in failures if f["family"] == family})
+        if failed:
+            tested += "; export fails: " + ", ".join(failed)
+        chains = sum(r["num_mamba_layers"] for r in mine)
+        expected = sum(r.get("expected_fused", r["num_mamba_layers"]) for r in mine)
+        pending = [r for r in mine if (family, r["exporter"]) in PENDING_RULE]
+        if pending:
+            done = [r for r in mine if r not in pending]
+            fused = f"yes: all {sum(r['num_mamba_layers'] for r in done)} chains of {len(done)} exports; " + "; ".join(
+                f"{_EXPORTER_LABELS[e]}: not yet, {reason}" for (f, e), reason in PENDING_RULE.items() if f == family
+            )
+        elif expected == chains:
+            fused = f"yes: all {chains} chains of {len(mine)} exports"
+        elif expected == 0:
+            fused = f"no, deliberately: norm before gate, refused ({chains} chains of {len(mine)} exports)"
+        else:
+            fused = f"{expected} of {chains} chains"
+        lines.append(
+            f"| {_FAMILY_LABELS[family]} (`{family}`) | `{spec.model_class}` / `{spec.norm_class}` | "
+            f"{spec.variant} | {fused} | {tested} |"
+        )
+    for family, classes, variant, why in NOT_EXPORTED:
+        lines.append(f"| {family} | {classes} | {variant} | no, deliberately: {why} | not exported |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Regenerate the fixtures (or, internally, run one export job / the probes)."""
     parser = argparse.ArgumentParser(prog="python -m models.fixtures", description=main.__doc__)
-    parser.add_argument("-o", "--out-dir", type=Path, default=FIXTURE_DIR)
+    parser.add_argument("--set", dest="fixture_set", choices=FIXTURE_SETS, default="models")
+    parser.add_argument("-o", "--out-dir", type=Path, default=None, help="default: the set's directory")
     parser.add_argument("-j", "--workers", type=int, default=2)
+    parser.add_argument("--families-table", action="store_true", help="print the families table and exit")
     parser.add_argument("--only", default=None, help="regenerate only stems matching this regex (others kept)")
     parser.add_argument("--retry-failed", action="store_true", help="re-run only the combinations that failed")
     parser.add_argument("--one", help=argparse.SUPPRESS)
@@ -356,17 +542,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.probes:
         _run_probes(args.workdir)
         return 0
-    jobs = fixture_jobs()
+    if args.families_table:
+        print(families_table(), end="")
+        return 0
+    out_dir = args.out_dir or set_dir(args.fixture_set)
+    jobs = set_jobs(args.fixture_set)
     if args.only:
         jobs = [j for j in jobs if re.search(args.only, j["stem"])]
     if args.retry_failed:
-        failed = set(json.loads((args.out_dir / "manifest.json").read_text())["failures"])
+        failed = set(json.loads((out_dir / "manifest.json").read_text())["failures"])
         jobs = [j for j in jobs if j["stem"] in failed]
-    manifest = generate(args.out_dir, jobs, args.workers)
-    total = sum(f.stat().st_size for f in args.out_dir.iterdir())
+    manifest = generate(out_dir, jobs, args.workers, args.fixture_set)
+    total = sum(f.stat().st_size for f in out_dir.iterdir() if f.is_file())
     print(
         f"{len(manifest['fixtures'])} fixtures, {len(manifest['failures'])} failed combinations, "
-        f"{total / 1e6:.2f} MB in {args.out_dir}"
+        f"{total / 1e6:.2f} MB in {out_dir}"
     )
     for stem, failure in manifest["failures"].items():
         print(f"  FAILED {stem}: {failure['error'][:300]}")

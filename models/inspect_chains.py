@@ -1,4 +1,5 @@
-"""Find the gated group-RMSNorm chains of an ONNX model and say which DESIGN §2 form each one is.
+"""Find the gated group-RMSNorm chains of an ONNX model and say which DESIGN §2 form each one is (A–H, and J:
+Falcon-H1's weight multiply inside the grouped view).
 
 A chain starts where the gate meets a sigmoid: ``Sigmoid(z)`` followed by ``Mul(z, σ)`` and a ``Mul`` with
 the scan output ``y`` (or ORT's ``QuickGelu(z)`` followed by that ``Mul``). From there it runs forward to
@@ -59,7 +60,7 @@ class Chain:
     steps: list[str]  # the same nodes with a short argument description
     inputs: list[str]  # producers outside the chain that only feed it (Cast, Constant, SequenceAt, ...)
     shape_ops: list[str]  # int64 shape arithmetic feeding its Reshapes
-    form: str  # "A".."H", "+"-joined when several apply, or "?" (not in the catalog)
+    form: str  # "A".."H", "J", "+"-joined when several apply, or "?" (not in the catalog)
     notes: list[str]
 
     @property
@@ -190,7 +191,12 @@ def _chain_start(graph: _Graph, node: onnx.NodeProto) -> list[onnx.NodeProto] | 
         return None
     # The gated product must be normalized (reshaped into groups, or an RMS norm op) to be this op;
     # a SiLU that multiplies something else (an MLP's gate) is not a chain.
-    after = {c.op_type for c in graph.consumers.get(gated.output[0], [])}
+    # Shape readers (TorchScript computes the view's sizes from the product) are shape arithmetic.
+    after_nodes = [c for c in graph.consumers.get(gated.output[0], []) if c.op_type != "Shape"]
+    if len(after_nodes) == 1 and after_nodes[0].op_type == "Cast":
+        # TorchScript's Falcon-H1 export: a no-op Cast(to f32) between the product and the first Reshape.
+        after_nodes = graph.consumers.get(after_nodes[0].output[0], [])
+    after = {c.op_type for c in after_nodes}
     if not after & ({"Reshape", "Pow", "Mul"} | _NORM_OPS):
         return None
     return [node, silu, gated]
@@ -260,6 +266,11 @@ def _classify(graph: _Graph, chain: list[onnx.NodeProto], feeders: list[onnx.Nod
     ops = [n.op_type for n in chain]
     notes: list[str] = []
     forms: list[str] = []
+    if _weight_in_group(chain):
+        # Falcon-H1's spelling: the weight multiplies the [.., G, gs] groups before the second Reshape.
+        # It is J whatever exporter wrote it (the catalog's most specific marker after mobius' I).
+        notes.append("weight Mul inside the grouped view, before the second Reshape")
+        return "J", notes
     casts_in = [n for n in feeders if n.op_type == "Cast"]
     casts_chain = [n for n in chain if n.op_type == "Cast"]
     constants = [n for n in feeders if n.op_type == "Constant"]
@@ -327,6 +338,15 @@ def _classify(graph: _Graph, chain: list[onnx.NodeProto], feeders: list[onnx.Nod
             forms.append("?")
     form = "+".join(sorted(set(forms), key=forms.index))
     return form, notes
+
+
+def _weight_in_group(chain: list[onnx.NodeProto]) -> bool:
+    """Return whether two Muls (normalize, then weight) sit between the reduction and the last Reshape."""
+    reduce_at = next((i for i, n in enumerate(chain) if n.op_type == "ReduceMean"), None)
+    last_reshape = max((i for i, n in enumerate(chain) if n.op_type == "Reshape"), default=None)
+    if reduce_at is None or last_reshape is None or last_reshape < reduce_at:
+        return False
+    return sum(n.op_type == "Mul" for n in chain[reduce_at:last_reshape]) >= 2
 
 
 def _is_noop_cast(graph: _Graph, node: onnx.NodeProto) -> bool:

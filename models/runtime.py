@@ -63,7 +63,8 @@ def greedy_decode(
         tokens.append(token)
         step = {name: outputs[out] for out, name in record["cache_map"].items()}
         step["input_ids"] = np.array([[token]], dtype=np.int64)
-        step["position_ids"] = feeds_position(refs, len(tokens))
+        if "input/position_ids" in refs:  # Mamba2's decode step takes no position ids
+            step["position_ids"] = feeds_position(refs, len(tokens))
     return tokens
 
 
