@@ -124,11 +124,13 @@ def _evaluate(expression: _arith.QuasiAffine, size: int) -> int:
     return a * (size // expression.period) + b
 
 
-def test_padded_length_arithmetic_is_proven_constant() -> None:
-    """torch.export's chunked-scan width: 64 * Min(s, 16 * ((s + Mod(16 - Mod(s, 16), 16)) // 16)) // s."""
+@pytest.mark.parametrize("chunk", [16, 128, 256])
+def test_padded_length_arithmetic_is_proven_constant(chunk: int) -> None:
+    """torch.export's chunked-scan width: 64 * Min(s, c * ((s + Mod(c - Mod(s, c), c)) // c)) // s, for the
+    chunk sizes c of the tiny fixtures (16) and of real models (128, 256)."""
     s, c = _arith.QuasiAffine.of_symbol("seq"), _arith.QuasiAffine.constant
-    padding = _arith.modulo(_arith.add(c(16), _arith.modulo(s, c(16)), sign=-1), c(16))
-    padded = _arith.multiply(c(16), _arith.floor_divide(_arith.add(s, padding), c(16)))
+    padding = _arith.modulo(_arith.add(c(chunk), _arith.modulo(s, c(chunk)), sign=-1), c(chunk))
+    padded = _arith.multiply(c(chunk), _arith.floor_divide(_arith.add(s, padding), c(chunk)))
     width = _arith.floor_divide(_arith.multiply(c(64), _arith.minimum(s, padded)), s)
     assert width is not None and width.as_constant() == 64
     assert _arith.minimum(s, padded).is_symbol()

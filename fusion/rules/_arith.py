@@ -150,8 +150,9 @@ def floor_divide(left: QuasiAffine, right: QuasiAffine) -> QuasiAffine | None:
     divisors = [b for _, b in right.pieces]
     if any(d <= 0 for d in divisors):
         return None
-    # Written with a period whose step a is a multiple of every divisor, each piece divides exactly.
-    factor = math.lcm(*divisors)
+    # Written with a period whose step a is a multiple of every divisor, each piece divides exactly: lift
+    # by the least factor that makes every a * factor a multiple of its piece's divisor.
+    factor = math.lcm(*(d // math.gcd(d, a) for (a, _), d in zip(left.pieces, divisors, strict=True)))
     period = left.period * factor
     if period > MAX_PERIOD:
         return None
