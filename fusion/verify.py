@@ -109,7 +109,8 @@ def _check_fused_nodes(
     nodes = [n for n in probe.graph.node if n.domain == DOMAIN and n.op_type == "GatedGroupRMSNorm"]
     if not nodes:
         return []
-    types = _value_types(onnx.load(str(original), load_external_data=False))
+    # The fused node's inputs are the original's values, or new ones (a broadcast guard's Expand).
+    types = {**_value_types(probe), **_value_types(onnx.load(str(original), load_external_data=False))}
     results: list[dict[str, Any]] = []
     exposed: list[tuple[onnx.NodeProto, list[str]]] = []
     existing = {o.name for o in probe.graph.output}

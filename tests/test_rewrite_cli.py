@@ -279,3 +279,16 @@ def test_progress_on_a_terminal_and_quiet_in_a_log(
     assert main([str(source), "-o", str(tmp_path / "again.onnx"), "--verify"]) == 0
     err = capsys.readouterr().err
     assert "verifying" in err and err.endswith("\r\033[K")  # the line is erased before the summary
+
+
+def test_verify_checks_a_node_behind_the_broadcast_guard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The guard's Expand output is a new value: its type comes from the fused model itself."""
+    model = build_chain(ChainSpec())
+    y = next(v for v in model.graph.input if v.name == "y")
+    y.type.tensor_type.shape.dim[-1].ClearField("dim_value")
+    y.type.tensor_type.shape.dim[-1].dim_param = "width"
+    del model.graph.value_info[:]
+    source = tmp_path / "model.onnx"
+    onnx.save(onnx.shape_inference.infer_shapes(model), source)
+    assert main([str(source), "--verify", "--dim", "width=64"]) == 0
+    assert "1 of 1 within the op's accuracy budget" in capsys.readouterr().out
