@@ -25,6 +25,7 @@ pytest.importorskip("transformers", reason="needs the models extra (transformers
 from models import export, fixtures  # noqa: E402  (after the importorskip: they import torch lazily)
 
 MANIFEST = load_manifest()
+FAMILY_MANIFEST = load_manifest(fixtures.FAMILY_FIXTURE_DIR)
 
 #: One combination per exporter (family, exporter, dtype, mode), chosen to cover both families, all
 #: modes and a half-precision chain while keeping each export to seconds.
@@ -34,6 +35,15 @@ ONE_PER_EXPORTER = [
     ("nemotron_h", "torchscript", "fp32", "prefill"),
     ("nemotron_h", "transformers", "fp16", "decode"),
     ("zamba2", "transformers-ort", "fp32", "prefill"),
+]
+
+#: One combination per family of the families set (tests/fixtures/models/families/).
+ONE_PER_FAMILY = [
+    ("mamba2", "torchscript-model", "fp32", "prefill"),
+    ("bamba", "dynamo", "fp16", "decode"),
+    ("granitemoehybrid", "dynamo", "fp16", "prefill"),
+    ("falcon_h1", "dynamo-noopt", "fp16", "decode"),
+    ("falcon_h1_nbg", "transformers", "fp32", "decode"),
 ]
 
 
@@ -54,6 +64,33 @@ def test_reexport_has_the_committed_chains(tmp_path: Path, family: str, exporter
         f"{stem}: the installed exporter emits forms {report.forms()}, the fixture has "
         f"{committed['chains']['forms']} (versions then: {committed['versions']})"
     )
+
+
+@pytest.mark.parametrize(("family", "exporter", "dtype", "mode"), ONE_PER_FAMILY)
+def test_family_reexport_has_the_committed_chains(
+    tmp_path: Path, family: str, exporter: str, dtype: str, mode: str
+) -> None:
+    out = tmp_path / "model.onnx"
+    record = export.export_model(family, exporter, dtype, mode, out=out)
+    stem = fixtures.fixture_stem(family, exporter, export.DEFAULT_OPSET[exporter], dtype, mode)
+    committed = FAMILY_MANIFEST["fixtures"].get(stem)
+    assert committed is not None, f"{stem} is not among the committed family fixtures"
+    assert (record.expected_fused, record.expected_refusal) == (
+        committed["expected_fused"],
+        committed["expected_refusal"],
+    )
+    assert inspect_model(out).forms() == committed["chains"]["forms"], (
+        f"{stem}: the installed exporter emits other forms than the fixture (versions then: {committed['versions']})"
+    )
+
+
+@pytest.mark.parametrize("stem", sorted(FAMILY_MANIFEST["failures"]))
+def test_family_exporter_failure_still_fails(tmp_path: Path, stem: str) -> None:
+    # Recorded failures (whole-model TorchScript): if one starts exporting, make it a fixture.
+    job = FAMILY_MANIFEST["failures"][stem]
+    with pytest.raises(Exception) as error:
+        export.export_model(job["family"], job["exporter"], job["dtype"], job["mode"], out=tmp_path / "m.onnx")
+    assert fixtures._exact_error(error.value) == job["error"]
 
 
 def test_torchscript_full_model_still_fails() -> None:
