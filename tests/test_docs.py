@@ -315,3 +315,22 @@ def test_mobius_table_is_what_the_builds_contain() -> None:
             f32_nodes, half_nodes = (int(n) for n in documented[chain["form"]].split(" / "))
             expected = f32_nodes if build["dtype"] == "f32" else half_nodes
             assert chain["nodes"] == expected, f"{build['stem']}: {chain['form']} has {chain['nodes']} nodes"
+
+
+def test_families_table_is_what_the_family_exports_contain() -> None:
+    rows = _table(_section(FORMS_DOC.read_text(), "Other Mamba-2 families"))
+    documented = {re.search(r"\(`(\w+)`\)", row[0]).group(1): row for row in rows}  # type: ignore[union-attr]
+    manifest = json.loads((ROOT / "tests" / "fixtures" / "models" / "families" / "manifest.json").read_text())
+    measured: dict[str, set[tuple[str, int]]] = {}
+    for record in manifest["fixtures"].values():
+        pairs = measured.setdefault(record["family"], set())
+        forms, nodes = record["chains"]["forms"], record["chains"]["nodes_per_chain"]
+        if forms:  # one form per export, every chain the same size
+            ((form,), (count,)) = (list(forms), sorted(set(nodes)))
+            pairs.add((form, count))
+        if record.get("expected_refusal"):
+            assert record["expected_refusal"] in documented[record["family"]][2], record["family"]
+    assert measured.keys() == documented.keys()
+    for family, pairs in measured.items():
+        cell = {(form, int(nodes)) for form, nodes in re.findall(r"\b([A-J]) (\d+)\b", documented[family][1])}
+        assert cell == pairs, f"{family}: docs {sorted(cell)}, exports {sorted(pairs)}"
