@@ -534,9 +534,15 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       const int k = ScaleExponent(MaxAbs<Y>(y, gs));
       const float scale = std::ldexp(1.f, k);
       const float sum_sq = GatePass<Y, Z, G, true>(y, z, gated, gs, scale);
-      const double denominator = static_cast<double>(sum_sq) / static_cast<double>(gs) +
-                                 static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
-      inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
+      if (k == 0) {
+        // Not scaled after all (a guess from the previous group): the fast pass's own arithmetic, so that
+        // a group's result never depends on the groups before it.
+        inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+      } else {
+        const double denominator = static_cast<double>(sum_sq) / static_cast<double>(gs) +
+                                   static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
+        inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
+      }
       done = !FlushScope::Underflowed(sum_sq) && std::isnormal(inv_rms);
       scaled_hint = k > 0;
     }
