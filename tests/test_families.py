@@ -28,7 +28,13 @@ import pytest
 
 import contrib_ops
 from fusion import rewrite
-from models.fixtures import FAMILY_FIXTURE_DIR, families_table, family_fixture_jobs
+from models.fixtures import (
+    FAMILY_FIXTURE_DIR,
+    NORM_MODULE_DIR,
+    NORM_MODULES,
+    families_table,
+    family_fixture_jobs,
+)
 from models.inspect_chains import inspect_model
 from models.onnx_utils import check
 from models.runtime import feeds, greedy_decode, load_manifest, load_references
@@ -101,7 +107,7 @@ def test_every_family_has_an_export_of_each_exporter() -> None:
 
 
 def test_fixture_set_fits_the_budget() -> None:
-    total = sum(p.stat().st_size for p in FAMILY_FIXTURE_DIR.iterdir() if p.is_file())
+    total = sum(p.stat().st_size for p in FAMILY_FIXTURE_DIR.rglob("*") if p.is_file())
     assert total <= FAMILY_BUDGET_BYTES, f"family fixtures take {total / 1e6:.2f} MB > {FAMILY_BUDGET_BYTES / 1e6} MB"
 
 
@@ -253,6 +259,29 @@ def test_fused_matches_original_and_torch(stem: str, use_library: bool, library:
 @pytest.mark.parametrize("stem", _stems(FUSION_FAMILIES, cpu=True, decode=True))
 def test_fused_decode_generates_torchs_tokens(stem: str, use_library: bool, library: str) -> None:
     check_fused_tokens(stem, use_library)
+
+
+# --- norm-before-gate norms of the families not exported whole (Qwen3-Next, Qwen3.5, Kimi Linear) ------
+
+
+def test_norm_module_files_are_the_generators() -> None:
+    assert {p.stem for p in NORM_MODULE_DIR.glob("*.onnx")} == set(NORM_MODULES)
+
+
+@pytest.mark.parametrize("name", sorted(NORM_MODULES))
+def test_norm_before_gate_module_is_left_alone(name: str) -> None:
+    """A per-head norm-before-gate norm has no group Reshape: the rewriter finds no chain, changes nothing."""
+    original = onnx.load(NORM_MODULE_DIR / f"{name}.onnx")
+    fused, report = rewrite.rewrite_model(original)
+    assert report.fused == 0 and sum(report.chains_found.values()) == 0, f"{name}: {report.summary()}"
+    assert [(n.op_type, list(n.input)) for n in fused.graph.node] == [
+        (n.op_type, list(n.input)) for n in original.graph.node
+    ]
+    with np.load(NORM_MODULE_DIR / "references.npz") as refs:
+        x, gate, out = refs[f"{name}/x"], refs[f"{name}/gate"], refs[f"{name}/out"]
+    session = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
+    error, scale = _relative_error(session.run(None, {"x": x, "gate": gate})[0], out)
+    assert error <= TORCH_TOLERANCE["fp32"] * scale, f"{name}: max |ORT - torch| {error:.3g} of {scale:.3g}"
 
 
 # --- the families table -------------------------------------------------------------------------------
