@@ -495,14 +495,6 @@ _FAMILY_LABELS = {
     "falcon_h1": "TII Falcon-H1, gate before norm",
     "falcon_h1_nbg": "TII Falcon-H1, norm before gate",
 }
-#: (family, exporter) pairs whose chains the committed rewriter does not fuse yet, with the reason it
-#: gives: the families table says so, and their fusion tests join tests/test_families*.py with the rule.
-PENDING_RULE: dict[tuple[str, str], str] = {
-    ("falcon_h1", "dynamo-noopt"): (
-        "refused, `the weight inside the groups has shape [2, 32]: not W[C] reshaped to [G, gs]` "
-        "(its Reshape target is `Concat(Constant, Constant)`)"
-    ),
-}
 _EXPORTER_LABELS = {
     "dynamo": "dynamo",
     "dynamo-noopt": "dynamo-noopt",
@@ -541,13 +533,7 @@ def families_table(manifests: list[dict[str, Any]] | None = None) -> str:
             tested += "; export fails: " + ", ".join(failed)
         chains = sum(r["num_mamba_layers"] for r in mine)
         expected = sum(r.get("expected_fused", r["num_mamba_layers"]) for r in mine)
-        pending = [r for r in mine if (family, r["exporter"]) in PENDING_RULE]
-        if pending:
-            done = [r for r in mine if r not in pending]
-            fused = f"yes: all {sum(r['num_mamba_layers'] for r in done)} chains of {len(done)} exports; " + "; ".join(
-                f"{_EXPORTER_LABELS[e]}: not yet, {reason}" for (f, e), reason in PENDING_RULE.items() if f == family
-            )
-        elif expected == chains:
+        if expected == chains:
             fused = f"yes: all {chains} chains of {len(mine)} exports"
         elif expected == 0:
             fused = f"no, deliberately: norm before gate, refused ({chains} chains of {len(mine)} exports)"

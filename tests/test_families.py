@@ -7,12 +7,11 @@ Mamba layer's chain for a gate-before-norm norm, none for norm-before-gate) and 
 - the set: manifest ↔ files, every combination exported or its exact error recorded, size budget;
 - each fixture: valid, described, its chains (``models.inspect_chains``) the manifest's, ONNX Runtime CPU
   against the torch references stored by the generator, decode greedy tokens against torch's;
-- the rewriter: fused == ``expected_fused``; norm-before-gate chains refused with that reason, one per
-  Mamba layer; the fused graph, with and without the mambafuse library, against the original and against
-  torch; decode: the same greedy tokens as torch;
+- the rewriter (Falcon-H1 gate-before-norm: form J, the weight inside the grouped view): fused ==
+  ``expected_fused``; norm-before-gate chains refused with that reason, one per Mamba layer; the fused
+  graph, with and without the mambafuse library, against the original and against torch; decode: the
+  same greedy tokens as torch;
 - ``models/README.md``'s families table is ``models.fixtures.families_table()``.
-
-Falcon-H1's gate-before-norm fixtures (form J) have their fusion tests in ``tests/test_families_falcon_h1.py``.
 """
 
 from __future__ import annotations
@@ -44,9 +43,6 @@ MANIFEST = load_manifest(FAMILY_FIXTURE_DIR)
 REFERENCES = load_references(FAMILY_FIXTURE_DIR)
 FIXTURES = MANIFEST["fixtures"]
 OP_TYPE, DOMAIN = "GatedGroupRMSNorm", "ai.mambafuse"
-
-#: Families whose every fixture the committed rewriter fuses (or refuses, norm-before-gate) as expected.
-FUSION_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "falcon_h1_nbg")
 
 #: The same tolerances as the Nemotron-H / Zamba2 fixtures (tests/test_models_fixtures.py,
 #: tests/test_models_fusion.py; the reasons are written there): ORT vs torch, fused vs original.
@@ -244,19 +240,19 @@ def check_fused_tokens(stem: str, use_library: bool) -> None:
     assert tokens == refs["greedy_tokens"].tolist(), f"{stem}: fused {tokens} != torch {refs['greedy_tokens'].tolist()}"
 
 
-@pytest.mark.parametrize("stem", _stems(FUSION_FAMILIES))
+@pytest.mark.parametrize("stem", _stems())
 def test_rewrite_fuses_the_expected_chains(stem: str) -> None:
     check_fusion_count(stem)
 
 
 @pytest.mark.parametrize("use_library", [True, False], ids=["library", "function"])
-@pytest.mark.parametrize("stem", _stems(FUSION_FAMILIES, cpu=True))
+@pytest.mark.parametrize("stem", _stems(cpu=True))
 def test_fused_matches_original_and_torch(stem: str, use_library: bool, library: str) -> None:
     check_fused_outputs(stem, use_library)
 
 
 @pytest.mark.parametrize("use_library", [True, False], ids=["library", "function"])
-@pytest.mark.parametrize("stem", _stems(FUSION_FAMILIES, cpu=True, decode=True))
+@pytest.mark.parametrize("stem", _stems(cpu=True, decode=True))
 def test_fused_decode_generates_torchs_tokens(stem: str, use_library: bool, library: str) -> None:
     check_fused_tokens(stem, use_library)
 
