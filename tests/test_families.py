@@ -7,10 +7,10 @@ Mamba layer's chain for a gate-before-norm norm, none for norm-before-gate) and 
 - the set: manifest ↔ files, every combination exported or its exact error recorded, size budget;
 - each fixture: valid, described, its chains (``models.inspect_chains``) the manifest's, ONNX Runtime CPU
   against the torch references stored by the generator, decode greedy tokens against torch's;
-- the rewriter (Falcon-H1 gate-before-norm: form J, the weight inside the grouped view): fused ==
-  ``expected_fused``; norm-before-gate chains refused with that reason, one per Mamba layer; the fused
-  graph, with and without the mambafuse library, against the original and against torch; decode: the
-  same greedy tokens as torch;
+- the rewriter: fused == ``expected_fused``; norm-before-gate chains refused with that reason, one per
+  Mamba layer; the fused graph, with and without the mambafuse library, against the original and against
+  torch; decode: the same greedy tokens as torch (Falcon-H1 gate-before-norm, form J:
+  ``tests/test_families_falcon_h1.py``, with the same checks);
 - ``models/README.md``'s families table is ``models.fixtures.families_table()``.
 """
 
@@ -43,6 +43,9 @@ MANIFEST = load_manifest(FAMILY_FIXTURE_DIR)
 REFERENCES = load_references(FAMILY_FIXTURE_DIR)
 FIXTURES = MANIFEST["fixtures"]
 OP_TYPE, DOMAIN = "GatedGroupRMSNorm", "ai.mambafuse"
+
+#: The families whose fusion is tested here; Falcon-H1 gate-before-norm's in tests/test_families_falcon_h1.py.
+FUSION_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "falcon_h1_nbg")
 
 #: The same tolerances as the Nemotron-H / Zamba2 fixtures (tests/test_models_fixtures.py,
 #: tests/test_models_fusion.py; the reasons are written there): ORT vs torch, fused vs original.
@@ -240,19 +243,19 @@ def check_fused_tokens(stem: str, use_library: bool) -> None:
     assert tokens == refs["greedy_tokens"].tolist(), f"{stem}: fused {tokens} != torch {refs['greedy_tokens'].tolist()}"
 
 
-@pytest.mark.parametrize("stem", _stems())
+@pytest.mark.parametrize("stem", _stems(FUSION_FAMILIES))
 def test_rewrite_fuses_the_expected_chains(stem: str) -> None:
     check_fusion_count(stem)
 
 
 @pytest.mark.parametrize("use_library", [True, False], ids=["library", "function"])
-@pytest.mark.parametrize("stem", _stems(cpu=True))
+@pytest.mark.parametrize("stem", _stems(FUSION_FAMILIES, cpu=True))
 def test_fused_matches_original_and_torch(stem: str, use_library: bool, library: str) -> None:
     check_fused_outputs(stem, use_library)
 
 
 @pytest.mark.parametrize("use_library", [True, False], ids=["library", "function"])
-@pytest.mark.parametrize("stem", _stems(cpu=True, decode=True))
+@pytest.mark.parametrize("stem", _stems(FUSION_FAMILIES, cpu=True, decode=True))
 def test_fused_decode_generates_torchs_tokens(stem: str, use_library: bool, library: str) -> None:
     check_fused_tokens(stem, use_library)
 
@@ -281,6 +284,11 @@ def test_norm_before_gate_module_is_left_alone(name: str) -> None:
 
 
 # --- the families table -------------------------------------------------------------------------------
+
+
+def test_every_family_is_fusion_tested() -> None:
+    families = {record["family"] for record in FIXTURES.values()}
+    assert families == {*FUSION_FAMILIES, "falcon_h1"}, sorted(families)
 
 
 def test_readme_families_table_is_generated_from_the_manifests() -> None:
