@@ -489,7 +489,7 @@ NOT_EXPORTED = [
 _FAMILY_LABELS = {
     "nemotron_h": "NVIDIA Nemotron-H",
     "zamba2": "Zyphra Zamba2",
-    "mamba2": "Mistral Codestral Mamba (Mamba2)",
+    "mamba2": "Mistral Codestral Mamba, Mamba2",
     "bamba": "IBM Bamba",
     "granitemoehybrid": "IBM Granite 4.0-H",
     "falcon_h1": "TII Falcon-H1, gate before norm",
