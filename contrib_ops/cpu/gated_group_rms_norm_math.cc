@@ -14,7 +14,8 @@
 //   2. the norm pass: out = w * (h * nf), through the rounding points, straight into the output.
 // The code is GCC vector extensions of the ISA's width (16 floats for AVX-512, 8 for AVX2, 4 for SSE2,
 // NEON and the generic build), with the few instructions a width has that the extensions cannot express
-// (half conversions, an approximate reciprocal, vscalefps) behind small per-ISA helpers.
+// (half conversions, vscalefps, non-temporal stores) behind small per-ISA helpers. Large outputs (prefill)
+// are written with non-temporal stores, and the next group's y and z are prefetched.
 //
 // silu: sigmoid(z) = 1/(1+t) for z >= 0 and t/(1+t) for z < 0, with t = e^-|z| (never overflows).
 // e^x: x = n ln2 + r (|r| <= ln2/2), e^r by a degree-5 minimax polynomial (relative error 1.9e-7 evaluated
@@ -31,8 +32,9 @@
 // with MXCSR.FTZ set (results that underflow become 0, fast) and DAZ clear (subnormal inputs are read
 // exactly), and read MXCSR's underflow flag after each pass: FTZ changes a result only when it underflows,
 // and every such result raises the flag, so a pass that ends without it computed exactly what it computes
-// without FTZ. A pass that raised it is computed again with FTZ clear. The caller's MXCSR is restored on
-// return.
+// without FTZ. A gate pass that raised it is computed again with y scaled by a power of two 2^k (exact;
+// h' = 2^k h, nf' = 2^-k nf with eps 4^k in double, so h' nf' = h nf) or, if that underflows too, without
+// FTZ; a norm pass that raised it is computed again without FTZ. The caller's MXCSR is restored on return.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
