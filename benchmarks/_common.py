@@ -16,7 +16,7 @@ from fusion.rewrite import rewrite_model
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
-#: Exported decode spellings (DESIGN.md §2): fp32 -> form A with dynamic shapes, fp16 -> form C.
+#: Exported decode spellings (docs/forms.md): fp32 -> form A with dynamic shapes, fp16 -> form C.
 DECODE_SPECS = {
     "fp32": dict(shape_as="dynamic", leading=("batch", "seq")),
     "fp16": dict(**half_decode(FLOAT16), shape_as="dynamic", leading=("batch", "seq")),

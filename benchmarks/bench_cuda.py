@@ -216,7 +216,7 @@ def load_mamba_rmsnorm(path: Path | None):
 
 
 def chain_nodes(prefix: str, y: str, z: str, w: str, out: str, rows: int, channels: int, group_size: int, dtype: int):
-    """Form C of DESIGN.md §2 (fp16/bf16 decode export): 15 stock nodes."""
+    """Form C of docs/forms.md (fp16/bf16 decode export): 15 stock nodes."""
     p = prefix
     groups = channels // group_size
     consts = [

@@ -209,7 +209,7 @@ class _Builder:
 
 
 def chain_spec(dtype: str) -> ChainSpec:
-    """Return the gated-norm chain spelling of a decode export in ``dtype`` (DESIGN.md §2, forms A / C)."""
+    """Return the gated-norm chain spelling of a decode export in ``dtype`` (docs/forms.md, forms A / C)."""
     if dtype == "fp32":
         return ChainSpec(channels=D_INNER, group_size=D_INNER // GROUPS, shape_as="dynamic", leading=("batch", "seq"))
     return ChainSpec(

@@ -1,4 +1,4 @@
-"""Build tiny ONNX models holding one gated group-RMSNorm chain, in any DESIGN.md §2 spelling.
+"""Build tiny ONNX models holding one gated group-RMSNorm chain, in any docs/forms.md spelling.
 
 Tests, the CLI tests and benchmarks need a chain of each form and variant without exporting a model;
 ``build_chain(ChainSpec(...))`` writes the nodes the exporters write. Negative variants (norm before

@@ -49,13 +49,13 @@ def _version_text() -> str:
 def _rewrite(argv: Sequence[str]) -> int:
     from fusion import rewrite
 
-    return rewrite.main(list(argv))
+    return rewrite.main(list(argv), prog=f"{PACKAGE} rewrite")
 
 
 def _report(argv: Sequence[str]) -> int:
     from fusion import report
 
-    return report.main(list(argv))
+    return report.main(list(argv), prog=f"{PACKAGE} report")
 
 
 def _genai(argv: Sequence[str]) -> int:

@@ -1,4 +1,4 @@
-"""The model-local function of ``ai.mambafuse::GatedGroupRMSNorm``: DESIGN.md §1 in stock ONNX ops.
+"""The model-local function of ``ai.mambafuse::GatedGroupRMSNorm``: docs/op.md in stock ONNX ops.
 
 A fused model carries this function so that it runs anywhere: ONNX Runtime without the mambafuse
 library (and providers that cannot host custom ops, CoreML) inlines the body; with the library
@@ -24,7 +24,7 @@ from onnx import helper
 
 from fusion.reference import DOMAIN, OP_TYPE
 
-#: The op's opset version in the ``ai.mambafuse`` domain (DESIGN.md §1).
+#: The op's opset version in the ``ai.mambafuse`` domain (docs/op.md).
 OPSET_VERSION = 1
 #: Attributes every call node sets explicitly.
 ATTRIBUTES = ("epsilon", "group_size", "norm_dtype", "output_dtype")
@@ -129,7 +129,7 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         opset_imports=[helper.make_opsetid("", onnx_opset)],
         attributes=list(ATTRIBUTES),
         attribute_protos=[helper.make_attribute(name, value) for name, value in OPTIONAL_ATTRIBUTES.items()],
-        doc_string="GatedGroupRMSNorm (DESIGN.md §1) in stock ONNX ops; ONNX Runtime inlines it "
+        doc_string="GatedGroupRMSNorm (docs/op.md) in stock ONNX ops; ONNX Runtime inlines it "
         "when the mambafuse library is not registered.",
     )
 

@@ -1,4 +1,4 @@
-"""Numpy reference of ``ai.mambafuse::GatedGroupRMSNorm`` — the executable form of DESIGN.md §1.
+"""Numpy reference of ``ai.mambafuse::GatedGroupRMSNorm`` — the executable form of docs/op.md.
 
 For every row (leading axes flattened) and every contiguous group ``g`` of ``group_size`` columns::
 
@@ -81,7 +81,7 @@ def gated_group_rms_norm(
     flip_gated_ties: float = 0.0,
     flip_norm_ties: float = 0.0,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """Return ``GatedGroupRMSNorm(y, z, w)`` as DESIGN.md §1 defines it.
+    """Return ``GatedGroupRMSNorm(y, z, w)`` as docs/op.md defines it.
 
     ``norm_dtype`` / ``output_dtype`` default to ``y.dtype``; ``gated_dtype`` defaults to float32 (h is not
     rounded). With ``return_normed`` also returns ``n``, the normalized value at its rounding point
@@ -185,7 +185,7 @@ def reference_evaluator(model: onnx.ModelProto, **kwargs: Any):
     return ReferenceEvaluator(model, new_ops=[GatedGroupRMSNorm], **kwargs)
 
 
-# --- accuracy budget (DESIGN.md §1) -----------------------------------------------------------------
+# --- accuracy budget (docs/op.md) -----------------------------------------------------------------
 
 
 def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -235,7 +235,7 @@ def budget_report(
 ) -> tuple[bool, str]:
     """Return (within budget, message) for ``actual`` against a float64-evaluated ``expected``.
 
-    The budget of DESIGN.md §1. Half-precision outputs: <= 1 ulp for >= 99.9 % of elements, <= 2 ulp
+    The budget of docs/op.md. Half-precision outputs: <= 1 ulp for >= 99.9 % of elements, <= 2 ulp
     for all. float32 outputs: relative error <= 2e-6 (absolute floor: the smallest normal float32).
     NaN must sit exactly where the expected NaN sits, and infinities must match.
 

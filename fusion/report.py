@@ -668,9 +668,9 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.report") -> int:
     """Run the command line; return the exit status (0 ok, 1 ONNX Runtime failed, 2 bad argument or model)."""
-    parser = _Parser(prog="python -m fusion.report", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="the original model")
     parser.add_argument("after", help="the fused model")
     add_arguments(parser)
@@ -678,11 +678,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_from_args(args.before, args.after, args)
     except ReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # ORT's own errors: one line, not a traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: {type(exc).__name__}: {first}", file=sys.stderr)
+        print(f"{prog}: error: {type(exc).__name__}: {first}", file=sys.stderr)
         return 1
     return 0
 

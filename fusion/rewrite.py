@@ -267,9 +267,9 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m fusion.rewrite") -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m fusion.rewrite",
+        prog=prog,
         description="Fuse the gated group-RMSNorm chains of a Mamba-2 model into ai.mambafuse::GatedGroupRMSNorm.",
     )
     parser.add_argument("input", type=Path, help="the ONNX model to rewrite (never modified)")
@@ -341,10 +341,12 @@ def default_output(input_path: Path) -> Path:
     return input_path.with_name(f"{stem}.fused.onnx")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 ok, 1 verification failed, 2 error, 130/143 signal)."""
-    args = _parser().parse_args(argv)
-    prog = "python -m fusion.rewrite"
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.rewrite") -> int:
+    """Run the command line; return the exit status (0 ok, 1 verification failed, 2 error, 130/143 signal).
+
+    ``prog`` is how errors name the command (``mambafuse rewrite`` from the console command).
+    """
+    args = _parser(prog).parse_args(argv)
     try:
         with interruptible():
             return _run(args)

@@ -170,7 +170,7 @@ def verify(
     """Run both models in ONNX Runtime (CPU) on the same inputs; return what agreed and what did not.
 
     Two checks: every fused node against the float64 reference on its real inputs, at the op's accuracy
-    budget (DESIGN.md §1); and the model outputs, fused against original, within END_TO_END_RTOL of each
+    budget (docs/op.md); and the model outputs, fused against original, within END_TO_END_RTOL of each
     output's largest magnitude (non-float outputs must be identical). Uses the mambafuse library when it
     is built, else the fused model's function (stock ORT). Inputs: ``inputs`` where given, the rest
     generated with symbolic dims bound by ``dims`` (fusion.report.make_inputs).

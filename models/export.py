@@ -3,7 +3,7 @@
 Exporters (``EXPORTERS``):
 
 - ``dynamo``        ``torch.onnx.export(..., dynamo=True, optimize=True)``, opset 18 (default) or 23.
-- ``dynamo-noopt``  the same with ``optimize=False`` (DESIGN §2 form D).
+- ``dynamo-noopt``  the same with ``optimize=False`` (docs/forms.md form D).
 - ``torchscript``   ``torch.onnx.export(..., dynamo=False)``, opset 17. The whole causal LM does not
                     export there (``models.fixtures.PROBES``), so the Mamba-2 mixer of layer 0 is exported alone.
 - ``torchscript-model`` the same exporter on the whole causal LM (prefill: token ids in, logits out). It

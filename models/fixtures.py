@@ -17,7 +17,7 @@ then writes, atomically:
   stripped, weights inline);
 - ``manifest.json``  per file: family, exporter, dtype, mode, opset, number of Mamba layers, input and
   output names, cache map of decode graphs, repairs, package versions, the chains found
-  (``models.inspect_chains``: count, DESIGN §2 forms, op sequences); plus every combination that
+  (``models.inspect_chains``: count, docs/forms.md forms, op sequences); plus every combination that
   failed, with the exporter's exact error, and the probes of documented exporter failures;
 - ``references.npz``  what the torch model computed on the fixture's sample inputs (bf16 tensors as f32,
   exactly; prefill: inputs

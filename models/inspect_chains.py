@@ -1,4 +1,4 @@
-"""Find the gated group-RMSNorm chains of an ONNX model and say which DESIGN §2 form each one is (A–H, and J:
+"""Find the gated group-RMSNorm chains of an ONNX model and say which docs/forms.md form each one is (A–H, and J:
 Falcon-H1's weight multiply inside the grouped view).
 
 A chain starts where the gate meets a sigmoid: ``Sigmoid(z)`` followed by ``Mul(z, σ)`` and a ``Mul`` with
@@ -53,7 +53,7 @@ _FLOAT_NAMES = {
 
 @dataclasses.dataclass
 class Chain:
-    """One gated-norm chain: its nodes in graph order, what feeds it from outside, and its DESIGN §2 form."""
+    """One gated-norm chain: its nodes in graph order, what feeds it from outside, and its docs/forms.md form."""
 
     start: str  # name of the Sigmoid / QuickGelu node
     ops: list[str]  # op types of the chain's compute nodes, in graph order (Casts included)
@@ -262,7 +262,7 @@ def _outside_inputs(graph: _Graph, chain: list[onnx.NodeProto]) -> tuple[list[on
 
 
 def _classify(graph: _Graph, chain: list[onnx.NodeProto], feeders: list[onnx.NodeProto]) -> tuple[str, list[str]]:
-    """Return (form, notes) for a chain, by the DESIGN §2 catalog's distinguishing marks."""
+    """Return (form, notes) for a chain, by the docs/forms.md catalog's distinguishing marks."""
     ops = [n.op_type for n in chain]
     notes: list[str] = []
     forms: list[str] = []

@@ -34,7 +34,7 @@ def make_model(graph: onnx.GraphProto, opset: int = 18) -> onnx.ModelProto:
     )
 
 
-#: (Y, Z, W, norm, output) types of the chains real exporters write (DESIGN.md §2, forms B and C).
+#: (Y, Z, W, norm, output) types of the chains real exporters write (docs/forms.md, forms B and C).
 EXPORTER_TYPE_MIXES: dict[str, tuple[int, int, int, int, int]] = {
     "C-f16": (FLOAT16, FLOAT16, FLOAT16, FLOAT16, FLOAT16),  # fp16 decode
     "B-f16": (FLOAT, FLOAT16, FLOAT, FLOAT, FLOAT16),  # fp16 prefill: y already f32, f32 weight
@@ -177,7 +177,7 @@ def check_against_reference(
     gated_type: int | None = None,
 ) -> np.ndarray:
     """Run the op on (y, z, w) in a session from ``make_session``; assert it is within the accuracy budget
-    of the float64 reference (DESIGN.md §1) and return its output in the op's output type.
+    of the float64 reference (docs/op.md) and return its output in the op's output type.
 
     ``gated_type`` None leaves the attribute gated_dtype out of the node (its default: float, no rounding).
     """

@@ -85,3 +85,11 @@ def test_help_lists_commands(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(command in out for command in ("rewrite", "report", "genai", "olive", "--version"))
     assert cli.main(["rewrite", "--help"]) == 0
     assert "--verify" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["rewrite", "report"])
+def test_errors_name_the_console_command(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = str(tmp_path / "missing.onnx")
+    argv = [command, missing] if command == "rewrite" else [command, missing, missing, "--quiet"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.startswith(f"mambafuse {command}: error:")

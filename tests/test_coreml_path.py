@@ -1,4 +1,4 @@
-"""The CoreML path (DESIGN.md §3), checked here with the CPU provider.
+"""The CoreML path (contrib_ops/APPLE.md), checked here with the CPU provider.
 
 The CoreML execution provider cannot host custom-op kernels, so on a Mac a fused model must reach it as
 the model-local function's stock-op body: ``contrib_ops.session`` leaves the library unregistered when
@@ -145,7 +145,7 @@ def test_use_library_overrides_the_decision(
 
 @pytest.mark.parametrize("form", list(SPECS))
 def test_inlined_function_matches_the_reference(form: str) -> None:
-    """The fused model without the library (ORT inlines the body) is within the budget of DESIGN.md §1."""
+    """The fused model without the library (ORT inlines the body) is within the budget of docs/op.md."""
     spec = SPECS[form]
     model = fused(spec)
     (node,) = fused_nodes(model)

@@ -297,3 +297,4 @@ def test_readme_families_table_is_generated_from_the_manifests() -> None:
     assert start in text and end in text, "models/README.md has no families table"
     documented = text.split(start, 1)[1].split(end, 1)[0].strip()
     assert documented == families_table().strip(), "models/README.md's families table is stale: regenerate it"
+    assert families_table().strip() in (ROOT / "README.md").read_text(), "README.md's families table is stale"

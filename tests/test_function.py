@@ -1,4 +1,4 @@
-"""The model-local function: valid ONNX, shape inference through it, DESIGN.md §1 numerics in stock ORT."""
+"""The model-local function: valid ONNX, shape inference through it, docs/op.md numerics in stock ORT."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def _assert_within_budget(got: np.ndarray, want: np.ndarray, norm_dtype: int) ->
 
     There a value within a hair of a half rounding tie rounds either way in an fp32 computation, and
     the float32 output shows that 1-ulp flip of the half value (~6e-4 relative for float16), which the
-    2e-6 float32 budget does not foresee (DESIGN.md §1 gap; the kernels have it too). Allowed: such
+    2e-6 float32 budget does not foresee (docs/op.md gap; the kernels have it too). Allowed: such
     flips on at most 0.1 % of elements, none larger than one half ulp.
     """
     ok, message = budget_report(got, want)

@@ -1,4 +1,4 @@
-"""The CPU kernel of ai.mambafuse::GatedGroupRMSNorm against fusion/reference.py (DESIGN.md §1)."""
+"""The CPU kernel of ai.mambafuse::GatedGroupRMSNorm against fusion/reference.py (docs/op.md)."""
 
 from __future__ import annotations
 
@@ -332,7 +332,7 @@ def test_output_shape_and_type_are_inferred() -> None:
 
 def test_fp16_node_feeding_matmul_on_cpu() -> None:
     """ORT's CPU fp16 handling wraps MatMul (no fp16 CPU kernel) in Casts; the fused node must still load
-    and give the values rounded to fp16 (DESIGN.md §4)."""
+    and give the values rounded to fp16 (docs/op.md, type rules)."""
     rng = np.random.default_rng(5)
     y, z, w = random_inputs(rng, (1, 96), FLOAT16, FLOAT16, FLOAT16)
     proj = (rng.standard_normal((96, 16)) * 0.1).astype(np.float16)
@@ -579,7 +579,7 @@ def test_all_float_inputs_with_half_output_dtype_give_float_tensor_of_rounded_va
 @pytest.mark.parametrize("level", ["disable", "all"])
 def test_fp16_nodes_between_ops_without_fp16_cpu_kernels(level: str) -> None:
     """Fused fp16 nodes between residual Adds (no fp16 CPU kernel): ONNX Runtime widens the isolated
-    fused nodes to float32 (DESIGN.md §4); the model must load and match the unfused graph."""
+    fused nodes to float32 (docs/op.md, type rules); the model must load and match the unfused graph."""
     from fusion._chains import ChainSpec, build_chain_sequence, half_decode
     from fusion.rewrite import rewrite_model
 

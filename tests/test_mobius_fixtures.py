@@ -7,7 +7,7 @@
   the fp16 RMSNormalization rounding the manifest records;
 - ``fusion.rewrite`` fuses every gated norm (count = Mamba layers, nothing refused, no chain left), and the
   fused model runs in ORT CPU with the custom-op library and through the model-local function: every fused
-  node within the op's accuracy budget (DESIGN §1) of the float64 reference on the inputs ORT fed it, and
+  node within the op's accuracy budget (docs/op.md) of the float64 reference on the inputs ORT fed it, and
   every model output within the whole-model tolerance of ORT's run of the original.
 """
 

@@ -1,7 +1,7 @@
 """Re-export one tiny model per exporter with the installed torch / transformers and re-count its chains.
 
 Catches exporter drift: when a new torch, onnxscript or transformers changes the chain an exporter
-emits, the chain count or the DESIGN §2 form stops matching the committed fixture of the same
+emits, the chain count or the docs/forms.md form stops matching the committed fixture of the same
 combination (regenerate the fixtures with ``python -m models.fixtures`` and teach the rewriter the new
 form). Marked slow: about 75 s on a 2-core machine.
 """

@@ -117,7 +117,7 @@ def test_decode_fixture_generates_like_torch(stem: str) -> None:
 
 
 def test_bf16_fixtures_are_counted_not_run() -> None:
-    # ORT's CPU provider has no bf16 Conv / Softplus / MatMul (DESIGN §4): these fixtures are checked
+    # ORT's CPU provider has no bf16 Conv / Softplus / MatMul (README.md, Platforms): these fixtures are checked
     # for chains only (test_fixture_has_one_chain_per_mamba_layer), and run on CUDA elsewhere.
     bf16 = [stem for stem, record in FIXTURES.items() if record["dtype"] == "bf16"]
     assert bf16, "no bf16 fixture exported"

@@ -30,7 +30,7 @@ DECODE_CPU_FIXTURES = [stem for stem in CPU_FIXTURES if FIXTURES[stem]["mode"] =
 OP_TYPE, DOMAIN = "GatedGroupRMSNorm", "ai.mambafuse"
 
 #: Fused vs original whole-model outputs, max |difference| relative to the largest |output|.
-#: fp32: the op is within 2e-6 relative of the exact value per element (DESIGN §1), the original chain
+#: fp32: the op is within 2e-6 relative of the exact value per element (docs/op.md), the original chain
 #: is within a few ulps too; what reaches the logits through out_proj and the later layers of these
 #: 2–3 layer models has been <= 4e-7 of the logit scale, so 1e-5 leaves a 25x margin and still catches a
 #: wrong group size, epsilon or rounding point (those move logits by 1e-3 and more).

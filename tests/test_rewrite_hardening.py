@@ -305,3 +305,12 @@ def test_no_scratch_directories_after_a_failed_verify(tmp_path: Path, capsys: py
     onnx.save(build_chain(SPEC), source)
     assert main([str(source), "--verify"]) == 0
     assert _no_scratch_left(tmp_path)
+
+
+@pytest.mark.parametrize("ir_version", [8, 10])
+def test_the_ir_version_is_never_raised(ir_version: int) -> None:
+    """onnxruntime-gpu 1.31 loads IR 10-13 only: a fused model keeps its input's IR version."""
+    model = build_chain(SPEC)
+    model.ir_version = ir_version
+    fused, report = rewrite_model(model)
+    assert report.fused == 1 and fused.ir_version == ir_version

@@ -1,4 +1,4 @@
-"""The GatedGroupRMSNorm fusion rule on tiny chains of every DESIGN.md §2 form and variant.
+"""The GatedGroupRMSNorm fusion rule on tiny chains of every docs/forms.md form and variant.
 
 Positive cases: exactly one fusion, none of the replaced ops left, the attributes the chain implies,
 and parity with the original graph through ONNX Runtime, both with the mambafuse library and with

@@ -1,5 +1,5 @@
 # Finds ONNX Runtime's C/C++ headers (onnxruntime_cxx_api.h). The onnxruntime wheel ships none.
-# Order (DESIGN.md §4):
+# Order (README.md, Building the library):
 #   1. ONNXRUNTIME_ROOT (cache variable or environment): <root>/include[/onnxruntime]/onnxruntime_cxx_api.h
 #   2. find_package(onnxruntime) (Homebrew, conda, distro packages)
 #   3. Debian's libonnxruntime-dev, downloaded with a private apt configuration built from this machine's own

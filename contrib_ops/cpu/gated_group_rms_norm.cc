@@ -338,7 +338,7 @@ OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context) {
     // fp16 node to float32 and then expects the node's output to be float32 as well. So: when Y, Z and W
     // are all float32, the output is float32, holding values rounded to output_dtype (exact). The
     // rewriter never emits all-float32 inputs with a half output_dtype (it keeps the Cast instead), so
-    // for fused models this is exactly DESIGN.md §1.
+    // for fused models this is exactly docs/op.md.
     const auto is_float = [](const StaticInput& in) { return in.elem_type == static_cast<int64_t>(ElemType::kFloat); };
     if (is_float(inputs[0]) && is_float(inputs[1]) && is_float(inputs[2])) {
       output_dtype = static_cast<int64_t>(ElemType::kFloat);

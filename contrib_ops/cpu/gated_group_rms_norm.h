@@ -12,7 +12,7 @@
 
 namespace mambafuse {
 
-// Attributes, read and checked once per kernel instance (DESIGN.md §1).
+// Attributes, read and checked once per kernel instance (docs/op.md).
 struct GatedGroupRMSNormAttrs {
   float epsilon = 0.f;
   int64_t group_size = 0;

@@ -1,4 +1,4 @@
-// GatedGroupRMSNorm, the per-group math (DESIGN.md §1), written once for every vector width.
+// GatedGroupRMSNorm, the per-group math (docs/op.md), written once for every vector width.
 //
 //   h[j]  = round(gated_type, f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j]))))
 //   nf    = 1 / sqrt(sum_j h[j]^2 / group_size + epsilon)

@@ -1,4 +1,4 @@
-// GatedGroupRMSNorm CUDA kernels (DESIGN.md §1, §3). For every row and every group of group_size columns:
+// GatedGroupRMSNorm CUDA kernels (docs/op.md, §3). For every row and every group of group_size columns:
 //
 //   h[j]  = round(gated_type, f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j]))))   (gated_type float: no rounding)
 //   nf    = 1 / sqrt(sum_j h[j]^2 / group_size + epsilon)
@@ -37,7 +37,7 @@
 // two half values is exact (11 + 11 or 8 + 8 significant bits), so its one rounding to the half type is
 // the correctly rounded half product, bit for bit.
 //
-// Reference: Modular MAX's gated group RMSNorm kernel has the same two paths (DESIGN.md §3).
+// Reference: Modular MAX's gated group RMSNorm kernel has the same two paths.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,5 +1,5 @@
 // Launcher of the GatedGroupRMSNorm CUDA kernels: plain C++ and the CUDA runtime types only. ONNX
-// Runtime's C++ headers do not compile under nvcc 13 (DESIGN.md §3), so this is the one header that the
+// Runtime's C++ headers do not compile under nvcc 13, so this is the one header that the
 // .cu file and the ORT-facing .cc share.
 #pragma once
 

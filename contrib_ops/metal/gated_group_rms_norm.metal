@@ -1,4 +1,4 @@
-// GatedGroupRMSNorm on Apple GPUs (DESIGN.md §1), in Metal Shading Language 3.1.
+// GatedGroupRMSNorm on Apple GPUs (docs/op.md), in Metal Shading Language 3.1.
 //
 //   h[j]  = round(gated_type, f32(Y[j]) * (f32(Z[j]) * sigmoid(f32(Z[j]))))
 //   nf    = 1 / sqrt(sum_j h[j]^2 / group_size + epsilon)

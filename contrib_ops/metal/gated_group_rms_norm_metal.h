@@ -5,7 +5,7 @@
 // tensor is large enough (MAMBAFUSE_METAL_MIN_ELEMENTS, default 1 << 20 elements); otherwise, and whenever
 // the GPU path is unavailable, it computes on the CPU as usual. Off by default: ORT's CPU tensors are not
 // Metal buffers, so each call copies its inputs and output through shared memory and waits for the GPU,
-// which pays only for large prefill tensors (DESIGN.md §3). Measure on the Mac before turning it on.
+// which pays only for large prefill tensors (contrib_ops/APPLE.md). Measure on the Mac before turning it on.
 #pragma once
 
 #include <cstdint>

@@ -6,7 +6,7 @@ qemu, under sanitizers, on a Mac's GPU. This module is its other half:
 
 - ``write_cases(directory, cases)`` draws seeded inputs, evaluates ``fusion/reference.py`` in float64 and
   writes ``cases.txt`` plus raw little-endian ``<name>.y/.z/.w/.expected`` files (nothing is committed);
-- the program writes ``<name>.out``; ``check_case`` applies the accuracy budget of DESIGN.md §1
+- the program writes ``<name>.out``; ``check_case`` applies the accuracy budget of docs/op.md
   (``budget_report``) and, for edge cases, that NaN/Inf stay inside their own group.
 
 The program checks each case coarsely itself (NaN/Inf placement, a ulp bound given in cases.txt) so that
@@ -132,7 +132,7 @@ def special_cases() -> list[GoldenCase]:
     cases += [
         GoldenCase("epsilon0_f32", (4, 120), 40, epsilon=0.0, seed=3),
         GoldenCase("epsilon1e-2_f16", (4, 120), 40, *(FLOAT16,) * 5, epsilon=1e-2, seed=4),
-        # ORT may hand the kernel a float output buffer for an fp16/bf16 output_dtype (DESIGN.md §4).
+        # ORT may hand the kernel a float output buffer for an fp16/bf16 output_dtype (docs/op.md, type rules).
         GoldenCase("widened_out_f16", (2, 96), 48, *(FLOAT16,) * 5, store_type=FLOAT, seed=5),
         GoldenCase("widened_out_bf16", (2, 96), 48, FLOAT, BFLOAT16, FLOAT, FLOAT, BFLOAT16, FLOAT, seed=6),
         GoldenCase("empty_rows", (0, 96), 48, seed=7),
@@ -290,7 +290,7 @@ def read_output(output_directory: Path, data: GoldenData) -> np.ndarray:
 
 
 def check_case(output_directory: Path, data: GoldenData, program_log: str = "") -> tuple[bool, str]:
-    """Return (ok, message): the program's output of a case against the budget of DESIGN.md §1.
+    """Return (ok, message): the program's output of a case against the budget of docs/op.md.
 
     A case the program wrote no output for fails with the end of ``program_log`` (its stdout).
     """
@@ -548,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     data = {case.name: make_data(case) for case in all_cases()}
     lines = failures(args.output_directory or args.directory, data)
-    print("\n".join(lines) if lines else f"all {len(data)} cases within the budget of DESIGN.md §1")
+    print("\n".join(lines) if lines else f"all {len(data)} cases within the budget of docs/op.md")
     return 1 if lines else 0
 
 

@@ -6,7 +6,7 @@
 // DIR holds cases.txt and the raw inputs/expected outputs that contrib_ops/tests/golden.py wrote from
 // fusion/reference.py. For every case the program runs the chosen backend, writes OUTDIR/<name>.out (the
 // output buffer as the kernel left it; OUTDIR defaults to DIR) and checks it coarsely: NaN/Inf exactly where expected, every
-// element within the case's ulp bound. The accuracy-budget verdict of DESIGN.md §1 is made in Python
+// element within the case's ulp bound. The accuracy-budget verdict of docs/op.md is made in Python
 // (golden.check_case) on the .out files; this check makes the program useful on its own (under
 // sanitizers, on a Mac). Exit status: 0 when every case passes, 1 otherwise, 2 for bad usage or files.
 //

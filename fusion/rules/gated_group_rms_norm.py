@@ -1,11 +1,11 @@
 """Fuse the gated group-RMSNorm chain of Mamba-2 mixers into ``ai.mambafuse::GatedGroupRMSNorm``.
 
-The chain (DESIGN.md §2; forms A–H differ in the spellings in brackets)::
+The chain (docs/forms.md; forms A–J differ in the spellings in brackets)::
 
     y    = [Cast(to=f32)](y_in)              z = [Cast(to=f32)](z_in)
     silu = Mul(z, Sigmoid(z)) | com.microsoft QuickGelu(z, alpha=1)
-    h    = Mul(y, silu)
-    hg   = Reshape(h, [..., G, gs])
+    h    = [Cast(to=gated_dtype)](Mul(y, silu))        # rounding point 0 (mobius half builds)
+    hg   = Reshape(h, [..., G, gs])                     # absent when ungrouped (one group, gs = C)
     n    = hg * rsqrt(ReduceMean(hg^2, -1) + eps)      # or SimplifiedLayerNormalization / RMSNormalization
            rsqrt: Reciprocal(Sqrt) | Div(1, Sqrt) | Pow(-0.5) | Div(hg, Sqrt); square: Pow(2) | Mul(hg, hg)
     f    = Reshape(n, shape of h)
@@ -13,11 +13,20 @@ The chain (DESIGN.md §2; forms A–H differ in the spellings in brackets)::
     o    = Mul(W, nc)                                   # W maybe Cast(W_half -> f32)
     out  = [Cast(to=output_dtype)](o)                   # absorbed only when o is fp32
 
+    form I (mobius):    f = Reshape(RMSNormalization(hg, scale=Reshape(W, [G, gs])), shape of h); no Mul
+    form J (Falcon-H1): f = Reshape(Mul(W as [G, gs], n), shape of h) in float32, then [Cast]
+
 Commutative Muls and Adds match in either operand order. One rule class covers everything; its
-constructor picks the inner norm, the operand order of the final weight Mul and whether a trailing
-Cast is absorbed (a pattern's returned value cannot be an ``OrValue``). The rules that absorb a
-trailing Cast run first (``fuse_gated_group_rms_norm``): otherwise the chain would already be fused
-at its weight Mul before the Cast is reached.
+constructor picks the inner norm, the operand order of the final weight Mul, whether a trailing Cast is
+absorbed (a pattern's returned value cannot be an ``OrValue``), grouped or not, and where the weight
+enters (after the norm, as its scale, or inside the groups). The rules that absorb a trailing Cast run
+first (``fuse_gated_group_rms_norm``): otherwise the chain would already be fused at its weight Mul
+before the Cast is reached; the weight-as-scale rules run last.
+
+Only what the graph proves is fused: group sizes from constant Reshape targets or shape arithmetic that
+``_graph.resolve_shape_tensor`` follows exactly, never from declared shapes of intermediate values. A
+width of y (or the gate) that the graph does not prove is read through ``Expand`` to the other input's
+shape (the broadcast guard), so the fused node computes the original's product for every width.
 
 Widening input Casts are not part of the pattern: ``y``, ``z`` and ``W`` are variables and ``check``
 looks at their producers. A Cast that widens to fp32 and feeds only the chain is bypassed (the kernel
@@ -53,7 +62,7 @@ from fusion.rules._graph import (
 InnerNorm = Literal["decomposed", "simplified_layer_norm", "rms_normalization"]
 INNER_NORMS: tuple[InnerNorm, ...] = ("decomposed", "simplified_layer_norm", "rms_normalization")
 
-#: Element types the op reads and writes (DESIGN.md §1).
+#: Element types the op reads and writes (docs/op.md).
 SUPPORTED_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 _ONNX_DOMAINS = ("", "ai.onnx")
 #: ORT registers SimplifiedLayerNormalization in the ONNX domain; some tools write com.microsoft.

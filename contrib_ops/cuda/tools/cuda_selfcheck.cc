@@ -180,7 +180,7 @@ bool RunCase(const Case& c, std::mt19937& rng, cudaStream_t stream) {
       continue;
     }
     const double wv = std::fabs(Load(c.w, w, i % static_cast<size_t>(c.channels)));
-    // float outputs: both kernels are within 2e-6 of the exact value (DESIGN.md §1), so within 4e-6 of each other.
+    // float outputs: both kernels are within 2e-6 of the exact value (docs/op.md), so within 4e-6 of each other.
     double tol = c.out == ElemType::kFloat ? std::max(2 * Ulp(e, c.out), 4e-6 * std::fabs(e)) : 2 * Ulp(e, c.out);
     if (coarser_norm) tol += wv * Ulp(wv > 0 ? e / wv : 0.0, c.norm);
     if (c.gated != ElemType::kFloat) tol += std::ldexp(std::fabs(e), -MantissaBits(c.gated)) + Ulp(e, c.out);
