@@ -40,165 +40,79 @@ from typing import Any
 
 import numpy as np
 
+from models.build import CONFIGS
+
 FIXTURE_DIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "mobius"
 WORKAROUND_ENV = "MOBIUS_ORT_CUDA_GROUPED_RMSNORM_WORKAROUND"
 PROMPT_LEN = 8
 INIT_RANGE = 0.06
 VOCAB = 64
 
+
 #: One random-weight checkpoint per row: family, transformers config kwargs. Widths are tiny (hidden 32,
 #: C = 64) so that ~40 builds stay within the fixture budget; group counts 1 / 2 / 4, three epsilons and
 #: three layer patterns. The first checkpoint of each family is the one built in every dtype / variant /
 #: target; the others in fewer combinations (``build_jobs``).
+def _checkpoint(family: str, base: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    """Return a checkpoint row: ``base`` (a config) with ``overrides``."""
+    return dict(family=family, config={**base, **overrides})
+
+
+# The primary checkpoints are the project's tiny configs (models/build.py) with untied embeddings, plus what
+# mobius 0.1.0 needs; the others change group count, epsilon and layer pattern.
+_NEMOTRON_H = {**CONFIGS["nemotron_h"]["tiny"], "vocab_size": VOCAB, "tie_word_embeddings": False}
+_ZAMBA2 = {
+    **CONFIGS["zamba2"]["tiny"],
+    "vocab_size": VOCAB,  # 2 groups of 32 in transformers; mobius normalizes over all 64 channels
+    # mobius 0.1.0 always builds the adapters: without them its weight check fails
+    # ("6 initializer(s) without weights").
+    "use_shared_attention_adapter": True,
+    "adapter_rank": 4,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+_MAMBA2 = {
+    **CONFIGS["mamba2"]["tiny"],
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "expand": 2,  # C = expand x hidden = 64
+    "n_groups": 4,  # transformers: group_size 16; mobius normalizes over all 64 channels
+    "tie_word_embeddings": False,
+}
+_MAMBA2.pop("time_step_rank")  # the config class derives it from hidden_size
+
 CHECKPOINTS: dict[str, dict[str, Any]] = {
-    "nemotron_h-g4": dict(
-        family="nemotron_h",
-        config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],  # M*M-
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-            mamba_num_heads=4,
-            mamba_head_dim=16,  # C = 64
-            n_groups=4,  # group_size 16
-            ssm_state_size=8,
-            conv_kernel=4,
-            chunk_size=16,
-            layer_norm_epsilon=1e-5,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
+    "nemotron_h-g4": _checkpoint("nemotron_h", _NEMOTRON_H),  # M*M-, 4 groups of 16
+    "nemotron_h-g2": _checkpoint(
+        "nemotron_h",
+        _NEMOTRON_H,
+        layers_block_type=["linear_attention", "linear_attention", "full_attention"],  # MM*
+        num_key_value_heads=2,
+        mamba_num_heads=8,
+        mamba_head_dim=8,  # C = 64
+        n_groups=2,  # group_size 32
+        layer_norm_epsilon=1e-6,
     ),
-    "nemotron_h-g2": dict(
-        family="nemotron_h",
-        config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            layers_block_type=["linear_attention", "linear_attention", "full_attention"],  # MM*
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            head_dim=16,
-            intermediate_size=64,
-            mamba_num_heads=8,
-            mamba_head_dim=8,  # C = 64
-            n_groups=2,  # group_size 32
-            ssm_state_size=8,
-            conv_kernel=4,
-            chunk_size=16,
-            layer_norm_epsilon=1e-6,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
+    "nemotron_h-g1": _checkpoint(
+        "nemotron_h",
+        _NEMOTRON_H,
+        layers_block_type=["linear_attention", "mlp", "linear_attention"],  # M-M
+        n_groups=1,  # group_size 64 = C: mobius writes the ungrouped form
+        layer_norm_epsilon=1e-4,
     ),
-    "nemotron_h-g1": dict(
-        family="nemotron_h",
-        config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            layers_block_type=["linear_attention", "mlp", "linear_attention"],  # M-M
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            intermediate_size=64,
-            mamba_num_heads=4,
-            mamba_head_dim=16,  # C = 64
-            n_groups=1,  # group_size 64 = C: mobius writes the ungrouped form
-            ssm_state_size=8,
-            conv_kernel=4,
-            chunk_size=16,
-            layer_norm_epsilon=1e-4,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
+    "zamba2-g2": _checkpoint("zamba2", _ZAMBA2),
+    "zamba2-g1": _checkpoint(
+        "zamba2",
+        _ZAMBA2,
+        num_hidden_layers=2,
+        layers_block_type=["hybrid", "linear_attention"],
+        n_mamba_heads=8,  # head_dim 8, C = 64
+        mamba_ngroups=1,
+        rms_norm_eps=1e-6,
     ),
-    "zamba2-g2": dict(
-        family="zamba2",
-        config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=3,
-            layers_block_type=["linear_attention", "hybrid", "linear_attention"],
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            intermediate_size=32,
-            n_mamba_heads=4,  # head_dim 16, C = 64
-            mamba_ngroups=2,  # transformers: group_size 32; mobius normalizes over all 64 channels
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            chunk_size=16,
-            num_mem_blocks=1,
-            # mobius 0.1.0 always builds the adapters: without them its weight check fails
-            # ("6 initializer(s) without weights").
-            use_shared_attention_adapter=True,
-            adapter_rank=4,
-            use_mem_rope=True,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "zamba2-g1": dict(
-        family="zamba2",
-        config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            layers_block_type=["hybrid", "linear_attention"],
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            intermediate_size=32,
-            n_mamba_heads=8,  # head_dim 8, C = 64
-            mamba_ngroups=1,
-            mamba_d_state=8,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            chunk_size=16,
-            num_mem_blocks=1,
-            use_shared_attention_adapter=True,
-            adapter_rank=4,
-            use_mem_rope=True,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "mamba2-g4": dict(
-        family="mamba2",
-        config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_heads=4,
-            head_dim=16,  # C = expand x hidden = 64
-            expand=2,
-            n_groups=4,  # transformers: group_size 16; mobius normalizes over all 64 channels
-            state_size=8,
-            conv_kernel=4,
-            chunk_size=16,
-            layer_norm_epsilon=1e-5,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "mamba2-g1": dict(
-        family="mamba2",
-        config=dict(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=3,
-            num_heads=8,
-            head_dim=8,
-            expand=2,
-            n_groups=1,
-            state_size=8,
-            conv_kernel=4,
-            chunk_size=16,
-            layer_norm_epsilon=1e-6,
-            tie_word_embeddings=False,
-        ),
+    "mamba2-g4": _checkpoint("mamba2", _MAMBA2),
+    "mamba2-g1": _checkpoint(
+        "mamba2", _MAMBA2, num_hidden_layers=3, num_heads=8, head_dim=8, n_groups=1, layer_norm_epsilon=1e-6
     ),
 }
 
