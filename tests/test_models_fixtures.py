@@ -13,7 +13,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from models.fixtures import FIXTURE_DIR, fixture_jobs
+from models.fixtures import FAMILY_FIXTURE_DIR, FIXTURE_DIR, family_fixture_jobs, fixture_jobs
 from models.inspect_chains import inspect_model
 from models.onnx_utils import check
 from models.runtime import feeds, greedy_decode, load_manifest, load_references
@@ -38,19 +38,31 @@ def _path(stem: str) -> Path:
     return FIXTURE_DIR / FIXTURES[stem]["file"]
 
 
-def test_manifest_lists_exactly_the_files() -> None:
-    on_disk = {p.name for p in FIXTURE_DIR.glob("*.onnx")}
-    listed = {record["file"] for record in FIXTURES.values()}
+#: Both committed export sets: (directory, the manifest, the jobs that made it).
+FIXTURE_SETS = {
+    "models": (FIXTURE_DIR, MANIFEST, fixture_jobs),
+    "families": (FAMILY_FIXTURE_DIR, load_manifest(FAMILY_FIXTURE_DIR), family_fixture_jobs),
+}
+
+
+@pytest.mark.parametrize("fixture_set", sorted(FIXTURE_SETS))
+def test_manifest_lists_exactly_the_files(fixture_set: str) -> None:
+    directory, manifest, _ = FIXTURE_SETS[fixture_set]
+    on_disk = {p.name for p in directory.glob("*.onnx")}
+    listed = {record["file"] for record in manifest["fixtures"].values()}
     assert on_disk == listed, f"not in manifest: {sorted(on_disk - listed)}; missing: {sorted(listed - on_disk)}"
 
 
-def test_every_combination_is_exported_or_its_failure_recorded() -> None:
-    expected = {job["stem"] for job in fixture_jobs()}
-    accounted = set(FIXTURES) | set(MANIFEST["failures"])
+@pytest.mark.parametrize("fixture_set", sorted(FIXTURE_SETS))
+def test_every_combination_is_exported_or_its_failure_recorded(fixture_set: str) -> None:
+    _, manifest, jobs = FIXTURE_SETS[fixture_set]
+    expected = {job["stem"] for job in jobs()}
+    accounted = set(manifest["fixtures"]) | set(manifest["failures"])
     assert accounted == expected, (
         f"unaccounted: {sorted(expected - accounted)}; unknown: {sorted(accounted - expected)}"
     )
-    for stem, failure in MANIFEST["failures"].items():
+    assert not set(manifest["fixtures"]) & set(manifest["failures"])
+    for stem, failure in manifest["failures"].items():
         assert failure["error"].strip(), f"{stem}: failure recorded without its error"
 
 
