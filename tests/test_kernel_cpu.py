@@ -181,11 +181,21 @@ def test_gated_rounding_is_exact(gated_type: int) -> None:
     actual = check_against_reference(
         y, z, w, group_size=2, epsilon=GATED_ROUNDING_EPSILON, gated_type=gated_type
     ).reshape(-1, 2)[:, 0]
-    # Independently of the reference: h rounded by numpy / ml_dtypes, then normalized in float64.
+    assert_probes_rounded_exactly(actual, h, y.reshape(-1, 2)[:, 1], group_size=2, gated_type=gated_type)
+
+
+def assert_probes_rounded_exactly(
+    actual: np.ndarray, h: np.ndarray, anchors: np.ndarray, *, group_size: int, gated_type: int
+) -> None:
+    """Check each probe's normalized output against h rounded by numpy / ml_dtypes, in float64.
+
+    Independently of the reference: every group holds the probe (gate 64, so silu = 64 * y), its anchor
+    and zeros; ``actual`` is the probe's output per group.
+    """
     with np.errstate(invalid="ignore", over="ignore"):
         rounded = h.astype(SUPPORTED_TYPES[gated_type]).astype(np.float64)
-        anchor = y.reshape(-1, 2)[:, 1].astype(np.float64) * 64.0
-        want = rounded / np.sqrt((rounded * rounded + anchor * anchor) / 2 + GATED_ROUNDING_EPSILON)
+        anchor = anchors.astype(np.float64) * 64.0
+        want = rounded / np.sqrt((rounded * rounded + anchor * anchor) / group_size + GATED_ROUNDING_EPSILON)
     finite = np.isfinite(want)
     assert np.array_equal(np.isfinite(actual), finite), "overflow of h to Inf is not where numpy puts it"
     error = np.abs(actual[finite] - want[finite])

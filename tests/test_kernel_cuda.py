@@ -34,7 +34,7 @@ from tests._ops import (
     random_inputs,
 )
 from tests._ops import check_against_reference as shared_check
-from tests.test_kernel_cpu import GATED_ROUNDING_EPSILON, gated_rounding_case
+from tests.test_kernel_cpu import GATED_ROUNDING_EPSILON, assert_probes_rounded_exactly, gated_rounding_case
 
 ort = pytest.importorskip("onnxruntime")
 if hasattr(ort, "preload_dlls"):
@@ -171,19 +171,7 @@ def test_gated_rounding_is_exact(gated_type: int, path: str) -> None:
     actual = check_against_reference(
         y, z, w, group_size=8, epsilon=GATED_ROUNDING_EPSILON, gated_type=gated_type
     ).reshape(-1, 8)[:, 0]
-    # Independently of the reference: h rounded by numpy / ml_dtypes, then normalized in float64.
-    with np.errstate(invalid="ignore", over="ignore"):
-        rounded = h.astype(SUPPORTED_TYPES[gated_type]).astype(np.float64)
-        anchor = pairs[:, 1].astype(np.float64) * 64.0
-        want = rounded / np.sqrt((rounded * rounded + anchor * anchor) / 8 + GATED_ROUNDING_EPSILON)
-    finite = np.isfinite(want)
-    assert np.array_equal(np.isfinite(actual), finite), "overflow of h to Inf is not where numpy puts it"
-    error = np.abs(actual[finite] - want[finite])
-    bad = np.flatnonzero(error > 2e-6 * np.abs(want[finite]))
-    assert bad.size == 0, (
-        f"{bad.size} of {finite.sum()} h rounded differently (max error {error.max():.3g}), "
-        f"e.g. h = {h[finite][bad[:5]]}"
-    )
+    assert_probes_rounded_exactly(actual, h, pairs[:, 1], group_size=8, gated_type=gated_type)
 
 
 SHAPES = [
