@@ -10,7 +10,7 @@ are not None and compare equal.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -318,36 +318,52 @@ _SAME_SHAPE = frozenset(
 _BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"})
 
 
-def forward_dims(value: ir.Value | None, depth: int = 0) -> list[Dim] | None:
+def forward_dims(value: ir.Value | None) -> list[Dim] | None:
     """Return the dims of ``value`` proven from the graph: graph inputs' and initializers' shapes, then
     Reshape targets (shape arithmetic followed), Slice, Transpose, elementwise ops. None when not proven.
 
     Declared shapes of intermediate values are never used: they are hints, not checked at run time.
+    Each value is visited once (a graph's shared subexpressions would otherwise be walked again).
     """
+    return _forward_dims(value, 0, {})
+
+
+def _forward_dims(value: ir.Value | None, depth: int, seen: dict[ir.Value, list[Dim] | None]) -> list[Dim] | None:
     if value is None or depth > 24:
         return None
+    if value not in seen:
+        seen[value] = None  # also ends a cycle
+        seen[value] = _producer_dims(value, depth, seen)
+    return seen[value]
+
+
+def _producer_dims(value: ir.Value, depth: int, seen: dict[ir.Value, list[Dim] | None]) -> list[Dim] | None:
     producer = value.producer()
     if producer is None:  # a graph input (its declared shape is the model's interface) or initializer
         return value_dims(value, {})
     if producer.domain not in ("", "ai.onnx") or not producer.inputs:
         return None
     op, inputs = producer.op_type, producer.inputs
+
+    def dims_of(index: int) -> list[Dim] | None:
+        return _forward_dims(inputs[index], depth + 1, seen)
+
     if op in _SAME_SHAPE:
-        return forward_dims(inputs[0], depth + 1)
+        return dims_of(0)
     if op in _BROADCASTING and len(inputs) == 2:
-        left, right = forward_dims(inputs[0], depth + 1), forward_dims(inputs[1], depth + 1)
-        return _broadcast(left, right)
+        left = dims_of(0)
+        return None if left is None else _broadcast(left, dims_of(1))
     if op == "Transpose":
-        dims = forward_dims(inputs[0], depth + 1)
+        dims = dims_of(0)
         perm = producer.attributes.get("perm")
         if dims is None:
             return None
         order = list(perm.as_ints()) if perm is not None else list(reversed(range(len(dims))))
         return [dims[i] for i in order] if sorted(order) == list(range(len(dims))) else None
     if op == "Reshape" and len(inputs) > 1:
-        return _reshape_dims(producer, forward_dims(inputs[0], depth + 1))
+        return _reshape_dims(producer, lambda: dims_of(0))
     if op == "Slice":
-        return _slice_dims(producer, forward_dims(inputs[0], depth + 1))
+        return _slice_dims(producer, dims_of(0))
     return None
 
 
@@ -375,10 +391,12 @@ def _product(dims: Sequence[Dim]) -> _arith.QuasiAffine | None:
     return total
 
 
-def _reshape_dims(reshape: ir.Node, input_dims: list[Dim] | None) -> list[Dim] | None:
+def _reshape_dims(reshape: ir.Node, input_dims_of: Callable[[], list[Dim] | None]) -> list[Dim] | None:
+    """Return a Reshape's output dims; the input's dims are looked up only for 0 and -1 elements."""
     target = resolve_shape_tensor(reshape.inputs[1], {})
     if target is None or any(d is None for d in target):
         return None
+    input_dims = input_dims_of() if any(d in (0, -1) for d in target) else None
     allow_zero = reshape.attributes.get_int("allowzero", 0) == 1
     dims: list[Dim] = []
     for index, dim in enumerate(target):
