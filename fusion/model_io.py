@@ -67,11 +67,10 @@ def load(path: Path) -> ir.Model:
     except Exception as error:
         raise RewriteError(f"{path}: not a valid ONNX graph: {first_line(error)}") from None
     base_dir = path.resolve().parent
-    for graph in model.graphs():
-        ir.external_data.set_base_dir(graph, base_dir)
-    for tensor in external_tensors(model):
+    external = external_tensors(model)
+    for tensor in external:  # initializers and attribute tensors alike
         tensor.base_dir = base_dir
-    _check_external_data(path, model)
+    _check_external_data(path, external)
     _check_model(path, proto)
     return model
 
@@ -110,10 +109,10 @@ def external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
     return found
 
 
-def _check_external_data(path: Path, model: ir.Model) -> None:
+def _check_external_data(path: Path, external: list[ir.ExternalTensor]) -> None:
     """Refuse missing external data files and tensors that reach past the end of theirs (truncated)."""
     sizes: dict[str, int] = {}
-    for tensor in external_tensors(model):
+    for tensor in external:
         data = Path(tensor.path)
         if str(data) not in sizes:
             if not data.is_file():
@@ -206,18 +205,19 @@ def data_file_name(output: Path) -> str:
     return output.name + ".data"
 
 
-def writes_own_data(model: ir.Model, output: Path) -> bool:
+def writes_own_data(model: ir.Model, output: Path, external: list[ir.ExternalTensor] | None = None) -> bool:
     """Return whether saving ``model`` to ``output`` writes a data file (else it refers to the input's)."""
-    external = external_tensors(model)
+    external = external_tensors(model) if external is None else external
     directory = output.resolve().parent
     return bool(external) and not all(Path(t.base_dir).resolve() == directory for t in external)
 
 
 def check_output(input_path: Path, model: ir.Model, output: Path) -> None:
     """Refuse an output (or the data file it would write) that is one of the input's files."""
-    inputs = [Path(input_path), *{Path(t.path) for t in external_tensors(model)}]
+    external = external_tensors(model)
+    inputs = [Path(input_path), *{Path(t.path) for t in external}]
     targets = [output]
-    if writes_own_data(model, output):
+    if writes_own_data(model, output, external):
         targets.append(output.parent / data_file_name(output))
     for target in targets:
         if not target.exists() and not target.is_symlink():
