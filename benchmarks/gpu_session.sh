@@ -9,6 +9,7 @@
 #   STEPS="selfcheck sanitizer" bash benchmarks/gpu_session.sh     # a subset of the steps
 #   BASELINE_CUDA=path/to/old/contrib_ops/cuda bash ...            # also build that kernel: the bench and ncu
 #                                                                  # compare it in the same process
+#   STEPS=mobius bash ...  # the mobius cuda-target builds under the CUDA EP and in onnxruntime-genai-cuda
 #   STEPS=e2e bash ...   # the Nemotron-H-8B-shaped model (benchmarks/bench_gpu_nemotron.py; graphs exported first)
 #
 # Needs onnxruntime-gpu importable for pytest_cuda and the ORT tables (e.g. PYTHONPATH=/root/ortgpu), torch with
@@ -21,7 +22,7 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 failed=()
-steps=" ${STEPS:-build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda sanitizer bench ncu e2e} "  # a subset for split sessions
+steps=" ${STEPS:-build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda mobius sanitizer bench ncu e2e} "  # a subset for split sessions
 step() {  # step <name> <command...>: runs, logs to $out/<name>.log, remembers failures
   local name=$1
   shift
@@ -66,6 +67,9 @@ step selfcheck2 env MAMBAFUSE_CUDA_CHUNKS=2 MAMBAFUSE_CUDA_GRID=full "$build/cud
 # the generic kernels on the uniform-type forms too (the launcher otherwise takes their specialized kernels)
 step selfcheck_generic env MAMBAFUSE_CUDA_SPECIALIZED=0 "$build/cuda/mambafuse_cuda_selfcheck"
 step pytest_cuda "$py" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_cuda.py
+# The mobius cuda-target builds under the CUDA EP, and onnxruntime-genai-cuda where it is importable (-s: the
+# measured rounding counts, parity lines and logits differences are printed)
+step mobius "$py" -m pytest -q -s -p no:cacheprovider -rs tests/test_mobius_cuda.py
 step sanitizer bash contrib_ops/cuda/tools/sanitize.sh "$build" "$out"
 step bench "$py" benchmarks/bench_cuda.py --build "$build" "${baseline_args[@]}" --markdown "$out/bench_cuda.md" \
   ${BENCH_ARGS:-}

@@ -128,8 +128,9 @@ def build_jobs() -> list[dict[str, Any]]:
 
     The primary checkpoint of each family in every dtype x variant x target (36 builds); the others in
     f32 / f16, default, cpu target (and Nemotron-H g2 also with the workaround, for a second group count
-    of the decomposed form). ``--runtime ort-genai`` for the f32 / f16 default cpu builds (genai runs on
-    CPU in those two dtypes).
+    of the decomposed form). ``--runtime ort-genai`` for the default builds genai can run: cpu target in
+    f32 / f16 (genai's CPU package), cuda target in every dtype (``onnxruntime-genai-cuda``, the GPU tests).
+    The flag adds ``genai_config.json`` and the tokenizer files; the graph and its data are the same bytes.
     """
     jobs = []
     for checkpoint, spec in CHECKPOINTS.items():
@@ -141,7 +142,8 @@ def build_jobs() -> list[dict[str, Any]]:
                         extra_variant = checkpoint == "nemotron_h-g2" and dtype == "f16"
                         if dtype == "bf16" or target != "cpu" or (variant != "default" and not extra_variant):
                             continue
-                    genai = dtype in ("f32", "f16") and variant == "default" and target == "cpu"
+                    # genai's CPU package runs f32 / f16; its CUDA package (the GPU tests) every dtype.
+                    genai = variant == "default" and (target == "cuda" or dtype in ("f32", "f16"))
                     jobs.append(
                         dict(
                             checkpoint=checkpoint,

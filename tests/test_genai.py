@@ -26,7 +26,11 @@ from models.mobius import extract_builds, load_manifest
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install -e '.[models]')")
 
 MANIFEST = load_manifest()
-GENAI_BUILDS = sorted(r["stem"] for r in MANIFEST["builds"] if r.get("runtime") == "ort-genai" and "error" not in r)
+GENAI_BUILDS = sorted(
+    r["stem"]
+    for r in MANIFEST["builds"]
+    if r.get("runtime") == "ort-genai" and r["target"] == "cpu" and "error" not in r
+)
 RECORDS = {r["stem"]: r for r in MANIFEST["builds"]}
 PROMPT = "the red door was on the west side"
 NEW_TOKENS = 16
@@ -86,6 +90,15 @@ def fusion_genai_library_name() -> str:
     return Path(contrib_ops.library_path()).name
 
 
+def as_float32(values: np.ndarray) -> np.ndarray:
+    """Return genai's logits as float32; bf16 logits (a bf16 model's) may arrive as their raw 16 bits."""
+    if values.dtype == np.uint16:
+        import ml_dtypes
+
+        values = values.view(ml_dtypes.bfloat16)
+    return values.astype(np.float32)
+
+
 def generate(folder: Path) -> tuple[list[int], np.ndarray]:
     """Return the greedy tokens genai generates from ``PROMPT`` and, per token, the logits it was chosen from.
 
@@ -105,7 +118,7 @@ def generate(folder: Path) -> tuple[list[int], np.ndarray]:
         # are the ones get_output returns after it.
         generator.generate_next_token()
         tokens.append(int(generator.get_next_tokens()[0]))
-        logits.append(np.asarray(generator.get_output("logits"), dtype=np.float32)[0, -1])
+        logits.append(as_float32(np.asarray(generator.get_output("logits")))[0, -1])
     stacked = np.stack(logits)
     return tokens, np.where(np.abs(stacked) < 1e30, stacked, 0.0)
 

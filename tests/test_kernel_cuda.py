@@ -7,7 +7,6 @@ kernel fails instead of silently running the CPU one. Both kernels are run: MAMB
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 import contrib_ops
 from fusion.reference import SUPPORTED_TYPES, bfloat16, budget_report, gated_group_rms_norm
+from tests._cuda import CUDA, cuda_problem, with_supported_ir
 from tests._ops import (
     BFLOAT16,
     EDGE_GROUP_SIZE,
@@ -37,47 +37,11 @@ from tests._ops import check_against_reference as shared_check
 from tests.test_kernel_cpu import GATED_ROUNDING_EPSILON, assert_probes_rounded_exactly, gated_rounding_case
 
 ort = pytest.importorskip("onnxruntime")
-if hasattr(ort, "preload_dlls"):
-    # The CUDA/cuDNN libraries of the installed PyTorch, where onnxruntime-gpu needs them; a failed preload
-    # shows up as a missing provider or a failed probe session below.
-    with contextlib.suppress(Exception):
-        ort.preload_dlls()
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)", allow_module_level=True)
-
-
-def with_supported_ir(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with an IR version onnxruntime-gpu 1.31 reads (a newer onnx writes one it rejects)."""
-    model.ir_version = min(model.ir_version, 10)
-    return model
-
-
-def _gpu_problem() -> str | None:
-    """Why a CUDA session cannot be created here, or None when it can."""
-    try:
-        model = with_supported_ir(one_node_cast_model())
-        ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
-    except Exception as error:  # noqa: BLE001
-        return str(error).splitlines()[0][:300]
-    return None
-
-
-def one_node_cast_model() -> onnx.ModelProto:
-    graph = oh.make_graph(
-        [oh.make_node("Cast", ["x"], ["y"], to=FLOAT16)],
-        "probe",
-        [oh.make_tensor_value_info("x", FLOAT, [1])],
-        [oh.make_tensor_value_info("y", FLOAT16, [1])],
-    )
-    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
-
-
-if (_problem := _gpu_problem()) is not None:
-    pytest.skip(f"the CUDA execution provider cannot create a session: {_problem}", allow_module_level=True)
+if (_problem := cuda_problem(ort)) is not None:
+    pytest.skip(_problem, allow_module_level=True)
 
 TYPES = (FLOAT, FLOAT16, BFLOAT16)
 PATHS = ("warp", "vector")
-CUDA = "CUDAExecutionProvider"
 
 
 def cuda_session(model: onnx.ModelProto, provider_options: dict[str, str] | None = None, **options_kw: object):

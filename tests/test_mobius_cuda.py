@@ -1,0 +1,326 @@
+"""The mobius cuda-target builds of ``tests/fixtures/mobius`` under ONNX Runtime's CUDA execution provider.
+
+Needs onnxruntime-gpu and a GPU (skipped with the reason elsewhere); the generation tests also need
+onnxruntime-genai-cuda, and the library built with ``-DMAMBAFUSE_CUDA=ON`` (``$MAMBAFUSE_LIBRARY``).
+``benchmarks/gpu_session.sh`` runs this module on the GPU machine (step ``mobius``).
+
+- Which rounding ORT CUDA's half-precision RMSNormalization computes (one-node models, as mobius writes
+  them): the fused node's attributes (norm_dtype = float: one rounding after the scale multiply) were
+  chosen to match ORT CPU; the measurement here says whether CUDA computes the same.
+- Every cuda-target build (Nemotron-H, Zamba2, Mamba2 x f32 / f16 / bf16 x default / workaround), fused,
+  against ORT CUDA's run of the original on a prompt step and one decode step: each fused node within
+  the op budget of the float64 reference on the inputs ORT fed it (with the library), the first fused
+  node within the op budget of the original's first chain as ORT CUDA computed it (with the library and
+  through the model-local function), every model output close to the original's, and the fused nodes
+  placed on the CUDA provider.
+- onnxruntime-genai-cuda: greedy tokens from a fixed prompt, original vs fused (library; function), for
+  the cuda-target genai folders (``mambafuse genai --genai-config-edit``).
+
+bf16 values cannot cross numpy: every model here is run through a copy whose bf16 inputs arrive as float32
+and are Cast to bf16 inside, and whose bf16 outputs leave through a Cast to float32 (exact both ways).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from fusion import rewrite
+from fusion.reference import budget_report, onnx_type_to_dtype, reference_for_budget
+from models.mobius import extract_builds, load_manifest, load_references, present_name
+from tests._cuda import CUDA, cuda_problem
+
+ort = pytest.importorskip("onnxruntime")
+if (_problem := cuda_problem(ort)) is not None:
+    pytest.skip(_problem, allow_module_level=True)
+
+MANIFEST = load_manifest()
+RECORDS = {r["stem"]: r for r in MANIFEST["builds"]}
+CUDA_BUILDS = sorted(s for s, r in RECORDS.items() if r["target"] == "cuda" and "error" not in r)
+GENAI_CUDA_BUILDS = sorted(s for s in CUDA_BUILDS if RECORDS[s].get("runtime") == "ort-genai")
+OP_TYPE = "GatedGroupRMSNorm"
+FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
+
+#: Whole-model outputs, fused vs original, max |difference| / max |output| per output: fp32 1e-5, fp16
+#: 4e-3 (tests/test_mobius_fixtures.py), bf16 3.2e-2 (the fp16 bound scaled by bf16's 8x coarser ulp).
+MODEL_TOLERANCE = {"f32": 1e-5, "f16": 4e-3, "bf16": 3.2e-2}
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return extract_builds(tmp_path_factory.mktemp("mobius-builds"))
+
+
+def cuda_session(model: onnx.ModelProto | Path, library: bool, profile: Path | None = None):
+    """Return a session on the CUDA provider (CPU for what CUDA has no kernel for, as users run it)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only (ORT warns of every node the CPU provider gets)
+    if library:
+        import contrib_ops
+
+        options = contrib_ops.register(options)
+    if profile is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(profile)
+    source = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    return ort.InferenceSession(source, options, providers=[CUDA, "CPUExecutionProvider"])
+
+
+ORT_TYPES = {"tensor(float)": FLOAT, "tensor(float16)": FLOAT16, "tensor(bfloat16)": BFLOAT16}
+
+
+def value_types(model: onnx.ModelProto, names: list[str], library: bool) -> dict[str, int]:
+    """Return the element types ONNX Runtime gives ``names`` (any values of the graph) in ``model``.
+
+    Asked of ORT, which knows the types of the com.microsoft ops' outputs that onnx's inference does not.
+    """
+    probe = onnx.ModelProto.FromString(model.SerializeToString())
+    probe.graph.output.extend(helper.make_value_info(name, onnx.TypeProto()) for name in names)
+    outputs = cuda_session(probe, library).get_outputs()
+    return {o.name: ORT_TYPES[o.type] for o in outputs if o.name in names}
+
+
+def float_io(model: onnx.ModelProto, probes: dict[str, int]) -> onnx.ModelProto:
+    """Return a copy whose bf16 inputs are fed as float32, whose bf16 outputs come back as float32, and
+    with ``probes`` ({value: its element type}, any values of the graph) as extra outputs, bf16 ones as
+    float32. The extra Casts are exact; ``run`` returns every value under its own name, in its own type."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    head = []
+    for value in graph.input:
+        if value.type.tensor_type.elem_type == BFLOAT16:
+            head.append(helper.make_node("Cast", [value.name + "__f32"], [value.name], to=BFLOAT16))
+            value.name += "__f32"
+            value.type.tensor_type.elem_type = FLOAT
+    outputs = [(v.name, v.type.tensor_type.elem_type) for v in graph.output] + list(probes.items())
+    del graph.output[:]
+    tail = []
+    for name, elem in outputs:
+        if elem == BFLOAT16:
+            tail.append(helper.make_node("Cast", [name], [name + "__f32"], to=FLOAT))
+            graph.output.append(helper.make_tensor_value_info(name + "__f32", FLOAT, None))
+        else:
+            graph.output.append(helper.make_tensor_value_info(name, elem, None))
+    nodes = [*head, *graph.node, *tail]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return model
+
+
+def run(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run a ``float_io`` session; return every output under its own name and type (bf16 via ml_dtypes)."""
+    names = {i.name for i in session.get_inputs()}
+    fed = {
+        (k + "__f32" if k + "__f32" in names else k): (v.astype(np.float32) if k + "__f32" in names else v)
+        for k, v in feeds.items()
+    }
+    out = session.run(None, fed)
+    return {
+        o.name.removesuffix("__f32"): (v.astype(onnx_type_to_dtype(BFLOAT16)) if o.name.endswith("__f32") else v)
+        for o, v in zip(session.get_outputs(), out, strict=True)
+    }
+
+
+def step_feeds(model: onnx.ModelProto, stem: str) -> dict[str, np.ndarray]:
+    """Return the prompt step's feeds: the stored prompt tokens of the build's checkpoint, empty caches."""
+    record = RECORDS[stem]
+    sibling = RECORDS[f"{record['checkpoint']}-f32-{record['variant']}-{record['target']}"]
+    tokens = load_references(sibling["references"])["prefill"]["input"]["input_ids"]
+    np_types = {FLOAT: np.float32, FLOAT16: np.float16, BFLOAT16: onnx_type_to_dtype(BFLOAT16)}
+    feeds = {"input_ids": tokens}
+    for value in model.graph.input:
+        if value.name == "attention_mask":
+            feeds[value.name] = np.ones(tokens.shape, np.int64)
+        elif value.name != "input_ids":
+            dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+            shape = [1 if d == "batch" else (0 if isinstance(d, str) else d) for d in dims]
+            feeds[value.name] = np.zeros(shape, np_types[value.type.tensor_type.elem_type])
+    return feeds
+
+
+def decode_feeds(prompt_feeds: dict[str, np.ndarray], prompt_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Return one decode step's feeds: the greedy token, the mask, the cache from ``prompt_out``."""
+    token = int(prompt_out["logits"][0, -1].astype(np.float32).argmax())
+    feeds = {"input_ids": np.array([[token]], np.int64)}
+    if "attention_mask" in prompt_feeds:
+        feeds["attention_mask"] = np.ones((1, prompt_feeds["attention_mask"].shape[1] + 1), np.int64)
+    cache = [k for k in prompt_feeds if k not in ("input_ids", "attention_mask")]
+    return feeds | {past: prompt_out[present_name(past)] for past in cache}
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    assert a.shape == e.shape
+    return float(np.abs(a - e).max()) / (float(np.abs(e).max()) or 1.0)
+
+
+def node_providers(profile_file: str) -> dict[str, str]:
+    """Return {node name: provider} from an ORT profile."""
+    events = json.loads(Path(profile_file).read_text())
+    return {
+        e["name"].removesuffix("_kernel_time"): e["args"]["provider"]
+        for e in events
+        if e.get("cat") == "Node" and "provider" in e.get("args", {})
+    }
+
+
+# --- which rounding ORT CUDA's RMSNormalization computes ----------------------------------------------
+
+
+@pytest.mark.parametrize("elem", [FLOAT16, BFLOAT16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("shapes", [((256, 8, 1024), (8, 1024)), ((256, 4, 16), (4, 16)), ((256, 64), (64,))])
+def test_cuda_rms_normalization_rounds_once(elem: int, shapes, tmp_path: Path) -> None:
+    """ORT CUDA's opset-24 RMSNormalization in T (mobius' S1 / S3 shapes) against the two candidate roundings.
+
+    ``one``: round(T, f32(s) * (f32(x) * nf)) — what ORT CPU computes and the fused node's attributes
+    (norm_dtype = float) encode; ``two``: round(T, f32(s) * f32(round(T, f32(x) * nf))) — the ONNX function
+    body. nf = 1 / sqrt(mean(f32(x)^2) + eps) in float32.
+    """
+    x_shape, s_shape = shapes
+    eps = 1e-5
+    dtype = onnx_type_to_dtype(elem)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape).astype(np.float32).astype(dtype)
+    s = (1 + 0.25 * rng.standard_normal(s_shape)).astype(np.float32).astype(dtype)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["x32"], ["x"], to=elem),
+            helper.make_node("RMSNormalization", ["x", "s"], ["y"], epsilon=eps, axis=-1, name="rms"),
+            helper.make_node("Cast", ["y"], ["y32"], to=FLOAT),
+        ],
+        "rms",
+        [helper.make_tensor_value_info("x32", FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y32", FLOAT, x_shape)],
+        [numpy_helper.from_array(s, "s")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)], ir_version=10)
+    session = cuda_session(model, library=False, profile=tmp_path / "rms")
+    got = session.run(None, {"x32": x.astype(np.float32)})[0]
+    provider = node_providers(session.end_profiling())["rms"]
+    xf, sf = x.astype(np.float32), s.astype(np.float32)
+    nf = np.float32(1) / np.sqrt((xf * xf).mean(-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+    one = (sf * (xf * nf)).astype(dtype).astype(np.float32)
+    two = (sf * (xf * nf).astype(dtype).astype(np.float32)).astype(dtype).astype(np.float32)
+    counts = dict(
+        elements=got.size,
+        equal_one_rounding=int((got == one).sum()),
+        equal_round_before_scale=int((got == two).sum()),
+        candidates_differ=int((one != two).sum()),
+    )
+    print(f"RMSNormalization {onnx.TensorProto.DataType.Name(elem)} {x_shape} on {provider}: {counts}")
+    assert counts["candidates_differ"] > 0.05 * got.size, "the two roundings barely differ: the check proves little"
+    # A float32 sum of squares in another order may move nf by an ulp: allow 0.1 % of elements elsewhere.
+    assert counts["equal_one_rounding"] >= 0.999 * got.size, counts
+
+
+# --- fused vs original, both on CUDA -------------------------------------------------------------------
+
+
+def _fused(builds: Path, stem: str, tmp_path: Path) -> tuple[Path, rewrite.Report]:
+    fused, report = rewrite.rewrite_model(rewrite.load(builds / stem / "model.onnx"))
+    output = tmp_path / "fused.onnx"
+    rewrite.save(fused, output)
+    return output, report
+
+
+def _first_chain_output(original: onnx.ModelProto, fused: onnx.ModelProto, node: onnx.NodeProto) -> str:
+    """Return the original value that the first fused node's reader reads there (that chain's output)."""
+    reader = next(n for n in fused.graph.node if node.output[0] in n.input)
+    original_reader = next(n for n in original.graph.node if n.name == reader.name)
+    position = list(reader.input).index(node.output[0])
+    return original_reader.input[position]
+
+
+@pytest.mark.parametrize("library_mode", ["library", "function"])
+@pytest.mark.parametrize("stem", CUDA_BUILDS)
+def test_fused_parity_on_cuda(stem: str, library_mode: str, builds: Path, tmp_path: Path, library: str) -> None:
+    record = RECORDS[stem]
+    fused_path, report = _fused(builds, stem, tmp_path)
+    assert report.fused == record["mamba_layers"] and report.refused == [], report.summary()
+    original = onnx.load(builds / stem / "model.onnx")
+    fused = onnx.load(fused_path)
+    nodes = [n for n in fused.graph.node if n.op_type == OP_TYPE]
+    first_chain = _first_chain_output(original, fused, nodes[0])
+    with_library = library_mode == "library"
+    probes = sorted({name for n in nodes for name in [*n.input[:2], n.output[0]]}) if with_library else []
+    probes = probes or [nodes[0].output[0]]
+    fused_session = cuda_session(
+        float_io(fused, value_types(fused, probes, with_library)), with_library, profile=tmp_path / "fused"
+    )
+    original_session = cuda_session(float_io(original, value_types(original, [first_chain], False)), False)
+    weights = {t.name: numpy_helper.to_array(t) for t in fused.graph.initializer}
+
+    prompt = step_feeds(original, stem)
+    expected_prompt = run(original_session, prompt)
+    steps = {"prefill": prompt, "decode": decode_feeds(prompt, expected_prompt)}
+    tolerance = MODEL_TOLERANCE[record["dtype"]]
+    lines = []
+    for phase, feeds in steps.items():
+        expected = expected_prompt if phase == "prefill" else run(original_session, feeds)
+        actual = run(fused_session, feeds)
+        for index, node in enumerate(nodes if with_library else nodes[:1]):
+            result = actual[node.output[0]]
+            if with_library:
+                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                kinds = ("norm_dtype", "output_dtype", "gated_dtype")
+                y, z = actual[node.input[0]], actual[node.input[1]]
+                w = actual[node.input[2]] if node.input[2] in actual else weights[node.input[2]]
+                ok, message = budget_report(
+                    result,
+                    **reference_for_budget(
+                        y,
+                        z,
+                        w,
+                        epsilon=attrs["epsilon"],
+                        group_size=attrs["group_size"],
+                        **{k: onnx_type_to_dtype(attrs[k]) for k in kinds if k in attrs},
+                    ),
+                )
+                assert ok, f"{phase}, {node.name} vs the reference: {message}"
+            if index == 0:
+                chain = expected[first_chain].reshape(result.shape)
+                ok, message = budget_report(result, chain)
+                same = int((result.view(np.uint8) == chain.view(np.uint8)).reshape(result.size, -1).all(1).sum())
+                lines.append(f"{phase}: first node vs ORT CUDA's chain: {same}/{result.size} identical; {message}")
+                assert ok, f"{phase}, {node.name} vs the original chain on CUDA: {message}"
+        for name in (o.name for o in original.graph.output):
+            error = relative_error(actual[name], expected[name])
+            lines.append(f"{phase}/{name}: {error:.2e}")
+            assert error <= tolerance, f"{phase}/{name}: {error:.2e} of its scale (limit {tolerance:g})"
+    print(f"{stem} [{library_mode}]: " + "; ".join(lines))
+    if with_library:
+        placed = node_providers(fused_session.end_profiling())
+        assert {placed[n.name] for n in nodes} == {CUDA}, {n.name: placed.get(n.name) for n in nodes}
+
+
+# --- onnxruntime-genai-cuda ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stem", GENAI_CUDA_BUILDS)
+def test_genai_cuda_generation_same_before_and_after_fusion(
+    stem: str, builds: Path, tmp_path: Path, library: str
+) -> None:
+    """Greedy tokens with onnxruntime-genai-cuda, original vs fused (library; function), identical or a tie."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai-cuda is not installed")
+    from tests import test_genai
+
+    original = test_genai._edited_original(builds / stem, tmp_path / "original")
+    status, _, err = test_genai._fuse(builds / stem, tmp_path / "fused", "--genai-config-edit")
+    assert status == 0, err
+    function_only = test_genai._without_library(tmp_path / "fused", tmp_path / "function")
+    config = json.loads((tmp_path / "fused" / "genai_config.json").read_text())
+    assert "cuda" in config["model"]["decoder"]["session_options"]["provider_options"][0]
+    tokens, logits = test_genai.generate(original)
+    assert len(set(tokens)) > 4, f"degenerate generation {tokens}: the comparison would prove little"
+    limit = MODEL_TOLERANCE[RECORDS[stem]["dtype"]] * float(np.abs(logits).max())
+    for label, folder in (("library", tmp_path / "fused"), ("function", function_only)):
+        fused_tokens, fused_logits = test_genai.generate(folder)
+        line = test_genai._compare(tokens, logits, fused_tokens, fused_logits)
+        print(f"{stem} [{label}, genai-cuda]: {line} (limit {limit:.3g})")
+        difference = float(line.rsplit("= ", 1)[1])
+        assert difference <= limit, f"{label}: {line}, over {limit:.3g}"
