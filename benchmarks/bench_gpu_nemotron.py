@@ -2,23 +2,36 @@
 
 Nemotron-H-8B's widths (hidden 4096, 128 Mamba heads x 64 = C 8192 in 8 groups, state 128, MLP 21504,
 32/8 attention heads of 128; models/build.py's "real" config) with the first 8 layers of its 52-layer
-pattern, ``M-M-M-M*`` (4 Mamba-2, 3 MLP, 1 attention), vocabulary 1024, random weights, exported the way
-users get it (torch dynamo, models/export.py), in fp16 and bf16, fused with fusion.rewrite.
+pattern, ``M-M-M-M*`` (4 Mamba-2, 3 MLP, 1 attention), vocabulary 1024, random weights, in fp16 and bf16,
+fused with fusion.rewrite as its command does by default. Two exporters, as users get the model:
+
+- torch dynamo (models/export.py; ``.bench-vendor/nemotron/``): a decode graph and a prefill graph. The
+  prefill graph is measured twice: as exported, its sequence symbolic ("prefill-dynamic"; the rewriter reads
+  y through ``Expand(y, Shape(z))`` where it cannot prove y's width, the broadcast guard), and with the
+  sequence pinned to 2048 and constant-folded by onnxscript's optimizer ("prefill");
+- Microsoft's mobius (``--builder mobius``; ``.bench-vendor/nemotron-mobius/``): ``mobius build --ep cuda``
+  (models/mobius.py's wrapper) of a random-weight Hugging Face checkpoint of the same config, the graph
+  onnxruntime-genai runs: one graph for prefill and decode, its caches as inputs (conv / SSM states, key /
+  value), com.microsoft GroupQueryAttention, CausalConvWithState and LinearAttention. Decode is 1 token after
+  a past of 8, prefill 2048 tokens after none.
 
 Two halves, because the weights (~2 GB a dtype) cannot travel to the GPU machine but the graphs can:
 
-    python -m benchmarks.bench_gpu_nemotron export --out .bench-vendor/nemotron   # here: export, fuse, strip
-    python benchmarks/bench_gpu_nemotron.py run --graphs .bench-vendor/nemotron --library build/cuda/libmambafuse_ops.so
+    python benchmarks/bench_gpu_nemotron.py export [--builder mobius]   # here: export, fuse, strip
+    python benchmarks/bench_gpu_nemotron.py run --graphs .bench-vendor/nemotron .bench-vendor/nemotron-mobius \\
+        --library build/cuda/libmambafuse_ops.so
 
-``export`` keeps every tensor under 64 KB in the graph (norm weights, A, D, dt bias, conv weights, shape
-constants) and turns the larger ones (projections, embeddings) into external data of one file per dtype,
-laid out the same for the unfused and the fused graph, which is not written. ``run`` writes that file on
-the GPU machine with seeded random values (std 0.02; the same bytes for both graphs), then measures with
-the CUDA execution provider and IO binding (inputs and outputs on the GPU), per Run: median and min-max of
-7 repeats; with ORT's CUDA graph where ORT can capture (every symbolic dimension pinned with
-``add_free_dimension_override_by_name``); and from ORT's profiler (no CUDA graph): where the nodes ran, the
-kernel time of the gated-norm chains before fusion (the nodes the rewrite removed) and of the fused nodes
-after, per Run.
+``export`` keeps every tensor under 64 KB (norm weights, A, D, dt bias, shape constants) and every integer
+tensor in the graph and turns the larger floating-point ones (projections, embeddings, conv weights) into
+external data of one file per dtype, laid out the same for every graph of a folder (before and after fusion
+share it), which is not written. ``run`` writes that file on the GPU machine with seeded random values (std
+0.02; the same bytes for both graphs), then measures with the CUDA execution provider and IO binding
+(inputs and outputs on the GPU), per Run: median and min-max of 7 repeats; with ORT's CUDA graph where ORT
+can capture (every symbolic dimension pinned with ``add_free_dimension_override_by_name``, mobius'
+expression-named ``past_seq_len + seq_len`` too; always pinned, so "prefill-dynamic" differs from "prefill"
+only in what is left of the graph's shape arithmetic); and from ORT's profiler (no CUDA graph): where the
+nodes ran, the kernel time of the gated-norm chains before fusion (the nodes the rewrite removed) and of the
+fused nodes after, per Run. ``run --device cpu [--prefill-tokens N]`` is a smoke test of the script.
 """
 
 from __future__ import annotations
@@ -26,7 +39,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,22 +59,34 @@ LAYERS = ["linear_attention", "mlp", "linear_attention", "mlp", "linear_attentio
 LAYERS += ["full_attention"]
 KEEP_BYTES = 64 * 1024
 DTYPES = ("fp16", "bf16")
-MODES = ("decode", "prefill")
+#: What ``export`` makes (dynamo: "prefill" is the dynamic-sequence pair and the pinned one) and what ``run``
+#: measures: "prefill" is the pinned, constant-folded pair, "prefill-dynamic" the graph as exported.
+EXPORT_MODES = ("decode", "prefill")
+MODES = ("decode", "prefill", "prefill-dynamic")
+BUILDERS = ("dynamo", "mobius")
 PREFILL_TOKENS = 2048
+VOCAB = 1024  # models/build.py's "real" configs
+#: The ONNX element types ``_externalize`` moves out (``write_weights`` regenerates them as random values).
+FLOAT_TYPES = {
+    onnx.TensorProto.FLOAT: "float32",
+    onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+}
 
 
 # --- export (CPU, here) ------------------------------------------------------------------------------------
 
 
 def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], location: str) -> list[dict]:
-    """Point every initializer over KEEP_BYTES at `location` (offsets from `layout`, shared by name); return
-    the manifest of those tensors."""
+    """Point every floating-point initializer over KEEP_BYTES at `location` (offsets from `layout`, shared by
+    name); return the manifest of those tensors. Integer tensors stay in the graph: random values would
+    break them."""
     manifest = []
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             raise SystemExit(f"{tensor.name}: export left external data; load it first")
         size = len(tensor.raw_data)
-        if size <= KEEP_BYTES:
+        if size <= KEEP_BYTES or tensor.data_type not in FLOAT_TYPES:
             continue
         if tensor.name not in layout:
             end = max((o + n for o, n in layout.values()), default=0)
@@ -76,7 +104,23 @@ def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], loc
     return manifest
 
 
+def _write_meta(out: Path, dtype: str, builder: str, layout: dict, location: str, graphs: dict) -> None:
+    """Write ``<dtype>.json``: the builder, the data file's layout (and each tensor's element type, for
+    ``write_weights``) and the graphs by ``<mode>-<before|after>``."""
+    types = {w["name"]: w["type"] for entry in graphs.values() for w in entry["weights"]}
+    size = max(o + n for o, n in layout.values())
+    meta = {"builder": builder, "location": location, "bytes": size, "layout": layout, "types": types}
+    (out / f"{dtype}.json").write_text(json.dumps({**meta, "graphs": graphs}, indent=1))
+
+
+def fused_count(path: Path) -> int:
+    """Return how many GatedGroupRMSNorm nodes the graph at `path` has (its weights are not read)."""
+    model = onnx.load(str(path), load_external_data=False)
+    return sum(node.op_type == "GatedGroupRMSNorm" for node in model.graph.node)
+
+
 def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
+    """Export with torch dynamo, fuse, strip; prefill as exported ("prefill-dynamic") and pinned ("prefill")."""
     from fusion import rewrite
     from models import build
     from models import export as exporter
@@ -89,40 +133,42 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
         location = f"weights-{dtype}.bin"
         entries = {}
         for mode in modes:
+            key = "prefill-dynamic" if mode == "prefill" else mode
             with tempfile.TemporaryDirectory(prefix="nemotron-gpu-") as tmp:
                 t0 = time.perf_counter()
                 source = Path(tmp) / "model.onnx"
                 record = exporter.export_model("nemotron_h", "dynamo", dtype, mode, size="real", out=source)
                 fused = Path(tmp) / "model.fused.onnx"
                 if rewrite.main([str(source), "-o", str(fused)]) != 0:
-                    raise SystemExit(f"{dtype} {mode}: the rewrite failed")
+                    raise SystemExit(f"{dtype} {key}: the rewrite failed")
+                count = fused_count(fused)
                 for name, path in (("before", source), ("after", fused)):
                     model = onnx.load(str(path), load_external_data=True)
                     manifest = _externalize(model, layout, location)
-                    target = out / f"{dtype}-{mode}-{name}.onnx"
+                    target = out / f"{dtype}-{key}-{name}.onnx"
                     onnx.save(model, str(target))
-                    entries[f"{mode}-{name}"] = {"graph": target.name, "weights": manifest}
+                    entries[f"{key}-{name}"] = {"graph": target.name, "weights": manifest}
                 print(
-                    f"{dtype} {mode}: {record.num_mamba_layers} Mamba layers, exported and fused in "
-                    f"{time.perf_counter() - t0:.0f} s",
+                    f"{dtype} {key}: {record.num_mamba_layers} Mamba layers, {count} chains fused; exported and "
+                    f"fused in {time.perf_counter() - t0:.0f} s",
                     flush=True,
                 )
-        size = max(o + n for o, n in layout.values())
-        (out / f"{dtype}.json").write_text(
-            json.dumps({"location": location, "bytes": size, "layout": layout, "graphs": entries}, indent=1)
-        )
+        _write_meta(out, dtype, "dynamo", layout, location, entries)
         if "prefill" in modes:
+            t0 = time.perf_counter()
             pin_prefill(out, dtype)
+            print(f"{dtype} prefill: pinned to {PREFILL_TOKENS} tokens in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def pin_prefill(out: Path, dtype: str) -> None:
-    """Replace the prefill pair by the graph with its sequence pinned to PREFILL_TOKENS and constant-folded
-    (onnxscript's optimizer), before and after fusion.
+    """Write the "prefill" pair: the dynamic-sequence graph with its sequence pinned to PREFILL_TOKENS and
+    constant-folded (onnxscript's optimizer), before and after fusion.
 
     The dynamic-sequence real-width export spells each chain's group count as the chunked scan's
-    ``8 * min(s, 128 * ceil(s / 128)) // s``, which the rewriter cannot prove constant: it refuses all four
-    chains. With s pinned the folding makes it 8, and they fuse. (ORT pins it the same way with
-    add_free_dimension_override_by_name; the measured graphs are the pinned ones, before and after.)
+    ``8 * min(s, 128 * ceil(s / 128)) // s``; the rewriter proves what it can and reads y through
+    ``Expand(y, Shape(z))`` where it cannot (the broadcast guard). Pinned and folded, the group count is 8 and
+    the shape arithmetic is gone: the graph ORT runs once add_free_dimension_override_by_name has pinned the
+    sequence, measured beside the dynamic one ("prefill-dynamic").
     """
     import onnx_ir as ir
     import onnxscript.optimizer
@@ -136,8 +182,8 @@ def pin_prefill(out: Path, dtype: str) -> None:
         with open(weights, "wb") as f:
             f.truncate(meta["bytes"])
     try:
-        source = out / meta["graphs"]["prefill-before"]["graph"]
-        model = onnx.load(str(source), load_external_data=False)
+        dynamic = meta["graphs"]["prefill-dynamic-before"]
+        model = onnx.load(str(out / dynamic["graph"]), load_external_data=False)
         for value in [*model.graph.input, *model.graph.output]:
             for dim in value.type.tensor_type.shape.dim:
                 if dim.dim_param == "seq":
@@ -146,43 +192,135 @@ def pin_prefill(out: Path, dtype: str) -> None:
         onnx.save(model, str(pinned))
         folded = ir.load(str(pinned))
         onnxscript.optimizer.optimize(folded, num_iterations=2)
+        source = out / f"{dtype}-prefill-before.onnx"
         ir.save(folded, str(source))
         pinned.unlink()
-        fused = out / meta["graphs"]["prefill-after"]["graph"]
+        fused = out / f"{dtype}-prefill-after.onnx"
         if rewrite.main([str(source), "-o", str(fused)]) != 0:
             raise SystemExit(f"{dtype} prefill: the rewrite failed")
+        print(f"{dtype} prefill: {fused_count(fused)} chains fused in the pinned graph", flush=True)
         for path in (source, fused):  # still the shared layout
             for t in onnx.load(str(path), load_external_data=False).graph.initializer:
                 if t.data_location == onnx.TensorProto.EXTERNAL:
                     entry = {e.key: e.value for e in t.external_data}
                     if meta["layout"].get(t.name, [None])[0] != int(entry["offset"]):
                         raise SystemExit(f"{path.name}: {t.name} left the shared layout")
-                elif len(t.raw_data) > KEEP_BYTES:
+                elif len(t.raw_data) > KEEP_BYTES and t.data_type in FLOAT_TYPES:
                     raise SystemExit(f"{path.name}: folding made a {len(t.raw_data)}-byte tensor {t.name}")
+        for name, path in (("before", source), ("after", fused)):
+            meta["graphs"][f"prefill-{name}"] = {"graph": path.name, "weights": dynamic["weights"]}
+        (out / f"{dtype}.json").write_text(json.dumps(meta, indent=1))
     finally:
         if created:
             weights.unlink()
+
+
+#: mobius' names for its dtypes.
+MOBIUS_DTYPES = {"fp16": "f16", "bf16": "bf16"}
+
+
+def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None:
+    """Build with Microsoft's mobius (``--ep cuda``, the graph onnxruntime-genai runs), fuse, strip.
+
+    The checkpoint is models/build.py's "real" Nemotron-H config with LAYERS, random weights, saved as a
+    Hugging Face folder (``checkpoint``, or a temporary one; ~4 GB in fp32); mobius runs in a subprocess per
+    dtype, through models/mobius.py's wrapper (its 0.1.0 workarounds). One graph serves prefill and decode.
+    """
+    from fusion import rewrite
+    from models import build, mobius
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**build.CONFIGS["nemotron_h"]["real"], "layers_block_type": LAYERS}
+    mobius.CHECKPOINTS["nemotron_h-real8"] = mobius._checkpoint("nemotron_h", config)  # this process only
+    with tempfile.TemporaryDirectory(prefix="nemotron-mobius-") as tmp:
+        folder = checkpoint or Path(tmp) / "checkpoint"
+        if not (folder / "config.json").is_file():
+            t0 = time.perf_counter()
+            mobius.write_checkpoint("nemotron_h-real8", folder)
+            print(f"checkpoint: {folder} written in {time.perf_counter() - t0:.0f} s", flush=True)
+        for dtype in dtypes:
+            t0 = time.perf_counter()
+            build_dir = Path(tmp) / f"build-{dtype}"
+            env = {k: v for k, v in os.environ.items() if k != mobius.WORKAROUND_ENV}  # mobius' default graph
+            argv = ["build", "--model", str(folder), str(build_dir), "--dtype", MOBIUS_DTYPES[dtype], "--ep", "cuda"]
+            done = subprocess.run([sys.executable, "-m", "models.mobius", "mobius", *argv], cwd=REPO, env=env)
+            if done.returncode != 0:
+                raise SystemExit(f"{dtype}: mobius build failed (exit {done.returncode})")
+            built = time.perf_counter() - t0
+            source, fused = build_dir / "model.onnx", build_dir / "model.fused.onnx"
+            if rewrite.main([str(source), "-o", str(fused)]) != 0:
+                raise SystemExit(f"{dtype} mobius: the rewrite failed")
+            count = fused_count(fused)
+            if count != LAYERS.count("linear_attention"):
+                raise SystemExit(
+                    f"{dtype} mobius: {count} GatedGroupRMSNorm nodes, expected {LAYERS.count('linear_attention')}"
+                    " (one per Mamba layer); run python -m fusion.rewrite --debug on the build for the reasons"
+                )
+            layout: dict[str, tuple[int, int]] = {}
+            location = f"weights-{dtype}.bin"
+            entries = {}
+            for name, path in (("before", source), ("after", fused)):
+                model = onnx.load(str(path), load_external_data=True)
+                manifest = _externalize(model, layout, location)
+                target = out / f"{dtype}-{name}.onnx"
+                onnx.save(model, str(target))
+                del model
+                for mode in ("decode", "prefill"):  # one graph for both
+                    entries[f"{mode}-{name}"] = {"graph": target.name, "weights": manifest}
+            _write_meta(out, dtype, "mobius", layout, location, entries)
+            shutil.rmtree(build_dir)
+            print(
+                f"{dtype} mobius: built in {built:.0f} s, {count} chains fused, total {time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
+
+
+def strip_node_metadata(folder: Path) -> None:
+    """Drop every node's metadata and doc string from the graphs of `folder`, in place: the exporters' stack
+    traces and source names (dynamo: ~1 MB a graph), which ORT never reads and the GPU machine's 64 MiB
+    transfer limit pays for."""
+    for path in sorted(folder.glob("*.onnx")):
+        model = onnx.load(str(path), load_external_data=False)
+        nodes = [*model.graph.node, *(n for f in model.functions for n in f.node)]
+        if not any(n.metadata_props or n.doc_string for n in nodes):
+            continue
+        for node in nodes:
+            del node.metadata_props[:]
+            node.ClearField("doc_string")
+        onnx.save(model, str(path))
+
+
+def print_sizes(folder: Path) -> None:
+    """Print each file of `folder` and the total (what travels to the GPU machine)."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith("weights-"))
+    for path in files:
+        print(f"  {path.name}: {path.stat().st_size / 1e6:.2f} MB")
+    print(f"{folder}: {sum(p.stat().st_size for p in files) / 1e6:.2f} MB (weights files excluded)", flush=True)
 
 
 # --- run (GPU machine) -------------------------------------------------------------------------------------
 
 
 def write_weights(folder: Path, dtype: str) -> None:
-    """Write the external data file of `dtype` with seeded N(0, 0.02) values, one seed per tensor name."""
+    """Write the external data file of `dtype` with seeded N(0, 0.02) values, one seed per tensor name, in each
+    tensor's element type (json "types"; older folders: `dtype`)."""
     meta = json.loads((folder / f"{dtype}.json").read_text())
     target = folder / meta["location"]
     if target.is_file() and target.stat().st_size == meta["bytes"]:
         return
     import ml_dtypes
 
+    numpy_types = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    default_type = onnx.TensorProto.FLOAT16 if dtype == "fp16" else onnx.TensorProto.BFLOAT16
     with open(target, "wb") as f:
         f.truncate(meta["bytes"])
         for name, (offset, length) in meta["layout"].items():
+            numpy_type = numpy_types[FLOAT_TYPES[meta.get("types", {}).get(name, default_type)]]
             seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-            values = np.random.default_rng(seed).standard_normal(length // 2, dtype=np.float32) * 0.02
-            raw = values.astype(np.float16 if dtype == "fp16" else ml_dtypes.bfloat16).tobytes()
+            count = length // np.dtype(numpy_type).itemsize
+            values = np.random.default_rng(seed).standard_normal(count, dtype=np.float32) * 0.02
             f.seek(offset)
-            f.write(raw)
+            f.write(values.astype(numpy_type).tobytes())
 
 
 def run(args: argparse.Namespace) -> None:
@@ -193,7 +331,8 @@ def run(args: argparse.Namespace) -> None:
     DEVICE = args.device
     if DEVICE == "cuda":
         ort.preload_dlls()
-    folder = args.graphs
+    global PREFILL_TOKENS
+    PREFILL_TOKENS = args.prefill_tokens
     lines: list[str] = []
 
     def emit(line: str = "") -> None:
@@ -203,27 +342,34 @@ def run(args: argparse.Namespace) -> None:
     device_name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "CPU (smoke test)"
     emit(
         f"Environment: {device_name}, onnxruntime {ort.__version__}, torch {torch.__version__}; CUDA EP, IO binding; "
-        f"{len(LAYERS)} layers (4 Mamba-2, 3 MLP, 1 attention), vocabulary 1024, random weights; Run times are "
+        f"{len(LAYERS)} layers (4 Mamba-2, 3 MLP, 1 attention), vocabulary {VOCAB}, random weights; Run times are "
         f"medians (min–max) of 7 repeats of {args.runs} Runs (prefill: {max(5, args.runs // 5)})."
     )
     emit()
     emit(
-        "| dtype | step | ORT CUDA graph | nodes before -> after | Run before (µs) | Run after (µs) | speed-up "
-        "| GPU time: chains -> fused kernels (µs per Run) | host dispatch: chain nodes -> fused nodes (µs per Run) |"
+        "| export | dtype | step | ORT CUDA graph | nodes before -> after | Run before (µs) | Run after (µs) "
+        "| speed-up | GPU time: chains -> fused kernels (µs per Run) "
+        "| host dispatch: chain nodes -> fused nodes (µs per Run) |"
     )
-    emit("|---|---|---|---|---|---|---|---|---|")
+    emit("|---|---|---|---|---|---|---|---|---|---|")
     notes = []
-    for dtype in args.dtypes.split(","):
+    for folder, dtype in [(f, d) for f in args.graphs for d in args.dtypes.split(",")]:
         write_weights(folder, dtype)
         meta = json.loads((folder / f"{dtype}.json").read_text())
+        builder = meta.get("builder", "dynamo")
         for mode in args.modes.split(","):
+            if f"{mode}-before" not in meta["graphs"]:  # mobius: one graph, no separate dynamic prefill
+                print(f"  {builder} {dtype}: no {mode} graphs in {folder}", flush=True)
+                continue
             paths = {name: folder / meta["graphs"][f"{mode}-{name}"]["graph"] for name in ("before", "after")}
             graphs = {name: onnx.load(str(path), load_external_data=False) for name, path in paths.items()}
-            feeds, dims = step_inputs(graphs["before"], mode)
+            feeds, dims = (mobius_step_inputs if builder == "mobius" else step_inputs)(graphs["before"], mode)
+            tokens = feeds["input_ids"][0].shape[-1]  # the pinned prefill graph has its own, PREFILL_TOKENS at export
+            step = "decode" if mode == "decode" else f"prefill {tokens}" + (", dynamic" if "dynamic" in mode else "")
             try:
                 prof = {name: profile(ort, torch, path, feeds, dims, args.library) for name, path in paths.items()}
             except Exception as error:  # noqa: BLE001 - e.g. a graph ORT rejects; reported, the rest still runs
-                emit(f"| {dtype} | {mode} | | | {str(error).splitlines()[0][:300]} | | | | |")
+                emit(f"| {builder} | {dtype} | {step} | | | {str(error).splitlines()[0][:300]} | | | | |")
                 continue
             # The chains: every node the profile shows before fusion and not after (the rewrite's removed nodes,
             # with what ORT's optimizer made of them and the CPU<->GPU copies of their shape arithmetic).
@@ -244,7 +390,6 @@ def run(args: argparse.Namespace) -> None:
             except Exception as error:  # noqa: BLE001 - no CUPTI (e.g. the CPU smoke test)
                 gpu, gpu_text = None, f"n/a ({str(error).splitlines()[0][:80]})"
 
-            step = "decode" if mode == "decode" else f"prefill {PREFILL_TOKENS}"
             for graph in [m == "yes" for m in args.graph_modes.split(",")]:
                 stats = {}
                 for name, path in paths.items():
@@ -256,13 +401,14 @@ def run(args: argparse.Namespace) -> None:
                 b, a = stats["before"], stats["after"]
                 if "error" in b or "error" in a:
                     emit(
-                        f"| {dtype} | {step} | {'yes' if graph else 'no'} | | {b.get('error') or fmt(b)} | "
+                        f"| {builder} | {dtype} | {step} | {'yes' if graph else 'no'} | | {b.get('error') or fmt(b)} | "
                         f"{a.get('error') or fmt(a)} | | | |"
                     )
                     continue
+                nodes = f"{len(graphs['before'].graph.node)} -> {len(graphs['after'].graph.node)}"
                 emit(
-                    f"| {dtype} | {step} | {'yes' if graph else 'no'} | {len(graphs['before'].graph.node)} -> "
-                    f"{len(graphs['after'].graph.node)} | {fmt(b)} | {fmt(a)} | {b['median'] / a['median']:.2f}x | "
+                    f"| {builder} | {dtype} | {step} | {'yes' if graph else 'no'} | {nodes} | {fmt(b)} | {fmt(a)} | "
+                    f"{b['median'] / a['median']:.2f}x | "
                     f"{gpu_text} | {chain_us:.1f} -> {fused_us:.1f} ({100 * fused_us / max(chain_us, 1e-9):.1f} %) |"
                 )
             placement = ", ".join(f"{p} {c}" for p, c in sorted(prof["after"]["providers"].items()))
@@ -274,11 +420,10 @@ def run(args: argparse.Namespace) -> None:
                     f" GPU time per Run before {gpu['before']['total']:.0f} µs, after {gpu['after']['total']:.0f} µs; "
                     "largest after: " + "; ".join(f"{name[:60]} {t:.0f}" for name, t in gpu["after"]["top"]) + "."
                 )
-            print(f"  note: {dtype} {step}", flush=True)
             notes.append(
-                f"- {dtype} {step}: nodes by provider before: {placement_before}; after: {placement}. Host time "
-                "per Run "
-                f"in ORT's profiler after fusion, by op type (µs): {where}; all nodes {prof['after']['total']:.0f} µs "
+                f"- {builder} {dtype} {step}: nodes by provider before: {placement_before}; after: {placement}. "
+                f"Host time per Run in ORT's profiler after fusion, by op type (µs): {where}; "
+                f"all nodes {prof['after']['total']:.0f} µs "
                 f"(before {prof['before']['total']:.0f} µs; {len(replaced)} chain nodes).{gpu_where}"
             )
             print(notes[-1], flush=True)
@@ -339,6 +484,39 @@ def step_inputs(model: onnx.ModelProto, mode: str) -> tuple[dict[str, tuple[np.n
     return feeds, dims
 
 
+def mobius_step_inputs(model: onnx.ModelProto, mode: str) -> tuple[dict[str, tuple[np.ndarray, int]], dict[str, int]]:
+    """Seeded inputs of one step of a mobius graph and the value of every symbolic dimension, as step_inputs.
+
+    Decode: 1 new token after a past of PAST (key / value of PAST positions, conv / SSM states N(0, 0.1));
+    prefill: PREFILL_TOKENS after none (zero-length key / value). mobius names the attention mask's length
+    by an expression, ``past_seq_len + seq_len``: a name like any other for the dimension overrides.
+    """
+    rng = np.random.default_rng(0)
+    past, new = (PAST, 1) if mode == "decode" else (0, PREFILL_TOKENS)
+    sizes = {"batch": 1, "sequence_len": new, "past_sequence_len": past, "past_seq_len + seq_len": past + new}
+    feeds: dict[str, tuple[np.ndarray, int]] = {}
+    dims: dict[str, int] = {}
+    for value in model.graph.input:
+        tensor = value.type.tensor_type
+        shape = []
+        for d in tensor.shape.dim:
+            if d.dim_param and d.dim_param not in sizes:
+                raise SystemExit(f"{value.name}: unknown mobius dimension {d.dim_param!r}; add it to sizes")
+            shape.append(sizes[d.dim_param] if d.dim_param else d.dim_value)
+            if d.dim_param:
+                dims[d.dim_param] = sizes[d.dim_param]
+        if value.name == "input_ids":
+            array = rng.integers(3, VOCAB, shape).astype(np.int64)
+        elif value.name == "attention_mask":
+            array = np.ones(shape, np.int64)
+        elif tensor.elem_type in FLOAT_TYPES:
+            array = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        else:
+            raise SystemExit(f"{value.name}: an input of element type {tensor.elem_type} this script cannot make")
+        feeds[value.name] = (array, tensor.elem_type)
+    return feeds, dims
+
+
 #: "cuda"; "cpu" only to smoke-test this script without a GPU (--device cpu).
 DEVICE = "cuda"
 
@@ -357,9 +535,15 @@ ORT_OUTPUT_TYPES = {
 
 
 def ort_value(ort, torch, tensor):
+    """Return an OrtValue over `tensor`'s memory (DLPack, no copy)."""
     from onnxruntime.capi import _pybind_state as C
 
-    return ort.OrtValue(C.OrtValue.from_dlpack(torch.utils.dlpack.to_dlpack(tensor), False))
+    capsule = torch.utils.dlpack.to_dlpack(tensor)
+    try:
+        value = C.OrtValue.from_dlpack(capsule)  # onnxruntime 1.32: (data)
+    except TypeError:  # older releases: (data, is_bool_tensor); the capsule is not consumed by a refused call
+        value = C.OrtValue.from_dlpack(capsule, False)
+    return ort.OrtValue(value)
 
 
 def session_for(ort, path: Path, dims: dict[str, int], library: Path, graph: bool, profile_prefix: str | None = None):
@@ -489,25 +673,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export")
-    e.add_argument("--out", type=Path, default=REPO / ".bench-vendor" / "nemotron")
+    e.add_argument("--builder", choices=BUILDERS, default="dynamo")
+    e.add_argument("--out", type=Path, default=None, help="default: .bench-vendor/nemotron[-mobius]")
     e.add_argument("--dtypes", default=",".join(DTYPES))
-    e.add_argument("--modes", default=",".join(MODES))
-    e.add_argument("--pin-prefill-only", action="store_true", help="only redo the pinned prefill pair")
+    e.add_argument("--modes", default=",".join(EXPORT_MODES), help="dynamo only")
+    e.add_argument("--pin-prefill-only", action="store_true", help="dynamo: only redo the pinned prefill pair")
+    e.add_argument("--checkpoint", type=Path, default=None, help="mobius: the checkpoint folder (made if absent)")
     r = sub.add_parser("run")
-    r.add_argument("--graphs", type=Path, default=REPO / ".bench-vendor" / "nemotron")
+    r.add_argument("--graphs", type=Path, nargs="+", default=[REPO / ".bench-vendor" / "nemotron"])
     r.add_argument("--library", type=Path, required=True)
     r.add_argument("--dtypes", default=",".join(DTYPES))
     r.add_argument("--modes", default=",".join(MODES))
     r.add_argument("--runs", type=int, default=50)
+    r.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="smaller for a CPU smoke test")
     r.add_argument("--markdown", type=Path, default=None)
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of this script")
     r.add_argument("--graph-modes", default="no,yes", help="ORT CUDA graph off/on (cpu: no)")
     args = parser.parse_args()
-    if args.command == "export" and args.pin_prefill_only:
-        for dtype in args.dtypes.split(","):
-            pin_prefill(args.out, dtype)
-    elif args.command == "export":
-        export(args.out, args.dtypes.split(","), args.modes.split(","))
+    if args.command == "export":
+        out = args.out or REPO / ".bench-vendor" / ("nemotron" if args.builder == "dynamo" else "nemotron-mobius")
+        dtypes = args.dtypes.split(",")
+        if args.builder == "mobius":
+            export_mobius(out, dtypes, args.checkpoint)
+        elif args.pin_prefill_only:
+            for dtype in dtypes:
+                pin_prefill(out, dtype)
+        else:
+            export(out, dtypes, args.modes.split(","))
+        strip_node_metadata(out)  # after the pinning, which reads the exported graph
+        print_sizes(out)
     else:
         run(args)
     return 0
