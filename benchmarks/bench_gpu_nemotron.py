@@ -119,6 +119,12 @@ def fused_count(path: Path) -> int:
     return sum(node.op_type == "GatedGroupRMSNorm" for node in model.graph.node)
 
 
+#: The dynamo exporter's default opset (18) for fp16, as users get it; bf16 needs 23: at opset 18 Conv and
+#: Softplus do not take bf16, and ONNX Runtime refuses the graph ("Type 'tensor(bfloat16)' of input parameter
+#: ... of operator (Conv) ... is invalid").
+DYNAMO_OPSET = {"fp16": 18, "bf16": 23}
+
+
 def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
     """Export with torch dynamo, fuse, strip; prefill as exported ("prefill-dynamic") and pinned ("prefill")."""
     from fusion import rewrite
@@ -137,7 +143,9 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
             with tempfile.TemporaryDirectory(prefix="nemotron-gpu-") as tmp:
                 t0 = time.perf_counter()
                 source = Path(tmp) / "model.onnx"
-                record = exporter.export_model("nemotron_h", "dynamo", dtype, mode, size="real", out=source)
+                record = exporter.export_model(
+                    "nemotron_h", "dynamo", dtype, mode, opset=DYNAMO_OPSET[dtype], size="real", out=source
+                )
                 fused = Path(tmp) / "model.fused.onnx"
                 if rewrite.main([str(source), "-o", str(fused)]) != 0:
                     raise SystemExit(f"{dtype} {key}: the rewrite failed")
@@ -184,7 +192,7 @@ def pin_prefill(out: Path, dtype: str) -> None:
     try:
         dynamic = meta["graphs"]["prefill-dynamic-before"]
         model = onnx.load(str(out / dynamic["graph"]), load_external_data=False)
-        for value in [*model.graph.input, *model.graph.output]:
+        for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:  # every mention of seq
             for dim in value.type.tensor_type.shape.dim:
                 if dim.dim_param == "seq":
                     dim.dim_value = PREFILL_TOKENS

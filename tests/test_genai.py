@@ -90,20 +90,13 @@ def fusion_genai_library_name() -> str:
     return Path(contrib_ops.library_path()).name
 
 
-def as_float32(values: np.ndarray) -> np.ndarray:
-    """Return genai's logits as float32; bf16 logits (a bf16 model's) may arrive as their raw 16 bits."""
-    if values.dtype == np.uint16:
-        import ml_dtypes
-
-        values = values.view(ml_dtypes.bfloat16)
-    return values.astype(np.float32)
-
-
 def generate(folder: Path) -> tuple[list[int], np.ndarray]:
     """Return the greedy tokens genai generates from ``PROMPT`` and, per token, the logits it was chosen from.
 
     Logits genai masked (the EOS token before ``min_length``: -FLT_MAX) are set to 0.
     """
+    graph = onnx.load(folder / "model.onnx", load_external_data=False).graph
+    logits_type = next(o.type.tensor_type.elem_type for o in graph.output if o.name == "logits")
     model = og.Model(str(folder))
     prompt = og.Tokenizer(model).encode(PROMPT)
     params = og.GeneratorParams(model)
@@ -118,7 +111,10 @@ def generate(folder: Path) -> tuple[list[int], np.ndarray]:
         # are the ones get_output returns after it.
         generator.generate_next_token()
         tokens.append(int(generator.get_next_tokens()[0]))
-        logits.append(as_float32(np.asarray(generator.get_output("logits")))[0, -1])
+        if logits_type == onnx.TensorProto.BFLOAT16:  # get_output has no numpy type for bf16; genai's fp32 copy
+            logits.append(np.asarray(generator.get_logits(), dtype=np.float32).reshape(-1))
+        else:
+            logits.append(np.asarray(generator.get_output("logits"), dtype=np.float32)[0, -1])
     stacked = np.stack(logits)
     return tokens, np.where(np.abs(stacked) < 1e30, stacked, 0.0)
 
