@@ -399,13 +399,11 @@ def run(args: argparse.Namespace) -> None:
                 gpu, gpu_text = None, f"n/a ({str(error).splitlines()[0][:80]})"
 
             for graph in [m == "yes" for m in args.graph_modes.split(",")]:
-                stats = {}
-                for name, path in paths.items():
-                    try:
-                        runs = args.runs if mode == "decode" else max(5, args.runs // 5)  # prefill: ~10 ms a Run
-                        stats[name] = measure(ort, torch, path, feeds, dims, args.library, graph, runs)
-                    except Exception as error:  # noqa: BLE001 - reported in the table (e.g. capture refused)
-                        stats[name] = {"error": str(error).splitlines()[0][:200]}
+                runs = args.runs if mode == "decode" else max(5, args.runs // 5)  # prefill: ~10 ms a Run
+                try:
+                    stats = measure(ort, torch, paths, feeds, dims, args.library, graph, runs)
+                except Exception as error:  # noqa: BLE001 - reported in the table (e.g. capture refused)
+                    stats = {name: {"error": str(error).splitlines()[0][:200]} for name in paths}
                 b, a = stats["before"], stats["after"]
                 if "error" in b or "error" in a:
                     emit(
@@ -590,20 +588,29 @@ def bind(ort, torch, session, feeds) -> tuple[object, list]:
     return binding, keep
 
 
-def measure(ort, torch, path, feeds, dims, library, graph: bool, runs: int) -> dict:
-    """Per-Run wall time (a Run returns when its outputs are ready): median, min, max of 7 repeats."""
-    session = session_for(ort, path, dims, library, graph)
-    binding, keep = bind(ort, torch, session, feeds)
-    for _ in range(5):
-        session.run_with_iobinding(binding)
-    times = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(runs):
-            session.run_with_iobinding(binding)
-        times.append((time.perf_counter() - t0) * 1e6 / runs)
-    del keep, session
-    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+def measure(ort, torch, paths: dict[str, Path], feeds, dims, library, graph: bool, runs: int) -> dict:
+    """Per-Run wall time (a Run returns when its outputs are ready) of each graph in ``paths``: median, min,
+    max of 7 repeats of ``runs`` Runs. The sessions live side by side and the repeats interleave (before,
+    after, after, before, ...), so clock and thermal drift fall on both alike."""
+    sessions = {name: session_for(ort, path, dims, library, graph) for name, path in paths.items()}
+    bindings = {name: bind(ort, torch, session, feeds) for name, session in sessions.items()}
+    for name, session in sessions.items():
+        for _ in range(5):
+            session.run_with_iobinding(bindings[name][0])
+    times: dict[str, list[float]] = {name: [] for name in sessions}
+    order = list(sessions)
+    for repeat in range(7):
+        for name in order if repeat % 2 == 0 else order[::-1]:
+            session, binding = sessions[name], bindings[name][0]
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                session.run_with_iobinding(binding)
+            times[name].append((time.perf_counter() - t0) * 1e6 / runs)
+    del bindings, sessions
+    return {
+        name: {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        for name, values in times.items()
+    }
 
 
 def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10) -> dict:

@@ -106,7 +106,8 @@ def generate(folder: Path) -> tuple[list[int], np.ndarray]:
     generator = og.Generator(model, params)
     generator.append_tokens(np.asarray(prompt, dtype=np.int32)[None, :])
     tokens, logits = [], []
-    while not generator.is_done():
+    while not generator.is_done() and len(tokens) < NEW_TOKENS:  # bounded: with bf16 logits genai-cuda 0.18
+        # was seen to run past max_length
         # generate_next_token runs the model for the previous token, then picks: the logits it picked from
         # are the ones get_output returns after it.
         generator.generate_next_token()
