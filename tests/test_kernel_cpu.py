@@ -303,6 +303,30 @@ def test_subnormal_rows(rows: str, elem_type: int, out_type: int, epsilon: float
     check_against_reference(y, z, w, group_size=96, epsilon=epsilon, out_type=out_type)
 
 
+@pytest.mark.parametrize("y_type", [FLOAT, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
+@pytest.mark.parametrize("subnormal_input", ["y", "z"])
+def test_subnormal_inputs_with_normal_outputs(subnormal_input: str, y_type: int) -> None:
+    """Groups where every 7th y (or z) is a float32 subnormal whose output is a normal float, and no product
+    underflows to give it away: the x86 gate pass reads subnormal inputs as 0 (DAZ) and must notice them from
+    their bits (a zero for them fails the budget by far). y: tiny normal y (h^2 ~ 1e-20, so nf ~ 1/sqrt(eps))
+    around subnormal ones, outputs ~1e-37. z: y ~ 1e22 with gates of -30 around subnormal gates in
+    [2^-127, 2^-126) (silu(z) ~ z/2 keeps 22 bits there; h ~ 1e-17), outputs ~1e-28."""
+    rng = np.random.default_rng([29, len(subnormal_input), y_type])
+    y, z, w = random_inputs(rng, (4, 192), FLOAT, FLOAT, FLOAT)
+    pick = np.zeros(y.shape, bool)
+    pick[:, 3::7] = True
+    if subnormal_input == "y":
+        y = np.where(pick, y * np.float32(1e-39), y * np.float32(1e-10)).astype(np.float32)
+    else:
+        y = (y * np.float32(1e22)).astype(np.float32)
+        tiny = np.sign(z) * rng.uniform(0.5, 1.0, z.shape) * 2.0**-126
+        z = np.where(pick, tiny, -30.0).astype(np.float32)
+    y = y.astype(SUPPORTED_TYPES[y_type])
+    subnormal = np.abs((y if subnormal_input == "y" else z).astype(np.float32)) < np.float32(2.0**-126)
+    assert np.count_nonzero(subnormal & pick) > 50 and not np.any(subnormal & ~pick)
+    check_against_reference(y, z, w, group_size=96)
+
+
 def test_result_of_a_row_does_not_depend_on_the_rows_before_it() -> None:
     """After a subnormal row the kernel starts the next group on its rescaling path (a guess); an ordinary
     row must still come out bit for bit as it does on its own."""

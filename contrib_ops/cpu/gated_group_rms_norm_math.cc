@@ -27,14 +27,25 @@
 // Cost (AVX-512, per 16 elements): 13 multiply/FMA instructions and one division. On the machine measured
 // (AMD Zen 4: one 512-bit FMA per cycle) that multiply pipe is the bound; see benchmarks/RESULTS.md.
 //
-// Float32 subnormals (x86): results that underflow cost ~3x an ordinary instruction on the CPUs measured,
-// and rows whose values decay into the subnormals would pay that on every element. The x86 variants run
-// with MXCSR.FTZ set (results that underflow become 0, fast) and DAZ clear (subnormal inputs are read
-// exactly), and read MXCSR's underflow flag after each pass: FTZ changes a result only when it underflows,
-// and every such result raises the flag, so a pass that ends without it computed exactly what it computes
-// without FTZ. A gate pass that raised it is computed again with y scaled by a power of two 2^k (exact;
-// h' = 2^k h, nf' = 2^-k nf with eps 4^k in double, so h' nf' = h nf) or, if that underflows too, without
-// FTZ; a norm pass that raised it is computed again without FTZ. The caller's MXCSR is restored on return.
+// Float32 subnormals (x86): an FP instruction with a subnormal operand (DAZ clear) or a subnormal result
+// (FTZ clear) takes a microcode assist on Intel cores (~150 cycles per instruction; AMD's handle most of
+// them in hardware), and rows whose values decay into the subnormals would pay that on every vector. So no
+// subnormal reaches an FP instruction on the usual paths, and none is made by one:
+//   - The gate pass runs with MXCSR.DAZ and FTZ set: a subnormal y or z reads as 0 (fast, and wrong), and
+//     the pass notes from the raw bits, with integer operations, whether any was subnormal; a result that
+//     underflows becomes 0 and raises MXCSR's underflow flag, read after the pass. A pass with neither
+//     computed exactly what it computes without DAZ and FTZ.
+//   - A group that had subnormal y (or underflowed) is computed again from y' = 2^k y, built without an FP
+//     operation on a subnormal (ScaleByPowerOfTwo; exact), so h' = 2^k h stays normal; nf' = 2^-k nf with
+//     eps 4^k in double, so h' nf' = h nf.
+//   - The norm pass runs with FTZ only (w is read exactly). For a scaled group it computes 2^64 times its
+//     outputs, normal floats, and scales them back (ScaleDownBy64): exact where the output is a normal
+//     float; where it or the normalized value is subnormal, rounded at 24 bits before the subnormal's
+//     rounding, so within 2 x 2^-149 of the formula (far inside the float32 budget's absolute floor).
+//   - Whatever still underflows (or overflows, scaled), or a subnormal z, is computed again with neither
+//     DAZ nor FTZ: exact, at the assists' cost, off the paths of ordinary and of decayed rows.
+// The caller's MXCSR is restored on return. The Arm and generic builds compute every pass as written (the
+// Arm cores handle subnormals in hardware).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -247,6 +258,84 @@ inline void StorePartial(char* p, VF v, ElemType type, int64_t count) {
   std::memcpy(p, buffer, static_cast<size_t>(count) * TypeBytes(type));
 }
 
+// --- float32 subnormals, kept from the FP instructions (x86; see the file comment) ---------------------
+
+#if defined(MAMBAFUSE_MXCSR)
+constexpr bool kSubnormalsAsIntegers = true;
+#else
+constexpr bool kSubnormalsAsIntegers = false;
+#endif
+
+// Per lane, the lowest (|bits| - 1) seen, unsigned: below 0x007FFFFF exactly when some value had |bits| in
+// [1, 0x007FFFFF], a subnormal (a zero wraps to the top). Three integer operations a vector.
+inline VU NoteSubnormals(VU lowest, VF v) {
+  const VU magnitude_less_one = (Bits(v) & 0x7FFFFFFFu) - 1u;
+  return magnitude_less_one < lowest ? magnitude_less_one : lowest;
+}
+
+inline bool AnySubnormal(VU lowest) {
+  for (int l = 0; l < kWidth; ++l) {
+    if (lowest[l] < 0x007FFFFFu) return true;
+  }
+  return false;
+}
+
+// The gate pass's cheaper probe, one integer operation a vector beside the OR that silu does anyway: per
+// lane the lowest (unsigned) of bits | sign bit, below 0x80800000 when some value was a subnormal or a zero.
+// The rare group with a zero is then probed exactly (SubnormalInput).
+inline VU NoteZeroOrSubnormal(VU lowest, VF v) {
+  const VU negative = Bits(v) | 0x80000000u;
+#if defined(MAMBAFUSE_MXCSR) && !defined(__SSE4_1__)
+  // SSE2 has no 32-bit minimum (GCC spells one in five instructions): a signed compare (-0 and the
+  // negated subnormals are the lowest ints) that clears the lane instead (a 7680-wide row: 14.3 -> 12.5 us).
+  return lowest & ~reinterpret_cast<VU>(reinterpret_cast<VI>(negative) < static_cast<int32_t>(0x80800000u));
+#else
+  return negative < lowest ? negative : lowest;
+#endif
+}
+
+inline bool AnyZeroOrSubnormal(VU lowest) {
+  for (int l = 0; l < kWidth; ++l) {
+    if (lowest[l] < 0x80800000u) return true;
+  }
+  return false;
+}
+
+// Only float32 and bfloat16 inputs widen to a float32 subnormal (a float16 subnormal is a normal float).
+constexpr bool MayBeSubnormal(ElemType t) { return kSubnormalsAsIntegers && t != ElemType::kFloat16; }
+
+// y * 2^k (k in [0, 127], with max |y| 2^k < 1), exact, and no FP operation reads a subnormal: a
+// subnormal lane, m 2^-149, gets the lowest exponent bit set, which makes it the normal 2^-126 + m 2^-149;
+// times 2^k (exact) less 2^(k-126) (exact: Sterbenz) that is m 2^(k-149). A lane that this leaves below the
+// normals (k too small for it) is flushed to zero by FTZ and raises the underflow flag. A zero keeps its sign.
+inline VF ScaleByPowerOfTwo(VF y, float two_to_k, float two_to_k_less_126) {
+  const VU bits = Bits(y), sign = bits & 0x80000000u;
+  const VI subnormal = (bits & 0x7F800000u) == 0u;  // or zero: 2^k 2^-126 - 2^(k-126) = 0
+  const VF lifted = FromBits(bits | (reinterpret_cast<VU>(subnormal) & 0x00800000u));
+  const VF offset = FromBits(reinterpret_cast<VU>(subnormal) & (Bits(Splat(two_to_k_less_126)) | sign));
+  return FromBits(Bits(lifted * two_to_k - offset) | sign);
+}
+
+// x * 2^-64, rounded to nearest even, for the outputs of a scaled group's norm pass, where no FP operation
+// may make a subnormal: where the result is normal (|x| >= 2^-62) an FP multiply (exact); below, x + 2^-62
+// rounds x to a multiple of 2^-85 (2^-62's ulp) once, and the bits of that sum less those of 2^-62 are
+// the subnormal's (a carry into 2^-61 gives the smallest normal). Zeros, Inf and NaN stay. The multiply
+// flushes (FTZ) and raises the underflow flag in the lanes it does not provide; the caller ignores it.
+inline VF ScaleDownBy64(VF x) {
+  constexpr float kTwoToMinus62 = 0x1p-62f;
+  const VU bits = Bits(x), sign = bits & 0x80000000u;
+  const VF magnitude = FromBits(bits & 0x7FFFFFFFu);
+  const VU tiny = (Bits(magnitude + kTwoToMinus62) - Bits(Splat(kTwoToMinus62))) | sign;
+  return magnitude < kTwoToMinus62 ? FromBits(tiny) : x * 0x1p-64f;
+}
+
+// Float32 subnormals as signed zeros: what float16 rounds them to (|x| < 2^-126 is far below half of
+// float16's smallest subnormal, 2^-25), without handing a subnormal to the conversion instruction.
+inline VF SubnormalsToSignedZero(VF x) {
+  const VU bits = Bits(x);
+  return FromBits((bits & 0x7F800000u) == 0u ? bits & 0x80000000u : bits);
+}
+
 // --- silu ---------------------------------------------------------------------------------------------
 
 // a/d for d in [1, 2] (or NaN): a true division, not a reciprocal estimate refined by Newton steps. The
@@ -329,14 +418,56 @@ inline auto WithType(ElemType t, F&& f) {
   return f(Type<ElemType::kFloat>{});
 }
 
-// h = round(G, y * silu(z)) into `gated`; returns sum(h^2). kScaled: y is multiplied by y_scale first (a
-// power of two, see ScaledGroup).
+// Whether an input of the group is a float32 subnormal: y (unless kScaled: its scaled form is never read
+// as a subnormal, see ScaleByPowerOfTwo) or z.
+template <ElemType Y, ElemType Z, bool kScaled>
+__attribute__((noinline)) bool SubnormalInput(const char* y, const char* z, int64_t n) {
+  constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
+  constexpr bool kProbeY = MayBeSubnormal(Y) && !kScaled;
+  VU lowest = ~VU{};
+  for (int64_t j = 0; j < n; j += kWidth) {
+    const int64_t count = n - j < kWidth ? n - j : kWidth;
+    if (kProbeY) {
+      lowest = NoteSubnormals(lowest, count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count));
+    }
+    if (MayBeSubnormal(Z)) {
+      lowest = NoteSubnormals(lowest, count == kWidth ? Load(z + j * zb, Z) : LoadPartial(z + j * zb, Z, count));
+    }
+  }
+  return AnySubnormal(lowest);
+}
+
+struct GateSums {
+  float sum_sq;          // sum(h^2)
+  bool subnormal_input;  // a y or z was a float32 subnormal (x86: read as 0 under DAZ)
+};
+
+// y * 2^k for the scaled gate pass: the two powers of two ScaleByPowerOfTwo takes (k in [0, 127]).
+struct YScale {
+  float two_to_k = 1.f;
+  float two_to_k_less_126 = 0x1p-126f;
+  static YScale Of(int k) {
+    YScale scale;
+    const auto two_to_k = static_cast<uint32_t>(127 + k) << 23, less_126 = static_cast<uint32_t>(1 + k) << 23;
+    std::memcpy(&scale.two_to_k, &two_to_k, sizeof two_to_k);
+    std::memcpy(&scale.two_to_k_less_126, &less_126, sizeof less_126);
+    return scale;
+  }
+};
+
+// h = round(G, y * silu(z)) into `gated`, and the sum of h^2. kScaled: y is scaled by 2^k first (see
+// ScaleByPowerOfTwo). Not inlined: RunItems calls it in three places, and inlined there it measured 7 %
+// slower (AVX-512, Zen 4) than called.
 template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false>
-float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n, float y_scale = 1.f) {
+__attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
+                                            YScale scale = {}) {
   constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
   constexpr int64_t step = kWidth * kUnroll;
+  constexpr bool kProbeY = MayBeSubnormal(Y) && !kScaled;
   const int64_t ahead = 2 * n > 2048 ? 2 * n : 2048;
   VF acc[kUnroll] = {};
+  VU lowest = ~VU{};        // NoteZeroOrSubnormal's running minimum over y and z
+  VU exact_lowest = ~VU{};  // NoteSubnormals' over the zero-padded last vector
   int64_t j = 0;
   for (; j + step <= n; j += step) {
     // y and z two groups (at least 2048 elements) ahead, into L2 (the next items are contiguous in
@@ -347,10 +478,14 @@ float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
     for (size_t line = 0; line < step * zb; line += 64) __builtin_prefetch(z + (ahead + j) * zb + line, 0, 1);
     VF v[kUnroll];
     for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
+    if (MayBeSubnormal(Z)) {
+      for (int k = 0; k < kUnroll; ++k) lowest = NoteZeroOrSubnormal(lowest, v[k]);
+    }
     Silu(v);
     for (int k = 0; k < kUnroll; ++k) {
       VF yv = Load(y + (j + k * kWidth) * yb, Y);
-      if (kScaled) yv *= y_scale;
+      if (kProbeY) lowest = NoteZeroOrSubnormal(lowest, yv);
+      if (kScaled) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
       const VF h = RoundThrough(yv * v[k], G);  // rounding point 0
       std::memcpy(gated + j + k * kWidth, &h, sizeof h);
       acc[k] += h * h;
@@ -360,9 +495,11 @@ float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
     const int64_t count = n - j < kWidth ? n - j : kWidth;
     VF v[kUnroll] = {};
     v[0] = count == kWidth ? Load(z + j * zb, Z) : LoadPartial(z + j * zb, Z, count);
+    if (MayBeSubnormal(Z)) exact_lowest = NoteSubnormals(exact_lowest, v[0]);
     Silu(v);
     VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
-    if (kScaled) yv *= y_scale;
+    if (kProbeY) exact_lowest = NoteSubnormals(exact_lowest, yv);
+    if (kScaled) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
     const VF h = RoundThrough(yv * v[0], G);
     std::memcpy(gated + j, &h, static_cast<size_t>(count) * sizeof(float));
     acc[0] += h * h;
@@ -370,34 +507,55 @@ float GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
   for (int k = 1; k < kUnroll; ++k) acc[0] += acc[k];
   float sum = 0.f;
   for (int l = 0; l < kWidth; ++l) sum += acc[0][l];
-  return sum;
+  if (!kSubnormalsAsIntegers) return {sum, false};
+  const bool subnormal =
+      AnySubnormal(exact_lowest) || (AnyZeroOrSubnormal(lowest) && SubnormalInput<Y, Z, kScaled>(y, z, n));
+  return {sum, subnormal};
 }
 
-// max |y| over a group (NaN ignored).
+// The bits of max |y| over a group, compared as integers (the same order as the floats', and no FP compare
+// reads a subnormal: under DAZ it would read 0). A NaN counts as larger than Inf (its group is NaN anyway).
 template <ElemType Y>
-float MaxAbs(const char* y, int64_t n) {
-  VF m = {};
+uint32_t MaxAbsBits(const char* y, int64_t n) {
+  VU m[4] = {};  // independent maxima: one running maximum would wait on its own latency every vector
   int64_t j = 0;
-  for (; j + kWidth <= n; j += kWidth) {
-    const VF a = FromBits(Bits(Load(y + j * Type<Y>::bytes, Y)) & 0x7FFFFFFFu);
-    m = a > m ? a : m;
+  for (; j + 4 * kWidth <= n; j += 4 * kWidth) {
+    for (int k = 0; k < 4; ++k) {
+      const VU a = Bits(Load(y + (j + k * kWidth) * Type<Y>::bytes, Y)) & 0x7FFFFFFFu;
+      m[k] = a > m[k] ? a : m[k];
+    }
   }
-  float result = 0.f;
-  for (int l = 0; l < kWidth; ++l) result = m[l] > result ? m[l] : result;
-  for (; j < n; ++j) {
-    const float a = std::fabs(LoadPartial(y + j * Type<Y>::bytes, Y, 1)[0]);
-    result = a > result ? a : result;
+  for (; j < n; j += kWidth) {
+    const int64_t count = n - j < kWidth ? n - j : kWidth;
+    const VU a = Bits(LoadPartial(y + j * Type<Y>::bytes, Y, count)) & 0x7FFFFFFFu;
+    m[0] = a > m[0] ? a : m[0];
+  }
+  uint32_t result = 0;
+  for (int k = 0; k < 4; ++k) {
+    for (int l = 0; l < kWidth; ++l) result = m[k][l] > result ? m[k][l] : result;
   }
   return result;
 }
 
 // out = round(O, w * round(N, h * nf)), stored as S (O, or float holding values rounded to O).
-template <ElemType W, ElemType N, ElemType O, ElemType S>
+// kScaledDown (N float only): h * nf is 2^64 times the value, and the product is scaled back by
+// ScaleDownBy64 before the rounding to O.
+template <ElemType W, ElemType N, ElemType O, ElemType S, bool kScaledDown = false>
 void NormPass(const float* __restrict gated, float inv_rms, const char* w, char* out, int64_t n, bool stream) {
+  static_assert(!kScaledDown || N == ElemType::kFloat, "a norm_dtype rounding needs the value at its own scale");
   constexpr size_t wb = Type<W>::bytes, ob = Type<S>::bytes;
   const auto value = [inv_rms](VF h, VF weight) {
     const VF normed = RoundThrough(h * inv_rms, N);  // rounding point 1: norm_dtype
-    const VF product = weight * normed;
+    VF product = weight * normed;
+    if (kScaledDown) {
+      // Both rounding points at 24 bits, 2^64 too large; a subnormal output is rounded again in
+      // ScaleDownBy64. Rounding normed and the product on the subnormals' grid as the formula does (|a b| +
+      // 2^-62 by FMA, less 2^-62) measured 4.0 -> 5.2 us per decayed 7680-wide row (AVX-512), past the
+      // 1.5x of an ordinary row; the double rounding stays within 2 ulps of 2^-149 (the budget's floor is
+      // 2e-6 x 2^-126).
+      product = ScaleDownBy64(product);
+      if (O == ElemType::kFloat16) product = SubnormalsToSignedZero(product);
+    }
     return S == O ? product : RoundThrough(product, O);  // rounding point 2, when stored widened
   };
   int64_t j = 0;
@@ -418,12 +576,23 @@ void NormPass(const float* __restrict gated, float inv_rms, const char* w, char*
 }
 
 // The norm pass for the run-time types: nested switches down to a direct call of one instantiation.
+// scaled_down (norm float only): the outputs are computed 2^64 too large and scaled back.
 void NormPassFor(ElemType w_type, ElemType norm, ElemType out_type, ElemType store, const float* gated,
-                 float inv_rms, const char* w, char* out, int64_t n, bool stream) {
+                 float inv_rms, const char* w, char* out, int64_t n, bool stream, bool scaled_down = false) {
   WithType(w_type, [&](auto wt) {
     WithType(norm, [&](auto nt) {
       WithType(out_type, [&](auto ot) {
         constexpr ElemType kW = decltype(wt)::value, kN = decltype(nt)::value, kO = decltype(ot)::value;
+        if constexpr (kN == ElemType::kFloat && kSubnormalsAsIntegers) {
+          if (scaled_down) {
+            if (store == kO) {
+              NormPass<kW, kN, kO, kO, true>(gated, inv_rms, w, out, n, stream);
+            } else {
+              NormPass<kW, kN, kO, ElemType::kFloat, true>(gated, inv_rms, w, out, n, stream);
+            }
+            return;
+          }
+        }
         if (store == kO) {
           NormPass<kW, kN, kO, kO>(gated, inv_rms, w, out, n, stream);
         } else {
@@ -434,11 +603,11 @@ void NormPassFor(ElemType w_type, ElemType norm, ElemType out_type, ElemType sto
   });
 }
 
-// --- MXCSR: flush-to-zero with underflow detection (see the file comment) ------------------------------
+// --- MXCSR: flush-to-zero and denormals-are-zero with detection (see the file comment) -----------------
 
 #if defined(MAMBAFUSE_MXCSR)
-constexpr uint32_t kFlushToZero = 1u << 15, kDenormalsAreZero = 1u << 6, kUnderflowFlag = 1u << 4;
-constexpr uint32_t kExceptionFlags = 0x3Fu;
+constexpr uint32_t kFlushToZero = 1u << 15, kDenormalsAreZero = 1u << 6;
+constexpr uint32_t kUnderflowFlag = 1u << 4, kOverflowFlag = 1u << 3, kExceptionFlags = 0x3Fu;
 
 inline uint32_t ReadCsr() {
   uint32_t csr;
@@ -447,27 +616,27 @@ inline uint32_t ReadCsr() {
 }
 inline void WriteCsr(uint32_t csr) { __asm__ __volatile__("ldmxcsr %0" : : "m"(csr) : "memory"); }
 
-// Sets FTZ (and clears DAZ and the flags) for its lifetime; restores the caller's MXCSR after.
+// Sets the mode of each pass (and clears the flags), restores the caller's MXCSR when it ends.
 class FlushScope {
  public:
-  FlushScope() : saved_(ReadCsr()) { WriteCsr(Fast()); }
+  FlushScope() : saved_(ReadCsr()) {}
   ~FlushScope() { WriteCsr(saved_); }
   FlushScope(const FlushScope&) = delete;
   FlushScope& operator=(const FlushScope&) = delete;
-  // Whether anything underflowed since the last call (and clears the flag). `value` ties the read to
-  // the computation of a register result: the asm takes it as an input, so it cannot move before it.
-  static bool Underflowed(float value) {
+  void Gate() const { WriteCsr(Mode(kFlushToZero | kDenormalsAreZero)); }  // inputs noted from their bits
+  void Norm() const { WriteCsr(Mode(kFlushToZero)); }                      // w read exactly
+  void Exact() const { WriteCsr(Mode(0)); }
+  // Whether any of `flags` was raised since the mode was set. `value` ties the read to the computation of
+  // a register result: the asm takes it as an input, so it cannot move before it.
+  static bool Raised(float value, uint32_t flags = kUnderflowFlag) {
     __asm__ __volatile__("" : : "x"(value) : "memory");
-    const uint32_t csr = ReadCsr();
-    if ((csr & kUnderflowFlag) == 0) return false;
-    WriteCsr(csr & ~kExceptionFlags);
-    return true;
+    return (ReadCsr() & flags) != 0;
   }
-  void Exact() const { WriteCsr(saved_ & ~(kFlushToZero | kDenormalsAreZero | kExceptionFlags)); }
-  void Resume() const { WriteCsr(Fast()); }
 
  private:
-  uint32_t Fast() const { return (saved_ | kFlushToZero) & ~(kDenormalsAreZero | kExceptionFlags); }
+  uint32_t Mode(uint32_t bits) const {
+    return (saved_ & ~(kFlushToZero | kDenormalsAreZero | kExceptionFlags)) | bits;
+  }
   uint32_t saved_;
 };
 #endif
@@ -482,10 +651,14 @@ constexpr size_t kStreamBytes = size_t{16} << 20;  // outputs from 16 MB (past a
 
 namespace {
 
-// k such that max|y| * 2^k lies in [1/2, 1), within [0, 127] (0: y needs no scaling).
-inline int ScaleExponent(float max_abs) {
-  if (!(max_abs > 0.f) || !std::isfinite(max_abs)) return 0;
-  const int k = -std::ilogb(max_abs) - 1;
+// k such that max|y| * 2^k lies in [1/2, 1), within [0, 127] (0: y needs no scaling), from the bits of
+// max|y| (an FP operation on a subnormal would read 0 under DAZ).
+inline int ScaleExponent(uint32_t max_abs_bits) {
+  const int exponent = static_cast<int>(max_abs_bits >> 23);
+  if (max_abs_bits == 0 || exponent == 255) return 0;
+  // floor(log2 |y|): from the exponent field, or for a subnormal m 2^-149 from the highest bit of m.
+  const int log2 = exponent > 0 ? exponent - 127 : 31 - __builtin_clz(max_abs_bits) - 149;
+  const int k = -log2 - 1;
   return k < 0 ? 0 : k > 127 ? 127 : k;
 }
 
@@ -526,52 +699,60 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     // The fast pass, unless the previous group needed y scaled (rows decayed into the subnormals tend to
     // stay there): then straight to the scaled pass.
     bool done = false, exact = false;
+    int scaled_by = 0;  // k of y' = 2^k y
     if (!scaled_hint) {
-      const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
-      done = !FlushScope::Underflowed(sum_sq);
-      if (done) inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+      flush.Gate();
+      const GateSums gate = GatePass<Y, Z, G>(y, z, gated, gs);
+      done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq);
+      if (done) inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
     }
     if (!done && G == ElemType::kFloat) {
       // y scaled by 2^k (exact) so that the products stay normal floats: h' = 2^k h, and
       // nf' = 1 / sqrt(sum h'^2 / gs + eps 4^k) = 2^-k nf (in double: eps 4^k may exceed float's range),
       // so h' nf' = h nf. Only where a gated_dtype does not round h at its own scale.
-      const int k = ScaleExponent(MaxAbs<Y>(y, gs));
-      const float scale = std::ldexp(1.f, k);
-      const float sum_sq = GatePass<Y, Z, G, true>(y, z, gated, gs, scale);
+      flush.Gate();
+      const int k = ScaleExponent(MaxAbsBits<Y>(y, gs));
+      const GateSums gate = GatePass<Y, Z, G, true>(y, z, gated, gs, YScale::Of(k));
       if (k == 0) {
         // Not scaled after all (a guess from the previous group): the fast pass's own arithmetic, so that
         // a group's result never depends on the groups before it.
-        inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+        inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
       } else {
-        const double denominator = static_cast<double>(sum_sq) / static_cast<double>(gs) +
+        const double denominator = static_cast<double>(gate.sum_sq) / static_cast<double>(gs) +
                                    static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
         inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
       }
-      done = !FlushScope::Underflowed(sum_sq) && std::isnormal(inv_rms);
+      done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq) && std::isnormal(inv_rms);
       scaled_hint = k > 0;
+      if (done) scaled_by = k;
     }
     if (!done) {
       flush.Exact();
       exact = true;
-      const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+      const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs).sum_sq;
       inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     }
-    // A scaled group's outputs are mostly tiny (O = w h nf with h ~ y): many underflow, and the pass would
-    // have to run again without FTZ. Run it so at once.
-    if (!exact && scaled_hint) {
+    // A scaled group's outputs are mostly tiny (O = w h nf with h ~ y), many of them subnormal: computed
+    // 2^64 too large and scaled back by ScaleDownBy64 (norm_dtype float; its underflow flag is expected, an
+    // overflow is not), else without FTZ at once.
+    const float scaled_inv_rms = inv_rms * 0x1p64f;  // exact (inv_rms is normal here), or Inf
+    const bool scale_down = scaled_by > 0 && a.norm_type == ElemType::kFloat && std::isfinite(scaled_inv_rms);
+    if (!exact && scaled_by > 0 && !scale_down) {
       flush.Exact();
       exact = true;
     }
-    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
+    if (!exact) {
+      flush.Norm();
+      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated,
+                  scale_down ? scaled_inv_rms : inv_rms, w, out, gs, stream, scale_down);
+      exact = FlushScope::Raised(inv_rms, scale_down ? kOverflowFlag : kUnderflowFlag);
+      if (exact) flush.Exact();
+    }
     if (exact) {
-      flush.Resume();
-    } else if (FlushScope::Underflowed(inv_rms)) {
-      flush.Exact();
       NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
-      flush.Resume();
     }
 #else
-    const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs);
+    const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs).sum_sq;
     inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
 #endif
