@@ -697,35 +697,40 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     float inv_rms = 0.f;
 #if defined(MAMBAFUSE_MXCSR)
     // The fast pass, unless the previous group needed y scaled (rows decayed into the subnormals tend to
-    // stay there): then straight to the scaled pass.
+    // stay there) and this one's y are all zero or subnormal, some not zero: then the fast pass must fail
+    // (it notes the subnormal y), so going straight to the scaled pass gives the same result. Nowhere
+    // else: a group's result never depends on the groups before it (with -ffp-contract=fast the two
+    // passes need not round alike, so a guess must not choose between them).
     bool done = false, exact = false;
     int scaled_by = 0;  // k of y' = 2^k y
-    if (!scaled_hint) {
+    int k = 0;
+    if (G == ElemType::kFloat && scaled_hint) {
+      const uint32_t max_abs_bits = MaxAbsBits<Y>(y, gs);
+      if (max_abs_bits != 0 && max_abs_bits < 0x00800000u) k = ScaleExponent(max_abs_bits);
+    }
+    if (k == 0) {
       flush.Gate();
       const GateSums gate = GatePass<Y, Z, G>(y, z, gated, gs);
       done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq);
-      if (done) inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
+      if (done) {
+        inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
+      } else if (G == ElemType::kFloat) {
+        k = ScaleExponent(MaxAbsBits<Y>(y, gs));
+      }
     }
-    if (!done && G == ElemType::kFloat) {
+    if (!done && k > 0) {
       // y scaled by 2^k (exact) so that the products stay normal floats: h' = 2^k h, and
       // nf' = 1 / sqrt(sum h'^2 / gs + eps 4^k) = 2^-k nf (in double: eps 4^k may exceed float's range),
       // so h' nf' = h nf. Only where a gated_dtype does not round h at its own scale.
       flush.Gate();
-      const int k = ScaleExponent(MaxAbsBits<Y>(y, gs));
       const GateSums gate = GatePass<Y, Z, G, true>(y, z, gated, gs, YScale::Of(k));
-      if (k == 0) {
-        // Not scaled after all (a guess from the previous group): the fast pass's own arithmetic, so that
-        // a group's result never depends on the groups before it.
-        inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
-      } else {
-        const double denominator = static_cast<double>(gate.sum_sq) / static_cast<double>(gs) +
-                                   static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
-        inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
-      }
+      const double denominator = static_cast<double>(gate.sum_sq) / static_cast<double>(gs) +
+                                 static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
+      inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
       done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq) && std::isnormal(inv_rms);
-      scaled_hint = k > 0;
       if (done) scaled_by = k;
     }
+    scaled_hint = k > 0;
     if (!done) {
       flush.Exact();
       exact = true;
