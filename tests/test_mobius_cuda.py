@@ -5,19 +5,19 @@ onnxruntime-genai-cuda, and the library built with ``-DMAMBAFUSE_CUDA=ON`` (``$M
 ``benchmarks/gpu_session.sh`` runs this module on the GPU machine (step ``mobius``).
 
 - Which rounding ORT CUDA's half-precision RMSNormalization computes (one-node models, as mobius writes
-  them): the fused node's attributes (norm_dtype = float: one rounding after the scale multiply) were
-  chosen to match ORT CPU; the measurement here says whether CUDA computes the same.
+  them): with a [gs] / [C] scale one rounding after the scale multiply, as ORT CPU and the fused node's
+  attributes (norm_dtype = float); with a [G, gs] scale it scales every group by the first row — wrong.
 - Every cuda-target build (Nemotron-H, Zamba2, Mamba2 x f32 / f16 / bf16 x default / workaround), fused,
-  against ORT CUDA's run of the original on a prompt step and one decode step: each fused node within
-  the op budget of the float64 reference on the inputs ORT fed it (with the library), the first fused
-  node within the op budget of the original's first chain as ORT CUDA computed it (with the library and
-  through the model-local function), every model output close to the original's, and the fused nodes
-  placed on the CUDA provider.
-- onnxruntime-genai-cuda: greedy tokens from a fixed prompt, original vs fused (library; function), for
+  against ORT CUDA's run of the original (for grouped S1 builds, which ORT CUDA computes wrongly, of their
+  workaround twin) on a prompt step and one decode step: each fused node within the op budget of the
+  float64 reference on the inputs ORT fed it (with the library), the first fused node within the op budget
+  of the original's first chain as ORT CUDA computed it (with the library and through the model-local
+  function), every model output close to the reference's, and the fused nodes placed on the CUDA provider.
+- onnxruntime-genai-cuda: greedy tokens from a fixed prompt, reference vs fused (library; function), for
   the cuda-target genai folders (``mambafuse genai --genai-config-edit``).
 
-bf16 values cannot cross numpy: every model here is run through a copy whose bf16 inputs arrive as float32
-and are Cast to bf16 inside, and whose bf16 outputs leave through a Cast to float32 (exact both ways).
+bf16 values cannot cross numpy: bf16 inputs are fed as bf16 OrtValues from their bits, and bf16 outputs
+(and probed values) leave the model through an added Cast to float32 (exact).
 """
 
 from __future__ import annotations
