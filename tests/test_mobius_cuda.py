@@ -179,7 +179,8 @@ def test_cuda_rms_normalization_rounding(elem: int, shapes, tmp_path: Path) -> N
 
     Measured with onnxruntime-gpu 1.31.1: with a [gs] or [C] scale CUDA computes ``one``, as CPU does; with
     a [G, gs] scale (mobius' Nemotron-H default, G > 1) it computes ``first_row``: every group is scaled by
-    group 0's weights — wrong (the graph means ``one``; ORT CPU computes it). A fused model computes ``one``.
+    group 0's weights — wrong (the graph means ``one``; ORT CPU computes it; microsoft/onnxruntime pull request
+    28971 proposes the fix). A fused model computes ``one``.
     This test records that behaviour; when a release fixes it, the test fails and docs/forms.md (form I)
     and the README's GPU section must say so.
     """
