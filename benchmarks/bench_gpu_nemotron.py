@@ -26,7 +26,8 @@ tensor in the graph and turns the larger floating-point ones (projections, embed
 external data of one file per dtype, laid out the same for every graph of a folder (before and after fusion
 share it), which is not written. ``run`` writes that file on the GPU machine with seeded random values (std
 0.02; the same bytes for both graphs), then measures with the CUDA execution provider and IO binding
-(inputs and outputs on the GPU), per Run: median and min-max of 7 repeats; with ORT's CUDA graph where ORT
+(inputs and outputs on the GPU), per Run: median and min-max of 7 repeats, the before and after sessions
+side by side and their repeats interleaved; with ORT's CUDA graph where ORT
 can capture (every symbolic dimension pinned with ``add_free_dimension_override_by_name``, mobius'
 expression-named ``past_seq_len + seq_len`` too; always pinned, so "prefill-dynamic" differs from "prefill"
 only in what is left of the graph's shape arithmetic); and from ORT's profiler (no CUDA graph): where the
