@@ -42,6 +42,20 @@ EXPORTER_TYPE_MIXES: dict[str, tuple[int, int, int, int, int]] = {
     "C-bf16": (BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16, BFLOAT16),
 }
 
+#: gated_dtype: absent (None), or set to each type the op accepts; and the type mixes (Y, Z, W, norm,
+#: output) the gated rounding point is tested with: float32, float32 with a half output, the exporters'.
+GATED_TYPES = (None, FLOAT, FLOAT16, BFLOAT16)
+GATED_TYPE_MIXES: dict[str, tuple[int, int, int, int, int]] = {
+    "f32": (FLOAT,) * 5,
+    "f32-out-f16": (FLOAT, FLOAT, FLOAT, FLOAT16, FLOAT16),
+    **EXPORTER_TYPE_MIXES,
+}
+
+
+def gated_type_id(gated_type: int | None) -> str:
+    """The test id of a gated_dtype parameter."""
+    return "absent" if gated_type is None else TYPE_NAMES[gated_type]
+
 
 def stored_output_type(y_type: int, z_type: int, w_type: int, output_dtype: int) -> int:
     """Return the element type of the op's output tensor: output_dtype, except float32 when Y, Z and W
@@ -215,6 +229,9 @@ __all__ = [
     "edge_value_inputs",
     "nonfinite_groups",
     "EXPORTER_TYPE_MIXES",
+    "GATED_TYPES",
+    "GATED_TYPE_MIXES",
+    "gated_type_id",
     "check_against_reference",
     "BFLOAT16",
     "FLOAT",

@@ -20,6 +20,7 @@ from fusion.reference import (
     reference_evaluator,
     reference_for_budget,
 )
+from tests._ops import GATED_TYPES, gated_type_id
 
 FLOAT, FLOAT16 = TensorProto.FLOAT, TensorProto.FLOAT16
 # ORT CPU runs no bf16 arithmetic, so the numerics here cover float and float16 combinations.
@@ -189,10 +190,7 @@ def test_edge_values_stay_in_their_group() -> None:
     assert np.all(np.isnan(got[0, 48:]))
 
 
-GATED_TYPES = (None, FLOAT, FLOAT16, TensorProto.BFLOAT16)
-
-
-@pytest.mark.parametrize("gated_dtype", GATED_TYPES, ids=lambda t: "absent" if t is None else str(t))
+@pytest.mark.parametrize("gated_dtype", GATED_TYPES, ids=gated_type_id)
 @pytest.mark.parametrize(
     ("y_type", "w_type", "norm_dtype", "output_dtype"),
     [(FLOAT, FLOAT, FLOAT, FLOAT), (FLOAT16, FLOAT16, FLOAT16, FLOAT16), (FLOAT, FLOAT, FLOAT, FLOAT16)],

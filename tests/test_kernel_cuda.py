@@ -26,8 +26,11 @@ from tests._ops import (
     EXPORTER_TYPE_MIXES,
     FLOAT,
     FLOAT16,
+    GATED_TYPE_MIXES,
+    GATED_TYPES,
     TYPE_NAMES,
     edge_value_inputs,
+    gated_type_id,
     make_model,
     nonfinite_groups,
     one_node_model,
@@ -96,16 +99,12 @@ def test_every_type_combination(
     check_against_reference(y, z, w, group_size=48, norm_type=norm_type, out_type=out_type)
 
 
-#: gated_dtype: absent (None), or set to each type the op accepts.
-GATED_TYPES = (None, FLOAT, FLOAT16, BFLOAT16)
-
-
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("gated_type", GATED_TYPES, ids=lambda t: "absent" if t is None else TYPE_NAMES[t])
+@pytest.mark.parametrize("gated_type", GATED_TYPES, ids=gated_type_id)
 @pytest.mark.parametrize(
     ("y_type", "z_type", "w_type", "norm_type", "out_type"),
-    [(FLOAT,) * 5, (FLOAT, FLOAT, FLOAT, FLOAT16, FLOAT16), *EXPORTER_TYPE_MIXES.values()],
-    ids=["f32", "f32-out-f16", *EXPORTER_TYPE_MIXES],
+    list(GATED_TYPE_MIXES.values()),
+    ids=list(GATED_TYPE_MIXES),
 )
 def test_gated_dtype(
     y_type: int, z_type: int, w_type: int, norm_type: int, out_type: int, gated_type: int | None, path: str
