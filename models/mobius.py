@@ -346,10 +346,15 @@ def _dims(value_info: Any) -> list[Any]:
 
 def sample_feeds(model_path: Path, checkpoint: str) -> tuple[dict[str, np.ndarray], list[str]]:
     """Return the prompt step's feeds (``PROMPT_LEN`` seeded tokens, empty cache) and the cache input names."""
+    import ml_dtypes
     import onnx
 
     model = onnx.load(model_path, load_external_data=False)
-    np_types = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
+    np_types = {
+        onnx.TensorProto.FLOAT: np.float32,
+        onnx.TensorProto.FLOAT16: np.float16,
+        onnx.TensorProto.BFLOAT16: ml_dtypes.bfloat16,
+    }
     seed = int(hashlib.sha256(checkpoint.encode()).hexdigest()[:8], 16)
     token_ids = np.random.default_rng(seed).integers(3, VOCAB, (1, PROMPT_LEN)).astype(np.int64)
     feeds: dict[str, np.ndarray] = {}
@@ -377,6 +382,16 @@ def present_name(past: str) -> str:
     return "present." + past.split(".", 1)[1]
 
 
+def next_step_inputs(feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Return the next decode step's own inputs after a step fed ``feeds`` gave ``outputs``: the greedy
+    token, and the attention mask one longer (its cache is ``outputs``' presents, see ``present_name``)."""
+    token = int(outputs["logits"][0, -1].astype(np.float32).argmax())
+    step = {"input_ids": np.array([[token]], np.int64)}
+    if "attention_mask" in feeds:
+        step["attention_mask"] = np.ones((1, feeds["attention_mask"].shape[1] + 1), np.int64)
+    return step
+
+
 def run_steps(session: Any, feeds: dict[str, np.ndarray], cache: list[str]) -> list[tuple[dict, dict]]:
     """Return [(inputs, outputs)] of the prompt step and of one decode step (greedy token, cache fed back).
 
@@ -384,10 +399,7 @@ def run_steps(session: Any, feeds: dict[str, np.ndarray], cache: list[str]) -> l
     """
     names = [o.name for o in session.get_outputs()]
     prompt_out = dict(zip(names, session.run(None, feeds), strict=True))
-    token = int(prompt_out["logits"][0, -1].astype(np.float32).argmax())
-    step = {"input_ids": np.array([[token]], np.int64)}
-    if "attention_mask" in feeds:
-        step["attention_mask"] = np.ones((1, feeds["attention_mask"].shape[1] + 1), np.int64)
+    step = next_step_inputs(feeds, prompt_out)
     full = step | {name: prompt_out[present_name(name)] for name in cache}
     decode_out = dict(zip(names, session.run(None, full), strict=True))
     return [(feeds, prompt_out), (step, decode_out)]

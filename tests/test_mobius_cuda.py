@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +34,16 @@ from onnx import helper, numpy_helper
 
 from fusion import rewrite
 from fusion.reference import budget_report, onnx_type_to_dtype, reference_for_budget
-from models.mobius import extract_builds, load_manifest, load_references, present_name
+from models.mobius import (
+    extract_builds,
+    load_manifest,
+    load_references,
+    next_step_inputs,
+    present_name,
+    sample_feeds,
+)
 from tests._cuda import CUDA, cuda_problem
+from tests.test_mobius_fixtures import relative_error
 
 ort = pytest.importorskip("onnxruntime")
 if (_problem := cuda_problem(ort)) is not None:
@@ -121,37 +130,15 @@ def run(session, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def step_feeds(model: onnx.ModelProto, stem: str) -> dict[str, np.ndarray]:
-    """Return the prompt step's feeds: the stored prompt tokens of the build's checkpoint, empty caches."""
-    record = RECORDS[stem]
-    sibling = RECORDS[f"{record['checkpoint']}-f32-{record['variant']}-{record['target']}"]
-    tokens = load_references(sibling["references"])["prefill"]["input"]["input_ids"]
-    np_types = {FLOAT: np.float32, FLOAT16: np.float16, BFLOAT16: onnx_type_to_dtype(BFLOAT16)}
-    feeds = {"input_ids": tokens}
-    for value in model.graph.input:
-        if value.name == "attention_mask":
-            feeds[value.name] = np.ones(tokens.shape, np.int64)
-        elif value.name != "input_ids":
-            dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
-            shape = [1 if d == "batch" else (0 if isinstance(d, str) else d) for d in dims]
-            feeds[value.name] = np.zeros(shape, np_types[value.type.tensor_type.elem_type])
-    return feeds
+def step_feeds(stem: str, builds: Path) -> tuple[dict[str, np.ndarray], Callable[[dict], dict]]:
+    """Return a build's prompt-step feeds (the stored prompt of its checkpoint, empty caches; bf16 caches as
+    bf16) and a function of the prompt step's outputs giving the decode step's feeds."""
+    feeds, cache = sample_feeds(builds / stem / "model.onnx", RECORDS[stem]["checkpoint"])
 
+    def decode(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return next_step_inputs(feeds, outputs) | {past: outputs[present_name(past)] for past in cache}
 
-def decode_feeds(prompt_feeds: dict[str, np.ndarray], prompt_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Return one decode step's feeds: the greedy token, the mask, the cache from ``prompt_out``."""
-    token = int(prompt_out["logits"][0, -1].astype(np.float32).argmax())
-    feeds = {"input_ids": np.array([[token]], np.int64)}
-    if "attention_mask" in prompt_feeds:
-        feeds["attention_mask"] = np.ones((1, prompt_feeds["attention_mask"].shape[1] + 1), np.int64)
-    cache = [k for k in prompt_feeds if k not in ("input_ids", "attention_mask")]
-    return feeds | {past: prompt_out[present_name(past)] for past in cache}
-
-
-def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
-    a, e = actual.astype(np.float64), expected.astype(np.float64)
-    assert a.shape == e.shape
-    return float(np.abs(a - e).max()) / (float(np.abs(e).max()) or 1.0)
+    return feeds, decode
 
 
 def node_providers(profile_file: str) -> dict[str, str]:
@@ -295,9 +282,9 @@ def test_fused_parity_on_cuda(stem: str, library_mode: str, builds: Path, tmp_pa
     original_session = cuda_session(float_io(original, value_types(original, chain_probe, False)), False)
     weights = {t.name: numpy_helper.to_array(t) for t in fused.graph.initializer}
 
-    prompt = step_feeds(original, stem)
+    prompt, decode = step_feeds(stem, builds)
     expected_prompt = run(original_session, prompt)
-    steps = {"prefill": prompt, "decode": decode_feeds(prompt, expected_prompt)}
+    steps = {"prefill": prompt, "decode": decode(expected_prompt)}
     tolerance = MODEL_TOLERANCE[record["dtype"]]
     lines = [f"judged against ORT CUDA's run of {reference}"]
     for phase, feeds in steps.items():
@@ -347,7 +334,7 @@ def test_grouped_original_is_wrong_on_cuda(stem: str, builds: Path) -> None:
     sessions = {
         name: cuda_session(float_io(onnx.load(builds / name / "model.onnx"), {}), False) for name in (stem, twin)
     }
-    feeds = step_feeds(onnx.load(builds / stem / "model.onnx", load_external_data=False), stem)
+    feeds, _ = step_feeds(stem, builds)
     logits = {name: run(session, feeds)["logits"] for name, session in sessions.items()}
     error = relative_error(logits[stem], logits[twin])
     print(f"{stem}: prompt logits, ORT CUDA original vs its workaround twin: {error:.3g} of their scale")

@@ -84,7 +84,7 @@ def test_chains_as_recorded(stem: str, builds: Path) -> None:
     assert [{k: c[k] for k in keys} for c in chains] == [{k: c[k] for k in keys} for c in record["chains"]["details"]]
 
 
-def _close(actual: np.ndarray, expected: np.ndarray, tolerance: float) -> float:
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     """Return max |actual - expected| / max |expected| (0 for an all-zero expected that is matched)."""
     a, e = actual.astype(np.float64), expected.astype(np.float64)
     assert a.shape == e.shape
@@ -107,7 +107,7 @@ def test_references_reproduce(stem: str, builds: Path) -> None:
     tolerance = 1e-6 if RECORDS[stem]["dtype"] == "f32" else 1e-3
     for phase, values in outputs.items():
         for name, value in values.items():
-            error = _close(value, refs[phase]["output"][name], tolerance)
+            error = relative_error(value, refs[phase]["output"][name])
             assert error <= tolerance, f"{phase}/{name}: {error:.2e}"
 
 
@@ -217,7 +217,7 @@ def test_fused_parity(stem: str, library_mode: str, builds: Path, tmp_path: Path
                 continue
             assert ok, f"{phase}, {node.name} ({library_mode}): {message}"
         for name, reference in refs[phase]["output"].items():
-            error = _close(values[name], reference, tolerance)
+            error = relative_error(values[name], reference)
             assert error <= tolerance, f"{phase}/{name}: {error:.2e} of its scale (limit {tolerance:g})"
 
 
