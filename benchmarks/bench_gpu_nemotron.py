@@ -120,6 +120,24 @@ def fused_count(path: Path) -> int:
     return sum(node.op_type == "GatedGroupRMSNorm" for node in model.graph.node)
 
 
+def fuse(source: Path, fused: Path, label: str) -> int:
+    """Fuse `source` into `fused` as the command line does by default; return the fused node count."""
+    from fusion import rewrite
+
+    if rewrite.main([str(source), "-o", str(fused)]) != 0:
+        raise SystemExit(f"{label}: the rewrite failed")
+    return fused_count(fused)
+
+
+def save_stripped(source: Path, target: Path, layout: dict[str, tuple[int, int]], location: str) -> list[dict]:
+    """Save the graph at `source` as `target` with its large tensors moved into the shared `layout` of
+    `location` (``_externalize``); return their manifest."""
+    model = onnx.load(str(source), load_external_data=True)
+    manifest = _externalize(model, layout, location)
+    onnx.save(model, str(target))
+    return manifest
+
+
 #: The dynamo exporter's default opset (18) for fp16, as users get it; bf16 needs 23: at opset 18 Conv and
 #: Softplus do not take bf16, and ONNX Runtime refuses the graph ("Type 'tensor(bfloat16)' of input parameter
 #: ... of operator (Conv) ... is invalid").
@@ -128,7 +146,6 @@ DYNAMO_OPSET = {"fp16": 18, "bf16": 23}
 
 def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
     """Export with torch dynamo, fuse, strip; prefill as exported ("prefill-dynamic") and pinned ("prefill")."""
-    from fusion import rewrite
     from models import build
     from models import export as exporter
 
@@ -148,14 +165,10 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
                     "nemotron_h", "dynamo", dtype, mode, opset=DYNAMO_OPSET[dtype], size="real", out=source
                 )
                 fused = Path(tmp) / "model.fused.onnx"
-                if rewrite.main([str(source), "-o", str(fused)]) != 0:
-                    raise SystemExit(f"{dtype} {key}: the rewrite failed")
-                count = fused_count(fused)
+                count = fuse(source, fused, f"{dtype} {key}")
                 for name, path in (("before", source), ("after", fused)):
-                    model = onnx.load(str(path), load_external_data=True)
-                    manifest = _externalize(model, layout, location)
                     target = out / f"{dtype}-{key}-{name}.onnx"
-                    onnx.save(model, str(target))
+                    manifest = save_stripped(path, target, layout, location)
                     entries[f"{key}-{name}"] = {"graph": target.name, "weights": manifest}
                 print(
                     f"{dtype} {key}: {record.num_mamba_layers} Mamba layers, {count} chains fused; exported and "
@@ -182,8 +195,6 @@ def pin_prefill(out: Path, dtype: str) -> None:
     import onnx_ir as ir
     import onnxscript.optimizer
 
-    from fusion import rewrite
-
     meta = json.loads((out / f"{dtype}.json").read_text())
     weights = out / meta["location"]
     created = not weights.exists()
@@ -205,9 +216,8 @@ def pin_prefill(out: Path, dtype: str) -> None:
         ir.save(folded, str(source))
         pinned.unlink()
         fused = out / f"{dtype}-prefill-after.onnx"
-        if rewrite.main([str(source), "-o", str(fused)]) != 0:
-            raise SystemExit(f"{dtype} prefill: the rewrite failed")
-        print(f"{dtype} prefill: {fused_count(fused)} chains fused in the pinned graph", flush=True)
+        count = fuse(source, fused, f"{dtype} prefill")
+        print(f"{dtype} prefill: {count} chains fused in the pinned graph", flush=True)
         for path in (source, fused):  # still the shared layout
             for t in onnx.load(str(path), load_external_data=False).graph.initializer:
                 if t.data_location == onnx.TensorProto.EXTERNAL:
@@ -235,7 +245,6 @@ def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None
     Hugging Face folder (``checkpoint``, or a temporary one; ~4 GB in fp32); mobius runs in a subprocess per
     dtype, through models/mobius.py's wrapper (its 0.1.0 workarounds). One graph serves prefill and decode.
     """
-    from fusion import rewrite
     from models import build, mobius
 
     out.mkdir(parents=True, exist_ok=True)
@@ -257,9 +266,7 @@ def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None
                 raise SystemExit(f"{dtype}: mobius build failed (exit {done.returncode})")
             built = time.perf_counter() - t0
             source, fused = build_dir / "model.onnx", build_dir / "model.fused.onnx"
-            if rewrite.main([str(source), "-o", str(fused)]) != 0:
-                raise SystemExit(f"{dtype} mobius: the rewrite failed")
-            count = fused_count(fused)
+            count = fuse(source, fused, f"{dtype} mobius")
             if count != LAYERS.count("linear_attention"):
                 raise SystemExit(
                     f"{dtype} mobius: {count} GatedGroupRMSNorm nodes, expected {LAYERS.count('linear_attention')}"
@@ -269,11 +276,8 @@ def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None
             location = f"weights-{dtype}.bin"
             entries = {}
             for name, path in (("before", source), ("after", fused)):
-                model = onnx.load(str(path), load_external_data=True)
-                manifest = _externalize(model, layout, location)
                 target = out / f"{dtype}-{name}.onnx"
-                onnx.save(model, str(target))
-                del model
+                manifest = save_stripped(path, target, layout, location)
                 for mode in ("decode", "prefill"):  # one graph for both
                     entries[f"{mode}-{name}"] = {"graph": target.name, "weights": manifest}
             _write_meta(out, dtype, "mobius", layout, location, entries)
