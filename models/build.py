@@ -331,32 +331,6 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             max_position_embeddings=4096,
             tie_word_embeddings=True,
         ),
-        # IBM Granite-4.0-H-Small (ibm-granite/granite-4.0-h-small config.json): hidden 4096, expand 2
-        # (C = 8192: 128 heads x 64), 1 group, d_state 128, 32 q / 8 kv heads, 72 experts of 768 (top 10),
-        # shared expert 1536, vocab 100352, 40 layers. Three layers, vocab cut down, 10 experts: ~590 M
-        # parameters (2.4 GB in fp32: exports go to a .data sidecar).
-        "real-large": dict(
-            vocab_size=1024,
-            hidden_size=4096,
-            num_hidden_layers=3,
-            layer_types=["mamba", "attention", "mamba"],
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            intermediate_size=768,
-            shared_intermediate_size=1536,
-            num_local_experts=10,
-            num_experts_per_tok=10,
-            mamba_n_heads=128,
-            mamba_d_head=64,  # C = 8192
-            mamba_n_groups=1,  # group_size 8192
-            mamba_d_state=128,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=256,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-        ),
     },
     "falcon_h1": {
         # Every Falcon-H1 layer runs attention and a Mamba-2 mixer in parallel: two layers, two chains.
@@ -410,31 +384,32 @@ CONFIGS: dict[str, dict[str, dict[str, Any]]] = {
             max_position_embeddings=4096,
             tie_word_embeddings=False,
         ),
-        # TII Falcon-H1-7B (same table): 44 layers, hidden 3072, 12 q / 2 kv heads of 128, 24 Mamba heads x
-        # 128 (C = 3072), d_state 256. 1 group, MLP 4608 as above. Three layers: ~255 M parameters.
-        "real-large": dict(
-            vocab_size=1024,
-            hidden_size=3072,
-            num_hidden_layers=3,
-            num_attention_heads=12,
-            num_key_value_heads=2,
-            head_dim=128,
-            intermediate_size=4608,
-            mamba_n_heads=24,
-            mamba_d_head=128,
-            mamba_d_ssm=3072,  # C = 3072
-            mamba_n_groups=1,
-            mamba_d_state=256,
-            mamba_d_conv=4,
-            mamba_expand=2,
-            mamba_chunk_size=256,
-            mamba_rms_norm=True,
-            mamba_norm_before_gate=False,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        ),
     },
+}
+# IBM Granite-4.0-H-Small (ibm-granite/granite-4.0-h-small config.json): hidden 4096, expand 2
+# (C = 8192: 128 heads x 64), 1 group, d_state 128, 32 q / 8 kv heads, 72 experts of 768 (top 10),
+# shared expert 1536, vocab 100352, 40 layers. Three layers, vocab cut down, 10 experts: ~590 M
+# parameters (2.4 GB in fp32: exports go to a .data sidecar).
+# Its "real" config with these changed:
+CONFIGS["granitemoehybrid"]["real-large"] = {
+    **CONFIGS["granitemoehybrid"]["real"],
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 768,
+    "shared_intermediate_size": 1536,
+    "num_local_experts": 10,
+    "num_experts_per_tok": 10,
+    "mamba_n_heads": 128,  # C = 8192
+}
+# TII Falcon-H1-7B (same table): 44 layers, hidden 3072, 12 q / 2 kv heads of 128, 24 Mamba heads x
+# 128 (C = 3072), d_state 256. 1 group, MLP 4608 as above. Three layers: ~255 M parameters.
+CONFIGS["falcon_h1"]["real-large"] = {
+    **CONFIGS["falcon_h1"]["real"],
+    "hidden_size": 3072,
+    "num_attention_heads": 12,
+    "mamba_n_heads": 24,
+    "mamba_d_head": 128,  # C = 3072
 }
 # Falcon-H1 with the norm applied before the gate: the same model with one flag flipped (refused, a
 # different op).
