@@ -71,26 +71,31 @@ def test_fixture_set_fits_the_budget() -> None:
     assert total <= FIXTURE_BUDGET_BYTES, f"fixtures take {total / 1e6:.2f} MB > {FIXTURE_BUDGET_BYTES / 1e6} MB"
 
 
-@pytest.mark.parametrize("stem", sorted(FIXTURES))
-def test_fixture_is_valid_and_described(stem: str) -> None:
-    record = FIXTURES[stem]
-    model = onnx.load(_path(stem))
-    # onnx.checker passes, or its only objection is the recorded one (ORT-only ops in the default
-    # domain, written by transformers' ort_fusions; see models.onnx_utils.check).
+def assert_model_as_recorded(model: onnx.ModelProto, record: dict, step_inputs: set[str]) -> None:
+    """The model passes onnx.checker or with the recorded objection only (ORT-only ops in the default
+    domain, written by transformers' ort_fusions; see models.onnx_utils.check), its inputs, outputs and
+    opset are the manifest's, and a decode graph feeds every cache input back: its other inputs are
+    ``step_inputs``."""
     assert check(model) == record["checker"]
     assert [i.name for i in model.graph.input] == [i["name"] for i in record["inputs"]]
     assert [o.name for o in model.graph.output] == [o["name"] for o in record["outputs"]]
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    assert opset == record["opset"]
+    assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == record["opset"]
+    if record["mode"] == "decode":
+        inputs = {i["name"] for i in record["inputs"]}
+        assert record["cache_map"], f"{record['file']}: decode graph without a cache map"
+        assert set(record["cache_map"].values()) <= inputs
+        assert inputs - set(record["cache_map"].values()) == step_inputs
+
+
+@pytest.mark.parametrize("stem", sorted(FIXTURES))
+def test_fixture_is_valid_and_described(stem: str) -> None:
+    record = FIXTURES[stem]
+    # The step inputs: the token, its position (and the cache).
+    assert_model_as_recorded(onnx.load(_path(stem)), record, {"input_ids", "position_ids"})
     for key in ("torch", "transformers", "onnx"):
         assert record["versions"][key], f"{stem}: no {key} version recorded"
     if record["mode"] == "decode":
-        inputs = {i["name"] for i in record["inputs"]}
-        outputs = {o["name"] for o in record["outputs"]}
-        assert record["cache_map"], f"{stem}: decode graph without a cache map"
-        assert set(record["cache_map"]) <= outputs and set(record["cache_map"].values()) <= inputs
-        # Every cache input is fed back: the step inputs are the token, its position and the cache.
-        assert inputs - set(record["cache_map"].values()) == {"input_ids", "position_ids"}
+        assert set(record["cache_map"]) <= {o["name"] for o in record["outputs"]}
 
 
 @pytest.mark.parametrize("stem", sorted(FIXTURES))
