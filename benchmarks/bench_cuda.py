@@ -455,10 +455,7 @@ VARIANT_VARIABLES = (
 
 
 def variants_table(args, kernel: FusedKernel, emit) -> None:
-    """The launch configurations ChooseCudaLaunch picks among, fp16 (hot and cold), and the warp path."""
-    emit()
-    emit("### Vector path: launch variants (µs per call in a CUDA graph, hot / cold; fp16)")
-    emit()
+    """The launch configurations ChooseCudaLaunch picks among (hot and cold), and the warp path."""
     variants = [  # (chunks per thread, warps per group, grid, specialized uniform-type kernel)
         ("1", "4", "wave", "1"),
         ("1", "4", "wave", "0"),
@@ -471,37 +468,44 @@ def variants_table(args, kernel: FusedKernel, emit) -> None:
         ("4", "1", "full", "1"),
     ]
     names = [f"{c}c x {w}w {g}{'' if sp == '1' else ' generic'}" for c, w, g, sp in variants]
-    emit("| C / group | rows | warp path | " + " | ".join(names) + " | launcher's choice |")
-    emit("|---|---|---|" + "---|" * len(names) + "---|")
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    for channels in (7680, 8192):
-        group_size = channels // 8
-        for rows in [int(r) for r in args.rows.split(",")]:
-            probe = Buffers(rows, channels, torch.float16, 1, gen)
-            sets = 1 if rows == 1 else cold_sets(probe.set_bytes)
-            b = Buffers(rows, channels, torch.float16, sets, gen)
+    for dtype_name in args.variant_dtypes.split(","):
+        emit()
+        emit(
+            f"### Vector path: launch variants (µs per call in a CUDA graph, hot / cold; {dtype_name}; "
+            '"generic": the specialized kernel switched off)'
+        )
+        emit()
+        emit("| C / group | rows | warp path | " + " | ".join(names) + " | launcher's choice |")
+        emit("|---|---|---|" + "---|" * len(names) + "---|")
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for channels in (7680, 8192):
+            group_size = channels // 8
+            for rows in [int(r) for r in args.rows.split(",")]:
+                probe = Buffers(rows, channels, DTYPES[dtype_name], 1, gen)
+                sets = 1 if rows == 1 else cold_sets(probe.set_bytes)
+                b = Buffers(rows, channels, DTYPES[dtype_name], sets, gen)
 
-            def timed(path: int) -> str:
-                calls, repeats = (400, 15) if rows == 1 else (50, 7)
-                hot = graph_us(lambda i: kernel(b.y[0], b.z[0], b.w, b.out[0], group_size, path), calls, repeats)
-                if sets == 1:
-                    return f"{hot:.2f}"
-                cold = graph_us(lambda i: kernel(b.y[i], b.z[i], b.w, b.out[i], group_size, path), sets=sets)
-                return f"{hot:.2f} / {cold:.2f}"
+                def timed(path: int) -> str:
+                    calls, repeats = (400, 15) if rows == 1 else (50, 7)
+                    hot = graph_us(lambda i: kernel(b.y[0], b.z[0], b.w, b.out[0], group_size, path), calls, repeats)
+                    if sets == 1:
+                        return f"{hot:.2f}"
+                    cold = graph_us(lambda i: kernel(b.y[i], b.z[i], b.w, b.out[i], group_size, path), sets=sets)
+                    return f"{hot:.2f} / {cold:.2f}"
 
-            row = [f"{channels} / {group_size}", str(rows), timed(1)]
-            for chunks, warps, grid, specialized in variants:
-                os.environ.update(
-                    MAMBAFUSE_CUDA_CHUNKS=chunks,
-                    MAMBAFUSE_CUDA_WARPS_PER_GROUP=warps,
-                    MAMBAFUSE_CUDA_GRID=grid,
-                    MAMBAFUSE_CUDA_SPECIALIZED=specialized,
-                )
-                row.append(timed(2))
-            for key in VARIANT_VARIABLES:
-                os.environ.pop(key, None)
-            row.append(kernel.choice(b.y[0], b.z[0], b.w, b.out[0], group_size))
-            emit("| " + " | ".join(row) + " |")
+                row = [f"{channels} / {group_size}", str(rows), timed(1)]
+                for chunks, warps, grid, specialized in variants:
+                    os.environ.update(
+                        MAMBAFUSE_CUDA_CHUNKS=chunks,
+                        MAMBAFUSE_CUDA_WARPS_PER_GROUP=warps,
+                        MAMBAFUSE_CUDA_GRID=grid,
+                        MAMBAFUSE_CUDA_SPECIALIZED=specialized,
+                    )
+                    row.append(timed(2))
+                for key in VARIANT_VARIABLES:
+                    os.environ.pop(key, None)
+                row.append(kernel.choice(b.y[0], b.z[0], b.w, b.out[0], group_size))
+                emit("| " + " | ".join(row) + " |")
 
 
 def ort_value(t: torch.Tensor):
@@ -596,6 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path, default=None)
     parser.add_argument("--dtypes", default="fp16,bf16,fp32")
     parser.add_argument("--rows", default="1,512,8192")
+    parser.add_argument("--variant-dtypes", default="fp16", help="the dtypes of the launch-variant table")
     parser.add_argument("--compile-dtypes", default="fp16,bf16", help="torch.compile is compiled per shape: slow")
     parser.add_argument("--skip", default="", help="comma-separated: kernels,variants,ort")
     args = parser.parse_args(argv)
