@@ -445,6 +445,58 @@ def kernel_table(args, kernel: FusedKernel, baseline: FusedKernel | None, rmsnor
     )
 
 
+def cupti_us(call: Callable[[], object], calls: int = 200) -> float:
+    """GPU time per call from CUPTI (torch.profiler): every kernel the call launches, summed, / calls. This is
+    what the end-to-end benchmark (benchmarks/bench_gpu_nemotron.py) reports per node, unlike a graph replay's
+    time per call, which includes the gaps between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    total = 0.0
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        total += device_us if device_us is not None else getattr(event, "self_cuda_time_total", 0.0)
+    return total / calls
+
+
+def cupti_table(args, kernel: FusedKernel, rmsnorm_fn, emit) -> None:
+    """Decode size (1 row, L2-resident as in a model's step): the kernels' durations as CUPTI measures them, with
+    the two floors a fused kernel cannot go under: a copy of the same bytes and a 1-element fill."""
+    emit()
+    emit("### One row, GPU time per call as CUPTI measures it (µs; mean of 200 calls, buffers L2-resident)")
+    emit()
+    emit("| dtype | C | fused | mamba_ssm Triton | copy kernel, same bytes | 1-element fill |")
+    emit("|---|---|---|---|---|---|")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for dtype_name in args.dtypes.split(","):
+        for channels in (7680, 8192):
+            group_size = channels // 8
+            b = Buffers(1, channels, DTYPES[dtype_name], 1, gen)
+            row = [
+                dtype_name,
+                str(channels),
+                f"{cupti_us(lambda: kernel(b.y[0], b.z[0], b.w, b.out[0], group_size)):.2f}",
+            ]
+            if rmsnorm_fn is None:
+                row.append("n/a")
+            else:
+                triton = cupti_us(
+                    lambda: rmsnorm_fn(
+                        b.y[0], b.w, None, z=b.z[0], eps=EPS, group_size=group_size, norm_before_gate=False
+                    )
+                )
+                row.append(f"{triton:.2f}")
+            row.append(f"{cupti_us(lambda: torch.mul(b.copy_src[0], 1.0, out=b.copy_dst[0])):.2f}")
+            row.append(f"{cupti_us(lambda: FILL.fill_(1.0)):.2f}")
+            emit("| " + " | ".join(row) + " |")
+
+
 FILL = None
 VARIANT_VARIABLES = (
     "MAMBAFUSE_CUDA_CHUNKS",
@@ -602,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,512,8192")
     parser.add_argument("--variant-dtypes", default="fp16", help="the dtypes of the launch-variant table")
     parser.add_argument("--compile-dtypes", default="fp16,bf16", help="torch.compile is compiled per shape: slow")
-    parser.add_argument("--skip", default="", help="comma-separated: kernels,variants,ort")
+    parser.add_argument("--skip", default="", help="comma-separated: kernels,cupti,variants,ort")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -631,6 +683,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit()
     if "kernels" not in skip:
         kernel_table(args, kernel, baseline, rmsnorm_fn, compiled, emit)
+    if "cupti" not in skip:
+        cupti_table(args, kernel, rmsnorm_fn, emit)
     if "variants" not in skip:
         variants_table(args, kernel, emit)
     if with_ort and "ort" not in skip:

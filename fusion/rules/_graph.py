@@ -26,7 +26,7 @@ _MAX_DEPTH = 32
 
 #: Ops that only rearrange (or, Cast, convert) a constant's elements: a small constant seen through them
 #: is still a known constant (dynamo's optimize=False writes ReduceMean axes as Reshape(Constant)).
-_ELEMENT_PRESERVING = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Identity", "Flatten", "Cast"})
+_ELEMENT_PRESERVING = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Identity", "Flatten", "Cast", "CastLike"})
 _MAX_FOLDED_ELEMENTS = 1024
 
 
@@ -56,6 +56,15 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
                 if to is None:
                     return None
                 return inner.reshape(-1).astype(ir.DataType(to.as_int()).numpy())
+            if producer.op_type == "CastLike":  # to the type of its second input (e.g. a float 0 made int64)
+                like = producer.inputs[1] if len(producer.inputs) > 1 else None
+                like_type = None if like is None or like.dtype is None else like.dtype.numpy()
+                if like_type is None:  # an untyped Constant: its own data's type
+                    like_data = constant_array(like, _depth + 1)
+                    like_type = None if like_data is None else like_data.dtype
+                if like_type is None:
+                    return None
+                return inner.reshape(-1).astype(like_type)
             return inner.reshape(-1)
         if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
             return None
@@ -66,8 +75,10 @@ def constant_array(value: ir.Value | None, _depth: int = 0) -> np.ndarray | None
             tensor = attr.as_tensor()
         elif attr.name in ("value_float", "value_int"):
             return np.array(attr.value)
-        elif attr.name in ("value_floats", "value_ints"):
-            return np.array(list(attr.value))
+        elif attr.name == "value_ints":
+            return np.array(list(attr.value), dtype=np.int64)  # also when empty (numpy's default is float)
+        elif attr.name == "value_floats":
+            return np.array(list(attr.value), dtype=np.float32)
         else:
             return None
     try:
@@ -84,7 +95,7 @@ def constant_scalar(value: ir.Value | None) -> float | None:
     return float(array.reshape(()))
 
 
-def value_dims(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]]) -> list[Dim] | None:
+def value_dims(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim] | None]) -> list[Dim] | None:
     """Return the dims of ``value`` as Dims, or None when its rank is unknown.
 
     ``aliases`` maps values whose dims were proven equal to a known list (the chain's tensors).
@@ -92,7 +103,8 @@ def value_dims(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]]
     if value is None:
         return None
     if value in aliases:
-        return list(aliases[value])
+        known = aliases[value]
+        return None if known is None else list(known)
     if value.shape is None:
         return None
     dims: list[Dim] = []
@@ -159,7 +171,7 @@ def resolve_shape_tensor(
             if scalar is not _UNRESOLVED:
                 return [scalar]
             return [None] if int(target.reshape(-1)[0]) == 1 else None
-    if op in ("Cast", "Identity"):
+    if op in ("Cast", "CastLike", "Identity"):
         return resolve_shape_tensor(inputs[0], aliases, depth + 1)
     if op == "Unsqueeze":
         # The result is a valid 1-D shape only when the input is a scalar: one element, known or not.
@@ -239,7 +251,7 @@ def _scalar_leaf(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim
     if producer is None or producer.domain not in ("", "ai.onnx"):
         return _UNRESOLVED
     op, inputs = producer.op_type, producer.inputs
-    if op in ("Cast", "Identity", "Squeeze", "Reshape", "Unsqueeze"):
+    if op in ("Cast", "CastLike", "Identity", "Squeeze", "Reshape", "Unsqueeze"):
         inner = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         if inner is not None and len(inner) == 1 and inner[0] is not None:
             return inner[0]
@@ -279,7 +291,7 @@ def quasi_affine(
     if producer is None or producer.domain not in ("", "ai.onnx"):
         return None
     op, inputs = producer.op_type, [v for v in producer.inputs]
-    if op in ("Cast", "Identity", "Squeeze", "Unsqueeze", "Reshape") and inputs:
+    if op in ("Cast", "CastLike", "Identity", "Squeeze", "Unsqueeze", "Reshape") and inputs:
         return quasi_affine(inputs[0], aliases, depth + 1)
     if len(inputs) != 2 or op not in (*_ARITHMETIC, "Div", "Mod"):
         return None
@@ -310,20 +322,40 @@ def dims_equal(left: Dim, right: Dim) -> bool:
     return left == right
 
 
-#: Ops whose output has the shape of their (only) data input.
+#: Ops whose output 0 has the shape of their data input 0 (other inputs are scalars, axes or parameters that
+#: cannot change it; ops with several outputs only for output 0).
 _SAME_SHAPE = frozenset(
-    {"Cast", "Identity", "Neg", "Exp", "Log", "Sigmoid", "Softplus", "Relu", "Abs", "Sqrt", "Reciprocal", "Tanh"}
-)
-#: Elementwise ops with numpy broadcasting.
-_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"})
+    {
+        "Cast", "CastLike", "Identity", "Neg", "Exp", "Log", "Sigmoid", "Softplus", "Relu", "Abs", "Sqrt",
+        "Reciprocal", "Tanh", "Erf", "Floor", "Ceil", "Round", "Sign", "Sin", "Cos", "Not", "IsNaN", "IsInf",
+        "Softmax", "LogSoftmax", "CumSum", "Trilu", "Clip", "Dropout", "HardSigmoid", "LeakyRelu", "Elu", "Selu",
+        "Celu", "Softsign", "Mish", "Gelu", "LayerNormalization", "RMSNormalization", "RotaryEmbedding",
+    }
+)  # fmt: skip
+#: Elementwise ops with numpy (multidirectional) broadcasting, any number of inputs.
+_BROADCASTING = frozenset(
+    {
+        "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Mod", "Equal", "Less", "Greater",
+        "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Where", "BitShift",
+    }
+)  # fmt: skip
+#: Reductions with the keepdims / axes / noop_with_empty_axes convention.
+_REDUCTIONS = frozenset(
+    {
+        "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+        "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare",
+    }
+)  # fmt: skip
+#: This project's fused op: its output has Y's shape (the op requires Z to have it too).
+_OWN_DOMAIN = "ai.mambafuse"
 
 
 def forward_dims(value: ir.Value | None) -> list[Dim] | None:
-    """Return the dims of ``value`` proven from the graph: graph inputs' and initializers' shapes, then
-    Reshape targets (shape arithmetic followed), Slice, Transpose, elementwise ops. None when not proven.
+    """Return the dims of ``value`` proven from the graph: graph inputs' and initializers' shapes, then each
+    op's output shape from its inputs' (``_infer_dims``). None when not proven.
 
     Declared shapes of intermediate values are never used: they are hints, not checked at run time.
-    Each value is visited once (a graph's shared subexpressions would otherwise be walked again).
+    Walks the producers back to a bounded depth; ``ForwardShapes`` covers a whole graph in one pass.
     """
     return _forward_dims(value, 0, {})
 
@@ -333,38 +365,416 @@ def _forward_dims(value: ir.Value | None, depth: int, seen: dict[ir.Value, list[
         return None
     if value not in seen:
         seen[value] = None  # also ends a cycle
-        seen[value] = _producer_dims(value, depth, seen)
+        producer = value.producer()
+        if producer is None:  # a graph input (its declared shape is the model's interface) or initializer
+            seen[value] = value_dims(value, {})
+        else:
+            seen[value] = _infer_dims(
+                producer, _output_index(producer, value), lambda source: _forward_dims(source, depth + 1, seen), {}
+            )
     return seen[value]
 
 
-def _producer_dims(value: ir.Value, depth: int, seen: dict[ir.Value, list[Dim] | None]) -> list[Dim] | None:
-    producer = value.producer()
-    if producer is None:  # a graph input (its declared shape is the model's interface) or initializer
-        return value_dims(value, {})
-    if producer.domain not in ("", "ai.onnx") or not producer.inputs:
-        return None
-    op, inputs = producer.op_type, producer.inputs
+class ForwardShapes:
+    """The proven dims of every value of one graph, from one pass over its nodes in order (ONNX graphs are
+    topologically sorted; a value used before its producer ran is simply not proven).
 
-    def dims_of(index: int) -> list[Dim] | None:
-        return _forward_dims(inputs[index], depth + 1, seen)
+    Shape tensors are resolved with the proven dims of the values their ``Shape`` nodes read, never with the
+    declared dims of an intermediate value. Built on the first query; values created afterwards (by a rewrite)
+    fall back to ``forward_dims``. A rewrite that preserves what the graph computes keeps every entry true, so
+    one instance serves one rewrite pass (the rules make a new one per pass).
+    """
 
-    if op in _SAME_SHAPE:
-        return dims_of(0)
-    if op in _BROADCASTING and len(inputs) == 2:
-        left = dims_of(0)
-        return None if left is None else _broadcast(left, dims_of(1))
-    if op == "Transpose":
-        dims = dims_of(0)
-        perm = producer.attributes.get("perm")
-        if dims is None:
+    def __init__(self, graph: ir.Graph | ir.Function | None) -> None:
+        self._graph = graph
+        self._dims: dict[ir.Value, list[Dim] | None] | None = None
+
+    def __call__(self, value: ir.Value | None) -> list[Dim] | None:
+        if value is None:
             return None
-        order = list(perm.as_ints()) if perm is not None else list(reversed(range(len(dims))))
-        return [dims[i] for i in order] if sorted(order) == list(range(len(dims))) else None
-    if op == "Reshape" and len(inputs) > 1:
-        return _reshape_dims(producer, lambda: dims_of(0))
-    if op == "Slice":
-        return _slice_dims(producer, dims_of(0))
+        if self._dims is None:
+            self._dims = self._infer_all()
+        if value in self._dims:
+            return self._dims[value]
+        return forward_dims(value)
+
+    def _infer_all(self) -> dict[ir.Value, list[Dim] | None]:
+        dims: dict[ir.Value, list[Dim] | None] = {}
+        if self._graph is None:
+            return dims
+        aliases = _ProvenDims(dims)
+        for value in self._graph.inputs:
+            dims[value] = value_dims(value, {})
+        if isinstance(self._graph, ir.Graph):
+            for value in self._graph.initializers.values():
+                dims[value] = value_dims(value, {})
+
+        def dims_of(value: ir.Value | None) -> list[Dim] | None:
+            if value is None:
+                return None
+            if value in dims:
+                return dims[value]
+            # Not produced in this graph before here: an outer scope's value, or one used before its producer.
+            return value_dims(value, {}) if value.producer() is None and value.const_value is not None else None
+
+        for node in self._graph:
+            for index, output in enumerate(node.outputs):
+                dims[output] = _infer_dims(node, index, dims_of, aliases)
+        return dims
+
+
+class _ProvenDims(Mapping[ir.Value, Sequence[Dim] | None]):
+    """Aliases for shape-tensor resolution: every produced value maps to its proven dims (None when not proven),
+    so that a ``Shape`` of an intermediate value never reads that value's declared dims."""
+
+    def __init__(self, dims: dict[ir.Value, list[Dim] | None]) -> None:
+        self._dims = dims
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, ir.Value) and value.producer() is not None
+
+    def __getitem__(self, value: ir.Value) -> Sequence[Dim] | None:
+        return self._dims.get(value)
+
+    def __iter__(self) -> Iterator[ir.Value]:
+        return iter(self._dims)
+
+    def __len__(self) -> int:
+        return len(self._dims)
+
+
+def _output_index(node: ir.Node, value: ir.Value) -> int:
+    return next(i for i, output in enumerate(node.outputs) if output is value)
+
+
+def _int_list(node: ir.Node, attribute: str, input_index: int) -> list[int] | None:
+    """Return an int list given as an attribute (older opsets) or as a constant input (newer ones)."""
+    attr = node.attributes.get(attribute)
+    if attr is not None:
+        return [int(v) for v in attr.as_ints()]
+    if input_index < len(node.inputs) and node.inputs[input_index] is not None:
+        array = constant_array(node.inputs[input_index])
+        if array is None or array.dtype.kind not in "iu" or array.ndim > 1:
+            return None
+        return [int(v) for v in array.reshape(-1)]
     return None
+
+
+def _normalized_axes(axes: Sequence[int], rank: int) -> list[int] | None:
+    normalized = [a + rank if a < 0 else a for a in axes]
+    if any(a < 0 or a >= rank for a in normalized) or len(set(normalized)) != len(normalized):
+        return None
+    return normalized
+
+
+def _sum_dims(parts: Sequence[Dim]) -> Dim:
+    total: _arith.QuasiAffine | None = _arith.QuasiAffine.constant(0)
+    for part in parts:
+        term = as_expression(part)
+        total = None if term is None or total is None else _arith.add(total, term)
+    return None if total is None else simplified(total)
+
+
+def _infer_dims(
+    node: ir.Node,
+    index: int,
+    dims_of: Callable[[ir.Value | None], list[Dim] | None],
+    aliases: Mapping[ir.Value, Sequence[Dim] | None],
+) -> list[Dim] | None:
+    """Return the dims of output ``index`` of ``node`` from its inputs' dims (``dims_of``), or None.
+
+    Each rule is the ONNX operator's shape function for the case it accepts, and assumes only that the node
+    runs (an op whose inputs do not fit fails at run time instead of producing a tensor of another shape).
+    """
+    if node.domain == _OWN_DOMAIN and node.op_type == "GatedGroupRMSNorm":
+        return dims_of(node.inputs[0]) if index == 0 and node.inputs else None
+    if node.domain not in ("", "ai.onnx") or not node.outputs:
+        return None
+    op, inputs = node.op_type, node.inputs
+
+    def dims(i: int) -> list[Dim] | None:
+        return dims_of(inputs[i]) if i < len(inputs) else None
+
+    if op == "Constant":
+        array = constant_array(node.outputs[0])
+        return None if array is None else [int(d) for d in array.shape]
+    if not inputs:
+        return None
+    if op in _SAME_SHAPE:
+        return dims(0) if index == 0 else None
+    if op in _BROADCASTING:
+        result = dims(0)
+        for i in range(1, len(inputs)):
+            result = _broadcast(result, dims(i))
+        return result
+    if op == "Transpose":
+        source = dims(0)
+        perm = node.attributes.get("perm")
+        if source is None:
+            return None
+        order = list(perm.as_ints()) if perm is not None else list(reversed(range(len(source))))
+        return [source[i] for i in order] if sorted(order) == list(range(len(source))) else None
+    if op == "Reshape" and len(inputs) > 1:
+        return _reshape_dims(node, lambda: dims(0), aliases)
+    if op == "Slice":
+        return _slice_dims(node, dims(0), aliases)
+    if op == "Unsqueeze":
+        source, axes = dims(0), _int_list(node, "axes", 1)
+        if source is None or axes is None:
+            return None
+        rank = len(source) + len(axes)
+        normalized = _normalized_axes(axes, rank)
+        if normalized is None:
+            return None
+        rest = iter(source)
+        return [1 if axis in normalized else next(rest) for axis in range(rank)]
+    if op == "Squeeze":
+        source, axes = dims(0), _int_list(node, "axes", 1)
+        if source is not None and axes is None and len(inputs) < 2 and all(isinstance(d, int) for d in source):
+            return [d for d in source if d != 1]  # no axes: every dim of size 1 goes
+        if source is None or axes is None:
+            return None  # no axes and a symbolic dim (is it 1?), or axes computed at run time
+        normalized = _normalized_axes(axes, len(source))
+        if normalized is None:
+            return None
+        return [dim for axis, dim in enumerate(source) if axis not in normalized]
+    if op == "Expand" and len(inputs) > 1:
+        shape = resolve_shape_tensor(inputs[1], aliases)
+        return None if shape is None else _broadcast(dims(0), shape)
+    if op == "Split":
+        return _split_dims(node, index, dims(0))
+    if op == "Concat":
+        parts = [dims(i) for i in range(len(inputs))]
+        if any(part is None for part in parts) or len({len(part) for part in parts}) != 1:  # type: ignore[arg-type]
+            return None
+        rank = len(parts[0])  # type: ignore[arg-type]
+        axis = node.attributes.get_int("axis", 0)
+        axis = axis + rank if axis < 0 else axis
+        if not 0 <= axis < rank:
+            return None
+        result = list(parts[0])  # type: ignore[arg-type]
+        for position in range(rank):  # the other axes are equal in every input (or the node fails): any is right
+            known = [part[position] for part in parts if part[position] is not None]  # type: ignore[index]
+            result[position] = known[0] if known else None
+        result[axis] = _sum_dims([part[axis] for part in parts])  # type: ignore[index]
+        return result
+    if op == "Gather" and len(inputs) > 1:
+        data, indices = dims(0), dims(1)
+        if data is None or indices is None:
+            return None
+        axis = node.attributes.get_int("axis", 0)
+        axis = axis + len(data) if axis < 0 else axis
+        if not 0 <= axis < len(data):
+            return None
+        return [*data[:axis], *indices, *data[axis + 1 :]]
+    if op == "MatMul" and len(inputs) > 1:
+        left, right = dims(0), dims(1)
+        if left is None or right is None or len(left) < 2 or len(right) < 2:
+            return None  # 1-D operands: not needed here
+        batch = _broadcast(left[:-2], right[:-2])
+        return None if batch is None else [*batch, left[-2], right[-1]]
+    if op == "Einsum":
+        return _einsum_dims(node, [dims(i) for i in range(len(inputs))])
+    if op == "Pad":
+        return _pad_dims(node, dims(0), aliases)
+    if op == "Conv" and len(inputs) > 1:
+        return _conv_dims(node, dims(0), dims(1))
+    if op in _REDUCTIONS:
+        return _reduce_dims(node, dims(0))
+    if op == "Shape":
+        source = dims(0)
+        if source is None:
+            return None
+        start = node.attributes.get_int("start", 0)
+        end_attr = node.attributes.get("end")
+        return [len(source[_normalized_slice(len(source), start, None if end_attr is None else end_attr.as_int())])]
+    if op == "ConstantOfShape":
+        return resolve_shape_tensor(inputs[0], aliases)
+    if op == "Range" and len(inputs) == 3:
+        return _range_dims(inputs, aliases)
+    if op == "GatherND" and len(inputs) > 1:
+        data, indices = dims(0), dims(1)
+        batch = node.attributes.get_int("batch_dims", 0)
+        if data is None or indices is None or not indices or not isinstance(indices[-1], int) or batch != 0:
+            return None
+        return [*indices[:-1], *data[indices[-1] :]] if indices[-1] <= len(data) else None
+    if op == "SequenceAt" and len(inputs) > 1:
+        return _sequence_at_dims(node, dims_of)
+    return None
+
+
+def _sequence_at_dims(node: ir.Node, dims_of: Callable[[ir.Value | None], list[Dim] | None]) -> list[Dim] | None:
+    """SequenceAt(SplitToSequence(x, constant sizes or part length), constant position): that part of x."""
+    split = node.inputs[0].producer() if node.inputs[0] is not None else None
+    position = constant_array(node.inputs[1])
+    if split is None or split.op_type != "SplitToSequence" or split.domain not in ("", "ai.onnx"):
+        return None
+    if position is None or position.size != 1 or len(split.inputs) < 2:
+        return None
+    source, sizes = dims_of(split.inputs[0]), constant_array(split.inputs[1])
+    if source is None or sizes is None or sizes.ndim > 1 or split.attributes.get_int("keepdims", 1) != 1:
+        return None
+    axis = split.attributes.get_int("axis", 0)
+    axis = axis + len(source) if axis < 0 else axis
+    if sizes.ndim == 0:  # parts of that length along a static axis, the last one what remains
+        length, part = source[axis] if 0 <= axis < len(source) else None, int(sizes)
+        if not isinstance(length, int) or part < 1:
+            return None
+        count = -(-length // part)
+        sizes = np.array([part] * (count - 1) + [length - part * (count - 1)], np.int64)
+    index = int(position.reshape(-1)[0])
+    index = index + sizes.size if index < 0 else index
+    if not 0 <= axis < len(source) or not 0 <= index < sizes.size:
+        return None
+    result = list(source)
+    result[axis] = int(sizes[index])
+    return result
+
+
+def _range_dims(
+    inputs: Sequence[ir.Value | None], aliases: Mapping[ir.Value, Sequence[Dim] | None]
+) -> list[Dim] | None:
+    """Range(start, limit, delta) with a positive constant delta: ceil((limit - start) / delta) elements, where
+    that is provably >= 0 (otherwise ONNX gives 0)."""
+    start, limit, delta = (resolve_scalar(v, aliases) for v in inputs)
+    if not isinstance(delta, int) or delta < 1 or start in (None, _UNRESOLVED) or limit in (None, _UNRESOLVED):
+        return None
+    start_e, limit_e = as_expression(start), as_expression(limit)
+    span = None if start_e is None or limit_e is None else _arith.add(limit_e, start_e, sign=-1)
+    if span is None:
+        return None
+    count = _arith.floor_divide(
+        _arith.add(span, _arith.QuasiAffine.constant(delta - 1)),  # type: ignore[arg-type]
+        _arith.QuasiAffine.constant(delta),
+    )
+    low = None if count is None else count.lower_bound()
+    if low is None or low < 0:
+        return None
+    return [simplified(count)]  # type: ignore[arg-type]
+
+
+def _split_dims(node: ir.Node, index: int, source: list[Dim] | None) -> list[Dim] | None:
+    if source is None:
+        return None
+    axis = node.attributes.get_int("axis", 0)
+    axis = axis + len(source) if axis < 0 else axis
+    if not 0 <= axis < len(source):
+        return None
+    sizes = _int_list(node, "split", 1)
+    result = list(source)
+    if sizes is not None:
+        if len(sizes) != len(node.outputs):
+            return None
+        result[axis] = sizes[index]
+        return result
+    # Equal parts: only when the length is a proven multiple of the count.
+    count = len(node.outputs)
+    length = as_expression(source[axis])
+    part = None if length is None else _arith.floor_divide(length, _arith.QuasiAffine.constant(count))
+    back = None if part is None else _arith.multiply(part, _arith.QuasiAffine.constant(count))
+    if back is None or not dims_equal(simplified(back), simplified(length)):  # type: ignore[arg-type]
+        return None
+    result[axis] = simplified(part)  # type: ignore[arg-type]
+    return result
+
+
+def _einsum_dims(node: ir.Node, operands: list[list[Dim] | None]) -> list[Dim] | None:
+    """Explicit equations without ellipsis or repeated labels in one term; a label's dim must be provably
+    the same in every operand that has it (no size-1 broadcasting is assumed)."""
+    equation_attr = node.attributes.get("equation")
+    if equation_attr is None:
+        return None
+    equation = equation_attr.as_string().replace(" ", "")
+    if "->" not in equation or "." in equation:
+        return None
+    left, output = equation.split("->")
+    terms = left.split(",")
+    if len(terms) != len(operands):
+        return None
+    if any(operand is None or len(operand) != len(term) for operand, term in zip(operands, terms, strict=True)):
+        return None
+    if any(len(set(term)) != len(term) for term in [*terms, output]):
+        return None
+    label_dims: dict[str, Dim] = {}
+    for term, operand in zip(terms, operands, strict=True):
+        for label, dim in zip(term, operand, strict=True):  # type: ignore[arg-type]
+            if label in label_dims and not dims_equal(label_dims[label], dim):
+                label_dims[label] = None
+            else:
+                label_dims.setdefault(label, dim)
+    if any(label not in label_dims for label in output):
+        return None
+    return [label_dims[label] for label in output]
+
+
+def _pad_dims(
+    node: ir.Node, source: list[Dim] | None, aliases: Mapping[ir.Value, Sequence[Dim] | None]
+) -> list[Dim] | None:
+    if source is None:
+        return None
+    pads_attr = node.attributes.get("pads")
+    if pads_attr is not None:
+        pads: list[Dim] | None = [int(v) for v in pads_attr.as_ints()]
+    elif len(node.inputs) > 1 and node.inputs[1] is not None:
+        pads = resolve_shape_tensor(node.inputs[1], aliases)
+    else:
+        return None
+    axes = list(range(len(source)))
+    if len(node.inputs) > 3 and node.inputs[3] is not None:
+        given = _int_list(node, "", 3)
+        axes = _normalized_axes(given, len(source)) if given is not None else None  # type: ignore[assignment]
+        if axes is None:
+            return None
+    if pads is None or len(pads) != 2 * len(axes):
+        return None
+    result = list(source)
+    for i, axis in enumerate(axes):
+        result[axis] = _sum_dims([source[axis], pads[i], pads[i + len(axes)]])
+    return result
+
+
+def _conv_dims(node: ir.Node, x: list[Dim] | None, w: list[Dim] | None) -> list[Dim] | None:
+    if x is None or w is None or len(x) != len(w) or len(x) < 3:
+        return None
+    spatial = len(x) - 2
+    if node.attributes.get_string("auto_pad", "NOTSET") != "NOTSET":
+        return None
+    kernel = [int(v) for v in node.attributes.get_ints("kernel_shape", [])] or w[2:]
+    pads = [int(v) for v in node.attributes.get_ints("pads", [0] * 2 * spatial)]
+    strides = [int(v) for v in node.attributes.get_ints("strides", [1] * spatial)]
+    dilations = [int(v) for v in node.attributes.get_ints("dilations", [1] * spatial)]
+    if len(kernel) != spatial or len(pads) != 2 * spatial or len(strides) != spatial or len(dilations) != spatial:
+        return None
+    result: list[Dim] = [x[0], w[0]]
+    for i in range(spatial):
+        k = kernel[i]
+        if not isinstance(k, int) or strides[i] < 1:
+            return None
+        span = _sum_dims([x[2 + i], pads[i], pads[i + spatial], -dilations[i] * (k - 1) - 1])
+        span_e = as_expression(span)
+        steps = None if span_e is None else _arith.floor_divide(span_e, _arith.QuasiAffine.constant(strides[i]))
+        result.append(None if steps is None else _sum_dims([simplified(steps), 1]))
+    return result
+
+
+def _reduce_dims(node: ir.Node, source: list[Dim] | None) -> list[Dim] | None:
+    if source is None:
+        return None
+    keep = node.attributes.get_int("keepdims", 1) == 1
+    axes = _int_list(node, "axes", 1)
+    has_axes_input = len(node.inputs) > 1 and node.inputs[1] is not None
+    if axes is None and has_axes_input:
+        return None  # axes computed at run time
+    if not axes:
+        if node.attributes.get_int("noop_with_empty_axes", 0) == 1:
+            return list(source)
+        axes = list(range(len(source)))
+    normalized = _normalized_axes(axes, len(source))
+    if normalized is None:
+        return None
+    if keep:
+        return [1 if axis in normalized else dim for axis, dim in enumerate(source)]
+    return [dim for axis, dim in enumerate(source) if axis not in normalized]
 
 
 def _broadcast(left: list[Dim] | None, right: list[Dim] | None) -> list[Dim] | None:
@@ -391,9 +801,13 @@ def _product(dims: Sequence[Dim]) -> _arith.QuasiAffine | None:
     return total
 
 
-def _reshape_dims(reshape: ir.Node, input_dims_of: Callable[[], list[Dim] | None]) -> list[Dim] | None:
+def _reshape_dims(
+    reshape: ir.Node,
+    input_dims_of: Callable[[], list[Dim] | None],
+    aliases: Mapping[ir.Value, Sequence[Dim] | None],
+) -> list[Dim] | None:
     """Return a Reshape's output dims; the input's dims are looked up only for 0 and -1 elements."""
-    target = resolve_shape_tensor(reshape.inputs[1], {})
+    target = resolve_shape_tensor(reshape.inputs[1], aliases)
     if target is None or any(d is None for d in target):
         return None
     input_dims = input_dims_of() if any(d in (0, -1) for d in target) else None
@@ -418,30 +832,57 @@ def _reshape_dims(reshape: ir.Node, input_dims_of: Callable[[], list[Dim] | None
     return dims
 
 
-def _slice_dims(node: ir.Node, input_dims: list[Dim] | None) -> list[Dim] | None:
-    """Slices with step 1 from a non-negative start to a non-negative end, on constant axes."""
+def _slice_dims(
+    node: ir.Node, input_dims: list[Dim] | None, aliases: Mapping[ir.Value, Sequence[Dim] | None]
+) -> list[Dim] | None:
+    """Slices with step 1 on constant axes: any constant bounds of a static dim (ONNX's clamping); of a
+    symbolic dim, [s, end) from a constant s >= 0 to a non-negative end, to -b (all but the last b) or past
+    any size, where the length is provably >= 0, and [-a, end) with an end past any size (the last a)."""
     inputs = node.inputs
     if input_dims is None or len(inputs) < 3:
         return None
-    starts = resolve_shape_tensor(inputs[1], {})
-    ends = resolve_shape_tensor(inputs[2], {})
+    starts = resolve_shape_tensor(inputs[1], aliases)
+    ends = resolve_shape_tensor(inputs[2], aliases)
     axes_array = constant_array(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
+    if len(inputs) > 3 and inputs[3] is not None and axes_array is None:
+        return None
     steps = constant_array(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else None
+    if len(inputs) > 4 and inputs[4] is not None and steps is None:
+        return None
     if starts is None or ends is None or len(starts) != len(ends):
         return None
     axes = [int(a) for a in axes_array.reshape(-1)] if axes_array is not None else list(range(len(starts)))
     if steps is not None and any(int(s) != 1 for s in steps.reshape(-1)):
         return None
+    if len(axes) != len(starts) or _normalized_axes(axes, len(input_dims)) is None:
+        return None
     dims = list(input_dims)
-    for axis, start, end in zip(axes, starts, ends, strict=False):
-        axis = axis + len(dims) if axis < 0 else axis
-        size, start_e, end_e = as_expression(dims[axis]), as_expression(start), as_expression(end)
-        if size is None or start_e is None or end_e is None or start_e.as_constant() != 0:
+    for axis, start, end in zip(_normalized_axes(axes, len(input_dims)), starts, ends, strict=True):  # type: ignore[arg-type]
+        size = dims[axis]
+        if isinstance(size, int) and isinstance(start, int) and isinstance(end, int):
+            kept = _normalized_slice(size, start, end)
+            dims[axis] = max(0, kept.stop - kept.start)
+            continue
+        size_e, start_e, end_e = as_expression(size), as_expression(start), as_expression(end)
+        if size_e is None or start_e is None or end_e is None:
             return None
-        low = end_e.lower_bound()
-        if low is None or low < 0:
+        first, last = start_e.as_constant(), end_e.as_constant()
+        if first is not None and first < 0 and last is not None and last >= 1 << 62:
+            clipped = _arith.minimum(_arith.QuasiAffine.constant(-first), size_e)  # the last -first elements
+        elif first is not None and first >= 0:
+            if last is not None and last < 0:  # up to all but the last -last elements
+                stop = _arith.add(size_e, end_e)
+            elif last is not None and last >= 1 << 62:
+                stop = size_e
+            else:
+                low = end_e.lower_bound()
+                stop = _arith.minimum(end_e, size_e) if low is not None and low >= 0 else None
+            clipped = None if stop is None else _arith.add(stop, start_e, sign=-1)
+            low = None if clipped is None else clipped.lower_bound()
+            if low is None or low < 0:  # where start passes the stop ONNX gives 0: not one expression
+                return None
+        else:
             return None
-        clipped = _arith.minimum(end_e, size)
         if clipped is None:
             return None
         dims[axis] = simplified(clipped)

@@ -48,11 +48,11 @@ from onnxscript.rewriter import pattern
 from fusion.reference import DOMAIN
 from fusion.rules._graph import (
     Dim,
+    ForwardShapes,
     constant_array,
     constant_scalar,
     dims_equal,
     format_dims,
-    forward_dims,
     remove_dead_producers,
     resolve_shape_tensor,
     value_dims,
@@ -193,6 +193,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         self._weight_in_group = weight_in_group
         self._plan: _Plan | None = None
         self._leftovers: list[ir.Value] = []
+        self._shapes: ForwardShapes | None = None  # per rewrite pass (setup)
 
     # pattern ----------------------------------------------------------------------------------------
 
@@ -334,8 +335,10 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             weight, channels, flatten_weight = _group_weight(weight)
         else:
             channels = _weight_channels(weight)
-        y_dims = _proven_dims(y) or _proven_dims(y_input)
-        z_dims = _proven_dims(z) or _proven_dims(z_input)
+        if self._shapes is None:  # one pass over the graph, the first time a check needs it in this rewrite
+            self._shapes = ForwardShapes(y.graph)
+        y_dims = _proven_dims(y, self._shapes) or _proven_dims(y_input, self._shapes)
+        z_dims = _proven_dims(z, self._shapes) or _proven_dims(z_input, self._shapes)
         if y_dims is None or z_dims is None:
             raise _Refusal("the shapes of y and the gate are unknown (run shape inference first)", y)
         y_dims, z_dims, broadcast = _last_axis_as_channels(y_dims, z_dims, channels)
@@ -527,6 +530,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
 
     def setup(self) -> None:
         self._leftovers = []
+        self._shapes = None
 
     def cleanup(self) -> None:
         # The replaced chains, and the constants, shape arithmetic and bypassed Casts that fed only
@@ -553,16 +557,19 @@ def _is_shape_node(node: ir.Node) -> bool:
     return node.op_type == "Shape" and node.domain in _ONNX_DOMAINS
 
 
-def _proven_dims(value: ir.Value) -> list[Dim] | None:
+def _proven_dims(value: ir.Value, shapes: ForwardShapes) -> list[Dim] | None:
     """Return the dims of ``value``, its last one proven from the graph where it is not a number.
 
     A declared symbolic width is only a hint; when the graph's own shape arithmetic proves the width
-    (forward_dims: Reshape targets, Slice, elementwise ops from the graph inputs), that is the width.
+    (``ForwardShapes``: each op's output dims from its inputs', from the graph inputs on), that is the width.
+    A value with no declared shape takes its proven dims.
     """
     dims = value_dims(value, {})
-    if dims is None or not dims or isinstance(dims[-1], int):
+    if dims is not None and (not dims or isinstance(dims[-1], int)):
         return dims
-    proven = forward_dims(value)
+    proven = shapes(value)
+    if dims is None:
+        return proven if proven and isinstance(proven[-1], int) and proven[-1] > 0 else None
     if not proven or len(proven) != len(dims) or not (isinstance(proven[-1], int) and proven[-1] > 0):
         return dims
     # The proven width, and proven leading dims where the declared ones are unnamed.
@@ -575,8 +582,8 @@ def _last_axis_as_channels(
 ) -> tuple[list[Dim], list[Dim], str | None]:
     """Return the dims with an unproven last axis taken as C when the other input's is C, and which one.
 
-    Dynamic-sequence dynamo exports carry y's width as an expression of the sequence length (equal to C
-    for every length, but not provable here); TorchScript exports often leave it unknown. In the product
+    Dynamic-sequence exports record y's width as an expression of the sequence length or leave it unknown;
+    where ``ForwardShapes`` does not prove it either (TorchScript's prefill: run-time pads), in the product
     y * silu(z) such an axis is C or 1 (broadcast): the fused node reads that input through
     Expand(x, Shape(other)), which is a copy when it is C and the original's broadcast when it is 1, so
     the fused model computes what the original does for every width. The third value names that input.

@@ -1,0 +1,379 @@
+"""Forward shape inference (fusion/rules/_graph.py, ``ForwardShapes``): each op's proven output dims against
+what ONNX Runtime produces, at sequence lengths that hit every residue the arithmetic distinguishes.
+
+A proof the rewriter relies on must hold for every length: each case is a one-op (or few-op) model with a
+symbolic ``seq``, its output's proven dims evaluated at several lengths and compared with the shape
+ONNX Runtime actually returns. Cases the rules must not prove (they would need more than the graph says)
+come back as None. The end-to-end tests fuse chains whose y width only this inference proves, without the
+broadcast guard, and check the outputs against the original.
+"""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import contrib_ops
+from fusion._chains import ChainSpec, build_chain, chain_inputs
+from fusion.rewrite import rewrite_model
+from fusion.rules import _arith
+from fusion.rules._graph import ForwardShapes, forward_dims
+
+REPO = Path(__file__).resolve().parents[1]
+LENGTHS = (1, 2, 3, 4, 5, 15, 16, 17, 31, 33)
+INT_MAX = np.iinfo(np.int64).max
+
+
+def _evaluate(dim, seq: int) -> int | None:
+    if isinstance(dim, int):
+        return dim
+    if dim == "seq":
+        return seq
+    if isinstance(dim, _arith.QuasiAffine):
+        a, b = dim.pieces[seq % dim.period]
+        return a * (seq // dim.period) + b
+    return None
+
+
+def _model(nodes, inputs, output: str, initializers=()) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        nodes,
+        "case",
+        inputs,
+        [onnx.ValueInfoProto(name=output)],
+        initializer=list(initializers),
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def _int(name: str, values) -> onnx.TensorProto:
+    return onnx.numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def _x(name: str = "x", *shape) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape or (1, "seq", 8)))
+
+
+def _proven(model: onnx.ModelProto, output: str):
+    graph = ir.from_proto(model).graph
+    value = next(v for node in graph for v in node.outputs if v.name == output)
+    return ForwardShapes(graph)(value)
+
+
+def _feeds(model: onnx.ModelProto, seq: int) -> dict[str, np.ndarray]:
+    feeds = {}
+    for value in model.graph.input:
+        dims = [d.dim_value if d.HasField("dim_value") else seq for d in value.type.tensor_type.shape.dim]
+        kind = value.type.tensor_type.elem_type
+        if kind == TensorProto.INT64:
+            feeds[value.name] = np.zeros(dims, np.int64)  # valid indices for Gather / GatherND
+        elif kind == TensorProto.BOOL:
+            feeds[value.name] = np.ones(dims, bool)
+        else:
+            feeds[value.name] = np.ones(dims, np.float32)
+    return feeds
+
+
+def _shape_arithmetic_pad_to(multiple: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """pads = [0, 0, 0, 0, (multiple - seq % multiple) % multiple, 0], as dynamo's chunked scan computes it."""
+    make = helper.make_node
+    nodes = [
+        make("Shape", ["x"], ["seq_1d"], start=1, end=2),
+        make("Squeeze", ["seq_1d", "axis0"], ["seq_s"]),
+        make("Mod", ["seq_s", "multiple"], ["r"]),
+        make("Sub", ["multiple", "r"], ["p0"]),
+        make("Mod", ["p0", "multiple"], ["p"]),
+        make("Unsqueeze", ["p", "axis0"], ["p_1d"]),
+        make("Concat", ["zeros4", "p_1d", "zero_1d"], ["pads"], axis=0),
+    ]
+    constants = [_int("axis0", [0]), _int("multiple", multiple), _int("zeros4", [0, 0, 0, 0]), _int("zero_1d", [0])]
+    return nodes, constants
+
+
+def _cases():
+    make = helper.make_node
+    pad_nodes, pad_constants = _shape_arithmetic_pad_to(4)
+    return {
+        "unsqueeze": ([make("Unsqueeze", ["x", "axes"], ["y"])], [_x()], [_int("axes", [0, -1])]),
+        "squeeze": ([make("Squeeze", ["x", "axes"], ["y"])], [_x("x", 1, "seq", 1, 8)], [_int("axes", [2])]),
+        "expand": (
+            [
+                make("Shape", ["x"], ["s"], start=1, end=2),
+                make("Concat", ["one", "s", "eight"], ["shape"], axis=0),
+                make("Expand", ["x", "shape"], ["y"]),
+            ],
+            [_x("x", 1, "seq", 1)],
+            [_int("one", [1]), _int("eight", [8])],
+        ),
+        "split sizes": (
+            [make("Split", ["x", "sizes"], ["a", "y"], axis=-1)],
+            [_x()],
+            [_int("sizes", [3, 5])],
+        ),
+        "split equal": ([make("Split", ["x"], ["y", "b"], axis=2, num_outputs=2)], [_x()], []),
+        "concat": (
+            [make("Concat", ["x", "t"], ["y"], axis=1)],
+            [_x(), _x("t", 1, 4, 8)],
+            [],
+        ),
+        "gather": (
+            [make("Gather", ["table", "ids"], ["y"])],
+            [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "seq"])],
+            [onnx.numpy_helper.from_array(np.ones((10, 8), np.float32), "table")],
+        ),
+        "matmul": (
+            [make("MatMul", ["x", "w"], ["y"])],
+            [_x()],
+            [onnx.numpy_helper.from_array(np.ones((8, 12), np.float32), "w")],
+        ),
+        "einsum": (
+            [make("Einsum", ["x", "w"], ["y"], equation="bsh,hk->bks")],
+            [_x()],
+            [onnx.numpy_helper.from_array(np.ones((8, 12), np.float32), "w")],
+        ),
+        "pad from shape arithmetic": (
+            [*pad_nodes, make("Pad", ["x", "pads"], ["y"])],
+            [_x()],
+            pad_constants,
+        ),
+        "conv depthwise": (
+            [make("Conv", ["xt", "w"], ["y"], group=8, pads=[3, 3])],
+            [_x("xt", 1, 8, "seq")],
+            [onnx.numpy_helper.from_array(np.ones((8, 1, 4), np.float32), "w")],
+        ),
+        "conv strided dilated": (
+            [make("Conv", ["xt", "w"], ["y"], pads=[2, 2], strides=[3], dilations=[2])],
+            [_x("xt", 1, 8, "seq")],
+            [onnx.numpy_helper.from_array(np.ones((5, 8, 3), np.float32), "w")],
+        ),
+        "reduce keepdims": ([make("ReduceMean", ["x", "axes"], ["y"])], [_x()], [_int("axes", [-1])]),
+        "reduce dropped": ([make("ReduceSum", ["x", "axes"], ["y"], keepdims=0)], [_x()], [_int("axes", [0, 2])]),
+        "slice all but last": (
+            [make("Slice", ["x", "s0", "m1", "ax1"], ["y"])],
+            [_x()],
+            [_int("s0", [0]), _int("m1", [-1]), _int("ax1", [1])],
+        ),
+        "slice last one": (
+            [make("Slice", ["x", "m1", "big", "ax1"], ["y"])],
+            [_x()],
+            [_int("m1", [-1]), _int("big", [INT_MAX]), _int("ax1", [1])],
+        ),
+        "slice from one": (
+            [make("Slice", ["x", "one", "big", "ax1"], ["y"])],
+            [_x()],
+            [_int("one", [1]), _int("big", [INT_MAX]), _int("ax1", [1])],
+        ),
+        "slice static clamped": (
+            [make("Slice", ["x", "two", "hundred", "ax2"], ["y"])],
+            [_x()],
+            [_int("two", [2]), _int("hundred", [100]), _int("ax2", [2])],
+        ),
+        "range": (
+            [
+                make("Shape", ["x"], ["s"], start=1, end=2),
+                make("Squeeze", ["s", "axis0"], ["n"]),
+                make("Range", ["zero", "n", "step"], ["y"]),
+            ],
+            [_x()],
+            [_int("axis0", [0]), _int("zero", 0), _int("step", 4)],
+        ),
+        "gathernd": (
+            [make("GatherND", ["x", "idx"], ["y"])],
+            [_x(), helper.make_tensor_value_info("idx", TensorProto.INT64, [1, "seq", 2])],
+            [],
+        ),
+        "sequence of sizes": (
+            [
+                make("SplitToSequence", ["x", "sizes"], ["parts"], axis=-1),
+                make("SequenceAt", ["parts", "one"], ["y"]),
+            ],
+            [_x()],
+            [_int("sizes", [3, 5]), _int("one", 1)],
+        ),
+        "sequence of parts": (
+            [
+                make("SplitToSequence", ["x", "three"], ["parts"], axis=-1),
+                make("SequenceAt", ["parts", "last"], ["y"]),
+            ],
+            [_x()],
+            [_int("three", 3), _int("last", -1)],
+        ),
+        "where": (
+            [make("Where", ["c", "x", "zero"], ["y"])],
+            [helper.make_tensor_value_info("c", TensorProto.BOOL, [1, "seq", 1]), _x()],
+            [onnx.numpy_helper.from_array(np.zeros((), np.float32), "zero")],
+        ),
+        "constant of shape": (
+            [make("Shape", ["x"], ["s"]), make("ConstantOfShape", ["s"], ["y"])],
+            [_x()],
+            [],
+        ),
+        "reshape with -1": (
+            [make("Reshape", ["x", "target"], ["y"])],
+            [_x()],
+            [_int("target", [1, -1, 4, 2])],
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_proven_dims_are_what_onnxruntime_produces(case: str) -> None:
+    nodes, inputs, constants = _cases()[case]
+    model = _model(nodes, inputs, "y", constants)
+    proven = _proven(model, "y")
+    assert proven is not None, f"{case}: not proven"
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in LENGTHS:
+        got = session.run(["y"], _feeds(model, seq))[0].shape
+        assert [_evaluate(d, seq) for d in proven] == list(got), f"{case}, seq = {seq}: {proven} vs {got}"
+
+
+def _unproven_cases():
+    make = helper.make_node
+    return {
+        "einsum with an ellipsis": (
+            [make("Einsum", ["x", "w"], ["y"], equation="...h,hk->...k")],
+            [_x()],
+            [onnx.numpy_helper.from_array(np.ones((8, 12), np.float32), "w")],
+        ),
+        "einsum label of two sizes": (  # s is seq in x and 1 in w: a broadcast at most, not proven
+            [make("Einsum", ["x", "w"], ["y"], equation="bsh,bsh->bsh")],
+            [_x()],
+            [onnx.numpy_helper.from_array(np.ones((1, 1, 8), np.float32), "w")],
+        ),
+        "slice with step 2": (
+            [make("Slice", ["x", "s0", "big", "ax1", "two"], ["y"])],
+            [_x()],
+            [_int("s0", [0]), _int("big", [INT_MAX]), _int("ax1", [1]), _int("two", [2])],
+        ),
+        "slice that may start past the end": (  # seq - 5 is negative for short sequences: ONNX gives 0
+            [make("Slice", ["x", "five", "big", "ax1"], ["y"])],
+            [_x()],
+            [_int("five", [5]), _int("big", [INT_MAX]), _int("ax1", [1])],
+        ),
+        "squeeze of every 1 with a symbolic dim": ([make("Squeeze", ["x"], ["y"])], [_x()], []),
+        "range of a run-time step": (
+            [make("Range", ["zero", "n", "step"], ["y"])],
+            [
+                helper.make_tensor_value_info("n", TensorProto.INT64, []),
+                helper.make_tensor_value_info("step", TensorProto.INT64, []),
+            ],
+            [_int("zero", 0)],
+        ),
+        "reduce over run-time axes": (
+            [make("ReduceMean", ["x", "axes"], ["y"])],
+            [_x(), helper.make_tensor_value_info("axes", TensorProto.INT64, [1])],
+            [],
+        ),
+        "conv with auto_pad": (
+            [make("Conv", ["xt", "w"], ["y"], auto_pad="SAME_UPPER")],
+            [_x("xt", 1, 8, "seq")],
+            [onnx.numpy_helper.from_array(np.ones((8, 8, 4), np.float32), "w")],
+        ),
+        "an op without a rule": ([make("NonZero", ["x"], ["y"])], [_x()], []),
+    }
+
+
+@pytest.mark.parametrize("case", list(_unproven_cases()))
+def test_what_the_rules_do_not_cover_is_not_proven(case: str) -> None:
+    """No dims, or (an Einsum label two operands disagree on) that dim unknown."""
+    nodes, inputs, constants = _unproven_cases()[case]
+    proven = _proven(_model(nodes, inputs, "y", constants), "y")
+    assert proven is None or proven[1] is None, proven
+
+
+def test_a_shape_of_an_intermediate_uses_its_proven_dims_not_its_declared_ones() -> None:
+    """t = Concat(x, x) on the sequence axis is [1, 2 seq, 8]; its value_info says [1, seq, 8]. A Reshape to
+    [1, Shape(t)[1], -1] is then [1, 2 seq, 8]: the proof reads t's dims from the graph, not the annotation."""
+    make = helper.make_node
+    nodes = [
+        make("Concat", ["x", "x"], ["t"], axis=1),
+        make("Shape", ["t"], ["s"], start=1, end=2),
+        make("Concat", ["one", "s", "minus_one"], ["target"], axis=0),
+        make("Reshape", ["t", "target"], ["y"]),
+    ]
+    model = _model(nodes, [_x()], "y", [_int("one", [1]), _int("minus_one", [-1])])
+    model.graph.value_info.append(helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, "seq", 8]))
+    proven = _proven(model, "y")
+    assert proven is not None
+    assert [_evaluate(d, 5) for d in proven] == [1, 10, 8]
+
+
+def _chunked_scan_chain(chunk: int = 4) -> onnx.ModelProto:
+    """A gated norm chain whose y is x [1, seq, 64] padded to a multiple of ``chunk``, cut into chunks, passed
+    through an Einsum, put back and sliced to seq, then Reshaped to [1, seq, -1]: as dynamo writes a Mamba-2
+    scan. y's declared width is an expression (as dynamo records it); only forward inference proves it is 64."""
+    model = build_chain(ChainSpec(leading=(1, "seq"), shape_as="dynamic"))
+    graph = model.graph
+    next(v for v in graph.input if v.name == "y").name = "x"
+    make = helper.make_node
+    pad_nodes, pad_constants = _shape_arithmetic_pad_to(chunk)
+    scan = [
+        *pad_nodes,
+        make("Pad", ["x", "pads"], ["padded"]),
+        make("Reshape", ["padded", "chunked_shape"], ["chunked"]),
+        make("Einsum", ["chunked", "mix"], ["mixed"], equation="bclh,lm->bcmh"),
+        make("Reshape", ["mixed", "flat_shape"], ["flat"]),
+        make("Slice", ["flat", "start0", "seq_1d", "axis1"], ["kept"]),
+        make("Shape", ["x"], ["seq_again"], start=1, end=2),
+        make("Concat", ["one_1d", "seq_again", "minus_one"], ["y_shape"], axis=0),
+        make("Reshape", ["kept", "y_shape"], ["y"]),
+    ]
+    graph.initializer.extend(pad_constants)
+    graph.initializer.extend(
+        [
+            _int("chunked_shape", [1, -1, chunk, 64]),
+            onnx.numpy_helper.from_array(np.eye(chunk, dtype=np.float32), "mix"),
+            _int("flat_shape", [1, -1, 64]),
+            _int("start0", [0]),
+            _int("axis1", [1]),
+            _int("one_1d", [1]),
+            _int("minus_one", [-1]),
+        ]
+    )
+    for node in reversed(scan):
+        graph.node.insert(0, node)
+    del graph.value_info[:]
+    model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    return model
+
+
+def test_a_width_only_forward_inference_proves_fuses_without_the_guard() -> None:
+    model = _chunked_scan_chain()
+    graph = ir.from_proto(model).graph
+    y = next(v for node in graph for v in node.outputs if v.name == "y")
+    assert not isinstance(y.shape[-1], int)  # declared: a symbol; the width is 64 only by the graph's proof
+    assert forward_dims(y) == [1, "seq", 64]
+    fused, report = rewrite_model(model)
+    assert report.fused == 1, report.summary()
+    assert not [n for n in fused.graph.node if n.op_type == "Expand"]  # no broadcast guard
+    for seq in (1, 4, 7, 9):
+        feeds = chain_inputs(ChainSpec(leading=(1, seq)))
+        feeds["x"] = feeds.pop("y")
+        want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+        for use_library in (True, False):
+            got = contrib_ops.session(fused, use_library=use_library).run(None, feeds)[0]
+            assert got.shape == want.shape
+            assert np.max(np.abs(got - want)) <= 1e-5 * max(float(np.max(np.abs(want))), 1.0)
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in glob.glob(str(REPO / "tests/fixtures/models/*-dynamo-*prefill.onnx"))),
+    ids=lambda p: Path(p).stem,
+)
+def test_dynamo_dynamic_prefill_exports_fuse_without_the_guard(path: str) -> None:
+    """The fixtures' dynamic-sequence dynamo exports (optimized, not optimized, opset 23): every chain's widths
+    are proven from the graph, so the fused model has no Expand that the original did not have."""
+    model = onnx.load(path)
+    fused, report = rewrite_model(model)
+    assert report.fused >= 2, report.summary()
+    count = lambda m: sum(n.op_type == "Expand" for n in m.graph.node)  # noqa: E731
+    assert count(fused) == count(model)
