@@ -422,6 +422,36 @@ def test_rejects_w_of_wrong_length_at_run_time() -> None:
     )
 
 
+def _with_constant_w(model: onnx.ModelProto, w: np.ndarray) -> onnx.ModelProto:
+    """The model with its input w made a constant initializer (the kernel reads its shape once)."""
+    graph = model.graph
+    kept = [i for i in graph.input if i.name != "w"]
+    del graph.input[:]
+    graph.input.extend(kept)
+    graph.initializer.append(onnx.numpy_helper.from_array(w, "w"))
+    return model
+
+
+def test_constant_w_gives_the_same_result_as_w_fed() -> None:
+    rng = np.random.default_rng(7)
+    y, z, w = random_inputs(rng, (3, 32), FLOAT, FLOAT, FLOAT)
+    fed = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", 32], group_size=8)
+    constant = _with_constant_w(one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", 32], group_size=8), w)
+    expected = contrib_ops.session(fed, use_library=True).run(None, {"y": y, "z": z, "w": w})[0]
+    session = contrib_ops.session(constant, use_library=True)
+    for rows in (3, 1, 3):  # Runs of other shapes after the first: W's shape was read once
+        got = session.run(None, {"y": y[:rows], "z": z[:rows]})[0]
+        np.testing.assert_array_equal(got, expected[:rows])
+
+
+def test_rejects_constant_w_of_wrong_length_at_run_time() -> None:
+    model = _with_constant_w(
+        one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["wc"], group_size=8), np.ones(15, np.float32)
+    )
+    y = np.ones((2, 16), np.float32)
+    _expect_error(model, {"y": y, "z": y}, r"W must have shape \[C\] = \[16\], got \[15\]")
+
+
 def test_rejects_w_of_wrong_length_at_load_time() -> None:
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 16], w_shape=[15], group_size=8)
     _expect_error(model, None, r"W must have shape \[C\] = \[16\], got \[15\]")
