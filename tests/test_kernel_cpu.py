@@ -302,6 +302,25 @@ def test_subnormal_rows(rows: str, elem_type: int, out_type: int, epsilon: float
     check_against_reference(y, z, w, group_size=96, epsilon=epsilon, out_type=out_type)
 
 
+def test_gates_at_the_edge_of_the_table_exp() -> None:
+    """The table-based silu serves |z| <= 86 and hands a group with any larger |z| (or NaN/Inf) to the
+    full-range silu: gates on both sides of +-86 (one such lane in an otherwise ordinary group, at every
+    lane position of a vector and of the unrolled step), and groups of large gates only, match the reference.
+    (The instruction-set level is the process's: run under MAMBAFUSE_CPU_ISA=avx2 / baseline for the others.)"""
+    rng = np.random.default_rng(86)
+    y, z, w = random_inputs(rng, (8, 128), FLOAT, FLOAT, FLOAT)
+    edge = np.float32(86.0)
+    above = np.nextafter(edge, np.float32(np.inf))
+    for row, value in enumerate([edge, above, -edge, -above]):
+        z[row, (row * 37) % 64] = value  # one lane of the row's first group (of 64)
+        z[row, 64 + (row * 53) % 64] = value  # and of the second
+    z[4] = np.linspace(-120.0, 120.0, 128)
+    z[5] = np.linspace(-86.0, 86.0, 128)
+    z[6, :64] = np.float32(-87.5)
+    z[7] = rng.uniform(-88.0, -84.0, 128)
+    check_against_reference(y, z, w, group_size=64, epsilon=1e-5, out_type=FLOAT)
+
+
 @pytest.mark.parametrize("y_type", [FLOAT, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
 @pytest.mark.parametrize("subnormal_input", ["y", "z"])
 def test_subnormal_inputs_with_normal_outputs(subnormal_input: str, y_type: int) -> None:
