@@ -44,10 +44,11 @@
 //   - A group that had subnormal y (or underflowed) is computed again from y' = 2^k y, built without an FP
 //     operation on a subnormal (ScaleByPowerOfTwo; exact), so h' = 2^k h stays normal; nf' = 2^-k nf with
 //     eps 4^k in double, so h' nf' = h nf.
-//   - The norm pass runs with FTZ only (w is read exactly). For a scaled group it computes 2^64 times its
-//     outputs, normal floats, and scales them back (ScaleDownBy64): exact where the output is a normal
-//     float; where it or the normalized value is subnormal, rounded at 24 bits before the subnormal's
-//     rounding, so within 2 x 2^-149 of the formula (far inside the float32 budget's absolute floor).
+//   - The norm pass of an ordinary group runs with neither DAZ nor FTZ (on ordinary data it makes no
+//     subnormal: nothing to assist). For a scaled group it runs with FTZ only (w is read exactly), computes
+//     2^64 times its outputs, normal floats, and scales them back (ScaleDownBy64): exact where the output
+//     is a normal float; where it or the normalized value is subnormal, rounded at 24 bits before the
+//     subnormal's rounding, so within 2 x 2^-149 of the formula (far inside the float32 budget's floor).
 //   - Whatever still underflows (or overflows, scaled), or a subnormal z, is computed again with neither
 //     DAZ nor FTZ: exact, at the assists' cost, off the paths of ordinary and of decayed rows.
 // The caller's MXCSR is restored on return. The Arm and generic builds compute every pass as written (the
@@ -178,7 +179,16 @@ MAMBAFUSE_ALWAYS_INLINE VF F16ToFloat(VH bits) {
 
 MAMBAFUSE_ALWAYS_INLINE VH FloatToF16(VF f) {  // round to nearest even (the conversion instructions ignore FTZ/DAZ)
 #if defined(__AVX512F__)
+#if defined(__GNUC__) && !defined(__clang__)
+  // With {sae} (no MXCSR flags): the instruction ignores FTZ and DAZ, so the underflow flag it raises for
+  // a float16 subnormal result says nothing about the FP multiplies whose underflow the passes read from
+  // MXCSR; raised, it sent every group with such an output (about half the groups of ordinary rows with
+  // a float16 norm_dtype or output_dtype) through the exact pass again. (GCC's intrinsic has no {sae}.)
+  __m256i raw;
+  __asm__("vcvtps2ph $0x8, %{sae%}, %1, %0" : "=v"(raw) : "v"(reinterpret_cast<__m512>(f)));
+#else
   const __m256i raw = _mm512_cvtps_ph(reinterpret_cast<__m512>(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
   VH v;
   std::memcpy(&v, &raw, sizeof v);
   return v;
@@ -895,24 +905,22 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     }
     // A scaled group's outputs are mostly tiny (O = w h nf with h ~ y), many of them subnormal: computed
-    // 2^64 too large and scaled back by ScaleDownBy64 (norm_dtype float; its underflow flag is expected, an
-    // overflow is not), else without FTZ at once.
+    // 2^64 too large with FTZ and scaled back by ScaleDownBy64 (norm_dtype float; its underflow flag is
+    // expected, an overflow is not). Any other group: without FTZ at once. (An FTZ pass, redone without FTZ
+    // where MXCSR's underflow flag came up, gave the same bits, at one more MXCSR read; and the float16
+    // conversions raise that flag for every float16 subnormal result, which sent about half the groups of
+    // ordinary rows with a float16 norm_dtype or output_dtype through a second pass.)
     const float scaled_inv_rms = inv_rms * 0x1p64f;  // exact (inv_rms is normal here), or Inf
     const bool scale_down = scaled_by > 0 && a.norm_type == ElemType::kFloat && std::isfinite(scaled_inv_rms);
-    if (!exact && scaled_by > 0 && !scale_down) {
-      flush.Exact();
-      exact = true;
-    }
-    if (!exact) {
+    if (!exact && scale_down) {
       flush.Norm();
-      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated,
-                  scale_down ? scaled_inv_rms : inv_rms, w, out, gs, stream, scale_down);
-      exact = FlushScope::Raised(inv_rms, scale_down ? kOverflowFlag : kUnderflowFlag);
-      if (exact) flush.Exact();
+      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, scaled_inv_rms, w, out, gs, stream,
+                  true);
+      exact = FlushScope::Raised(inv_rms, kOverflowFlag);
+      if (!exact) continue;
     }
-    if (exact) {
-      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
-    }
+    if (!exact) flush.Exact();
+    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
 #else
     const float sum_sq = Gate<Y, Z, G>(y, z, gated, gs).sum_sq;
     inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
