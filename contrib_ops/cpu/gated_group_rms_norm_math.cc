@@ -429,14 +429,15 @@ __attribute__((always_inline)) inline void SiluWide(VF (&v)[kUnroll]) {
 // for z large 1 + e^-z rounds to 1 and silu(z) = z exactly, as in the reference). No select and no
 // numerator product: one division.
 // e^x, x = -z: k = round(x N / ln2), x = k ln2/N + r with |r| <= ln2/(2N); k = N e + j (j in [0, N)) and
-// e^x = 2^e 2^(j/N) e^r. 2^(j/N) comes from a table of N entries held in two vectors (one permute:
-// vpermt2ps on AVX-512, the shuffle unit elsewhere, not the multiply pipes), 2^e is added to its exponent
-// field with integer operations (the table holds bits(2^(j/N)) - j 2^(23 - log2 N), so adding
+// e^x = 2^e 2^(j/N) e^r. 2^(j/N) comes from a table of N entries held in two vectors (vpermt2d on AVX-512,
+// two vpermd and a blend on AVX2, tbl on NEON; not the multiply pipes), 2^e is added to its exponent field
+// with integer operations (the table holds bits(2^(j/N)) - j 2^(23 - log2 N), so adding
 // bits(shifted) << (23 - log2 N) = k 2^(23 - log2 N) leaves bits(2^(j/N)) + e 2^23: a float T 2^e, normal
 // for |e| <= 125), and e^r is T + T p(r), p(r) = r q(r) a small minimax polynomial (evaluated in s = -r:
-// s = z + k ln2/N is one FMA). Per vector: 5 (AVX-512) or 6 multiply/FMA instructions and 10 (11) vector
-// instructions in all where the degree-5 polynomial, vscalefps (or the 2^(n+64) product), the select and
-// the numerator product took 8 and 14 (AVX-512).
+// s = z + k ln2/N is one FMA). Per vector (AVX-512) the silu takes 5 multiply/FMA instructions (6 with a
+// degree-3 polynomial) and 13 vector instructions in all, the division and the note of a wide z included,
+// where the degree-5 polynomial with vscalefps, the clamp, the select and the numerator product took 9
+// and 15.
 //
 // N and p per width (minimax for the relative error of e^r on |r| <= ln2/(2N), coefficients rounded to
 // float32, the error measured in float64 at 4e5 points):
