@@ -302,6 +302,25 @@ def test_subnormal_rows(rows: str, elem_type: int, out_type: int, epsilon: float
     check_against_reference(y, z, w, group_size=96, epsilon=epsilon, out_type=out_type)
 
 
+def test_gates_at_the_edge_of_the_table_exp() -> None:
+    """The table-based silu serves |z| <= 86 and hands a group with any larger |z| (or NaN/Inf) to the
+    full-range silu: gates on both sides of +-86 (one such lane in an otherwise ordinary group, at every
+    lane position of a vector and of the unrolled step), and groups of large gates only, match the reference.
+    (The instruction-set level is the process's: run under MAMBAFUSE_CPU_ISA=avx2 / baseline for the others.)"""
+    rng = np.random.default_rng(86)
+    y, z, w = random_inputs(rng, (8, 128), FLOAT, FLOAT, FLOAT)
+    edge = np.float32(86.0)
+    above = np.nextafter(edge, np.float32(np.inf))
+    for row, value in enumerate([edge, above, -edge, -above]):
+        z[row, (row * 37) % 64] = value  # one lane of the row's first group (of 64)
+        z[row, 64 + (row * 53) % 64] = value  # and of the second
+    z[4] = np.linspace(-120.0, 120.0, 128)
+    z[5] = np.linspace(-86.0, 86.0, 128)
+    z[6, :64] = np.float32(-87.5)
+    z[7] = rng.uniform(-88.0, -84.0, 128)
+    check_against_reference(y, z, w, group_size=64, epsilon=1e-5, out_type=FLOAT)
+
+
 @pytest.mark.parametrize("y_type", [FLOAT, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
 @pytest.mark.parametrize("subnormal_input", ["y", "z"])
 def test_subnormal_inputs_with_normal_outputs(subnormal_input: str, y_type: int) -> None:
@@ -420,6 +439,36 @@ def test_rejects_w_of_wrong_length_at_run_time() -> None:
     _expect_error(
         model, {"y": y, "z": y, "w": np.ones(15, np.float32)}, r"W must have shape \[C\] = \[16\], got \[15\]"
     )
+
+
+def _with_constant_w(model: onnx.ModelProto, w: np.ndarray) -> onnx.ModelProto:
+    """The model with its input w made a constant initializer (the kernel reads its shape once)."""
+    graph = model.graph
+    kept = [i for i in graph.input if i.name != "w"]
+    del graph.input[:]
+    graph.input.extend(kept)
+    graph.initializer.append(onnx.numpy_helper.from_array(w, "w"))
+    return model
+
+
+def test_constant_w_gives_the_same_result_as_w_fed() -> None:
+    rng = np.random.default_rng(7)
+    y, z, w = random_inputs(rng, (3, 32), FLOAT, FLOAT, FLOAT)
+    fed = one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", 32], group_size=8)
+    constant = _with_constant_w(one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", 32], group_size=8), w)
+    expected = contrib_ops.session(fed, use_library=True).run(None, {"y": y, "z": z, "w": w})[0]
+    session = contrib_ops.session(constant, use_library=True)
+    for rows in (3, 1, 3):  # Runs of other shapes after the first: W's shape was read once
+        got = session.run(None, {"y": y[:rows], "z": z[:rows]})[0]
+        np.testing.assert_array_equal(got, expected[:rows])
+
+
+def test_rejects_constant_w_of_wrong_length_at_run_time() -> None:
+    model = _with_constant_w(
+        one_node_model(FLOAT, FLOAT, FLOAT, shape=["n", "c"], w_shape=["wc"], group_size=8), np.ones(15, np.float32)
+    )
+    y = np.ones((2, 16), np.float32)
+    _expect_error(model, {"y": y, "z": y}, r"W must have shape \[C\] = \[16\], got \[15\]")
 
 
 def test_rejects_w_of_wrong_length_at_load_time() -> None:

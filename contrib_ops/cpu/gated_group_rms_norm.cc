@@ -61,6 +61,29 @@ void RunChunk(void* user_data, size_t chunk) {
 
 }  // namespace
 
+void TensorDims::Read(const OrtValue* value) {
+  const OrtApi& api = Ort::GetApi();
+  OrtTensorTypeAndShapeInfo* raw = nullptr;
+  Ort::ThrowOnError(api.GetTensorTypeAndShape(value, &raw));
+  const Ort::TensorTypeAndShapeInfo info(raw);  // owns raw (released on every path)
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  Ort::ThrowOnError(api.GetTensorElementType(raw, &type));
+  type_ = static_cast<int64_t>(type);
+  Ort::ThrowOnError(api.GetDimensionsCount(raw, &rank_));
+  int64_t* dims = inline_;
+  if (rank_ > kInlineRank) {
+    heap_.resize(rank_);
+    dims = heap_.data();
+  }
+  Ort::ThrowOnError(api.GetDimensions(raw, dims, rank_));
+}
+
+bool TensorDims::operator==(const TensorDims& other) const {
+  return rank_ == other.rank_ && std::equal(data(), data() + rank_, other.data());
+}
+
+std::string TensorDims::ToString() const { return ShapeString(std::vector<int64_t>(data(), data() + rank_)); }
+
 Ort::Status GatedGroupRMSNormAttrs::Read(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs) {
   const OrtApi& api = Ort::GetApi();
   const std::string where = "node '" + NodeName(info) + "': ";
@@ -101,58 +124,63 @@ Ort::Status GatedGroupRMSNormAttrs::Read(const OrtKernelInfo* info, GatedGroupRM
 }
 
 Ort::Status PrepareArgs(const GatedGroupRMSNormAttrs& attrs, Ort::KernelContext& context,
-                        GatedGroupRMSNormArgs& args) {
-  if (context.GetInputCount() != 3) {
-    return InvalidArgument("expects 3 inputs (Y, Z, W), got " + std::to_string(context.GetInputCount()));
+                        GatedGroupRMSNormArgs& args, const GatedGroupRMSNormStatic* known) {
+  if (const size_t count = context.GetInputCount(); count != 3) {
+    return InvalidArgument("expects 3 inputs (Y, Z, W), got " + std::to_string(count));
   }
-  const Ort::ConstValue y = context.GetInput(0);
-  const Ort::ConstValue z = context.GetInput(1);
-  const Ort::ConstValue w = context.GetInput(2);
   const char* names[] = {"Y", "Z", "W"};
-  const Ort::ConstValue* values[] = {&y, &z, &w};
-  std::vector<int64_t> shapes[3];
-  ElemType types[3];
-  for (int i = 0; i < 3; ++i) {
-    if (!*values[i] || !values[i]->IsTensor()) return InvalidArgument(std::string(names[i]) + " must be a tensor");
-    const auto info = values[i]->GetTensorTypeAndShapeInfo();
-    const int64_t type = info.GetElementType();
-    if (!IsSupportedElemType(type)) {
-      return InvalidArgument(std::string(names[i]) + " has element type " + ElemTypeName(type) +
+  const OrtValue* values[3];
+  TensorDims read[3];
+  const TensorDims* dims[3] = {&read[0], &read[1], &read[2]};
+  for (size_t i = 0; i < 3; ++i) {
+    const Ort::ConstValue value = context.GetInput(i);
+    if (!value || !value.IsTensor()) return InvalidArgument(std::string(names[i]) + " must be a tensor");
+    values[i] = value;
+    if (i == 2 && known != nullptr && known->w_constant) {
+      dims[2] = &known->w;  // a constant initializer: its type and shape were read at kernel creation
+    } else {
+      read[i].Read(value);
+    }
+    if (!IsSupportedElemType(dims[i]->type())) {
+      return InvalidArgument(std::string(names[i]) + " has element type " + ElemTypeName(dims[i]->type()) +
                              "; supported: float, float16, bfloat16");
     }
-    types[i] = static_cast<ElemType>(type);
-    shapes[i] = info.GetShape();
   }
-  const auto& y_shape = shapes[0];
-  if (y_shape.empty()) return InvalidArgument("Y must have at least one axis, got a scalar");
-  if (shapes[1] != y_shape) {
-    return InvalidArgument("Z must have Y's shape " + ShapeString(y_shape) + ", got " + ShapeString(shapes[1]));
+  const TensorDims& y_shape = *dims[0];
+  if (y_shape.rank() == 0) return InvalidArgument("Y must have at least one axis, got a scalar");
+  if (!(*dims[1] == y_shape)) {
+    return InvalidArgument("Z must have Y's shape " + y_shape.ToString() + ", got " + dims[1]->ToString());
   }
   const int64_t channels = y_shape.back();
-  if (shapes[2] != std::vector<int64_t>{channels}) {
-    return InvalidArgument("W must have shape [C] = [" + std::to_string(channels) + "], got " +
-                           ShapeString(shapes[2]));
+  if (dims[2]->rank() != 1 || dims[2]->back() != channels) {
+    return InvalidArgument("W must have shape [C] = [" + std::to_string(channels) + "], got " + dims[2]->ToString());
   }
   if (channels % attrs.group_size != 0) {
     return InvalidArgument("C = " + std::to_string(channels) + " (last axis of Y) is not divisible by group_size = " +
                            std::to_string(attrs.group_size));
   }
   int64_t rows = 1;
-  for (size_t i = 0; i + 1 < y_shape.size(); ++i) rows *= y_shape[i];
+  for (size_t i = 0; i + 1 < y_shape.rank(); ++i) rows *= y_shape.data()[i];
 
-  args.y_type = types[0];
-  args.z_type = types[1];
-  args.w_type = types[2];
-  args.norm_type = attrs.norm_dtype ? static_cast<ElemType>(attrs.norm_dtype) : types[0];
-  args.out_type = attrs.output_dtype ? static_cast<ElemType>(attrs.output_dtype) : types[0];
+  const auto y_type = static_cast<ElemType>(dims[0]->type());
+  args.y_type = y_type;
+  args.z_type = static_cast<ElemType>(dims[1]->type());
+  args.w_type = static_cast<ElemType>(dims[2]->type());
+  args.norm_type = attrs.norm_dtype ? static_cast<ElemType>(attrs.norm_dtype) : y_type;
+  args.out_type = attrs.output_dtype ? static_cast<ElemType>(attrs.output_dtype) : y_type;
   args.gated_type = attrs.gated_dtype ? static_cast<ElemType>(attrs.gated_dtype) : ElemType::kFloat;
   args.rows = rows;
   args.channels = channels;
   args.group_size = attrs.group_size;
   args.epsilon = attrs.epsilon;
 
-  Ort::UnownedValue out = context.GetOutput(0, y_shape.data(), y_shape.size());
-  const int64_t out_type = out.GetTensorTypeAndShapeInfo().GetElementType();
+  Ort::UnownedValue out = context.GetOutput(0, y_shape.data(), y_shape.rank());
+  int64_t out_type = known != nullptr ? known->out_type : 0;
+  if (out_type == 0) {
+    TensorDims out_dims;
+    out_dims.Read(out);
+    out_type = out_dims.type();
+  }
   // ONNX Runtime's CPU fp16 handling may retype a node's fp16 output to float (it inserts Casts around
   // nodes without fp16 kernels). The value is still rounded to output_dtype, then stored widened, which
   // is exact; any other mismatch is a graph the op cannot serve.
@@ -166,11 +194,39 @@ Ort::Status PrepareArgs(const GatedGroupRMSNormAttrs& attrs, Ort::KernelContext&
     args.out = nullptr;
     return Ort::Status{};
   }
-  args.y = y.GetTensorRawData();
-  args.z = z.GetTensorRawData();
-  args.w = w.GetTensorRawData();
+  args.y = Ort::ConstValue(values[0]).GetTensorRawData();
+  args.z = Ort::ConstValue(values[1]).GetTensorRawData();
+  args.w = Ort::ConstValue(values[2]).GetTensorRawData();
   args.out = out.GetTensorMutableRawData();
   if (const char* problem = ValidateArgs(args)) return InvalidArgument(problem);
+  return Ort::Status{};
+}
+
+Ort::Status GatedGroupRMSNormStatic::Read(const OrtKernelInfo* info, GatedGroupRMSNormStatic& known) {
+  const OrtApi& api = Ort::GetApi();
+  // The output's element type is the graph's (ONNX Runtime allocates the output with its node arg's type,
+  // final once kernels are created): read once here instead of a type-and-shape query every Run. Unknown
+  // or not a tensor: 0, queried per Run.
+  OrtTypeInfo* raw = nullptr;
+  Ort::ThrowOnError(api.KernelInfo_GetOutputTypeInfo(info, 0, &raw));
+  const Ort::TypeInfo type_info(raw);  // owned by us
+  known.out_type = 0;
+  if (type_info.GetONNXType() == ONNX_TYPE_TENSOR) {
+    const int64_t type = type_info.GetTensorTypeAndShapeInfo().GetElementType();
+    if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED) known.out_type = type;
+  }
+  // W as a constant initializer (the usual case: the norm's weight) cannot change between Runs.
+  int is_constant = 0;
+  const OrtValue* w = nullptr;
+  known.w_constant = false;
+  if (OrtStatus* status = api.KernelInfoGetConstantInput_tensor(info, 2, &is_constant, &w)) {
+    api.ReleaseStatus(status);
+    return Ort::Status{};
+  }
+  if (is_constant != 0 && w != nullptr && Ort::ConstValue(w).IsTensor()) {
+    known.w.Read(w);
+    known.w_constant = true;
+  }
   return Ort::Status{};
 }
 
@@ -178,7 +234,7 @@ OrtStatusPtr GatedGroupRMSNormCpuKernel::ComputeV2(OrtKernelContext* raw_context
   return GuardStatus([&]() -> Ort::Status {
     Ort::KernelContext context(raw_context);
     GatedGroupRMSNormArgs args;
-    if (Ort::Status status = PrepareArgs(attrs_, context, args); !status.IsOK()) return status;
+    if (Ort::Status status = PrepareArgs(attrs_, context, args, &known_); !status.IsOK()) return status;
     const int64_t items = args.rows * (args.channels / args.group_size);
     if (items == 0 || args.channels == 0) return Ort::Status{};
 #if defined(MAMBAFUSE_WITH_METAL)
@@ -221,7 +277,9 @@ OrtStatusPtr GatedGroupRMSNormCpuOp::CreateKernelV2(const OrtApi& /*api*/, const
   return GuardStatus([&]() -> Ort::Status {
     GatedGroupRMSNormAttrs attrs;
     if (Ort::Status status = ReadNode(info, attrs); !status.IsOK()) return status;
-    *kernel = std::make_unique<GatedGroupRMSNormCpuKernel>(attrs).release();
+    auto known = std::make_unique<GatedGroupRMSNormStatic>();
+    if (Ort::Status status = GatedGroupRMSNormStatic::Read(info, *known); !status.IsOK()) return status;
+    *kernel = std::make_unique<GatedGroupRMSNormCpuKernel>(attrs, std::move(*known)).release();
     return Ort::Status{};
   });
 }

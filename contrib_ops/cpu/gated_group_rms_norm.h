@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/ort_api.h"
@@ -24,18 +25,52 @@ struct GatedGroupRMSNormAttrs {
   static Ort::Status Read(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs);
 };
 
+// A tensor's element type and shape from one type-and-shape query, the dims in fixed storage: no heap
+// allocation for ranks up to kInlineRank (every decode and prefill tensor), a vector beyond. (A decode
+// step's node computes for ~3 us; the shape vectors and repeated queries of the general API showed.)
+class TensorDims {
+ public:
+  static constexpr size_t kInlineRank = 8;
+
+  void Read(const OrtValue* value);
+  int64_t type() const { return type_; }
+  size_t rank() const { return rank_; }
+  const int64_t* data() const { return rank_ > kInlineRank ? heap_.data() : inline_; }
+  int64_t back() const { return data()[rank_ - 1]; }
+  bool operator==(const TensorDims& other) const;
+  std::string ToString() const;  // "[2, 16]"
+
+ private:
+  int64_t type_ = 0;
+  size_t rank_ = 0;
+  int64_t inline_[kInlineRank] = {};
+  std::vector<int64_t> heap_;
+};
+
+// What cannot change between Runs of one node, read at kernel creation (CPU kernel).
+struct GatedGroupRMSNormStatic {
+  int64_t out_type = 0;     // the output's element type in the graph; 0: unknown, queried every Run
+  bool w_constant = false;  // W is a constant initializer: its type and shape are `w`
+  TensorDims w;
+
+  static Ort::Status Read(const OrtKernelInfo* info, GatedGroupRMSNormStatic& known);
+};
+
 // Input shapes/types -> the args of the math core, with an error message that names the offending
-// value when they do not fit the op's contract. Shared by the CPU and CUDA kernels.
+// value when they do not fit the op's contract. Shared by the CPU and CUDA kernels; `known` (optional)
+// skips the queries of what kernel creation already read.
 Ort::Status PrepareArgs(const GatedGroupRMSNormAttrs& attrs, Ort::KernelContext& context,
-                        GatedGroupRMSNormArgs& args);
+                        GatedGroupRMSNormArgs& args, const GatedGroupRMSNormStatic* known = nullptr);
 
 class GatedGroupRMSNormCpuKernel {
  public:
-  explicit GatedGroupRMSNormCpuKernel(GatedGroupRMSNormAttrs attrs) : attrs_(attrs) {}
+  GatedGroupRMSNormCpuKernel(GatedGroupRMSNormAttrs attrs, GatedGroupRMSNormStatic known)
+      : attrs_(attrs), known_(std::move(known)) {}
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
  private:
   GatedGroupRMSNormAttrs attrs_;
+  GatedGroupRMSNormStatic known_;
 };
 
 struct GatedGroupRMSNormCpuOp

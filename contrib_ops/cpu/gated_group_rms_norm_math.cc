@@ -17,15 +17,21 @@
 // (half conversions, vscalefps, non-temporal stores) behind small per-ISA helpers. Large outputs (prefill)
 // are written with non-temporal stores, and the next group's y and z are prefetched.
 //
-// silu: sigmoid(z) = 1/(1+t) for z >= 0 and t/(1+t) for z < 0, with t = e^-|z| (never overflows).
+// silu: with a vector permute (AVX-512, AVX2, NEON, generic), silu(z) = z / (1 + e^-z) for |z| <= 86, e^-z
+// from a table of 2^(j/N) and a degree-2 or 3 polynomial, 2^e added to the exponent field with integer
+// operations (SiluTable: its comment has the error analysis, <= 1.8e-7 + 2.4e-7 |z|/86 relative for e^-z);
+// a group with a larger |z| (or NaN, Inf) is computed again by SiluWide. SiluWide (and SSE2, which has no
+// permute): sigmoid(z) = 1/(1+t) for z >= 0 and t/(1+t) for z < 0, with t = e^-|z| (never overflows);
 // e^x: x = n ln2 + r (|r| <= ln2/2), e^r by a degree-5 minimax polynomial (relative error 1.9e-7 evaluated
-// in float32), 2^n applied so that results down to the float subnormals are right; then one division.
+// in float32), 2^n applied so that results down to the float subnormals are right. Then one division.
 // Together h is within ~5e-7 (relative) of the exact product, inside the float32 budget of 2e-6 and inside
 // the window that budget_report allows a gated_dtype rounding to fall either way (fusion/reference.py,
 // GATED_TIE_WINDOW, 9.5e-7).
 //
-// Cost (AVX-512, per 16 elements): 13 multiply/FMA instructions and one division. On the machine measured
-// (AMD Zen 4: one 512-bit FMA per cycle) that multiply pipe is the bound; see benchmarks/RESULTS.md.
+// Cost (AVX-512, per 16 elements): 8 multiply/FMA instructions in the gate pass and 2 in the norm pass,
+// one division, ~20 vector instructions in all. On the machine measured (AMD Zen 4, whose 512-bit
+// instructions occupy its 256-bit pipes twice) the count of all vector instructions, not the FMA pipe
+// alone, is what the loop's time follows; see benchmarks/RESULTS.md.
 //
 // Float32 subnormals (x86): an FP instruction with a subnormal operand (DAZ clear) or a subnormal result
 // (FTZ clear) takes a microcode assist on Intel cores (~150 cycles per instruction; AMD's handle most of
@@ -38,10 +44,11 @@
 //   - A group that had subnormal y (or underflowed) is computed again from y' = 2^k y, built without an FP
 //     operation on a subnormal (ScaleByPowerOfTwo; exact), so h' = 2^k h stays normal; nf' = 2^-k nf with
 //     eps 4^k in double, so h' nf' = h nf.
-//   - The norm pass runs with FTZ only (w is read exactly). For a scaled group it computes 2^64 times its
-//     outputs, normal floats, and scales them back (ScaleDownBy64): exact where the output is a normal
-//     float; where it or the normalized value is subnormal, rounded at 24 bits before the subnormal's
-//     rounding, so within 2 x 2^-149 of the formula (far inside the float32 budget's absolute floor).
+//   - The norm pass of an ordinary group runs with neither DAZ nor FTZ (on ordinary data it makes no
+//     subnormal: nothing to assist). For a scaled group it runs with FTZ only (w is read exactly), computes
+//     2^64 times its outputs, normal floats, and scales them back (ScaleDownBy64): exact where the output
+//     is a normal float; where it or the normalized value is subnormal, rounded at 24 bits before the
+//     subnormal's rounding, so within 2 x 2^-149 of the formula (far inside the float32 budget's floor).
 //   - Whatever still underflows (or overflows, scaled), or a subnormal z, is computed again with neither
 //     DAZ nor FTZ: exact, at the assists' cost, off the paths of ordinary and of decayed rows.
 // The caller's MXCSR is restored on return. The Arm and generic builds compute every pass as written (the
@@ -88,6 +95,10 @@ typedef int32_t VI __attribute__((vector_size(4 * kWidth)));
 typedef uint32_t VU __attribute__((vector_size(4 * kWidth)));
 typedef uint16_t VH __attribute__((vector_size(2 * kWidth)));
 
+// The per-vector helpers below are inlined into every loop whatever GCC's size budget for the file says
+// (with the two silu variants it stopped inlining the half conversions into the norm pass: a call a vector).
+#define MAMBAFUSE_ALWAYS_INLINE inline __attribute__((always_inline))
+
 inline VF Splat(float f) { return VF{} + f; }
 inline VU SplatU(uint32_t u) { return VU{} + u; }
 inline VU Bits(VF v) { return reinterpret_cast<VU>(v); }
@@ -95,21 +106,21 @@ inline VF FromBits(VU v) { return reinterpret_cast<VF>(v); }
 
 // --- loads and stores in the element types, widened to / rounded from float -------------------------
 
-inline VF LoadF32(const void* p) {
+MAMBAFUSE_ALWAYS_INLINE VF LoadF32(const void* p) {
   VF v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline VH LoadHalfBits(const void* p) {
+MAMBAFUSE_ALWAYS_INLINE VH LoadHalfBits(const void* p) {
   VH v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline VF BF16ToFloat(VH bits) { return FromBits(__builtin_convertvector(bits, VU) << 16); }
+MAMBAFUSE_ALWAYS_INLINE VF BF16ToFloat(VH bits) { return FromBits(__builtin_convertvector(bits, VU) << 16); }
 
-inline VH FloatToBF16(VF f) {  // round to nearest even; NaN stays a quiet NaN
+MAMBAFUSE_ALWAYS_INLINE VH FloatToBF16(VF f) {  // round to nearest even; NaN stays a quiet NaN
   const VU u = Bits(f);
   const VU rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   const VU quiet_nan = (u >> 16) | 0x0040u;
@@ -119,7 +130,7 @@ inline VH FloatToBF16(VF f) {  // round to nearest even; NaN stays a quiet NaN
 
 // Portable float16 <-> float, for the widths without a conversion instruction (SSE2, generic). Exact;
 // the subnormal paths use float additions of normal numbers only, so FTZ cannot change them.
-[[maybe_unused]] inline VF F16ToFloatPortable(VH bits) {
+[[maybe_unused]] MAMBAFUSE_ALWAYS_INLINE VF F16ToFloatPortable(VH bits) {
   const VU h = __builtin_convertvector(bits, VU);
   const VU sign = (h & 0x8000u) << 16;
   const VU em = (h & 0x7FFFu) << 13;
@@ -132,7 +143,7 @@ inline VH FloatToBF16(VF f) {  // round to nearest even; NaN stays a quiet NaN
   return FromBits(r | sign);
 }
 
-[[maybe_unused]] inline VH FloatToF16Portable(VF f) {  // round to nearest even
+[[maybe_unused]] MAMBAFUSE_ALWAYS_INLINE VH FloatToF16Portable(VF f) {  // round to nearest even
   const VU u = Bits(f);
   const VU sign = (u >> 16) & 0x8000u;
   const VU a = u & 0x7FFFFFFFu;
@@ -148,7 +159,7 @@ inline VH FloatToBF16(VF f) {  // round to nearest even; NaN stays a quiet NaN
   return __builtin_convertvector(r | sign, VH);
 }
 
-inline VF F16ToFloat(VH bits) {
+MAMBAFUSE_ALWAYS_INLINE VF F16ToFloat(VH bits) {
 #if defined(__AVX512F__)
   __m256i raw;
   std::memcpy(&raw, &bits, sizeof raw);
@@ -166,9 +177,18 @@ inline VF F16ToFloat(VH bits) {
 #endif
 }
 
-inline VH FloatToF16(VF f) {  // round to nearest even (the conversion instructions ignore FTZ/DAZ)
+MAMBAFUSE_ALWAYS_INLINE VH FloatToF16(VF f) {  // round to nearest even (the conversion instructions ignore FTZ/DAZ)
 #if defined(__AVX512F__)
+#if defined(__GNUC__) && !defined(__clang__)
+  // With {sae} (no MXCSR flags): the instruction ignores FTZ and DAZ, so the underflow flag it raises for
+  // a float16 subnormal result says nothing about the FP multiplies whose underflow the passes read from
+  // MXCSR; raised, it sent every group with such an output (about half the groups of ordinary rows with
+  // a float16 norm_dtype or output_dtype) through the exact pass again. (GCC's intrinsic has no {sae}.)
+  __m256i raw;
+  __asm__("vcvtps2ph $0x8, %{sae%}, %1, %0" : "=v"(raw) : "v"(reinterpret_cast<__m512>(f)));
+#else
   const __m256i raw = _mm512_cvtps_ph(reinterpret_cast<__m512>(f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
   VH v;
   std::memcpy(&v, &raw, sizeof v);
   return v;
@@ -187,20 +207,20 @@ inline VH FloatToF16(VF f) {  // round to nearest even (the conversion instructi
 #endif
 }
 
-inline VF Load(const void* p, ElemType type) {
+MAMBAFUSE_ALWAYS_INLINE VF Load(const void* p, ElemType type) {
   if (type == ElemType::kFloat16) return F16ToFloat(LoadHalfBits(p));
   if (type == ElemType::kBFloat16) return BF16ToFloat(LoadHalfBits(p));
   return LoadF32(p);
 }
 
 // The value rounded to `type` and widened back (exact: the result is representable in float).
-inline VF RoundThrough(VF v, ElemType type) {
+MAMBAFUSE_ALWAYS_INLINE VF RoundThrough(VF v, ElemType type) {
   if (type == ElemType::kFloat16) return F16ToFloat(FloatToF16(v));
   if (type == ElemType::kBFloat16) return BF16ToFloat(FloatToBF16(v));
   return v;
 }
 
-inline void Store(void* p, VF v, ElemType type) {
+MAMBAFUSE_ALWAYS_INLINE void Store(void* p, VF v, ElemType type) {
   if (type == ElemType::kFloat16) {
     const VH h = FloatToF16(v);
     std::memcpy(p, &h, sizeof h);
@@ -215,7 +235,7 @@ inline void Store(void* p, VF v, ElemType type) {
 // Store with a non-temporal hint (x86): the line is written without being read first and without
 // evicting the working set, which pays when the output is far larger than the caches (prefill). `p` must
 // be aligned to the store's size; the caller fences once after the last one.
-inline void StoreStream(void* p, VF v, ElemType type) {
+MAMBAFUSE_ALWAYS_INLINE void StoreStream(void* p, VF v, ElemType type) {
 #if defined(MAMBAFUSE_MXCSR)
   if (type == ElemType::kFloat) {
 #if defined(__AVX512F__)
@@ -355,8 +375,10 @@ constexpr float kExpC3 = 0x1.555a18p-3f, kExpC4 = 0x1.575eeep-5f, kExpC5 = 0x1.0
 // of them). As many as the register file holds: 32 zmm registers for AVX-512, 16 elsewhere.
 constexpr int kUnroll = kWidth == 16 ? 4 : 2;
 
-// silu(z) of kUnroll vectors, in place. Written stage by stage so the instruction stream interleaves them.
-__attribute__((always_inline)) inline void Silu(VF (&v)[kUnroll]) {
+// silu(z) of kUnroll vectors, in place, for every z (the full range of e^-|z|, down to the subnormals):
+// the group's second try when SiluTable saw a z it does not serve, and the only one where there is no
+// table lookup (SSE2). Written stage by stage so the instruction stream interleaves them.
+__attribute__((always_inline)) inline void SiluWide(VF (&v)[kUnroll]) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   VF x[kUnroll], shifted[kUnroll], n[kUnroll], r[kUnroll], p[kUnroll], t[kUnroll];
@@ -396,6 +418,119 @@ __attribute__((always_inline)) inline void Silu(VF (&v)[kUnroll]) {
   }
   // silu(z) = z * num / (1 + t), num = t for z < 0, else 1.
   for (int k = 0; k < kUnroll; ++k) v[k] = v[k] < 0.f ? v[k] * t[k] : v[k];
+  for (int k = 0; k < kUnroll; ++k) v[k] = Divide(v[k], 1.f + t[k]);
+}
+
+
+// --- silu with e^-z from a table of 2^(j/N) (every build with a vector permute) ----------------------
+//
+// For |z| <= 86: silu(z) = z / (1 + e^-z) directly (e^86 < 2^125: nothing overflows, and for z < 0 the
+// sum of two positive terms loses no relative accuracy, so silu keeps its full relative accuracy for z << 0;
+// for z large 1 + e^-z rounds to 1 and silu(z) = z exactly, as in the reference). No select and no
+// numerator product: one division.
+// e^x, x = -z: k = round(x N / ln2), x = k ln2/N + r with |r| <= ln2/(2N); k = N e + j (j in [0, N)) and
+// e^x = 2^e 2^(j/N) e^r. 2^(j/N) comes from a table of N entries held in two vectors (vpermt2d on AVX-512,
+// two vpermd and a blend on AVX2, tbl on NEON; not the multiply pipes), 2^e is added to its exponent field
+// with integer operations (the table holds bits(2^(j/N)) - j 2^(23 - log2 N), so adding
+// bits(shifted) << (23 - log2 N) = k 2^(23 - log2 N) leaves bits(2^(j/N)) + e 2^23: a float T 2^e, normal
+// for |e| <= 125), and e^r is T + T p(r), p(r) = r q(r) a small minimax polynomial (evaluated in s = -r:
+// s = z + k ln2/N is one FMA). Per vector (AVX-512) the silu takes 5 multiply/FMA instructions (6 with a
+// degree-3 polynomial) and 13 vector instructions in all, the division and the note of a wide z included,
+// where the degree-5 polynomial with vscalefps, the clamp, the select and the numerator product took 9
+// and 15.
+//
+// N and p per width (minimax for the relative error of e^r on |r| <= ln2/(2N), coefficients rounded to
+// float32, the error measured in float64 at 4e5 points):
+//   AVX-512 (N = 32): q = c1 + c2 r, 5.4e-8 (0.45 float32 ulp of 1, u = 2^-23);
+//   AVX2 (N = 16): q = c1 + c2 r + c3 r^2, 1.7e-9;   4 lanes (N = 8): the same form, 2.7e-8.
+// Error of t = e^-z (relative): the table entry rounded to nearest, <= u/2 = 6.0e-8; the polynomial,
+// <= 5.4e-8; p itself (|p| <= 0.011, a few roundings of ~u relative each) < 1e-9 of t; the final FMA
+// T + T p rounds once, <= u/2; s: k fl(ln2/N) differs from k ln2/N by |k| 1.9e-9/N <= 2.4e-7 |z|/86 (an
+// absolute error of s, hence relative of t), < 5.5e-8 for |z| < 20 (the gates of real models); the FMA
+// that forms s rounds at |s|'s scale (< 1e-9 of t). Total <= 1.8e-7 + 2.4e-7 |z|/86, the same class as
+// the degree-5 polynomial's 1.9e-7 + 2.9e-7 |z|/104; then 1 + t and the division round once each (one
+// rounding less than z t / (1 + t)). Inside the float32 budget (2e-6) and the gated_dtype tie window
+// (9.5e-7) with the products after it (the file comment's ~5e-7 for h holds).
+// |z| > 86 (where 2^e leaves the normals), NaN or Inf: those lanes' results are not used; the pass notes
+// such a z (an unsigned max over bits(z) | sign bit, one integer instruction a vector) and the group is
+// computed again with SiluWide, the full range as before. Such gates (|silu(z)| < 1e-35 for z < -86) are
+// far outside what real models produce.
+#if defined(MAMBAFUSE_MXCSR) && !defined(__AVX2__)
+constexpr bool kExpTable = false;  // SSE2 has no variable permute: GCC would do the lookup lane by lane
+#else
+constexpr bool kExpTable = true;
+#endif
+constexpr int kExpTableSize = 2 * kWidth;     // N: two vectors of entries
+constexpr uint32_t kWideZBits = 0xC2AC0000u;  // bits of -86.0f: bits(z) | sign bit above it are not served
+
+#if defined(__AVX512F__)
+// bits(2^(j/32)) - (j << 18), j = 0..31, 2^(j/32) rounded to nearest float.
+alignas(64) constexpr uint32_t kExp2Table[32] = {
+    0x3F800000u, 0x3F7ECD87u, 0x3F7DAAC3u, 0x3F7C980Fu, 0x3F7B95C2u, 0x3F7AA43Au, 0x3F79C3D3u, 0x3F78F4F0u,
+    0x3F7837F0u, 0x3F778D3Au, 0x3F76F532u, 0x3F767043u, 0x3F75FED7u, 0x3F75A15Bu, 0x3F75583Fu, 0x3F7523F6u,
+    0x3F7504F3u, 0x3F74FBAFu, 0x3F7508A4u, 0x3F752C4Du, 0x3F75672Au, 0x3F75B9BEu, 0x3F76248Cu, 0x3F76A81Eu,
+    0x3F7744FDu, 0x3F77FBB8u, 0x3F78CCDFu, 0x3F79B907u, 0x3F7AC0C7u, 0x3F7BE4BAu, 0x3F7D257Du, 0x3F7E83B3u};
+// e^r = 1 + r (c1 + c2 r), c1 = 0x1.0000f6p+0, c2 = 0x1.fffffep-2; in s = -r: 1 + s (-c1 + c2 s).
+constexpr float kQ1 = -0x1.0000f6p+0f, kQ2 = 0x1.fffffep-2f, kQ3 = 0.f;
+constexpr int kExpTableDegree = 2;
+#elif defined(__AVX2__)
+// bits(2^(j/16)) - (j << 19), j = 0..15.
+alignas(64) constexpr uint32_t kExp2Table[16] = {
+    0x3F800000u, 0x3F7DAAC3u, 0x3F7B95C2u, 0x3F79C3D3u, 0x3F7837F0u, 0x3F76F532u, 0x3F75FED7u, 0x3F75583Fu,
+    0x3F7504F3u, 0x3F7508A4u, 0x3F75672Au, 0x3F76248Cu, 0x3F7744FDu, 0x3F78CCDFu, 0x3F7AC0C7u, 0x3F7D257Du};
+// e^r = 1 + r (c1 + c2 r + c3 r^2), c1 = 1, c2 = 0x1.000222p-1, c3 = 0x1.555238p-3; in s = -r the odd
+// coefficients change sign.
+constexpr float kQ1 = -1.f, kQ2 = 0x1.000222p-1f, kQ3 = -0x1.555238p-3f;
+constexpr int kExpTableDegree = 3;
+#else
+// bits(2^(j/8)) - (j << 20), j = 0..7.
+alignas(64) constexpr uint32_t kExp2Table[8] = {0x3F800000u, 0x3F7B95C2u, 0x3F7837F0u, 0x3F75FED7u,
+                                               0x3F7504F3u, 0x3F75672Au, 0x3F7744FDu, 0x3F7AC0C7u};
+// c1 = 1, c2 = 0x1.000886p-1, c3 = 0x1.5548dep-3, in s = -r as above.
+constexpr float kQ1 = -1.f, kQ2 = 0x1.000886p-1f, kQ3 = -0x1.5548dep-3f;
+constexpr int kExpTableDegree = 3;
+#endif
+static_assert(sizeof kExp2Table == 2 * sizeof(VF), "the table is two vectors");
+
+// silu(z) of kUnroll vectors, in place, for |z| <= 86; `widest` collects bits(z) | sign bit (unsigned max)
+// for the caller's check against kWideZBits.
+__attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], VU& widest) {
+  constexpr int kShift = 23 - (kExpTableSize == 32 ? 5 : kExpTableSize == 16 ? 4 : 3);
+  constexpr float kMinusNLog2e = -1.44269504088896341f * kExpTableSize;
+  constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  VU table[2];
+  std::memcpy(table, kExp2Table, sizeof table);
+  VF shifted[kUnroll], n[kUnroll], s[kUnroll], q[kUnroll], t[kUnroll];
+  for (int k = 0; k < kUnroll; ++k) {
+    const VU negative = Bits(v[k]) | 0x80000000u;
+    widest = negative > widest ? negative : widest;
+  }
+  for (int k = 0; k < kUnroll; ++k) shifted[k] = v[k] * kMinusNLog2e + kRoundMagic;
+  for (int k = 0; k < kUnroll; ++k) n[k] = shifted[k] - kRoundMagic;  // k = round(-z N / ln2), |k| <= 3970
+#if defined(__FMA__)
+  constexpr float kLn2OverN = 0.693147180559945309f / kExpTableSize;  // exact division by a power of two
+  for (int k = 0; k < kUnroll; ++k) s[k] = v[k] + n[k] * kLn2OverN;    // s = -r
+#else
+  // Cody-Waite: the first constant has 12 significant bits, so n * kLn2Hi (|n| < 2^10 here) is exact.
+  constexpr float kLn2Hi = 0x1.62ep-1f / kExpTableSize;
+  constexpr float kLn2Lo = static_cast<float>((0.693147180559945309417 - 0x1.62ep-1) / kExpTableSize);
+  for (int k = 0; k < kUnroll; ++k) s[k] = v[k] + n[k] * kLn2Hi;
+  for (int k = 0; k < kUnroll; ++k) s[k] = s[k] + n[k] * kLn2Lo;
+#endif
+  // T 2^e: the permute reads the low log2(N) bits of bits(shifted), k mod N (bits(magic) has none below
+  // bit 22; two's complement), and bits(shifted) << kShift is k << kShift (bits(magic) shifts out).
+  for (int k = 0; k < kUnroll; ++k) {
+    const VU index = Bits(shifted[k]);
+    t[k] = FromBits(__builtin_shuffle(table[0], table[1], index) + (index << kShift));
+  }
+  if constexpr (kExpTableDegree == 2) {
+    for (int k = 0; k < kUnroll; ++k) q[k] = s[k] * kQ2 + kQ1;
+  } else {
+    for (int k = 0; k < kUnroll; ++k) q[k] = s[k] * kQ3 + kQ2;
+    for (int k = 0; k < kUnroll; ++k) q[k] = q[k] * s[k] + kQ1;
+  }
+  for (int k = 0; k < kUnroll; ++k) q[k] = q[k] * s[k];         // e^r - 1
+  for (int k = 0; k < kUnroll; ++k) t[k] = t[k] * q[k] + t[k];  // e^-z
   for (int k = 0; k < kUnroll; ++k) v[k] = Divide(v[k], 1.f + t[k]);
 }
 
@@ -440,6 +575,7 @@ __attribute__((noinline)) bool SubnormalInput(const char* y, const char* z, int6
 struct GateSums {
   float sum_sq;          // sum(h^2)
   bool subnormal_input;  // a y or z was a float32 subnormal (x86: read as 0 under DAZ)
+  bool wide_z = false;   // SiluTable saw a z it does not serve (|z| > 86, NaN, Inf): h is not to be used
 };
 
 // y * 2^k for the scaled gate pass: the two powers of two ScaleByPowerOfTwo takes (k in [0, 127]).
@@ -456,9 +592,10 @@ struct YScale {
 };
 
 // h = round(G, y * silu(z)) into `gated`, and the sum of h^2. kScaled: y is scaled by 2^k first (see
-// ScaleByPowerOfTwo). Not inlined: RunItems calls it in three places, and inlined there it measured 7 %
-// slower (AVX-512, Zen 4) than called.
-template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false>
+// ScaleByPowerOfTwo). kWide: silu by SiluWide (every z), else by SiluTable where the build has it (then
+// wide_z says whether the result stands). Not inlined: RunItems calls it in three places, and inlined
+// there it measured 7 % slower (AVX-512, Zen 4) than called.
+template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false, bool kWide = !kExpTable>
 __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
                                             YScale scale = {}) {
   constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
@@ -468,6 +605,14 @@ __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float*
   VF acc[kUnroll] = {};
   VU lowest = ~VU{};        // NoteZeroOrSubnormal's running minimum over y and z
   VU exact_lowest = ~VU{};  // NoteSubnormals' over the zero-padded last vector
+  VU widest = VU{};         // SiluTable's maximum over the bits of -|z|
+  const auto silu = [&widest](VF(&v)[kUnroll]) {
+    if constexpr (kWide) {
+      SiluWide(v);
+    } else {
+      SiluTable(v, widest);
+    }
+  };
   int64_t j = 0;
   for (; j + step <= n; j += step) {
     // y and z two groups (at least 2048 elements) ahead, into L2 (the next items are contiguous in
@@ -481,7 +626,7 @@ __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float*
     if (MayBeSubnormal(Z)) {
       for (int k = 0; k < kUnroll; ++k) lowest = NoteZeroOrSubnormal(lowest, v[k]);
     }
-    Silu(v);
+    silu(v);
     for (int k = 0; k < kUnroll; ++k) {
       VF yv = Load(y + (j + k * kWidth) * yb, Y);
       if (kProbeY) lowest = NoteZeroOrSubnormal(lowest, yv);
@@ -496,7 +641,7 @@ __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float*
     VF v[kUnroll] = {};
     v[0] = count == kWidth ? Load(z + j * zb, Z) : LoadPartial(z + j * zb, Z, count);
     if (MayBeSubnormal(Z)) exact_lowest = NoteSubnormals(exact_lowest, v[0]);
-    Silu(v);
+    silu(v);
     VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
     if (kProbeY) exact_lowest = NoteSubnormals(exact_lowest, yv);
     if (kScaled) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
@@ -507,6 +652,11 @@ __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float*
   for (int k = 1; k < kUnroll; ++k) acc[0] += acc[k];
   float sum = 0.f;
   for (int l = 0; l < kWidth; ++l) sum += acc[0][l];
+  if constexpr (!kWide) {
+    bool wide_z = false;
+    for (int l = 0; l < kWidth; ++l) wide_z |= widest[l] > kWideZBits;
+    if (wide_z) return {sum, false, true};
+  }
   if (!kSubnormalsAsIntegers) return {sum, false};
   const bool subnormal =
       AnySubnormal(exact_lowest) || (AnyZeroOrSubnormal(lowest) && SubnormalInput<Y, Z, kScaled>(y, z, n));
@@ -577,6 +727,12 @@ void NormPass(const float* __restrict gated, float inv_rms, const char* w, char*
 
 // The norm pass for the run-time types: nested switches down to a direct call of one instantiation.
 // scaled_down (norm float only): the outputs are computed 2^64 too large and scaled back.
+#if defined(MAMBAFUSE_MXCSR) && !defined(__AVX2__)
+// Called, not inlined, in the SSE2 build: inlined into RunItems's two call sites the portable float16
+// conversions measured 45.0 us per 7680-wide float16 row against 41.7 called (AMD Zen 4). In the AVX2 and
+// AVX-512 builds inlining measured the same or faster.
+__attribute__((noinline))
+#endif
 void NormPassFor(ElemType w_type, ElemType norm, ElemType out_type, ElemType store, const float* gated,
                  float inv_rms, const char* w, char* out, int64_t n, bool stream, bool scaled_down = false) {
   WithType(w_type, [&](auto wt) {
@@ -640,6 +796,24 @@ class FlushScope {
   uint32_t saved_;
 };
 #endif
+
+// The gate pass with SiluTable, and again with SiluWide where a z needs the full range (|z| > 86, NaN,
+// Inf): the second pass overwrites all of h and starts from the MXCSR flags the first one found (the
+// first one's unused lanes may have raised any of them).
+template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false>
+GateSums Gate(const char* y, const char* z, float* __restrict gated, int64_t n, YScale scale = {}) {
+  if constexpr (kExpTable) {
+#if defined(MAMBAFUSE_MXCSR)
+    const uint32_t csr = ReadCsr();
+#endif
+    const GateSums sums = GatePass<Y, Z, G, kScaled, false>(y, z, gated, n, scale);
+    if (__builtin_expect(!sums.wide_z, 1)) return sums;
+#if defined(MAMBAFUSE_MXCSR)
+    WriteCsr(csr);
+#endif
+  }
+  return GatePass<Y, Z, G, kScaled, true>(y, z, gated, n, scale);
+}
 
 // Scratch for h: on the stack for the group sizes of real models, else a per-thread buffer, released
 // after the call when it is large (a huge group_size must not leave its buffer held by a pool thread).
@@ -710,7 +884,7 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     }
     if (k == 0) {
       flush.Gate();
-      const GateSums gate = GatePass<Y, Z, G>(y, z, gated, gs);
+      const GateSums gate = Gate<Y, Z, G>(y, z, gated, gs);
       done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq);
       if (done) {
         inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
@@ -723,7 +897,7 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       // nf' = 1 / sqrt(sum h'^2 / gs + eps 4^k) = 2^-k nf (in double: eps 4^k may exceed float's range),
       // so h' nf' = h nf. Only where a gated_dtype does not round h at its own scale.
       flush.Gate();
-      const GateSums gate = GatePass<Y, Z, G, true>(y, z, gated, gs, YScale::Of(k));
+      const GateSums gate = Gate<Y, Z, G, true>(y, z, gated, gs, YScale::Of(k));
       const double denominator = static_cast<double>(gate.sum_sq) / static_cast<double>(gs) +
                                  static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
       inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
@@ -734,30 +908,28 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     if (!done) {
       flush.Exact();
       exact = true;
-      const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs).sum_sq;
+      const float sum_sq = Gate<Y, Z, G>(y, z, gated, gs).sum_sq;
       inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     }
     // A scaled group's outputs are mostly tiny (O = w h nf with h ~ y), many of them subnormal: computed
-    // 2^64 too large and scaled back by ScaleDownBy64 (norm_dtype float; its underflow flag is expected, an
-    // overflow is not), else without FTZ at once.
+    // 2^64 too large with FTZ and scaled back by ScaleDownBy64 (norm_dtype float; its underflow flag is
+    // expected, an overflow is not). Any other group: without FTZ at once. (An FTZ pass, redone without FTZ
+    // where MXCSR's underflow flag came up, gave the same bits, at one more MXCSR read; and the float16
+    // conversions raise that flag for every float16 subnormal result, which sent about half the groups of
+    // ordinary rows with a float16 norm_dtype or output_dtype through a second pass.)
     const float scaled_inv_rms = inv_rms * 0x1p64f;  // exact (inv_rms is normal here), or Inf
     const bool scale_down = scaled_by > 0 && a.norm_type == ElemType::kFloat && std::isfinite(scaled_inv_rms);
-    if (!exact && scaled_by > 0 && !scale_down) {
-      flush.Exact();
-      exact = true;
-    }
-    if (!exact) {
+    if (!exact && scale_down) {
       flush.Norm();
-      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated,
-                  scale_down ? scaled_inv_rms : inv_rms, w, out, gs, stream, scale_down);
-      exact = FlushScope::Raised(inv_rms, scale_down ? kOverflowFlag : kUnderflowFlag);
-      if (exact) flush.Exact();
+      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, scaled_inv_rms, w, out, gs, stream,
+                  true);
+      exact = FlushScope::Raised(inv_rms, kOverflowFlag);
+      if (!exact) continue;
     }
-    if (exact) {
-      NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
-    }
+    if (!exact) flush.Exact();
+    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
 #else
-    const float sum_sq = GatePass<Y, Z, G>(y, z, gated, gs).sum_sq;
+    const float sum_sq = Gate<Y, Z, G>(y, z, gated, gs).sum_sq;
     inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
 #endif

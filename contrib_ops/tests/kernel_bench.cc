@@ -1,7 +1,10 @@
 // Times the CPU math core alone (no ONNX Runtime): GatedGroupRMSNormCpu over one [rows, C] tensor.
 //
 //   kernel_bench [--rows=N] [--channels=C] [--group-size=G] [--type=f32|f16|bf16] [--gated=f32|f16|bf16]
-//                [--values=normal|denormal] [--reps=N] [--calls=N]
+//                [--norm=f32|f16|bf16] [--out=f32|f16|bf16] [--values=normal|denormal] [--reps=N] [--calls=N]
+//
+// --norm / --out: norm_dtype / output_dtype (default: --type); an --out other than --type is stored widened
+// to float (what ORT's CPU fp16 fallback hands the op in fp16 chains: float inputs, half rounding points).
 //
 // Prints the selected instruction-set variant and, for `reps` repetitions of `calls` back-to-back calls,
 // the minimum and median time per call in microseconds. The data stays in cache between calls at decode
@@ -60,6 +63,8 @@ int main(int argc, char** argv) {
   int64_t rows = 1, channels = 7680, group_size = 960;
   int reps = 200, calls = 20;
   ElemType type = ElemType::kFloat, gated = ElemType::kFloat;
+  const char* norm_name = nullptr;
+  const char* out_name = nullptr;
   bool denormal = false;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -83,6 +88,10 @@ int main(int argc, char** argv) {
       reps = std::atoi(v7);
     } else if (const char* v8 = value("--calls=")) {
       calls = std::atoi(v8);
+    } else if (const char* v9 = value("--norm=")) {
+      norm_name = v9;
+    } else if (const char* v10 = value("--out=")) {
+      out_name = v10;
     } else {
       std::fprintf(stderr, "unknown argument %s\n", arg.c_str());
       return 2;
@@ -100,7 +109,7 @@ int main(int argc, char** argv) {
   const ElemType io = denormal ? ElemType::kFloat : type;
   const auto y_bytes = Fill(y, io), z_bytes = Fill(z, io), w_bytes = Fill(w, io);
   // 64-byte aligned, as ONNX Runtime's buffers are (the kernel streams large outputs only when aligned).
-  std::vector<char> out_storage(count * (io == ElemType::kFloat ? 4 : 2) + 64);
+  std::vector<char> out_storage(count * 4 + 64);  // room for a widened output
   char* out = out_storage.data() + (64 - reinterpret_cast<uintptr_t>(out_storage.data()) % 64) % 64;
 
   mambafuse::GatedGroupRMSNormArgs args;
@@ -109,6 +118,11 @@ int main(int argc, char** argv) {
   args.w = w_bytes.data();
   args.out = out;
   args.y_type = args.z_type = args.w_type = args.norm_type = args.out_type = args.out_storage_type = io;
+  if (norm_name != nullptr) args.norm_type = ParseType(norm_name);
+  if (out_name != nullptr) {
+    args.out_type = ParseType(out_name);
+    if (args.out_type != io) args.out_storage_type = ElemType::kFloat;
+  }
   args.gated_type = gated;
   args.rows = rows;
   args.channels = channels;
