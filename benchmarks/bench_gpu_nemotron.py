@@ -33,8 +33,8 @@ expression-named ``past_seq_len + seq_len`` too; always pinned, so "prefill-dyna
 only in what is left of the graph's shape arithmetic); and from ORT's profiler (no CUDA graph): where the
 nodes ran, the kernel time of the gated-norm chains before fusion (the nodes the rewrite removed) and of the
 fused nodes after, per Run. GPU time is CUPTI's (torch.profiler): the chains' as (GPU time before) - (GPU time
-after) + (fused kernels), each total the sum over kernel names of median duration x calls, so that a few slow
-outliers do not move a difference of two ~1 ms totals. ``run --device cpu [--prefill-tokens N]`` is a smoke
+after) + (fused kernels), each total the sum over a Run's kernels of each one's median duration over the Runs
+(every Run launches the same sequence), so that a few slow outliers do not move a difference of two totals. ``run --device cpu [--prefill-tokens N]`` is a smoke
 test of the script.
 """
 
@@ -654,16 +654,28 @@ def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10) -> dict:
         if device_us > 0:
             totals[event.key] = totals.get(event.key, 0.0) + device_us / runs
             calls[event.key] = calls.get(event.key, 0) + event.count
-    # Per kernel name, median duration x count: a total that a few slow outliers (a preempted kernel, a clock
-    # change) do not move; the chains' time is a difference of two such totals.
-    durations: dict[str, list[float]] = {}
+    # Every Run launches the same kernels in the same order: the k-th kernel of a Run, its median duration over
+    # the Runs, summed over k, is a total that a few slow outliers (a preempted kernel, a clock change) do not
+    # move; the chains' time is a difference of two ~1 ms totals. (Falls back to the plain total if the Runs
+    # did not launch the same sequence.)
+    launches = []
     for event in prof.events():
         device_us = getattr(event, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(event, "self_cuda_time_total", 0.0)
         if device_us > 0:
-            durations.setdefault(event.name, []).append(device_us)
-    robust = {name: statistics.median(values) * len(values) / runs for name, values in durations.items()}
+            launches.append((event.time_range.start, event.name, device_us))
+    launches.sort()
+    robust: dict[str, float] = {}
+    per_run = len(launches) // runs
+    if per_run and len(launches) == per_run * runs:
+        for k in range(per_run):
+            same_position = launches[k::per_run]
+            if len({name for _, name, _ in same_position}) != 1:
+                robust = {}
+                break
+            name = same_position[0][1]
+            robust[name] = robust.get(name, 0.0) + statistics.median(us for _, _, us in same_position)
     del keep, session
     fused_keys = [k for k in totals if "mambafuse" in k]
     fused = sum(totals[k] for k in fused_keys)
