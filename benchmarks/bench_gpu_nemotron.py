@@ -34,8 +34,8 @@ only in what is left of the graph's shape arithmetic); and from ORT's profiler (
 nodes ran, the kernel time of the gated-norm chains before fusion (the nodes the rewrite removed) and of the
 fused nodes after, per Run. GPU time is CUPTI's (torch.profiler): the chains' as (GPU time before) - (GPU time
 after) + (fused kernels), each total the sum over a Run's kernels of each one's median duration over the Runs
-(every Run launches the same sequence), so that a few slow outliers do not move a difference of two totals. ``run --device cpu [--prefill-tokens N]`` is a smoke
-test of the script.
+(every Run launches the same sequence), so that a few slow outliers do not move a difference of two totals.
+``run --device cpu [--prefill-tokens N]`` is a smoke test of the script.
 """
 
 from __future__ import annotations
