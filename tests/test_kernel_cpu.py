@@ -345,6 +345,29 @@ def test_subnormal_inputs_with_normal_outputs(subnormal_input: str, y_type: int)
     check_against_reference(y, z, w, group_size=96)
 
 
+def test_scaled_group_whose_norm_pass_overflows_keeps_its_subnormal_outputs() -> None:
+    """A decayed row (subnormal y, epsilon 0: normalized values ~1) with a huge weight: the x86 kernel's
+    norm pass for a rescaled group computes 2^64 times the outputs, which overflows at w = 1e30, and is then
+    redone exactly. The redo must not flush: the outputs of the tiny weights (1e-40) are float32 subnormals
+    of a few hundred units of 2^-149, and flushed to zero they would still pass the budget (its floor is the
+    smallest normal float), so they are checked against the reference one by one."""
+    rng = np.random.default_rng(64)
+    y, z, w = random_inputs(rng, (2, 96), FLOAT, FLOAT, FLOAT)
+    y = (y * np.float32(1e-39)).astype(np.float32)
+    w = np.full(96, 1e-40, np.float32)
+    w[[5, 50]] = np.float32(1e30)
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 96], group_size=96, epsilon=0.0)
+    actual = run_op(model, y, z, w).astype(np.float64)
+    expected = gated_group_rms_norm(y, z, w, epsilon=0.0, group_size=96, compute_dtype=np.float64)
+    tiny = np.abs(expected) > 2.0**-140
+    tiny[:, [5, 50]] = False
+    assert np.count_nonzero(tiny) > 100
+    assert np.all(actual[tiny] != 0.0), "subnormal outputs flushed to zero"
+    assert np.max(np.abs(actual[tiny] - expected[tiny])) <= 2 * 2.0**-149
+    big = actual[:, [5, 50]]
+    assert np.all(np.abs(big - expected[:, [5, 50]]) <= 2e-6 * np.abs(expected[:, [5, 50]]))
+
+
 @pytest.mark.parametrize("ordinary_max", [None, 0.25], ids=["as-drawn", "max-0.25"])
 def test_result_of_a_row_does_not_depend_on_the_rows_before_it(ordinary_max: float | None) -> None:
     """After a subnormal row the kernel may start the next group on its rescaling path (a guess); an

@@ -923,8 +923,8 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       flush.Norm();
       NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, scaled_inv_rms, w, out, gs, stream,
                   true);
-      exact = FlushScope::Raised(inv_rms, kOverflowFlag);
-      if (!exact) continue;
+      if (!FlushScope::Raised(inv_rms, kOverflowFlag)) continue;
+      // Overflowed at 2^64 times the outputs: computed again below, exactly (without FTZ).
     }
     if (!exact) flush.Exact();
     NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
