@@ -645,27 +645,31 @@ def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10) -> dict:
         for _ in range(runs):
             session.run_with_iobinding(binding)
         torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    calls: dict[str, int] = {}
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(event, "self_cuda_time_total", 0.0)
-        if device_us > 0:
-            totals[event.key] = totals.get(event.key, 0.0) + device_us / runs
-            calls[event.key] = calls.get(event.key, 0) + event.count
-    # Every Run launches the same kernels in the same order: the k-th kernel of a Run, its median duration over
-    # the Runs, summed over k, is a total that a few slow outliers (a preempted kernel, a clock change) do not
-    # move; the chains' time is a difference of two ~1 ms totals. (Falls back to the plain total if the Runs
-    # did not launch the same sequence.)
-    launches = []
+    launches = []  # (start, name, µs) of every kernel and copy of the Runs
     for event in prof.events():
         device_us = getattr(event, "self_device_time_total", None)
         if device_us is None:
             device_us = getattr(event, "self_cuda_time_total", 0.0)
         if device_us > 0:
             launches.append((event.time_range.start, event.name, device_us))
-    launches.sort()
+    del keep, session
+    return kernel_stats(launches, runs)
+
+
+def kernel_stats(launches: list[tuple[float, str, float]], runs: int) -> dict:
+    """Per-Run GPU figures from the (start, name, µs) launches of ``runs`` Runs: the total, the fused kernels'
+    (mambafuse::), their duration per call, the shortest kernel, the largest by name; and the totals again
+    from each launch position's median (``robust_*``, see the module docstring)."""
+    launches = sorted(launches)
+    totals: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for _, name, us in launches:
+        totals[name] = totals.get(name, 0.0) + us / runs
+        calls[name] = calls.get(name, 0) + 1
+    # Every Run launches the same kernels in the same order: the k-th kernel of a Run, its median duration over
+    # the Runs, summed over k, is a total that a few slow outliers (a preempted kernel, a clock change) do not
+    # move; the chains' time is a difference of two ~1 ms totals. (The plain totals where the Runs did not
+    # launch the same sequence.)
     robust: dict[str, float] = {}
     per_run = len(launches) // runs
     if per_run and len(launches) == per_run * runs:
@@ -676,26 +680,23 @@ def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10) -> dict:
                 break
             name = same_position[0][1]
             robust[name] = robust.get(name, 0.0) + statistics.median(us for _, _, us in same_position)
-    del keep, session
+    if not robust:
+        robust = totals
     fused_keys = [k for k in totals if "mambafuse" in k]
     fused = sum(totals[k] for k in fused_keys)
     fused_calls = sum(calls[k] for k in fused_keys) / runs
-    top = sorted(totals.items(), key=lambda kv: -kv[1])[:5]
     # The floor of any one kernel here: the shortest mean duration of a kernel of the step (copies and memsets
     # are the copy engines', not a kernel's).
-    kernels = {
-        k: totals[k] * runs / calls[k] for k in totals if calls[k] and not k.lower().startswith(("memcpy", "memset"))
-    }
-    shortest = min(kernels.items(), key=lambda kv: kv[1]) if kernels else ("", float("nan"))
+    kernels = {k: totals[k] * runs / calls[k] for k in totals if not k.lower().startswith(("memcpy", "memset"))}
     return {
         "total": sum(totals.values()),
         "fused": fused,
-        "robust_total": sum(robust.values()) if robust else sum(totals.values()),
-        "robust_fused": sum(t for k, t in robust.items() if "mambafuse" in k) if robust else fused,
+        "robust_total": sum(robust.values()),
+        "robust_fused": sum(t for k, t in robust.items() if "mambafuse" in k),
         "fused_per_call": fused / fused_calls if fused_calls else float("nan"),
         "fused_calls": fused_calls,
-        "shortest": shortest,
-        "top": top,
+        "shortest": min(kernels.items(), key=lambda kv: kv[1]) if kernels else ("", float("nan")),
+        "top": sorted(totals.items(), key=lambda kv: -kv[1])[:5],
     }
 
 
