@@ -370,7 +370,7 @@ def _forward_dims(value: ir.Value | None, depth: int, seen: dict[ir.Value, list[
             seen[value] = value_dims(value, {})
         else:
             seen[value] = _infer_dims(
-                producer, _output_index(producer, value), lambda source: _forward_dims(source, depth + 1, seen), {}
+                producer, value.index(), lambda source: _forward_dims(source, depth + 1, seen), {}
             )
     return seen[value]
 
@@ -385,7 +385,7 @@ class ForwardShapes:
     one instance serves one rewrite pass (the rules make a new one per pass).
     """
 
-    def __init__(self, graph: ir.Graph | ir.Function | None) -> None:
+    def __init__(self, graph: ir.Graph | None) -> None:
         self._graph = graph
         self._dims: dict[ir.Value, list[Dim] | None] | None = None
 
@@ -403,11 +403,8 @@ class ForwardShapes:
         if self._graph is None:
             return dims
         aliases = _ProvenDims(dims)
-        for value in self._graph.inputs:
+        for value in [*self._graph.inputs, *self._graph.initializers.values()]:
             dims[value] = value_dims(value, {})
-        if isinstance(self._graph, ir.Graph):
-            for value in self._graph.initializers.values():
-                dims[value] = value_dims(value, {})
 
         def dims_of(value: ir.Value | None) -> list[Dim] | None:
             if value is None:
@@ -443,21 +440,20 @@ class _ProvenDims(Mapping[ir.Value, Sequence[Dim] | None]):
         return len(self._dims)
 
 
-def _output_index(node: ir.Node, value: ir.Value) -> int:
-    return next(i for i, output in enumerate(node.outputs) if output is value)
-
-
 def _int_list(node: ir.Node, attribute: str, input_index: int) -> list[int] | None:
     """Return an int list given as an attribute (older opsets) or as a constant input (newer ones)."""
     attr = node.attributes.get(attribute)
     if attr is not None:
         return [int(v) for v in attr.as_ints()]
-    if input_index < len(node.inputs) and node.inputs[input_index] is not None:
-        array = constant_array(node.inputs[input_index])
-        if array is None or array.dtype.kind not in "iu" or array.ndim > 1:
-            return None
-        return [int(v) for v in array.reshape(-1)]
-    return None
+    return _constant_ints(node.inputs[input_index] if input_index < len(node.inputs) else None)
+
+
+def _constant_ints(value: ir.Value | None) -> list[int] | None:
+    """Return a constant int tensor of at most one axis as a list, else None."""
+    array = constant_array(value)
+    if array is None or array.dtype.kind not in "iu" or array.ndim > 1:
+        return None
+    return [int(v) for v in array.reshape(-1)]
 
 
 def _normalized_axes(axes: Sequence[int], rank: int) -> list[int] | None:
@@ -616,15 +612,17 @@ def _sequence_at_dims(node: ir.Node, dims_of: Callable[[ir.Value | None], list[D
         return None
     axis = split.attributes.get_int("axis", 0)
     axis = axis + len(source) if axis < 0 else axis
+    if not 0 <= axis < len(source):
+        return None
     if sizes.ndim == 0:  # parts of that length along a static axis, the last one what remains
-        length, part = source[axis] if 0 <= axis < len(source) else None, int(sizes)
+        length, part = source[axis], int(sizes)
         if not isinstance(length, int) or part < 1:
             return None
         count = -(-length // part)
         sizes = np.array([part] * (count - 1) + [length - part * (count - 1)], np.int64)
     index = int(position.reshape(-1)[0])
     index = index + sizes.size if index < 0 else index
-    if not 0 <= axis < len(source) or not 0 <= index < sizes.size:
+    if not 0 <= index < sizes.size:
         return None
     result = list(source)
     result[axis] = int(sizes[index])
@@ -719,13 +717,11 @@ def _pad_dims(
         pads = resolve_shape_tensor(node.inputs[1], aliases)
     else:
         return None
-    axes = list(range(len(source)))
+    axes: list[int] | None = list(range(len(source)))
     if len(node.inputs) > 3 and node.inputs[3] is not None:
-        given = _int_list(node, "", 3)
-        axes = _normalized_axes(given, len(source)) if given is not None else None  # type: ignore[assignment]
-        if axes is None:
-            return None
-    if pads is None or len(pads) != 2 * len(axes):
+        given = _constant_ints(node.inputs[3])
+        axes = None if given is None else _normalized_axes(given, len(source))
+    if pads is None or axes is None or len(pads) != 2 * len(axes):
         return None
     result = list(source)
     for i, axis in enumerate(axes):
@@ -854,10 +850,11 @@ def _slice_dims(
     axes = [int(a) for a in axes_array.reshape(-1)] if axes_array is not None else list(range(len(starts)))
     if steps is not None and any(int(s) != 1 for s in steps.reshape(-1)):
         return None
-    if len(axes) != len(starts) or _normalized_axes(axes, len(input_dims)) is None:
+    normalized = _normalized_axes(axes, len(input_dims))
+    if normalized is None or len(normalized) != len(starts):
         return None
     dims = list(input_dims)
-    for axis, start, end in zip(_normalized_axes(axes, len(input_dims)), starts, ends, strict=True):  # type: ignore[arg-type]
+    for axis, start, end in zip(normalized, starts, ends, strict=True):
         size = dims[axis]
         if isinstance(size, int) and isinstance(start, int) and isinstance(end, int):
             kept = _normalized_slice(size, start, end)
