@@ -277,9 +277,9 @@ OrtStatusPtr GatedGroupRMSNormCpuOp::CreateKernelV2(const OrtApi& /*api*/, const
   return GuardStatus([&]() -> Ort::Status {
     GatedGroupRMSNormAttrs attrs;
     if (Ort::Status status = ReadNode(info, attrs); !status.IsOK()) return status;
-    auto known = std::make_unique<GatedGroupRMSNormStatic>();
-    if (Ort::Status status = GatedGroupRMSNormStatic::Read(info, *known); !status.IsOK()) return status;
-    *kernel = std::make_unique<GatedGroupRMSNormCpuKernel>(attrs, std::move(*known)).release();
+    GatedGroupRMSNormStatic known;
+    if (Ort::Status status = GatedGroupRMSNormStatic::Read(info, known); !status.IsOK()) return status;
+    *kernel = std::make_unique<GatedGroupRMSNormCpuKernel>(attrs, std::move(known)).release();
     return Ort::Status{};
   });
 }
