@@ -506,20 +506,24 @@ VARIANT_VARIABLES = (
 )
 
 
+#: The launch configurations of the variant tables: (chunks per thread, warps per group, grid, specialized
+#: uniform-type kernel).
+VARIANTS = [
+    ("1", "4", "wave", "1"),
+    ("1", "4", "wave", "0"),
+    ("1", "4", "full", "1"),
+    ("2", "2", "full", "1"),
+    ("2", "2", "full", "0"),
+    ("2", "2", "wave", "1"),
+    ("2", "4", "full", "1"),
+    ("4", "1", "wave", "1"),
+    ("4", "1", "full", "1"),
+]
+
+
 def variants_table(args, kernel: FusedKernel, emit) -> None:
-    """The launch configurations ChooseCudaLaunch picks among (hot and cold), and the warp path."""
-    variants = [  # (chunks per thread, warps per group, grid, specialized uniform-type kernel)
-        ("1", "4", "wave", "1"),
-        ("1", "4", "wave", "0"),
-        ("1", "4", "full", "1"),
-        ("2", "2", "full", "1"),
-        ("2", "2", "full", "0"),
-        ("2", "2", "wave", "1"),
-        ("2", "4", "full", "1"),
-        ("4", "1", "wave", "1"),
-        ("4", "1", "full", "1"),
-    ]
-    names = [f"{c}c x {w}w {g}{'' if sp == '1' else ' generic'}" for c, w, g, sp in variants]
+    """The launch configurations ChooseCudaLaunch picks among (hot and cold), and the warp path, per dtype."""
+    names = [f"{c}c x {w}w {g}{'' if sp == '1' else ' generic'}" for c, w, g, sp in VARIANTS]
     for dtype_name in args.variant_dtypes.split(","):
         emit()
         emit(
@@ -531,33 +535,38 @@ def variants_table(args, kernel: FusedKernel, emit) -> None:
         emit("|---|---|---|" + "---|" * len(names) + "---|")
         gen = torch.Generator(device="cuda").manual_seed(1)
         for channels in (7680, 8192):
-            group_size = channels // 8
             for rows in [int(r) for r in args.rows.split(",")]:
-                probe = Buffers(rows, channels, DTYPES[dtype_name], 1, gen)
-                sets = 1 if rows == 1 else cold_sets(probe.set_bytes)
-                b = Buffers(rows, channels, DTYPES[dtype_name], sets, gen)
+                emit("| " + " | ".join(_variant_row(kernel, DTYPES[dtype_name], rows, channels, gen)) + " |")
 
-                def timed(path: int) -> str:
-                    calls, repeats = (400, 15) if rows == 1 else (50, 7)
-                    hot = graph_us(lambda i: kernel(b.y[0], b.z[0], b.w, b.out[0], group_size, path), calls, repeats)
-                    if sets == 1:
-                        return f"{hot:.2f}"
-                    cold = graph_us(lambda i: kernel(b.y[i], b.z[i], b.w, b.out[i], group_size, path), sets=sets)
-                    return f"{hot:.2f} / {cold:.2f}"
 
-                row = [f"{channels} / {group_size}", str(rows), timed(1)]
-                for chunks, warps, grid, specialized in variants:
-                    os.environ.update(
-                        MAMBAFUSE_CUDA_CHUNKS=chunks,
-                        MAMBAFUSE_CUDA_WARPS_PER_GROUP=warps,
-                        MAMBAFUSE_CUDA_GRID=grid,
-                        MAMBAFUSE_CUDA_SPECIALIZED=specialized,
-                    )
-                    row.append(timed(2))
-                for key in VARIANT_VARIABLES:
-                    os.environ.pop(key, None)
-                row.append(kernel.choice(b.y[0], b.z[0], b.w, b.out[0], group_size))
-                emit("| " + " | ".join(row) + " |")
+def _variant_row(kernel: FusedKernel, dtype: torch.dtype, rows: int, channels: int, gen: torch.Generator) -> list[str]:
+    """One row of a variant table: the warp path, every launch variant, the launcher's choice."""
+    group_size = channels // 8
+    probe = Buffers(rows, channels, dtype, 1, gen)
+    sets = 1 if rows == 1 else cold_sets(probe.set_bytes)
+    b = Buffers(rows, channels, dtype, sets, gen)
+
+    def timed(path: int) -> str:
+        calls, repeats = (400, 15) if rows == 1 else (50, 7)
+        hot = graph_us(lambda i: kernel(b.y[0], b.z[0], b.w, b.out[0], group_size, path), calls, repeats)
+        if sets == 1:
+            return f"{hot:.2f}"
+        cold = graph_us(lambda i: kernel(b.y[i], b.z[i], b.w, b.out[i], group_size, path), sets=sets)
+        return f"{hot:.2f} / {cold:.2f}"
+
+    row = [f"{channels} / {group_size}", str(rows), timed(1)]
+    for chunks, warps, grid, specialized in VARIANTS:
+        os.environ.update(
+            MAMBAFUSE_CUDA_CHUNKS=chunks,
+            MAMBAFUSE_CUDA_WARPS_PER_GROUP=warps,
+            MAMBAFUSE_CUDA_GRID=grid,
+            MAMBAFUSE_CUDA_SPECIALIZED=specialized,
+        )
+        row.append(timed(2))
+    for key in VARIANT_VARIABLES:
+        os.environ.pop(key, None)
+    row.append(kernel.choice(b.y[0], b.z[0], b.w, b.out[0], group_size))
+    return row
 
 
 def ort_value(t: torch.Tensor):
