@@ -386,6 +386,105 @@ def test_result_of_a_row_does_not_depend_on_the_rows_before_it(ordinary_max: flo
     assert differ == 0, f"{differ} of {alone.size} outputs of ordinary rows changed after subnormal rows"
 
 
+#: The type combinations whose norm pass the kernel runs in one loop with the next group's gate pass
+#: (FusedPass): (y/z/w type, gated_dtype, norm_dtype = output_dtype).
+INTERLEAVED_TYPES = {
+    "f32": (FLOAT, None, None),
+    "f32-norm-f16": (FLOAT, None, FLOAT16),
+    "f32-gated-f16-norm-f16": (FLOAT, FLOAT16, FLOAT16),
+    "f32-norm-bf16": (FLOAT, None, BFLOAT16),
+    "f32-gated-bf16-norm-bf16": (FLOAT, BFLOAT16, BFLOAT16),
+    "f16-gated-f16": (FLOAT16, FLOAT16, None),
+    "bf16-gated-bf16": (BFLOAT16, BFLOAT16, None),
+}
+
+
+@pytest.mark.parametrize("group_size", [960, 128, 200, 40])
+@pytest.mark.parametrize(
+    ("elem_type", "gated_type", "norm_type"), INTERLEAVED_TYPES.values(), ids=list(INTERLEAVED_TYPES)
+)
+def test_interleaved_passes(elem_type: int, gated_type: int | None, norm_type: int | None, group_size: int) -> None:
+    """Rows of several groups in the type combinations whose norm pass runs together with the next
+    group's gate pass: whole blocks of 64 elements and a rest (200, 40), within a row and across rows."""
+    rng = np.random.default_rng([group_size, elem_type, gated_type or 0, norm_type or 0])
+    y, z, w = random_inputs(rng, (3, 4 * group_size), elem_type, elem_type, elem_type)
+    check_against_reference(
+        y, z, w, group_size=group_size, gated_type=gated_type, norm_type=norm_type, out_type=norm_type
+    )
+
+
+def _assert_tiny_outputs_exact(actual: np.ndarray, expected: np.ndarray, tiny: np.ndarray) -> None:
+    """Outputs that are float32 subnormals, one by one (the budget's floor is the smallest normal float,
+    so a flushed zero would pass it)."""
+    assert np.count_nonzero(tiny) > 50
+    assert np.all(actual[tiny] != 0.0), f"{np.count_nonzero(actual[tiny] == 0.0)} subnormal outputs flushed to zero"
+    assert np.max(np.abs(actual[tiny] - expected[tiny])) <= 2.0**-149
+
+
+@pytest.mark.parametrize("w_source", ["fed", "constant"])
+def test_group_with_subnormal_outputs_before_an_ordinary_one(w_source: str) -> None:
+    """Groups whose outputs are mostly float32 subnormals (ordinary y and z, normal weights of 2e-38 on the
+    first group of each row), each followed by an ordinary group: the kernel runs a group's norm pass
+    together with the next group's gate pass under flush-to-zero, and must redo the first exactly when an
+    output underflows, while the next group comes out as it does on its own."""
+    rng = np.random.default_rng(39)
+    y, z, w = random_inputs(rng, (4, 384), FLOAT, FLOAT, FLOAT)
+    w[:96] = np.float32(2e-38) * np.sign(w[:96])
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[4, 384], group_size=96)
+    if w_source == "constant":
+        actual = contrib_ops.session(_with_constant_w(model, w), use_library=True).run(None, {"y": y, "z": z})[0]
+    else:
+        actual = run_op(model, y, z, w)
+    expected = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=96, compute_dtype=np.float64)
+    _assert_tiny_outputs_exact(actual.astype(np.float64), expected, np.abs(expected) < 2.0**-126)
+    assert budget_report(actual, expected)[0]
+    # The ordinary groups (second to fourth of each row) exactly as computed without the tiny group.
+    alone = run_op(one_node_model(FLOAT, FLOAT, FLOAT, shape=[4, 288], group_size=96), y[:, 96:], z[:, 96:], w[96:])
+    np.testing.assert_array_equal(actual[:, 96:], alone)
+
+
+@pytest.mark.parametrize("w_source", ["fed", "constant"])
+@pytest.mark.parametrize("w_type", [FLOAT, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
+def test_subnormal_weights(w_source: str, w_type: int) -> None:
+    """Weights that are float32 subnormals among ordinary ones, in rows of several groups: the outputs are
+    w times normalized values of ~1, float32 subnormals, which a weight read as zero (x86's
+    denormals-are-zero, under which the kernel may run a norm pass) would flush."""
+    rng = np.random.default_rng([40, w_type, len(w_source)])
+    y, z, w = random_inputs(rng, (3, 384), FLOAT, FLOAT, FLOAT)
+    w[5::7] = (np.sign(w[5::7]) * rng.uniform(0.1, 1.0, w[5::7].size) * 2.0**-126).astype(np.float32)
+    if w_type == BFLOAT16:
+        w = w.astype(ml_dtypes.bfloat16).astype(np.float32)  # representable: the model's Cast is exact
+    model = one_node_model(FLOAT, FLOAT, w_type, shape=[3, 384], group_size=96)
+    if w_source == "constant":
+        actual = contrib_ops.session(_with_constant_w(model, w), use_library=True).run(None, {"y": y, "z": z})[0]
+    else:
+        actual = run_op(model, y, z, w)
+    expected = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=96, compute_dtype=np.float64)
+    tiny = np.zeros(expected.shape, bool)
+    tiny[:, 5::7] = np.abs(expected[:, 5::7]) < 2.0**-126
+    _assert_tiny_outputs_exact(actual.astype(np.float64), expected, tiny)
+    assert budget_report(actual, expected)[0]
+
+
+@pytest.mark.parametrize("case", ["infinite-y-subnormal-z", "subnormal-y-infinite-z"])
+def test_subnormal_input_beside_an_infinite_one(case: str) -> None:
+    """A subnormal input whose partner is infinite: read as zero (x86's denormals-are-zero in the gate pass)
+    the product is 0 * Inf = NaN instead of Inf, which no zero shows; the group's sum is then not finite, and
+    the kernel must look at its inputs. Exactly: h = Inf there, nf = 0, NaN in that lane and zeros elsewhere
+    in the group."""
+    rng = np.random.default_rng(41)
+    y, z, w = random_inputs(rng, (2, 192), FLOAT, FLOAT, FLOAT)
+    tiny, huge = (y, z) if case == "subnormal-y-infinite-z" else (z, y)
+    tiny[0, 10], huge[0, 10] = np.float32(3e-39), np.float32(np.inf)
+    tiny[1, 100], huge[1, 100] = np.float32(2e-39), np.float32(np.inf)
+    actual = run_op(one_node_model(FLOAT, FLOAT, FLOAT, shape=[2, 192], group_size=96), y, z, w)
+    expected = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=96, compute_dtype=np.float64)
+    assert np.array_equal(np.isnan(actual), np.isnan(expected)) and np.count_nonzero(np.isnan(actual)) == 2
+    finite = ~np.isnan(expected)
+    assert budget_report(actual[finite], expected[finite])[0]
+    assert np.all(actual[0, :96][finite[0, :96]] == 0.0) and np.all(actual[1, 96:][finite[1, 96:]] == 0.0)
+
+
 @pytest.mark.parametrize("epsilon", [0.0, 1e-6, 1e-2])
 def test_epsilon(epsilon: float) -> None:
     rng = np.random.default_rng(3)

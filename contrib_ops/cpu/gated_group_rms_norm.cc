@@ -173,6 +173,7 @@ Ort::Status PrepareArgs(const GatedGroupRMSNormAttrs& attrs, Ort::KernelContext&
   args.channels = channels;
   args.group_size = attrs.group_size;
   args.epsilon = attrs.epsilon;
+  args.w_subnormal_free = known != nullptr && known->w_constant && known->w_subnormal_free;
 
   Ort::UnownedValue out = context.GetOutput(0, y_shape.data(), y_shape.rank());
   int64_t out_type = known != nullptr ? known->out_type : 0;
@@ -226,6 +227,10 @@ Ort::Status GatedGroupRMSNormStatic::Read(const OrtKernelInfo* info, GatedGroupR
   if (is_constant != 0 && w != nullptr && Ort::ConstValue(w).IsTensor()) {
     known.w.Read(w);
     known.w_constant = true;
+    if (IsSupportedElemType(known.w.type()) && known.w.rank() == 1) {
+      known.w_subnormal_free = !HasFloat32Subnormal(Ort::ConstValue(w).GetTensorRawData(),
+                                                    static_cast<ElemType>(known.w.type()), known.w.back());
+    }
   }
   return Ort::Status{};
 }

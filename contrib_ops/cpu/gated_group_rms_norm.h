@@ -51,6 +51,7 @@ class TensorDims {
 struct GatedGroupRMSNormStatic {
   int64_t out_type = 0;     // the output's element type in the graph; 0: unknown, queried every Run
   bool w_constant = false;  // W is a constant initializer: its type and shape are `w`
+  bool w_subnormal_free = false;  // a constant W none of whose elements is a float32 subnormal
   TensorDims w;
 
   static Ort::Status Read(const OrtKernelInfo* info, GatedGroupRMSNormStatic& known);

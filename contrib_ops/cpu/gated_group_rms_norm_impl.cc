@@ -109,6 +109,23 @@ const char* ValidateArgs(const GatedGroupRMSNormArgs& a) {
   return nullptr;
 }
 
+bool HasFloat32Subnormal(const void* data, ElemType type, int64_t count) {
+  if (type == ElemType::kFloat16) return false;  // a float16 subnormal widens to a normal float
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (int64_t i = 0; i < count; ++i) {
+    uint32_t bits = 0;
+    if (type == ElemType::kFloat) {
+      std::memcpy(&bits, bytes + 4 * i, 4);
+    } else {
+      uint16_t half = 0;
+      std::memcpy(&half, bytes + 2 * i, 2);
+      bits = static_cast<uint32_t>(half) << 16;
+    }
+    if ((bits & 0x7F800000u) == 0 && (bits & 0x007FFFFFu) != 0) return true;
+  }
+  return false;
+}
+
 void GatedGroupRMSNormCpu(const GatedGroupRMSNormArgs& args, int64_t first_item, int64_t last_item) {
   Isa().fn(args, first_item, last_item);
 }

@@ -31,7 +31,11 @@ struct GatedGroupRMSNormArgs {
   int64_t channels = 0;
   int64_t group_size = 0;
   float epsilon = 0.f;
+  bool w_subnormal_free = false;  // known: no W element is a float32 subnormal (else checked per call)
 };
+
+// Whether any of `count` elements of `data` (float or bfloat16) is a float32 subnormal once widened.
+bool HasFloat32Subnormal(const void* data, ElemType type, int64_t count);
 
 // Computes items [first_item, last_item). Arguments must already be validated (see ValidateArgs).
 void GatedGroupRMSNormCpu(const GatedGroupRMSNormArgs& args, int64_t first_item, int64_t last_item);

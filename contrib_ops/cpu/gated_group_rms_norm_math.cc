@@ -12,6 +12,9 @@
 //   1. the gate pass: h = y * silu(z) (rounded to gated_type), into an L1-resident buffer of group_size
 //      floats, and the sum of h^2 in vector accumulators;
 //   2. the norm pass: out = w * (h * nf), through the rounding points, straight into the output.
+// For the common type combinations an ordinary group's norm pass runs in one loop with the next group's
+// gate pass (FusedPass; two scratch buffers), so that its loads, multiplies and stores fill the slots the
+// gate pass's dependency chains leave idle.
 // The code is GCC vector extensions of the ISA's width (16 floats for AVX-512, 8 for AVX2, 4 for SSE2,
 // NEON and the generic build), with the few instructions a width has that the extensions cannot express
 // (half conversions, vscalefps, non-temporal stores) behind small per-ISA helpers. Large outputs (prefill)
@@ -28,10 +31,12 @@
 // the window that budget_report allows a gated_dtype rounding to fall either way (fusion/reference.py,
 // GATED_TIE_WINDOW, 9.5e-7).
 //
-// Cost (AVX-512, per 16 elements): 8 multiply/FMA instructions in the gate pass and 2 in the norm pass,
-// one division, ~20 vector instructions in all. On the machine measured (AMD Zen 4, whose 512-bit
-// instructions occupy its 256-bit pipes twice) the count of all vector instructions, not the FMA pipe
-// alone, is what the loop's time follows; see benchmarks/RESULTS.md.
+// Cost (AVX-512, per 16 elements): 7 multiply/FMA instructions in the gate pass and 2 in the norm pass,
+// one division, ~18 vector instructions in the gate pass and 5 in the norm pass. On the machine measured
+// (AMD Zen 4: one 512-bit FMA or multiply a cycle, a 512-bit division every 6 cycles) the FMA pipe alone
+// would allow ~1.2 us per 7680-wide row; the gate pass's chains (~45 cycles from z's load to the sum of
+// squares, ~25 instructions a vector) fill the out-of-order window first. Measured: 2.39 us with the two
+// passes one after the other, 2.14 us interleaved (FusedPass); see benchmarks/RESULTS.md.
 //
 // Float32 subnormals (x86): an FP instruction with a subnormal operand (DAZ clear) or a subnormal result
 // (FTZ clear) takes a microcode assist on Intel cores (~150 cycles per instruction; AMD's handle most of
@@ -45,10 +50,14 @@
 //     operation on a subnormal (ScaleByPowerOfTwo; exact), so h' = 2^k h stays normal; nf' = 2^-k nf with
 //     eps 4^k in double, so h' nf' = h nf.
 //   - The norm pass of an ordinary group runs with neither DAZ nor FTZ (on ordinary data it makes no
-//     subnormal: nothing to assist). For a scaled group it runs with FTZ only (w is read exactly), computes
-//     2^64 times its outputs, normal floats, and scales them back (ScaleDownBy64): exact where the output
-//     is a normal float; where it or the normalized value is subnormal, rounded at 24 bits before the
-//     subnormal's rounding, so within 2 x 2^-149 of the formula (far inside the float32 budget's floor).
+//     subnormal: nothing to assist), or, inside FusedPass, in the gate pass's mode: its h were made under
+//     FTZ (never subnormal), its w checked for subnormals once (at kernel creation for a constant W, else
+//     per call; a W with one keeps the passes apart), and an output that underflows raises the flag read
+//     after the pass, upon which that group's norm pass is computed again without DAZ and FTZ. For a
+//     scaled group it runs with FTZ only (w is read exactly), computes 2^64 times its outputs, normal
+//     floats, and scales them back (ScaleDownBy64): exact where the output is a normal float; where it or
+//     the normalized value is subnormal, rounded at 24 bits before the subnormal's rounding, so within
+//     2 x 2^-149 of the formula (far inside the float32 budget's floor).
 //   - Whatever still underflows (or overflows, scaled), or a subnormal z, is computed again with neither
 //     DAZ nor FTZ: exact, at the assists' cost, off the paths of ordinary and of decayed rows.
 // The caller's MXCSR is restored on return. The Arm and generic builds compute every pass as written (the
@@ -56,6 +65,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
@@ -300,9 +310,9 @@ inline bool AnySubnormal(VU lowest) {
   return false;
 }
 
-// The gate pass's cheaper probe, one integer operation a vector beside the OR that silu does anyway: per
-// lane the lowest (unsigned) of bits | sign bit, below 0x80800000 when some value was a subnormal or a zero.
-// The rare group with a zero is then probed exactly (SubnormalInput).
+// The gate pass's cheaper probe, two integer operations a vector (over the products y * silu(z), see
+// GateBlock): per lane the lowest (unsigned) of bits | sign bit, below 0x80800000 when some value was a
+// subnormal or a zero. The rare group with a zero is then probed exactly (SubnormalInput).
 inline VU NoteZeroOrSubnormal(VU lowest, VF v) {
   const VU negative = Bits(v) | 0x80000000u;
 #if defined(MAMBAFUSE_MXCSR) && !defined(__SSE4_1__)
@@ -451,17 +461,19 @@ __attribute__((always_inline)) inline void SiluWide(VF (&v)[kUnroll]) {
 // the degree-5 polynomial's 1.9e-7 + 2.9e-7 |z|/104; then 1 + t and the division round once each (one
 // rounding less than z t / (1 + t)). Inside the float32 budget (2e-6) and the gated_dtype tie window
 // (9.5e-7) with the products after it (the file comment's ~5e-7 for h holds).
-// |z| > 86 (where 2^e leaves the normals), NaN or Inf: those lanes' results are not used; the pass notes
-// such a z (an unsigned max over bits(z) | sign bit, one integer instruction a vector) and the group is
-// computed again with SiluWide, the full range as before. Such gates (|silu(z)| < 1e-35 for z < -86) are
-// far outside what real models produce.
+// |k| > 86 N / ln2 (|z| > 86.0065, where 2^e leaves the normals) or an infinite z: those lanes' results are
+// not used; the pass keeps the largest |k| (a maximum over the k it computes anyway, and the absolute
+// value's mask) and the group is computed again with SiluWide, the full range as before. Such gates
+// (|silu(z)| < 1e-35 for z < -86) are far outside what real models produce. A NaN z is not noted: its k
+// is NaN, which the maximum passes over, and its silu comes out NaN either way (NaN / (1 + t) for any t),
+// as the reference's does.
 #if defined(MAMBAFUSE_MXCSR) && !defined(__AVX2__)
 constexpr bool kExpTable = false;  // SSE2 has no variable permute: GCC would do the lookup lane by lane
 #else
 constexpr bool kExpTable = true;
 #endif
 constexpr int kExpTableSize = 2 * kWidth;     // N: two vectors of entries
-constexpr uint32_t kWideZBits = 0xC2AC0000u;  // bits of -86.0f: bits(z) | sign bit above it are not served
+constexpr float kMaxTableK = 86.f * kExpTableSize / 0.693147180559945309f;  // |k| above it is not served
 
 #if defined(__AVX512F__)
 // bits(2^(j/32)) - (j << 18), j = 0..31, 2^(j/32) rounded to nearest float.
@@ -492,21 +504,33 @@ constexpr int kExpTableDegree = 3;
 #endif
 static_assert(sizeof kExp2Table == 2 * sizeof(VF), "the table is two vectors");
 
-// silu(z) of kUnroll vectors, in place, for |z| <= 86; `widest` collects bits(z) | sign bit (unsigned max)
-// for the caller's check against kWideZBits.
-__attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], VU& widest) {
+// max(widest, |n|) for widest >= 0, one instruction where there is one. A NaN n leaves widest as it was, or
+// makes it NaN (AVX-512's vrangeps): either way the lane is not noted (see above).
+MAMBAFUSE_ALWAYS_INLINE VF LargerMagnitude(VF widest, VF n) {
+#if defined(__AVX512DQ__)
+  return reinterpret_cast<VF>(_mm512_range_ps(reinterpret_cast<__m512>(n), reinterpret_cast<__m512>(widest), 0x0B));
+#else
+  const VF magnitude = FromBits(Bits(n) & 0x7FFFFFFFu);
+#if defined(__AVX__)
+  return reinterpret_cast<VF>(_mm256_max_ps(reinterpret_cast<__m256>(magnitude), reinterpret_cast<__m256>(widest)));
+#else
+  return magnitude > widest ? magnitude : widest;  // a NaN compares false
+#endif
+#endif
+}
+
+// silu(z) of kUnroll vectors, in place, for |z| <= 86; `widest` keeps the largest |k| (NaN k passed over)
+// for the caller's check against kMaxTableK.
+__attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], VF& widest) {
   constexpr int kShift = 23 - (kExpTableSize == 32 ? 5 : kExpTableSize == 16 ? 4 : 3);
   constexpr float kMinusNLog2e = -1.44269504088896341f * kExpTableSize;
   constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
   VU table[2];
   std::memcpy(table, kExp2Table, sizeof table);
   VF shifted[kUnroll], n[kUnroll], s[kUnroll], q[kUnroll], t[kUnroll];
-  for (int k = 0; k < kUnroll; ++k) {
-    const VU negative = Bits(v[k]) | 0x80000000u;
-    widest = negative > widest ? negative : widest;
-  }
   for (int k = 0; k < kUnroll; ++k) shifted[k] = v[k] * kMinusNLog2e + kRoundMagic;
   for (int k = 0; k < kUnroll; ++k) n[k] = shifted[k] - kRoundMagic;  // k = round(-z N / ln2), |k| <= 3970
+  for (int k = 0; k < kUnroll; ++k) widest = LargerMagnitude(widest, n[k]);
 #if defined(__FMA__)
   constexpr float kLn2OverN = 0.693147180559945309f / kExpTableSize;  // exact division by a power of two
   for (int k = 0; k < kUnroll; ++k) s[k] = v[k] + n[k] * kLn2OverN;    // s = -r
@@ -591,76 +615,116 @@ struct YScale {
   }
 };
 
-// h = round(G, y * silu(z)) into `gated`, and the sum of h^2. kScaled: y is scaled by 2^k first (see
-// ScaleByPowerOfTwo). kWide: silu by SiluWide (every z), else by SiluTable where the build has it (then
-// wide_z says whether the result stands). Not inlined: RunItems calls it in three places, and inlined
-// there it measured 7 % slower (AVX-512, Zen 4) than called.
-template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false, bool kWide = !kExpTable>
-__attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
-                                            YScale scale = {}) {
-  constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
-  constexpr int64_t step = kWidth * kUnroll;
-  constexpr bool kProbeY = MayBeSubnormal(Y) && !kScaled;
-  const int64_t ahead = 2 * n > 2048 ? 2 * n : 2048;
+// The gate pass's running state over one group: the sums of h^2 per unrolled vector and the probes.
+struct GateState {
   VF acc[kUnroll] = {};
-  VU lowest = ~VU{};        // NoteZeroOrSubnormal's running minimum over y and z
+  VU lowest = ~VU{};        // NoteZeroOrSubnormal's running minimum over the products y * silu(z)
   VU exact_lowest = ~VU{};  // NoteSubnormals' over the zero-padded last vector
-  VU widest = VU{};         // SiluTable's maximum over the bits of -|z|
-  const auto silu = [&widest](VF(&v)[kUnroll]) {
-    if constexpr (kWide) {
-      SiluWide(v);
-    } else {
-      SiluTable(v, widest);
-    }
-  };
-  int64_t j = 0;
-  for (; j + step <= n; j += step) {
-    // y and z two groups (at least 2048 elements) ahead, into L2 (the next items are contiguous in
-    // memory): in prefill memory then streams while this group computes, instead of waiting between the
-    // compute phases (measured: 60 -> 75 % of ORT's Add bandwidth at 2048 x 8192 fp32, one thread; one
-    // group ahead into L1 was the 60 %). Past the end of the tensor a prefetch is only a hint, never a fault.
-    for (size_t line = 0; line < step * yb; line += 64) __builtin_prefetch(y + (ahead + j) * yb + line, 0, 1);
-    for (size_t line = 0; line < step * zb; line += 64) __builtin_prefetch(z + (ahead + j) * zb + line, 0, 1);
-    VF v[kUnroll];
-    for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
-    if (MayBeSubnormal(Z)) {
-      for (int k = 0; k < kUnroll; ++k) lowest = NoteZeroOrSubnormal(lowest, v[k]);
-    }
-    silu(v);
-    for (int k = 0; k < kUnroll; ++k) {
-      VF yv = Load(y + (j + k * kWidth) * yb, Y);
-      if (kProbeY) lowest = NoteZeroOrSubnormal(lowest, yv);
-      if (kScaled) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
-      const VF h = RoundThrough(yv * v[k], G);  // rounding point 0
-      std::memcpy(gated + j + k * kWidth, &h, sizeof h);
-      acc[k] += h * h;
-    }
+  VF widest = VF{};         // SiluTable's largest |k|
+};
+
+// y and z two groups (at least 2048 elements) ahead of block j, into L2 (the next items are contiguous in
+// memory): in prefill memory then streams while this group computes, instead of waiting between the
+// compute phases (measured: 60 -> 75 % of ORT's Add bandwidth at 2048 x 8192 fp32, one thread; one group
+// ahead into L1 was the 60 %). Past the end of the tensor a prefetch is only a hint, never a fault.
+template <ElemType Y, ElemType Z>
+MAMBAFUSE_ALWAYS_INLINE void PrefetchAhead(const char* y, const char* z, int64_t n, int64_t j) {
+  constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes, step = kWidth * kUnroll;
+  const int64_t ahead = 2 * n > 2048 ? 2 * n : 2048;
+  for (size_t line = 0; line < step * yb; line += 64) __builtin_prefetch(y + (ahead + j) * yb + line, 0, 1);
+  for (size_t line = 0; line < step * zb; line += 64) __builtin_prefetch(z + (ahead + j) * zb + line, 0, 1);
+}
+
+// One block of kUnroll full vectors at element j: h = round(G, y * silu(z)) into `gated`, h^2 summed.
+// kScaled: y is scaled by 2^k first (see ScaleByPowerOfTwo). kWide: silu by SiluWide (every z), else by
+// SiluTable (then the state's widest says whether the result stands).
+template <ElemType Y, ElemType Z, ElemType G, bool kScaled, bool kWide>
+MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __restrict gated, int64_t j,
+                                       YScale scale, GateState& state) {
+  constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
+  // Under DAZ a subnormal y or z reads as 0, and the product y * silu(z) comes out +-0 (or NaN, for an
+  // infinite other factor: GateFinish looks at a sum that is not finite too); so the product is probed,
+  // one probe for both inputs.
+  constexpr bool kProbe = (MayBeSubnormal(Y) && !kScaled) || MayBeSubnormal(Z);
+  VF v[kUnroll];
+  for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
+  if constexpr (kWide) {
+    SiluWide(v);
+  } else {
+    SiluTable(v, state.widest);
   }
-  for (; j < n; j += kWidth) {  // the rest, one (possibly partial) vector at a time
+  for (int k = 0; k < kUnroll; ++k) {
+    VF yv = Load(y + (j + k * kWidth) * yb, Y);
+    if (kScaled) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
+    const VF product = yv * v[k];
+    if (kProbe) state.lowest = NoteZeroOrSubnormal(state.lowest, product);
+    const VF h = RoundThrough(product, G);  // rounding point 0
+    std::memcpy(gated + j + k * kWidth, &h, sizeof h);
+    state.acc[k] += h * h;
+  }
+}
+
+// The elements [j, n) after the last full block, one (possibly partial) vector at a time.
+template <ElemType Y, ElemType Z, ElemType G, bool kScaled, bool kWide>
+void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, int64_t n, YScale scale,
+              GateState& state) {
+  constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
+  constexpr bool kProbeY = MayBeSubnormal(Y) && !kScaled;
+  for (; j < n; j += kWidth) {
     const int64_t count = n - j < kWidth ? n - j : kWidth;
     VF v[kUnroll] = {};
     v[0] = count == kWidth ? Load(z + j * zb, Z) : LoadPartial(z + j * zb, Z, count);
-    if (MayBeSubnormal(Z)) exact_lowest = NoteSubnormals(exact_lowest, v[0]);
-    silu(v);
+    if (MayBeSubnormal(Z)) state.exact_lowest = NoteSubnormals(state.exact_lowest, v[0]);
+    if constexpr (kWide) {
+      SiluWide(v);
+    } else {
+      SiluTable(v, state.widest);
+    }
     VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
-    if (kProbeY) exact_lowest = NoteSubnormals(exact_lowest, yv);
+    if (kProbeY) state.exact_lowest = NoteSubnormals(state.exact_lowest, yv);
     if (kScaled) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
     const VF h = RoundThrough(yv * v[0], G);
     std::memcpy(gated + j, &h, static_cast<size_t>(count) * sizeof(float));
-    acc[0] += h * h;
+    state.acc[0] += h * h;
   }
-  for (int k = 1; k < kUnroll; ++k) acc[0] += acc[k];
+}
+
+// The group's sum of h^2 and what the probes found.
+template <ElemType Y, ElemType Z, bool kScaled, bool kWide>
+GateSums GateFinish(const char* y, const char* z, int64_t n, GateState& state) {
+  for (int k = 1; k < kUnroll; ++k) state.acc[0] += state.acc[k];
   float sum = 0.f;
-  for (int l = 0; l < kWidth; ++l) sum += acc[0][l];
+  for (int l = 0; l < kWidth; ++l) sum += state.acc[0][l];
   if constexpr (!kWide) {
     bool wide_z = false;
-    for (int l = 0; l < kWidth; ++l) wide_z |= widest[l] > kWideZBits;
+    for (int l = 0; l < kWidth; ++l) wide_z |= state.widest[l] > kMaxTableK;
     if (wide_z) return {sum, false, true};
   }
   if (!kSubnormalsAsIntegers) return {sum, false};
-  const bool subnormal =
-      AnySubnormal(exact_lowest) || (AnyZeroOrSubnormal(lowest) && SubnormalInput<Y, Z, kScaled>(y, z, n));
+  const bool maybe = AnyZeroOrSubnormal(state.lowest) || !std::isfinite(sum);
+  const bool subnormal = AnySubnormal(state.exact_lowest) || (maybe && SubnormalInput<Y, Z, kScaled>(y, z, n));
   return {sum, subnormal};
+}
+
+// h = round(G, y * silu(z)) into `gated`, and the sum of h^2 (see GateBlock for kScaled and kWide). Not
+// inlined: RunItems calls it in three places, and inlined there it measured 7 % slower (AVX-512, Zen 4)
+// than called.
+template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false, bool kWide = !kExpTable>
+__attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
+                                            YScale scale = {}) {
+  constexpr int64_t step = kWidth * kUnroll;
+  GateState state;
+  int64_t j = 0;
+  {
+    GateState live;  // does not escape: GCC keeps it in registers through the loop (state would be spilled)
+    for (; j + step <= n; j += step) {
+      PrefetchAhead<Y, Z>(y, z, n, j);
+      GateBlock<Y, Z, G, kScaled, kWide>(y, z, gated, j, scale, live);
+    }
+    state = live;
+  }
+  GateRest<Y, Z, G, kScaled, kWide>(y, z, gated, j, n, scale, state);
+  return GateFinish<Y, Z, kScaled, kWide>(y, z, n, state);
 }
 
 // The bits of max |y| over a group, compared as integers (the same order as the floats', and no FP compare
@@ -687,27 +751,31 @@ uint32_t MaxAbsBits(const char* y, int64_t n) {
   return result;
 }
 
-// out = round(O, w * round(N, h * nf)), stored as S (O, or float holding values rounded to O).
-// kScaledDown (N float only): h * nf is 2^64 times the value, and the product is scaled back by
+// out = round(O, w * round(N, h * nf)) for one vector, as stored in S (O, or float holding values rounded
+// to O). kScaledDown (N float only): h * nf is 2^64 times the value, and the product is scaled back by
 // ScaleDownBy64 before the rounding to O.
+template <ElemType N, ElemType O, ElemType S, bool kScaledDown = false>
+MAMBAFUSE_ALWAYS_INLINE VF NormValue(VF h, VF weight, float inv_rms) {
+  static_assert(!kScaledDown || N == ElemType::kFloat, "a norm_dtype rounding needs the value at its own scale");
+  const VF normed = RoundThrough(h * inv_rms, N);  // rounding point 1: norm_dtype
+  VF product = weight * normed;
+  if (kScaledDown) {
+    // Both rounding points at 24 bits, 2^64 too large; a subnormal output is rounded again in
+    // ScaleDownBy64. Rounding normed and the product on the subnormals' grid as the formula does (|a b| +
+    // 2^-62 by FMA, less 2^-62) measured 4.0 -> 5.2 us per decayed 7680-wide row (AVX-512), past the 1.5x
+    // of an ordinary row; the double rounding stays within 2 ulps of 2^-149 (the budget's floor is
+    // 2e-6 x 2^-126).
+    product = ScaleDownBy64(product);
+    if (O == ElemType::kFloat16) product = SubnormalsToSignedZero(product);
+  }
+  return S == O ? product : RoundThrough(product, O);  // rounding point 2, when stored widened
+}
+
+// NormValue over the elements [0, n) of a group, straight into `out`.
 template <ElemType W, ElemType N, ElemType O, ElemType S, bool kScaledDown = false>
 void NormPass(const float* __restrict gated, float inv_rms, const char* w, char* out, int64_t n, bool stream) {
-  static_assert(!kScaledDown || N == ElemType::kFloat, "a norm_dtype rounding needs the value at its own scale");
   constexpr size_t wb = Type<W>::bytes, ob = Type<S>::bytes;
-  const auto value = [inv_rms](VF h, VF weight) {
-    const VF normed = RoundThrough(h * inv_rms, N);  // rounding point 1: norm_dtype
-    VF product = weight * normed;
-    if (kScaledDown) {
-      // Both rounding points at 24 bits, 2^64 too large; a subnormal output is rounded again in
-      // ScaleDownBy64. Rounding normed and the product on the subnormals' grid as the formula does (|a b| +
-      // 2^-62 by FMA, less 2^-62) measured 4.0 -> 5.2 us per decayed 7680-wide row (AVX-512), past the
-      // 1.5x of an ordinary row; the double rounding stays within 2 ulps of 2^-149 (the budget's floor is
-      // 2e-6 x 2^-126).
-      product = ScaleDownBy64(product);
-      if (O == ElemType::kFloat16) product = SubnormalsToSignedZero(product);
-    }
-    return S == O ? product : RoundThrough(product, O);  // rounding point 2, when stored widened
-  };
+  const auto value = [inv_rms](VF h, VF weight) { return NormValue<N, O, S, kScaledDown>(h, weight, inv_rms); };
   int64_t j = 0;
   if (stream) {
     for (; j + kWidth <= n; j += kWidth) {
@@ -723,6 +791,43 @@ void NormPass(const float* __restrict gated, float inv_rms, const char* w, char*
     std::memcpy(tail, gated + j, static_cast<size_t>(count) * sizeof(float));
     StorePartial(out + j * ob, value(LoadF32(tail), LoadPartial(w + j * wb, W, count)), S, count);
   }
+}
+
+// The norm pass of one group (its h in `prev`, its 1/rms, w and out) interleaved, block by block, with
+// the gate pass of the next group (y, z, into `gated`): one loop over both, so that the norm pass's loads,
+// multiplies and stores fill the slots the gate pass's long dependency chains leave idle (measured on
+// AMD Zen 4, AVX-512: 2.41 -> 2.05 us per 7680-wide fp32 row; the same two passes one after the other
+// in the same order gained nothing). The gate part is GateBlock / GateRest as in GatePass, the norm part
+// NormValue as in NormPass, so each computes the same bits as it does alone. Never with kScaled or a
+// scaled-down norm pass (those groups take RunItems's other paths).
+template <ElemType Y, ElemType Z, ElemType G, ElemType W, ElemType N, ElemType O, ElemType S>
+__attribute__((noinline)) GateSums FusedPass(const char* y, const char* z, float* __restrict gated, int64_t n,
+                                             const float* __restrict prev, float inv_rms, const char* w, char* out,
+                                             bool stream) {
+  constexpr int64_t step = kWidth * kUnroll;
+  constexpr size_t wb = Type<W>::bytes, ob = Type<S>::bytes;
+  GateState state;
+  int64_t j = 0;
+  {
+    GateState live;  // in registers through the loop, as in GatePass
+    for (; j + step <= n; j += step) {
+      PrefetchAhead<Y, Z>(y, z, n, j);
+      GateBlock<Y, Z, G, false, !kExpTable>(y, z, gated, j, {}, live);
+      for (int k = 0; k < kUnroll; ++k) {
+        const int64_t i = j + k * kWidth;
+        const VF o = NormValue<N, O, S>(LoadF32(prev + i), Load(w + i * wb, W), inv_rms);
+        if (stream) {
+          StoreStream(out + i * ob, o, S);
+        } else {
+          Store(out + i * ob, o, S);
+        }
+      }
+    }
+    state = live;
+  }
+  GateRest<Y, Z, G, false, !kExpTable>(y, z, gated, j, n, {}, state);
+  if (j < n) NormPass<W, N, O, S>(prev + j, inv_rms, w + j * wb, out + j * ob, n - j, stream);
+  return GateFinish<Y, Z, false, !kExpTable>(y, z, n, state);
 }
 
 // The norm pass for the run-time types: nested switches down to a direct call of one instantiation.
@@ -836,30 +941,85 @@ inline int ScaleExponent(uint32_t max_abs_bits) {
   return k < 0 ? 0 : k > 127 ? 127 : k;
 }
 
-// All items of one call, with the gate pass's types fixed at compile time.
+// The norm pass's types (W, norm, output, stored output) of the combinations RunItems pipelines through
+// FusedPass; NoFusedPass for the rest.
+template <ElemType W, ElemType N, ElemType O, ElemType S>
+struct NormTypes {};
+struct NoFusedPass {};
+
+template <ElemType Y, ElemType Z, ElemType G, ElemType W, ElemType N, ElemType O, ElemType S>
+GateSums CallFusedPass(NormTypes<W, N, O, S>, const char* y, const char* z, float* gated, int64_t n,
+                       const float* prev, float inv_rms, const char* w, char* out, bool stream) {
+  return FusedPass<Y, Z, G, W, N, O, S>(y, z, gated, n, prev, inv_rms, w, out, stream);
+}
 template <ElemType Y, ElemType Z, ElemType G>
+GateSums CallFusedPass(NoFusedPass, const char*, const char*, float*, int64_t, const float*, float, const char*,
+                       char*, bool) {
+  return {};  // never called: RunItems<..., NoFusedPass> pipelines nothing
+}
+
+// Whether any W element is a float32 subnormal (float32 and bfloat16 W; x86 only, where FusedPass reads
+// w under DAZ).
+bool SubnormalWeight(const GatedGroupRMSNormArgs& a) {
+  if (!MayBeSubnormal(a.w_type) || a.w_subnormal_free) return false;
+  const auto* w = static_cast<const char*>(a.w);
+  const size_t wb = TypeBytes(a.w_type);
+  VU lowest = ~VU{};
+  for (int64_t j = 0; j < a.channels; j += kWidth) {
+    const int64_t count = a.channels - j < kWidth ? a.channels - j : kWidth;
+    const VF v = count == kWidth ? Load(w + j * wb, a.w_type) : LoadPartial(w + j * wb, a.w_type, count);
+    lowest = NoteSubnormals(lowest, v);
+  }
+  return AnySubnormal(lowest);
+}
+
+// All items of one call, with the gate pass's types fixed at compile time. Fused: NormTypes of the norm
+// pass when the call's types are a combination FusedPass serves (then an ordinary group's norm pass runs
+// together with the next group's gate pass), or NoFusedPass.
+template <ElemType Y, ElemType Z, ElemType G, class Fused>
 void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_item) {
   const int64_t gs = a.group_size;
   const int64_t groups_per_row = a.channels / gs;
   const size_t w_bytes = TypeBytes(a.w_type), out_bytes = TypeBytes(a.out_storage_type);
   const float group_size = static_cast<float>(gs);
 
-  alignas(64) float stack_buffer[kStackGroup];
+  // Two scratch buffers for h: the group whose norm pass waits for the next one's gate pass keeps its own.
+  alignas(64) float stack_buffer[2 * kStackGroup];
   thread_local std::vector<float> heap_buffer;
-  float* gated = stack_buffer;
+  float* scratch[2] = {stack_buffer, stack_buffer + kStackGroup};
   if (gs > kStackGroup) {
-    if (heap_buffer.size() < static_cast<size_t>(gs)) heap_buffer.resize(static_cast<size_t>(gs));
-    gated = heap_buffer.data();
+    if (heap_buffer.size() < 2 * static_cast<size_t>(gs)) heap_buffer.resize(2 * static_cast<size_t>(gs));
+    scratch[0] = heap_buffer.data();
+    scratch[1] = heap_buffer.data() + gs;
   }
   // Non-temporal stores when the output is far larger than the caches and the groups' starts are aligned
   // to the vector stores (ORT's buffers are 64-byte aligned; group_size a multiple of the width).
   const size_t store_bytes = static_cast<size_t>(kWidth) * (a.out_storage_type == ElemType::kFloat ? 4 : 2);
   const bool stream = static_cast<size_t>(a.rows * a.channels) * out_bytes >= kStreamBytes &&
                       reinterpret_cast<uintptr_t>(a.out) % store_bytes == 0 && gs % kWidth == 0;
+  // FusedPass reads w in the gate pass's MXCSR mode (DAZ: a subnormal w would read as 0).
+  constexpr bool kFused = !std::is_same_v<Fused, NoFusedPass>;
+  const bool fuse = kFused && !(kSubnormalsAsIntegers && SubnormalWeight(a));
+  // The ordinary group whose norm pass is still to run (into FusedPass with the next group's gate pass).
+  struct Pending {
+    const float* gated = nullptr;
+    float inv_rms = 0.f;
+    const char* w = nullptr;
+    char* out = nullptr;
+  } pending;
+  bool has_pending = false;
+  int next_scratch = 0;
 #if defined(MAMBAFUSE_MXCSR)
   FlushScope flush;
   thread_local bool scaled_hint = false;
 #endif
+  const auto run_pending_norm = [&]() {
+#if defined(MAMBAFUSE_MXCSR)
+    flush.Exact();
+#endif
+    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, pending.gated, pending.inv_rms, pending.w,
+                pending.out, gs, stream);
+  };
   for (int64_t item = first_item; item < last_item; ++item) {
     const int64_t row = item / groups_per_row;
     const int64_t col = (item % groups_per_row) * gs;
@@ -868,21 +1028,44 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     const char* z = static_cast<const char*>(a.z) + offset * Type<Z>::bytes;
     const char* w = static_cast<const char*>(a.w) + static_cast<size_t>(col) * w_bytes;
     char* out = static_cast<char*>(a.out) + offset * out_bytes;
+    float* gated = scratch[next_scratch];
     float inv_rms = 0.f;
+    bool done = false;
+    if constexpr (kFused) {
+      if (has_pending) {
+        // This group's gate pass on the fast path (as below) with the pending group's norm pass. An
+        // underflow may be either's: the pending group's outputs are computed again exactly, and this
+        // group takes the usual way below, as does one whose gate pass did not stand.
+#if defined(MAMBAFUSE_MXCSR)
+        flush.Gate();
+#endif
+        const GateSums gate = CallFusedPass<Y, Z, G>(Fused{}, y, z, gated, gs, pending.gated, pending.inv_rms,
+                                                     pending.w, pending.out, stream);
+        has_pending = false;
+#if defined(MAMBAFUSE_MXCSR)
+        const bool underflow = FlushScope::Raised(gate.sum_sq);
+        if (underflow) run_pending_norm();
+        done = !underflow && !gate.subnormal_input && !gate.wide_z;
+#else
+        done = !gate.wide_z;
+#endif
+        if (done) inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
+      }
+    }
+    bool exact = false;
+    int scaled_by = 0;  // k of y' = 2^k y
 #if defined(MAMBAFUSE_MXCSR)
     // The fast pass, unless the previous group needed y scaled (rows decayed into the subnormals tend to
     // stay there) and this one's y are all zero or subnormal, some not zero: then the fast pass must fail
     // (it notes the subnormal y), so going straight to the scaled pass gives the same result. Nowhere
     // else: a group's result never depends on the groups before it (with -ffp-contract=fast the two
     // passes need not round alike, so a guess must not choose between them).
-    bool done = false, exact = false;
-    int scaled_by = 0;  // k of y' = 2^k y
     int k = 0;
-    if (G == ElemType::kFloat && scaled_hint) {
+    if (!done && G == ElemType::kFloat && scaled_hint) {
       const uint32_t max_abs_bits = MaxAbsBits<Y>(y, gs);
       if (max_abs_bits != 0 && max_abs_bits < 0x00800000u) k = ScaleExponent(max_abs_bits);
     }
-    if (k == 0) {
+    if (!done && k == 0) {
       flush.Gate();
       const GateSums gate = Gate<Y, Z, G>(y, z, gated, gs);
       done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq);
@@ -911,6 +1094,20 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       const float sum_sq = Gate<Y, Z, G>(y, z, gated, gs).sum_sq;
       inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     }
+#else
+    if (!done) {
+      const float sum_sq = Gate<Y, Z, G>(y, z, gated, gs).sum_sq;
+      inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+    }
+#endif
+    // An ordinary group's norm pass waits for the next group's gate pass (FusedPass), within this call.
+    if (fuse && !exact && scaled_by == 0 && item + 1 < last_item) {
+      pending = {gated, inv_rms, w, out};
+      has_pending = true;
+      next_scratch ^= 1;
+      continue;
+    }
+#if defined(MAMBAFUSE_MXCSR)
     // A scaled group's outputs are mostly tiny (O = w h nf with h ~ y), many of them subnormal: computed
     // 2^64 too large with FTZ and scaled back by ScaleDownBy64 (norm_dtype float; its underflow flag is
     // expected, an overflow is not). Any other group: without FTZ at once. (An FTZ pass, redone without FTZ
@@ -927,17 +1124,44 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       // Overflowed at 2^64 times the outputs: computed again below, exactly (without FTZ).
     }
     if (!exact) flush.Exact();
-    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
-#else
-    const float sum_sq = Gate<Y, Z, G>(y, z, gated, gs).sum_sq;
-    inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
-    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
 #endif
+    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
   }
+  if (has_pending) run_pending_norm();  // the call's last group, when it was deferred (not: see above)
   if (heap_buffer.capacity() > kKeptScratch) std::vector<float>().swap(heap_buffer);
 #if defined(MAMBAFUSE_MXCSR)
   if (stream) _mm_sfence();  // the streamed stores are visible before the caller hands the output on
 #endif
+}
+
+// The call's types among those FusedPass serves: float32 throughout (fp32 models); float32 inputs and
+// weights with half rounding points stored as float (ONNX Runtime's CPU fallback for fp16 / bf16 models
+// hands the op float tensors); one half type throughout. Half rounding points through the AVX2 conversion
+// instructions stay out: they raise MXCSR's underflow flag for every half subnormal result (AVX-512's
+// carry {sae}), which would send such groups through an exact norm pass again.
+template <ElemType Y, ElemType Z, ElemType G, class F>
+void WithFusedTypes(const GatedGroupRMSNormArgs& a, F&& f) {
+  constexpr ElemType kF = ElemType::kFloat, kH = ElemType::kFloat16, kB = ElemType::kBFloat16;
+#if defined(MAMBAFUSE_MXCSR) && !defined(__AVX512F__)
+  constexpr bool kHalfRounding = false;
+#else
+  constexpr bool kHalfRounding = true;
+#endif
+  const auto norm_is = [&a](ElemType w, ElemType n, ElemType o, ElemType s) {
+    return a.w_type == w && a.norm_type == n && a.out_type == o && a.out_storage_type == s;
+  };
+  if constexpr (Y == kF && Z == kF) {
+    if (norm_is(kF, kF, kF, kF)) return f(NormTypes<kF, kF, kF, kF>{});
+    if constexpr (kHalfRounding && G != kB) {
+      if (norm_is(kF, kH, kH, kF)) return f(NormTypes<kF, kH, kH, kF>{});
+    }
+    if constexpr (G != kH) {
+      if (norm_is(kF, kB, kB, kF)) return f(NormTypes<kF, kB, kB, kF>{});
+    }
+  } else if constexpr (Y == Z && G == Y && (Y != kH || kHalfRounding)) {
+    if (norm_is(Y, Y, Y, Y)) return f(NormTypes<Y, Y, Y, Y>{});
+  }
+  f(NoFusedPass{});
 }
 
 }  // namespace
@@ -946,7 +1170,8 @@ void ComputeItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t la
   WithType(a.y_type, [&](auto yt) {
     WithType(a.z_type, [&](auto zt) {
       WithType(a.gated_type, [&](auto gt) {
-        RunItems<decltype(yt)::value, decltype(zt)::value, decltype(gt)::value>(a, first_item, last_item);
+        constexpr ElemType kY = decltype(yt)::value, kZ = decltype(zt)::value, kG = decltype(gt)::value;
+        WithFusedTypes<kY, kZ, kG>(a, [&](auto fused) { RunItems<kY, kZ, kG, decltype(fused)>(a, first_item, last_item); });
       });
     });
   });

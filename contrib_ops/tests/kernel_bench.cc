@@ -128,6 +128,8 @@ int main(int argc, char** argv) {
   args.channels = channels;
   args.group_size = group_size;
   args.epsilon = 1e-5f;
+  // What the kernel knows of a constant-initializer W (the usual case), checked once at its creation.
+  args.w_subnormal_free = !mambafuse::HasFloat32Subnormal(args.w, args.w_type, channels);
   if (const char* problem = mambafuse::ValidateArgs(args)) {
     std::fprintf(stderr, "%s\n", problem);
     return 2;
