@@ -302,6 +302,21 @@ def test_subnormal_rows(rows: str, elem_type: int, out_type: int, epsilon: float
     check_against_reference(y, z, w, group_size=96, epsilon=epsilon, out_type=out_type)
 
 
+def test_decayed_rows_across_the_subnormal_range() -> None:
+    """Rows whose y are all float32 subnormals, spread over the whole range (the top mantissa bits set,
+    down to a few units of 2^-149), and rows that mix such groups with normal y: the x86 kernel scales a
+    group of subnormal y by 2^k from the integer mantissas, a mixed one bit by bit; both must be exact."""
+    rng = np.random.default_rng(126)
+    y, z, w = random_inputs(rng, (4, 384), FLOAT, FLOAT, FLOAT)
+    y = (rng.uniform(-1.0, 1.0, y.shape) * 2.0**-126).astype(np.float32)
+    y[0, :8] = np.float32(2.0**-126) * np.float32(0.9999999)  # the largest subnormals
+    y[1, :8] = np.float32(3 * 2.0**-149)  # and a few of the smallest
+    y[2, 96:192] = rng.standard_normal(96).astype(np.float32) * np.float32(1e-30)  # a normal group between
+    y[3, 200] = np.float32(1e-37)  # one normal y in a group of subnormal ones
+    assert np.count_nonzero(np.abs(y) >= np.float32(2.0**-127)) > 500
+    check_against_reference(y, z, w, group_size=96)
+
+
 def test_gates_at_the_edge_of_the_table_exp() -> None:
     """The table-based silu serves |z| <= 86 and hands a group with any larger |z| (or NaN/Inf) to the
     full-range silu: gates on both sides of +-86 (one such lane in an otherwise ordinary group, at every

@@ -47,8 +47,8 @@
 //     underflows becomes 0 and raises MXCSR's underflow flag, read after the pass. A pass with neither
 //     computed exactly what it computes without DAZ and FTZ.
 //   - A group that had subnormal y (or underflowed) is computed again from y' = 2^k y, built without an FP
-//     operation on a subnormal (ScaleByPowerOfTwo; exact), so h' = 2^k h stays normal; nf' = 2^-k nf with
-//     eps 4^k in double, so h' nf' = h nf.
+//     operation on a subnormal (ScaleByPowerOfTwo, or ScaleSubnormals when all y are subnormal; exact), so
+//     h' = 2^k h stays normal; nf' = 2^-k nf with eps 4^k in double, so h' nf' = h nf.
 //   - The norm pass of an ordinary group runs with neither DAZ nor FTZ (on ordinary data it makes no
 //     subnormal: nothing to assist), or, inside FusedPass, in the gate pass's mode: its h were made under
 //     FTZ (never subnormal), its w checked for subnormals once (at kernel creation for a constant W, else
@@ -346,6 +346,15 @@ inline VF ScaleByPowerOfTwo(VF y, float two_to_k, float two_to_k_less_126) {
   return FromBits(Bits(lifted * two_to_k - offset) | sign);
 }
 
+// y * 2^k for a group whose y are all subnormal or zero (then k >= 126): m 2^-149 becomes m 2^(k-149), the
+// integer m converted (exact: m < 2^23) and multiplied by a normal power of two (exact), the sign kept.
+// Five vector instructions where ScaleByPowerOfTwo takes nine, with the same bits.
+inline VF ScaleSubnormals(VF y, float unit) {
+  const VU bits = Bits(y);
+  const VF m = __builtin_convertvector(reinterpret_cast<VI>(bits & 0x007FFFFFu), VF);
+  return FromBits(Bits(m * unit) | (bits & 0x80000000u));
+}
+
 // x * 2^-64, rounded to nearest even, for the outputs of a scaled group's norm pass, where no FP operation
 // may make a subnormal: where the result is normal (|x| >= 2^-62) an FP multiply (exact); below, x + 2^-62
 // rounds x to a multiple of 2^-85 (2^-62's ulp) once, and the bits of that sum less those of 2^-62 are
@@ -577,12 +586,16 @@ inline auto WithType(ElemType t, F&& f) {
   return f(Type<ElemType::kFloat>{});
 }
 
+// How the gate pass takes y: as it is, scaled by 2^k (ScaleByPowerOfTwo), or scaled by 2^k when every y
+// of the group is subnormal or zero (ScaleSubnormals).
+enum class YScaling { kNone, kAny, kSubnormal };
+
 // Whether an input of the group is a float32 subnormal: y (unless kScaled: its scaled form is never read
 // as a subnormal, see ScaleByPowerOfTwo) or z.
-template <ElemType Y, ElemType Z, bool kScaled>
+template <ElemType Y, ElemType Z, YScaling kScaled>
 __attribute__((noinline)) bool SubnormalInput(const char* y, const char* z, int64_t n) {
   constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
-  constexpr bool kProbeY = MayBeSubnormal(Y) && !kScaled;
+  constexpr bool kProbeY = MayBeSubnormal(Y) && kScaled == YScaling::kNone;
   VU lowest = ~VU{};
   for (int64_t j = 0; j < n; j += kWidth) {
     const int64_t count = n - j < kWidth ? n - j : kWidth;
@@ -602,18 +615,25 @@ struct GateSums {
   bool wide_z = false;   // SiluTable saw a z it does not serve (|z| > 86, NaN, Inf): h is not to be used
 };
 
-// y * 2^k for the scaled gate pass: the two powers of two ScaleByPowerOfTwo takes (k in [0, 127]).
+// y * 2^k for the scaled gate pass: the two powers of two ScaleByPowerOfTwo takes (k in [0, 127]), and
+// 2^(k-149) for ScaleSubnormals (normal for k >= 23, the only k it is used with).
 struct YScale {
   float two_to_k = 1.f;
   float two_to_k_less_126 = 0x1p-126f;
+  float subnormal_unit = 0x1p-149f * 0x1p+23f;
   static YScale Of(int k) {
     YScale scale;
     const auto two_to_k = static_cast<uint32_t>(127 + k) << 23, less_126 = static_cast<uint32_t>(1 + k) << 23;
     std::memcpy(&scale.two_to_k, &two_to_k, sizeof two_to_k);
     std::memcpy(&scale.two_to_k_less_126, &less_126, sizeof less_126);
+    if (k >= 23) {
+      const auto unit = static_cast<uint32_t>(k - 22) << 23;
+      std::memcpy(&scale.subnormal_unit, &unit, sizeof unit);
+    }
     return scale;
   }
 };
+
 
 // The gate pass's running state over one group: the sums of h^2 per unrolled vector and the probes.
 struct GateState {
@@ -638,14 +658,14 @@ MAMBAFUSE_ALWAYS_INLINE void PrefetchAhead(const char* y, const char* z, int64_t
 // One block of kUnroll full vectors at element j: h = round(G, y * silu(z)) into `gated`, h^2 summed.
 // kScaled: y is scaled by 2^k first (see ScaleByPowerOfTwo). kWide: silu by SiluWide (every z), else by
 // SiluTable (then the state's widest says whether the result stands).
-template <ElemType Y, ElemType Z, ElemType G, bool kScaled, bool kWide>
+template <ElemType Y, ElemType Z, ElemType G, YScaling kScaled, bool kWide>
 MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __restrict gated, int64_t j,
                                        YScale scale, GateState& state) {
   constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
   // Under DAZ a subnormal y or z reads as 0, and the product y * silu(z) comes out +-0 (or NaN, for an
   // infinite other factor: GateFinish looks at a sum that is not finite too); so the product is probed,
   // one probe for both inputs.
-  constexpr bool kProbe = (MayBeSubnormal(Y) && !kScaled) || MayBeSubnormal(Z);
+  constexpr bool kProbe = (MayBeSubnormal(Y) && kScaled == YScaling::kNone) || MayBeSubnormal(Z);
   VF v[kUnroll];
   for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
   if constexpr (kWide) {
@@ -655,7 +675,8 @@ MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __re
   }
   for (int k = 0; k < kUnroll; ++k) {
     VF yv = Load(y + (j + k * kWidth) * yb, Y);
-    if (kScaled) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
+    if (kScaled == YScaling::kAny) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
+    if (kScaled == YScaling::kSubnormal) yv = ScaleSubnormals(yv, scale.subnormal_unit);
     const VF product = yv * v[k];
     if (kProbe) state.lowest = NoteZeroOrSubnormal(state.lowest, product);
     const VF h = RoundThrough(product, G);  // rounding point 0
@@ -665,11 +686,11 @@ MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __re
 }
 
 // The elements [j, n) after the last full block, one (possibly partial) vector at a time.
-template <ElemType Y, ElemType Z, ElemType G, bool kScaled, bool kWide>
+template <ElemType Y, ElemType Z, ElemType G, YScaling kScaled, bool kWide>
 void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, int64_t n, YScale scale,
               GateState& state) {
   constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
-  constexpr bool kProbeY = MayBeSubnormal(Y) && !kScaled;
+  constexpr bool kProbeY = MayBeSubnormal(Y) && kScaled == YScaling::kNone;
   for (; j < n; j += kWidth) {
     const int64_t count = n - j < kWidth ? n - j : kWidth;
     VF v[kUnroll] = {};
@@ -682,7 +703,8 @@ void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, 
     }
     VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
     if (kProbeY) state.exact_lowest = NoteSubnormals(state.exact_lowest, yv);
-    if (kScaled) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
+    if (kScaled == YScaling::kAny) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
+    if (kScaled == YScaling::kSubnormal) yv = ScaleSubnormals(yv, scale.subnormal_unit);
     const VF h = RoundThrough(yv * v[0], G);
     std::memcpy(gated + j, &h, static_cast<size_t>(count) * sizeof(float));
     state.acc[0] += h * h;
@@ -690,7 +712,7 @@ void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, 
 }
 
 // The group's sum of h^2 and what the probes found.
-template <ElemType Y, ElemType Z, bool kScaled, bool kWide>
+template <ElemType Y, ElemType Z, YScaling kScaled, bool kWide>
 GateSums GateFinish(const char* y, const char* z, int64_t n, GateState& state) {
   for (int k = 1; k < kUnroll; ++k) state.acc[0] += state.acc[k];
   float sum = 0.f;
@@ -709,7 +731,7 @@ GateSums GateFinish(const char* y, const char* z, int64_t n, GateState& state) {
 // h = round(G, y * silu(z)) into `gated`, and the sum of h^2 (see GateBlock for kScaled and kWide). Not
 // inlined: RunItems calls it in three places, and inlined there it measured 7 % slower (AVX-512, Zen 4)
 // than called.
-template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false, bool kWide = !kExpTable>
+template <ElemType Y, ElemType Z, ElemType G, YScaling kScaled = YScaling::kNone, bool kWide = !kExpTable>
 __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
                                             YScale scale = {}) {
   constexpr int64_t step = kWidth * kUnroll;
@@ -812,7 +834,7 @@ __attribute__((noinline)) GateSums FusedPass(const char* y, const char* z, float
     GateState live;  // in registers through the loop, as in GatePass
     for (; j + step <= n; j += step) {
       PrefetchAhead<Y, Z>(y, z, n, j);
-      GateBlock<Y, Z, G, false, !kExpTable>(y, z, gated, j, {}, live);
+      GateBlock<Y, Z, G, YScaling::kNone, !kExpTable>(y, z, gated, j, {}, live);
       for (int k = 0; k < kUnroll; ++k) {
         const int64_t i = j + k * kWidth;
         const VF o = NormValue<N, O, S>(LoadF32(prev + i), Load(w + i * wb, W), inv_rms);
@@ -825,9 +847,9 @@ __attribute__((noinline)) GateSums FusedPass(const char* y, const char* z, float
     }
     state = live;
   }
-  GateRest<Y, Z, G, false, !kExpTable>(y, z, gated, j, n, {}, state);
+  GateRest<Y, Z, G, YScaling::kNone, !kExpTable>(y, z, gated, j, n, {}, state);
   if (j < n) NormPass<W, N, O, S>(prev + j, inv_rms, w + j * wb, out + j * ob, n - j, stream);
-  return GateFinish<Y, Z, false, !kExpTable>(y, z, n, state);
+  return GateFinish<Y, Z, YScaling::kNone, !kExpTable>(y, z, n, state);
 }
 
 // The norm pass for the run-time types: nested switches down to a direct call of one instantiation.
@@ -905,7 +927,7 @@ class FlushScope {
 // The gate pass with SiluTable, and again with SiluWide where a z needs the full range (|z| > 86, NaN,
 // Inf): the second pass overwrites all of h and starts from the MXCSR flags the first one found (the
 // first one's unused lanes may have raised any of them).
-template <ElemType Y, ElemType Z, ElemType G, bool kScaled = false>
+template <ElemType Y, ElemType Z, ElemType G, YScaling kScaled = YScaling::kNone>
 GateSums Gate(const char* y, const char* z, float* __restrict gated, int64_t n, YScale scale = {}) {
   if constexpr (kExpTable) {
 #if defined(MAMBAFUSE_MXCSR)
@@ -1061,8 +1083,9 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     // else: a group's result never depends on the groups before it (with -ffp-contract=fast the two
     // passes need not round alike, so a guess must not choose between them).
     int k = 0;
+    uint32_t max_abs_bits = 0;
     if (!done && G == ElemType::kFloat && scaled_hint) {
-      const uint32_t max_abs_bits = MaxAbsBits<Y>(y, gs);
+      max_abs_bits = MaxAbsBits<Y>(y, gs);
       if (max_abs_bits != 0 && max_abs_bits < 0x00800000u) k = ScaleExponent(max_abs_bits);
     }
     if (!done && k == 0) {
@@ -1072,15 +1095,19 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       if (done) {
         inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
       } else if (G == ElemType::kFloat) {
-        k = ScaleExponent(MaxAbsBits<Y>(y, gs));
+        max_abs_bits = MaxAbsBits<Y>(y, gs);
+        k = ScaleExponent(max_abs_bits);
       }
     }
     if (!done && k > 0) {
       // y scaled by 2^k (exact) so that the products stay normal floats: h' = 2^k h, and
       // nf' = 1 / sqrt(sum h'^2 / gs + eps 4^k) = 2^-k nf (in double: eps 4^k may exceed float's range),
-      // so h' nf' = h nf. Only where a gated_dtype does not round h at its own scale.
+      // so h' nf' = h nf. Only where a gated_dtype does not round h at its own scale. Both ways of scaling
+      // give the same y'.
       flush.Gate();
-      const GateSums gate = Gate<Y, Z, G, true>(y, z, gated, gs, YScale::Of(k));
+      const GateSums gate = max_abs_bits < 0x00800000u
+                                ? Gate<Y, Z, G, YScaling::kSubnormal>(y, z, gated, gs, YScale::Of(k))
+                                : Gate<Y, Z, G, YScaling::kAny>(y, z, gated, gs, YScale::Of(k));
       const double denominator = static_cast<double>(gate.sum_sq) / static_cast<double>(gs) +
                                  static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
       inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
