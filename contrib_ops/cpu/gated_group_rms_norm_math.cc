@@ -655,6 +655,24 @@ MAMBAFUSE_ALWAYS_INLINE void PrefetchAhead(const char* y, const char* z, int64_t
   for (size_t line = 0; line < step * zb; line += 64) __builtin_prefetch(z + (ahead + j) * zb + line, 0, 1);
 }
 
+// silu of kUnroll vectors by SiluWide (kWide) or SiluTable.
+template <bool kWide>
+MAMBAFUSE_ALWAYS_INLINE void Silu(VF (&v)[kUnroll], GateState& state) {
+  if constexpr (kWide) {
+    SiluWide(v);
+  } else {
+    SiluTable(v, state.widest);
+  }
+}
+
+// y as the gate pass takes it (see YScaling).
+template <YScaling kScaled>
+MAMBAFUSE_ALWAYS_INLINE VF ScaleY(VF y, const YScale& scale) {
+  if constexpr (kScaled == YScaling::kAny) return ScaleByPowerOfTwo(y, scale.two_to_k, scale.two_to_k_less_126);
+  if constexpr (kScaled == YScaling::kSubnormal) return ScaleSubnormals(y, scale.subnormal_unit);
+  return y;
+}
+
 // One block of kUnroll full vectors at element j: h = round(G, y * silu(z)) into `gated`, h^2 summed.
 // kScaled: y is scaled by 2^k first (see ScaleByPowerOfTwo). kWide: silu by SiluWide (every z), else by
 // SiluTable (then the state's widest says whether the result stands).
@@ -668,16 +686,9 @@ MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __re
   constexpr bool kProbe = (MayBeSubnormal(Y) && kScaled == YScaling::kNone) || MayBeSubnormal(Z);
   VF v[kUnroll];
   for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
-  if constexpr (kWide) {
-    SiluWide(v);
-  } else {
-    SiluTable(v, state.widest);
-  }
+  Silu<kWide>(v, state);
   for (int k = 0; k < kUnroll; ++k) {
-    VF yv = Load(y + (j + k * kWidth) * yb, Y);
-    if (kScaled == YScaling::kAny) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
-    if (kScaled == YScaling::kSubnormal) yv = ScaleSubnormals(yv, scale.subnormal_unit);
-    const VF product = yv * v[k];
+    const VF product = ScaleY<kScaled>(Load(y + (j + k * kWidth) * yb, Y), scale) * v[k];
     if (kProbe) state.lowest = NoteZeroOrSubnormal(state.lowest, product);
     const VF h = RoundThrough(product, G);  // rounding point 0
     std::memcpy(gated + j + k * kWidth, &h, sizeof h);
@@ -696,16 +707,10 @@ void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, 
     VF v[kUnroll] = {};
     v[0] = count == kWidth ? Load(z + j * zb, Z) : LoadPartial(z + j * zb, Z, count);
     if (MayBeSubnormal(Z)) state.exact_lowest = NoteSubnormals(state.exact_lowest, v[0]);
-    if constexpr (kWide) {
-      SiluWide(v);
-    } else {
-      SiluTable(v, state.widest);
-    }
-    VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
+    Silu<kWide>(v, state);
+    const VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
     if (kProbeY) state.exact_lowest = NoteSubnormals(state.exact_lowest, yv);
-    if (kScaled == YScaling::kAny) yv = ScaleByPowerOfTwo(yv, scale.two_to_k, scale.two_to_k_less_126);
-    if (kScaled == YScaling::kSubnormal) yv = ScaleSubnormals(yv, scale.subnormal_unit);
-    const VF h = RoundThrough(yv * v[0], G);
+    const VF h = RoundThrough(ScaleY<kScaled>(yv, scale) * v[0], G);
     std::memcpy(gated + j, &h, static_cast<size_t>(count) * sizeof(float));
     state.acc[0] += h * h;
   }
