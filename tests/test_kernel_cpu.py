@@ -436,6 +436,13 @@ def _assert_tiny_outputs_exact(actual: np.ndarray, expected: np.ndarray, tiny: n
     assert np.max(np.abs(actual[tiny] - expected[tiny])) <= 2.0**-149
 
 
+def _run_with_w(model: onnx.ModelProto, y: np.ndarray, z: np.ndarray, w: np.ndarray, w_source: str) -> np.ndarray:
+    """Run the one-node model with w fed, or made a constant initializer (which the kernel reads once)."""
+    if w_source == "constant":
+        return contrib_ops.session(_with_constant_w(model, w), use_library=True).run(None, {"y": y, "z": z})[0]
+    return run_op(model, y, z, w)
+
+
 @pytest.mark.parametrize("w_source", ["fed", "constant"])
 def test_group_with_subnormal_outputs_before_an_ordinary_one(w_source: str) -> None:
     """Groups whose outputs are mostly float32 subnormals (ordinary y and z, normal weights of 2e-38 on the
@@ -446,10 +453,7 @@ def test_group_with_subnormal_outputs_before_an_ordinary_one(w_source: str) -> N
     y, z, w = random_inputs(rng, (4, 384), FLOAT, FLOAT, FLOAT)
     w[:96] = np.float32(2e-38) * np.sign(w[:96])
     model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[4, 384], group_size=96)
-    if w_source == "constant":
-        actual = contrib_ops.session(_with_constant_w(model, w), use_library=True).run(None, {"y": y, "z": z})[0]
-    else:
-        actual = run_op(model, y, z, w)
+    actual = _run_with_w(model, y, z, w, w_source)
     expected = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=96, compute_dtype=np.float64)
     _assert_tiny_outputs_exact(actual.astype(np.float64), expected, np.abs(expected) < 2.0**-126)
     assert budget_report(actual, expected)[0]
@@ -470,10 +474,7 @@ def test_subnormal_weights(w_source: str, w_type: int) -> None:
     if w_type == BFLOAT16:
         w = w.astype(ml_dtypes.bfloat16).astype(np.float32)  # representable: the model's Cast is exact
     model = one_node_model(FLOAT, FLOAT, w_type, shape=[3, 384], group_size=96)
-    if w_source == "constant":
-        actual = contrib_ops.session(_with_constant_w(model, w), use_library=True).run(None, {"y": y, "z": z})[0]
-    else:
-        actual = run_op(model, y, z, w)
+    actual = _run_with_w(model, y, z, w, w_source)
     expected = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=96, compute_dtype=np.float64)
     tiny = np.zeros(expected.shape, bool)
     tiny[:, 5::7] = np.abs(expected[:, 5::7]) < 2.0**-126
