@@ -61,7 +61,7 @@ def _report(argv: Sequence[str]) -> int:
 def _genai(argv: Sequence[str]) -> int:
     from fusion import genai
 
-    return genai.main(list(argv))
+    return genai.main(list(argv), prog=f"{PACKAGE} genai")
 
 
 def _olive(argv: Sequence[str]) -> int:

@@ -214,9 +214,9 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m fusion.genai",
+        prog=prog,
         description="Fuse the gated group-RMSNorm chains of an onnxruntime-genai model folder into a new folder "
         "that genai runs with mambafuse's kernels.",
     )
@@ -236,10 +236,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 ok, 2 error, 130/143 signal)."""
-    args = _parser().parse_args(argv)
-    prog = "python -m fusion.genai"
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.genai") -> int:
+    """Run the command line; return the exit status (0 ok, 2 error, 130/143 signal). ``prog`` names the
+    command in usage and error lines (``mambafuse genai`` from the console script)."""
+    args = _parser(prog).parse_args(argv)
     try:
         with interruptible():
             report, summary = fuse_folder(

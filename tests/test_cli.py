@@ -48,7 +48,7 @@ def test_rewrite_dispatches_to_fusion_rewrite(tmp_path: Path) -> None:
 def test_genai_dispatches_to_fusion_genai(tmp_path: Path) -> None:
     result = _run("genai", str(tmp_path / "no-such-folder"), str(tmp_path / "out"))
     assert result.returncode == 2
-    assert result.stderr.startswith("python -m fusion.genai: error:") and "Traceback" not in result.stderr
+    assert result.stderr.startswith("mambafuse genai: error:") and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 
 
