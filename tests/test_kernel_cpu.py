@@ -410,7 +410,9 @@ INTERLEAVED_TYPES = {
     "f32-norm-bf16": (FLOAT, None, BFLOAT16),
     "f32-gated-bf16-norm-bf16": (FLOAT, BFLOAT16, BFLOAT16),
     "f16-gated-f16": (FLOAT16, FLOAT16, None),
+    "f16": (FLOAT16, None, None),
     "bf16-gated-bf16": (BFLOAT16, BFLOAT16, None),
+    "bf16": (BFLOAT16, None, None),
 }
 
 

@@ -1168,7 +1168,8 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
 
 // The call's types among those FusedPass serves: float32 throughout (fp32 models); float32 inputs and
 // weights with half rounding points stored as float (ONNX Runtime's CPU fallback for fp16 / bf16 models
-// hands the op float tensors); one half type throughout. Half rounding points through the AVX2 conversion
+// hands the op float tensors); one half type throughout (h rounded to it, or not). Half rounding points
+// through the AVX2 conversion
 // instructions stay out: they raise MXCSR's underflow flag for every half subnormal result (AVX-512's
 // carry {sae}), which would send such groups through an exact norm pass again.
 template <ElemType Y, ElemType Z, ElemType G, class F>
@@ -1190,7 +1191,7 @@ void WithFusedTypes(const GatedGroupRMSNormArgs& a, F&& f) {
     if constexpr (G != kH) {
       if (norm_is(kF, kB, kB, kF)) return f(NormTypes<kF, kB, kB, kF>{});
     }
-  } else if constexpr (Y == Z && G == Y && (Y != kH || kHalfRounding)) {
+  } else if constexpr (Y == Z && (G == Y || G == kF) && (Y != kH || kHalfRounding)) {
     if (norm_is(Y, Y, Y, Y)) return f(NormTypes<Y, Y, Y, Y>{});
   }
   f(NoFusedPass{});
