@@ -430,6 +430,24 @@ def test_interleaved_passes(elem_type: int, gated_type: int | None, norm_type: i
     )
 
 
+@pytest.mark.parametrize(
+    ("elem_type", "gated_type", "norm_type"), INTERLEAVED_TYPES.values(), ids=list(INTERLEAVED_TYPES)
+)
+def test_interleaved_and_lone_passes_agree_bit_for_bit(
+    elem_type: int, gated_type: int | None, norm_type: int | None
+) -> None:
+    """A row's first group is computed alone when the row is, and interleaved with the previous row's last
+    group when it follows one: the outputs must be the same bits either way."""
+    rng = np.random.default_rng([elem_type, gated_type or 0, norm_type or 0, 6])
+    y, z, w = random_inputs(rng, (6, 384), elem_type, elem_type, elem_type)
+    attrs = dict(group_size=96, norm_dtype=norm_type, output_dtype=norm_type, gated_dtype=gated_type)
+    together = run_op(one_node_model(elem_type, elem_type, elem_type, shape=[6, 384], **attrs), y, z, w)
+    single = one_node_model(elem_type, elem_type, elem_type, shape=[1, 384], **attrs)
+    for row in range(6):
+        alone = run_op(single, y[row : row + 1], z[row : row + 1], w)
+        np.testing.assert_array_equal(together[row : row + 1], alone, err_msg=f"row {row}")
+
+
 def _assert_tiny_outputs_exact(actual: np.ndarray, expected: np.ndarray, tiny: np.ndarray) -> None:
     """Outputs that are float32 subnormals, one by one (the budget's floor is the smallest normal float,
     so a flushed zero would pass it)."""
