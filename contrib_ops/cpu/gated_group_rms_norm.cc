@@ -173,7 +173,7 @@ Ort::Status PrepareArgs(const GatedGroupRMSNormAttrs& attrs, Ort::KernelContext&
   args.channels = channels;
   args.group_size = attrs.group_size;
   args.epsilon = attrs.epsilon;
-  args.w_subnormal_free = known != nullptr && known->w_constant && known->w_subnormal_free;
+  args.w_subnormal_free = known != nullptr && known->w_subnormal_free;
 
   Ort::UnownedValue out = context.GetOutput(0, y_shape.data(), y_shape.rank());
   int64_t out_type = known != nullptr ? known->out_type : 0;
@@ -219,7 +219,7 @@ Ort::Status GatedGroupRMSNormStatic::Read(const OrtKernelInfo* info, GatedGroupR
   // W as a constant initializer (the usual case: the norm's weight) cannot change between Runs.
   int is_constant = 0;
   const OrtValue* w = nullptr;
-  known.w_constant = false;
+  known.w_constant = known.w_subnormal_free = false;
   if (OrtStatus* status = api.KernelInfoGetConstantInput_tensor(info, 2, &is_constant, &w)) {
     api.ReleaseStatus(status);
     return Ort::Status{};
@@ -245,6 +245,10 @@ OrtStatusPtr GatedGroupRMSNormCpuKernel::ComputeV2(OrtKernelContext* raw_context
 #if defined(MAMBAFUSE_WITH_METAL)
     // Opt-in GPU path on Apple (MAMBAFUSE_METAL=1, large tensors only); false means "not taken".
     if (TryGatedGroupRMSNormMetal(args)) return Ort::Status{};
+#endif
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+    // A W that is not a constant initializer: checked once per Run (see GatedGroupRMSNormArgs).
+    if (!args.w_subnormal_free) args.w_subnormal_free = !HasFloat32Subnormal(args.w, args.w_type, args.channels);
 #endif
     const int64_t elements = args.rows * args.channels;
     const int64_t chunks = std::clamp<int64_t>(elements / kMinElementsPerChunk, 1, items);

@@ -31,10 +31,13 @@ struct GatedGroupRMSNormArgs {
   int64_t channels = 0;
   int64_t group_size = 0;
   float epsilon = 0.f;
-  bool w_subnormal_free = false;  // known: no W element is a float32 subnormal (else checked per call)
+  // The caller found no W element a float32 subnormal (HasFloat32Subnormal). On x86 the math core runs a
+  // group's norm pass together with the next group's gate pass only then (it reads W under DAZ there).
+  bool w_subnormal_free = false;
 };
 
-// Whether any of `count` elements of `data` (float or bfloat16) is a float32 subnormal once widened.
+// Whether any of `count` elements of `data` (float32, float16 or bfloat16) is a float32 subnormal once
+// widened (never for float16).
 bool HasFloat32Subnormal(const void* data, ElemType type, int64_t count);
 
 // Computes items [first_item, last_item). Arguments must already be validated (see ValidateArgs).

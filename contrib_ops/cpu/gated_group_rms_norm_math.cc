@@ -51,8 +51,8 @@
 //     h' = 2^k h stays normal; nf' = 2^-k nf with eps 4^k in double, so h' nf' = h nf.
 //   - The norm pass of an ordinary group runs with neither DAZ nor FTZ (on ordinary data it makes no
 //     subnormal: nothing to assist), or, inside FusedPass, in the gate pass's mode: its h were made under
-//     FTZ (never subnormal), its w checked for subnormals once (at kernel creation for a constant W, else
-//     per call; a W with one keeps the passes apart), and an output that underflows raises the flag read
+//     FTZ (never subnormal), its w checked for subnormals by the caller (GatedGroupRMSNormArgs's
+//     w_subnormal_free; a W with one, or one not checked, keeps the passes apart), and an output that underflows raises the flag read
 //     after the pass, upon which that group's norm pass is computed again without DAZ and FTZ. For a
 //     scaled group it runs with FTZ only (w is read exactly), computes 2^64 times its outputs, normal
 //     floats, and scales them back (ScaleDownBy64): exact where the output is a normal float; where it or
@@ -440,7 +440,6 @@ __attribute__((always_inline)) inline void SiluWide(VF (&v)[kUnroll]) {
   for (int k = 0; k < kUnroll; ++k) v[k] = Divide(v[k], 1.f + t[k]);
 }
 
-
 // --- silu with e^-z from a table of 2^(j/N) (every build with a vector permute) ----------------------
 //
 // For |z| <= 86: silu(z) = z / (1 + e^-z) directly (e^86 < 2^125: nothing overflows, and for z < 0 the
@@ -612,7 +611,7 @@ __attribute__((noinline)) bool SubnormalInput(const char* y, const char* z, int6
 struct GateSums {
   float sum_sq;          // sum(h^2)
   bool subnormal_input;  // a y or z was a float32 subnormal (x86: read as 0 under DAZ)
-  bool wide_z = false;   // SiluTable saw a z it does not serve (|z| > 86, NaN, Inf): h is not to be used
+  bool wide_z = false;   // SiluTable saw a z it does not serve (|z| > 86.0065, Inf): h is not to be used
 };
 
 // y * 2^k for the scaled gate pass: the two powers of two ScaleByPowerOfTwo takes (k in [0, 127]), and
@@ -633,7 +632,6 @@ struct YScale {
     return scale;
   }
 };
-
 
 // The gate pass's running state over one group: the sums of h^2 per unrolled vector and the probes.
 struct GateState {
@@ -823,7 +821,7 @@ void NormPass(const float* __restrict gated, float inv_rms, const char* w, char*
 // The norm pass of one group (its h in `prev`, its 1/rms, w and out) interleaved, block by block, with
 // the gate pass of the next group (y, z, into `gated`): one loop over both, so that the norm pass's loads,
 // multiplies and stores fill the slots the gate pass's long dependency chains leave idle (measured on
-// AMD Zen 4, AVX-512: 2.41 -> 2.05 us per 7680-wide fp32 row; the same two passes one after the other
+// AMD Zen 4, AVX-512: 2.39 -> 2.14 us per 7680-wide fp32 row; the same two passes one after the other
 // in the same order gained nothing). The gate part is GateBlock / GateRest as in GatePass, the norm part
 // NormValue as in NormPass, so each computes the same bits as it does alone. Never with kScaled or a
 // scaled-down norm pass (those groups take RunItems's other paths).
@@ -985,21 +983,6 @@ GateSums CallFusedPass(NoFusedPass, const char*, const char*, float*, int64_t, c
   return {};  // never called: RunItems<..., NoFusedPass> pipelines nothing
 }
 
-// Whether any W element is a float32 subnormal (float32 and bfloat16 W; x86 only, where FusedPass reads
-// w under DAZ).
-bool SubnormalWeight(const GatedGroupRMSNormArgs& a) {
-  if (!MayBeSubnormal(a.w_type) || a.w_subnormal_free) return false;
-  const auto* w = static_cast<const char*>(a.w);
-  const size_t wb = TypeBytes(a.w_type);
-  VU lowest = ~VU{};
-  for (int64_t j = 0; j < a.channels; j += kWidth) {
-    const int64_t count = a.channels - j < kWidth ? a.channels - j : kWidth;
-    const VF v = count == kWidth ? Load(w + j * wb, a.w_type) : LoadPartial(w + j * wb, a.w_type, count);
-    lowest = NoteSubnormals(lowest, v);
-  }
-  return AnySubnormal(lowest);
-}
-
 // All items of one call, with the gate pass's types fixed at compile time. Fused: NormTypes of the norm
 // pass when the call's types are a combination FusedPass serves (then an ordinary group's norm pass runs
 // together with the next group's gate pass), or NoFusedPass.
@@ -1024,9 +1007,10 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
   const size_t store_bytes = static_cast<size_t>(kWidth) * (a.out_storage_type == ElemType::kFloat ? 4 : 2);
   const bool stream = static_cast<size_t>(a.rows * a.channels) * out_bytes >= kStreamBytes &&
                       reinterpret_cast<uintptr_t>(a.out) % store_bytes == 0 && gs % kWidth == 0;
-  // FusedPass reads w in the gate pass's MXCSR mode (DAZ: a subnormal w would read as 0).
+  // FusedPass reads w in the gate pass's MXCSR mode (DAZ: a subnormal w would read as 0), so on x86 only
+  // with a W the caller found free of subnormals.
   constexpr bool kFused = !std::is_same_v<Fused, NoFusedPass>;
-  const bool fuse = kFused && !(kSubnormalsAsIntegers && SubnormalWeight(a));
+  const bool fuse = kFused && (!kSubnormalsAsIntegers || a.w_subnormal_free);
   // The ordinary group whose norm pass is still to run (into FusedPass with the next group's gate pass).
   struct Pending {
     const float* gated = nullptr;
@@ -1040,13 +1024,6 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
   FlushScope flush;
   thread_local bool scaled_hint = false;
 #endif
-  const auto run_pending_norm = [&]() {
-#if defined(MAMBAFUSE_MXCSR)
-    flush.Exact();
-#endif
-    NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, pending.gated, pending.inv_rms, pending.w,
-                pending.out, gs, stream);
-  };
   for (int64_t item = first_item; item < last_item; ++item) {
     const int64_t row = item / groups_per_row;
     const int64_t col = (item % groups_per_row) * gs;
@@ -1071,7 +1048,11 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
         has_pending = false;
 #if defined(MAMBAFUSE_MXCSR)
         const bool underflow = FlushScope::Raised(gate.sum_sq);
-        if (underflow) run_pending_norm();
+        if (underflow) {  // the pending group's outputs again, exactly
+          flush.Exact();
+          NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, pending.gated, pending.inv_rms,
+                      pending.w, pending.out, gs, stream);
+        }
         done = !underflow && !gate.subnormal_input && !gate.wide_z;
 #else
         done = !gate.wide_z;
@@ -1132,7 +1113,8 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
     }
 #endif
-    // An ordinary group's norm pass waits for the next group's gate pass (FusedPass), within this call.
+    // An ordinary group's norm pass waits for the next group's gate pass (FusedPass), within this call: never
+    // the call's last group's, so that no norm pass is left waiting when the loop ends.
     if (fuse && !exact && scaled_by == 0 && item + 1 < last_item) {
       pending = {gated, inv_rms, w, out};
       has_pending = true;
@@ -1159,7 +1141,6 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
 #endif
     NormPassFor(a.w_type, a.norm_type, a.out_type, a.out_storage_type, gated, inv_rms, w, out, gs, stream);
   }
-  if (has_pending) run_pending_norm();  // the call's last group, when it was deferred (not: see above)
   if (heap_buffer.capacity() > kKeptScratch) std::vector<float>().swap(heap_buffer);
 #if defined(MAMBAFUSE_MXCSR)
   if (stream) _mm_sfence();  // the streamed stores are visible before the caller hands the output on

@@ -179,6 +179,8 @@ mambafuse::GatedGroupRMSNormArgs MakeArgs(const Case& c, const std::vector<char>
   args.channels = c.channels;
   args.group_size = c.group_size;
   args.epsilon = static_cast<float>(c.epsilon);
+  // As the kernel does for a constant W (at its creation).
+  args.w_subnormal_free = !mambafuse::HasFloat32Subnormal(w.data(), args.w_type, c.channels);
   return args;
 }
 
