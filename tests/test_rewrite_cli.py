@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -279,6 +280,19 @@ def test_progress_on_a_terminal_and_quiet_in_a_log(
     assert main([str(source), "-o", str(tmp_path / "again.onnx"), "--verify"]) == 0
     err = capsys.readouterr().err
     assert "verifying" in err and err.endswith("\r\033[K")  # the line is erased before the summary
+
+
+def test_verify_on_a_model_onnx_shape_inference_rejects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], library: str
+) -> None:
+    """transformers' exporter with ORT fusions writes value_info that ONNX shape inference contradicts: the
+    fused nodes' input types then come from what the model declares, and --verify still runs."""
+    source = tmp_path / "model.onnx"
+    shutil.copy(Path(__file__).parent / "fixtures" / "models" / "nemotron_h-transformers-ort-fp32-prefill.onnx", source)
+    with pytest.raises(onnx.shape_inference.InferenceError):
+        onnx.shape_inference.infer_shapes(onnx.load(source), strict_mode=False)
+    assert main([str(source), "-o", str(tmp_path / "fused.onnx"), "--verify"]) == 0
+    assert "verify (mambafuse library): PASS" in capsys.readouterr().out
 
 
 def test_verify_checks_a_node_behind_the_broadcast_guard(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
