@@ -205,7 +205,7 @@ def _prefill_wrapper(model: Any) -> Any:
         def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
             return self.lm(input_ids=input_ids, use_cache=False).logits
 
-    return PrefillLogits(model)
+    return PrefillLogits(model).eval()
 
 
 def _decode_wrapper(model: Any) -> Any:
@@ -222,7 +222,7 @@ def _decode_wrapper(model: Any) -> Any:
             out = self.lm(input_ids=input_ids, cache=cache, use_cache=True, **extra)
             return out.logits, out.cache
 
-    return DecodeStep(model)
+    return DecodeStep(model).eval()
 
 
 def _export_dynamo(model: Any, mode: str, opset: int, optimize: bool) -> tuple[onnx.ModelProto, dict[str, str]]:
@@ -302,7 +302,7 @@ def _export_torchscript(model: Any, mode: str, opset: int) -> onnx.ModelProto:
     hidden = torch.randn(1, PROMPT_LEN, model.config.hidden_size, generator=generator).to(dtype)
     buffer = io.BytesIO()
     torch.onnx.export(
-        MixerPrefill(mixer),
+        MixerPrefill(mixer).eval(),
         (hidden,),
         buffer,
         dynamo=False,

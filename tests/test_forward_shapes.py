@@ -304,6 +304,11 @@ def test_a_shape_of_an_intermediate_uses_its_proven_dims_not_its_declared_ones()
     proven = _proven(model, "y")
     assert proven is not None
     assert [_evaluate(d, 5) for d in proven] == [1, 10, 8]
+    # forward_dims (the walk back from one value) reads t the same way
+    y = next(v for node in ir.from_proto(model).graph for v in node.outputs if v.name == "y")
+    walked = forward_dims(y)
+    assert walked is not None
+    assert [_evaluate(d, 5) for d in walked] == [1, 10, 8]
 
 
 def _chunked_scan_chain(chunk: int = 4) -> onnx.ModelProto:

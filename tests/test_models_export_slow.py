@@ -97,3 +97,12 @@ def test_torchscript_full_model_still_fails() -> None:
     # The reason the TorchScript fixtures hold the mixer alone; if this starts passing, export the full model.
     error = fixtures.probe_torchscript_full_model()
     assert error is not None, "TorchScript now exports the full causal LM: export it instead of the mixer"
+
+
+@pytest.mark.parametrize("wrap", ["_prefill_wrapper", "_decode_wrapper"])
+def test_export_wrappers_are_in_eval_mode(wrap: str) -> None:
+    """The exported module is the wrapper: it and every submodule run in inference mode (dropout off)."""
+    model = export.build_model("nemotron_h", "tiny", "fp32")
+    model.train()  # the wrapper must not rely on the caller's mode
+    wrapped = getattr(export, wrap)(model)
+    assert not any(module.training for module in wrapped.modules())
