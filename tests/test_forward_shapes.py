@@ -223,10 +223,44 @@ def _cases():
     }
 
 
-@pytest.mark.parametrize("case", list(_cases()))
+def _contrib_cases():
+    """ONNX Runtime's contrib ops that its and onnxscript's fusions write: (node, output index of y)."""
+    make = helper.make_node
+    ms = {"domain": "com.microsoft"}
+    return {
+        "SimplifiedLayerNormalization": make("SimplifiedLayerNormalization", ["x", "gamma"], ["y"], axis=-1),
+        "SkipSimplifiedLayerNormalization": make(
+            "SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["y", "", "", "sum"], **ms
+        ),
+        "SkipSimplifiedLayerNormalization, its sum": make(
+            "SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], ["out", "", "", "y"], **ms
+        ),
+        "SkipLayerNormalization": make("SkipLayerNormalization", ["x", "skip", "gamma", "beta"], ["y"], **ms),
+        "FastGelu": make("FastGelu", ["x"], ["y"], **ms),
+        "BiasGelu": make("BiasGelu", ["x", "beta"], ["y"], **ms),
+        "QuickGelu": make("QuickGelu", ["x"], ["y"], alpha=1.0, **ms),
+        "Gelu": make("Gelu", ["x"], ["y"], **ms),
+    }
+
+
+def _cases_with_contrib_ops():
+    cases = _cases()
+    constants = [
+        onnx.numpy_helper.from_array(np.ones(8, np.float32), "gamma"),
+        onnx.numpy_helper.from_array(np.zeros(8, np.float32), "beta"),
+    ]
+    for name, node in _contrib_cases().items():
+        inputs = [_x(), _x("skip")] if "skip" in node.input else [_x()]
+        cases[name] = ([node], inputs, constants)
+    return cases
+
+
+@pytest.mark.parametrize("case", list(_cases_with_contrib_ops()))
 def test_proven_dims_are_what_onnxruntime_produces(case: str) -> None:
-    nodes, inputs, constants = _cases()[case]
+    nodes, inputs, constants = _cases_with_contrib_ops()[case]
     model = _model(nodes, inputs, "y", constants)
+    if nodes[0].domain == "com.microsoft":
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     proven = _proven(model, "y")
     assert proven is not None, f"{case}: not proven"
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

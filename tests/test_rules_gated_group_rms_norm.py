@@ -479,8 +479,8 @@ NEAR_MISSES: dict[str, tuple[ChainSpec, str]] = {
     "epsilon_not_scalar": (ChainSpec(epsilon_as="vector"), "not a scalar"),
     "weight_not_C": (ChainSpec(weight_shape=(1, 64)), "not [C]"),
     "C_not_divisible": (ChainSpec(channels=64, group_size=24), "not divisible"),
-    "restore_other_shape": (ChainSpec(restore_shape=(3, 2, 64)), "does not provably restore"),
-    "restore_other_rank": (ChainSpec(restore_shape=(6, 64)), "does not provably restore"),
+    # W [C] times a [2, 3, C, 1] output is an outer product
+    "restore_not_ending_in_C": (ChainSpec(restore_shape=(2, 3, 64, 1)), "does not end in C = 64"),
     "leak_product": (ChainSpec(leak="gated"), "graph output"),
     "leak_groups": (ChainSpec(leak="grouped"), "graph output"),
     "leak_normalized": (ChainSpec(leak="flat"), "graph output"),
@@ -509,6 +509,32 @@ def test_near_miss_is_refused_and_graph_unchanged(name: str) -> None:
     assert len(report.refused) == 1, report.summary()
     if reason is not None:
         assert reason in report.refused[0][1], report.refused
+
+
+@pytest.mark.parametrize("target", [(3, 2, 64), (6, 64)])
+def test_restore_to_another_shape_keeps_that_reshape(target: tuple[int, ...]) -> None:
+    """A second Reshape to another shape ending in C: the fused node's output (y's shape, the same elements
+    in the same order) is reshaped to the original's target, so the output is the original's."""
+    spec = ChainSpec(restore_shape=target)
+    model = build_chain(spec)
+    fused, report = rewrite_model(model)
+    assert report.fused == 1, report.summary()
+    node = next(n for n in fused.graph.node if n.op_type == "GatedGroupRMSNorm")
+    reshape = next(n for n in fused.graph.node if node.output[0] in n.input)
+    assert reshape.op_type == "Reshape"
+    feeds = chain_inputs(spec)
+    want = contrib_ops.session(model, use_library=False).run(None, feeds)[0]
+    assert want.shape == target
+    for use_library in (True, False):
+        got = contrib_ops.session(fused, use_library=use_library).run(None, feeds)[0]
+        assert got.shape == target
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_restore_to_y_shape_adds_no_reshape() -> None:
+    fused, report = rewrite_model(build_chain(ChainSpec()))
+    assert report.fused == 1
+    assert "Reshape" not in [n.op_type for n in fused.graph.node]
 
 
 def test_rsqrt_pow_other_exponent_is_refused() -> None:

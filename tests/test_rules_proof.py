@@ -283,3 +283,70 @@ def test_assume_equal_widths_drops_the_guard_and_rejects_width_one_loudly() -> N
     feeds["y"] = np.ascontiguousarray(feeds["y"][..., :1])
     with pytest.raises(Exception, match="(?i)shape"):
         _outputs(fused, feeds, use_library=True)
+
+
+# --- declared shapes of intermediate values are hints ------------------------------------------------
+
+
+def _group_target_from(model: onnx.ModelProto, source: str) -> None:
+    """Point the group Reshape's Shape nodes (its target's leading elements) at ``source``."""
+    concat = next(n for n in model.graph.node if n.op_type == "Concat")
+    for node in model.graph.node:
+        if node.op_type == "Shape" and node.output[0] in concat.input:
+            node.input[0] = source
+
+
+def _rows_apart_feeds(*, y_name: str = "y", x_width: int = 5) -> dict[str, np.ndarray]:
+    """y and z with two rows; x with one."""
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal((1, 2, CHANNELS)).astype(np.float32) for name in (y_name, "z")}
+    feeds["x"] = rng.standard_normal((1, 1, x_width)).astype(np.float32)
+    return feeds
+
+
+def test_group_target_from_an_intermediate_with_declared_dims_is_not_proven() -> None:
+    """The target's leading elements are Shape of an intermediate value whose value_info claims y's dims
+    [B, L]; at run time it has one row where y has two, the original's -1 spans both rows, and a fusion
+    with group size C / G would compute something else."""
+    spec = ChainSpec(leading=("B", "L"), shape_as="dynamic", group_target=("L0", "L1", GROUPS, -1))
+    model = build_chain(spec)
+    graph = model.graph
+    graph.input.append(onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["P", "Q", 5]))
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([1], np.int64), "k"))
+    graph.node.insert(0, onnx.helper.make_node("TopK", ["x", "k"], ["other", "other_indices"]))
+    graph.value_info.append(onnx.helper.make_tensor_value_info("other", onnx.TensorProto.FLOAT, ["B", "L", 1]))
+    _group_target_from(model, "other")
+    fused, report = rewrite_model(model)
+    assert report.fused == 0, report.summary()
+    assert "not a constant or shape arithmetic" in report.refused[0][1]
+    # what a fusion would have changed: the original groups 2 * C / G elements here, across the rows
+    feeds = _rows_apart_feeds()
+    grouped_by_c_over_g = _outputs(build_chain(spec), {k: feeds[k] for k in ("y", "z")}, use_library=False)
+    assert not np.allclose(_outputs(model, feeds, use_library=False), grouped_by_c_over_g)
+
+
+def test_leading_dims_declared_only_on_an_intermediate_y_are_not_evidence() -> None:
+    """y comes from an op whose output shape the graph does not prove, with value_info [B, L, C]; the target
+    copies a graph input's [B, L]. Equal names on an intermediate are a hint: at run time x has one row."""
+    spec = ChainSpec(leading=("B", "L"), shape_as="dynamic", group_target=("L0", "L1", GROUPS, -1))
+    model = build_chain(spec)
+    graph = model.graph
+    y_input = next(v for v in graph.input if v.name == "y")
+    y_input.name = "y_in"
+    y_input.type.tensor_type.shape.dim[0].dim_param = "P"
+    y_input.type.tensor_type.shape.dim[1].dim_param = "Q"
+    graph.input.append(onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["B", "L", 1]))
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([CHANNELS], np.int64), "k"))
+    graph.node.insert(0, onnx.helper.make_node("TopK", ["y_in", "k"], ["y", "y_indices"]))
+    del graph.value_info[:]
+    graph.value_info.append(onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["B", "L", CHANNELS]))
+    _group_target_from(model, "x")
+    fused, report = rewrite_model(model)
+    assert report.fused == 0, report.summary()
+    assert "could span rows" in report.refused[0][1]
+    # the same y behind the same op, with the target read from y itself: y's own dims, proven
+    _group_target_from(model, "y")
+    fused, report = rewrite_model(model)
+    assert report.fused == 1, report.summary()
+    feeds = _rows_apart_feeds(y_name="y_in", x_width=1)
+    _assert_same_as_original(model, fused, feeds)

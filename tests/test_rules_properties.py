@@ -140,7 +140,7 @@ def near_misses(draw: st.DrawFn) -> ChainSpec:
         value = (1, spec.channels)
     if field == "restore_shape":
         spec = dataclasses.replace(spec, shape_as="constant", leading=(2, 3))
-        value = (3, 2, spec.channels)
+        value = (2, 3, spec.channels, 1)  # W then broadcasts into an outer product: not the op
     if field in ("axis", "keepdims", "exponent", "epsilon_as"):
         spec = dataclasses.replace(spec, inner="decomposed", square="pow", opset=18, axes_as="input")
     if field == "quick_gelu_alpha":

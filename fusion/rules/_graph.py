@@ -330,6 +330,7 @@ _SAME_SHAPE = frozenset(
         "Reciprocal", "Tanh", "Erf", "Floor", "Ceil", "Round", "Sign", "Sin", "Cos", "Not", "IsNaN", "IsInf",
         "Softmax", "LogSoftmax", "CumSum", "Trilu", "Clip", "Dropout", "HardSigmoid", "LeakyRelu", "Elu", "Selu",
         "Celu", "Softsign", "Mish", "Gelu", "LayerNormalization", "RMSNormalization", "RotaryEmbedding",
+        "SimplifiedLayerNormalization",
     }
 )  # fmt: skip
 #: Elementwise ops with numpy (multidirectional) broadcasting, any number of inputs.
@@ -348,6 +349,17 @@ _REDUCTIONS = frozenset(
 )  # fmt: skip
 #: This project's fused op: its output has Y's shape (the op requires Z to have it too).
 _OWN_DOMAIN = "ai.mambafuse"
+#: ONNX Runtime's contrib ops (com.microsoft) that onnxscript's and ORT's fusions write into these models, and
+#: the outputs that have the shape of input 0 (ORT's contrib op schemas; the normalizations' mean and
+#: inverse-std outputs do not). SimplifiedLayerNormalization is ORT's op in the default domain.
+_CONTRIB_SAME_SHAPE = {
+    "SkipSimplifiedLayerNormalization": (0, 3),
+    "SkipLayerNormalization": (0, 3),
+    "FastGelu": (0,),
+    "BiasGelu": (0,),
+    "QuickGelu": (0,),
+    "Gelu": (0,),
+}
 
 
 def forward_dims(value: ir.Value | None) -> list[Dim] | None:
@@ -369,9 +381,11 @@ def _forward_dims(value: ir.Value | None, depth: int, seen: dict[ir.Value, list[
         if producer is None:  # a graph input (its declared shape is the model's interface) or initializer
             seen[value] = value_dims(value, {})
         else:
-            seen[value] = _infer_dims(
-                producer, value.index(), lambda source: _forward_dims(source, depth + 1, seen), {}
-            )
+
+            def dims_of(source: ir.Value | None) -> list[Dim] | None:
+                return _forward_dims(source, depth + 1, seen)
+
+            seen[value] = _infer_dims(producer, value.index(), dims_of, ProvenAliases(dims_of))
     return seen[value]
 
 
@@ -398,11 +412,16 @@ class ForwardShapes:
             return self._dims[value]
         return forward_dims(value)
 
+    def aliases(self, known: Mapping[ir.Value, Sequence[Dim] | None]) -> ProvenAliases:
+        """Aliases for ``resolve_shape_tensor``: ``known`` values' dims as given, every other produced value's
+        as this graph proves them."""
+        return ProvenAliases(self, known)
+
     def _infer_all(self) -> dict[ir.Value, list[Dim] | None]:
         dims: dict[ir.Value, list[Dim] | None] = {}
         if self._graph is None:
             return dims
-        aliases = _ProvenDims(dims)
+        aliases = ProvenAliases(dims.get)
         for value in [*self._graph.inputs, *self._graph.initializers.values()]:
             dims[value] = value_dims(value, {})
 
@@ -420,24 +439,39 @@ class ForwardShapes:
         return dims
 
 
-class _ProvenDims(Mapping[ir.Value, Sequence[Dim] | None]):
-    """Aliases for shape-tensor resolution: every produced value maps to its proven dims (None when not proven),
-    so that a ``Shape`` of an intermediate value never reads that value's declared dims."""
+class ProvenAliases(Mapping[ir.Value, Sequence[Dim] | None]):
+    """Aliases for shape-tensor resolution in which no intermediate value's declared dims are evidence.
 
-    def __init__(self, dims: dict[ir.Value, list[Dim] | None]) -> None:
-        self._dims = dims
+    ``known`` values map to the dims given (a rule's proven chain tensors); every other produced value to
+    ``proven(value)``, its dims proven from the graph (None when not proven), so that a ``Shape`` of an
+    intermediate value never reads that value's declared dims. Graph inputs and initializers are not
+    aliased: their declared shapes are the model's interface. Only membership and lookup are meaningful
+    (iteration lists the ``known`` values).
+    """
+
+    def __init__(
+        self,
+        proven: Callable[[ir.Value], Sequence[Dim] | None],
+        known: Mapping[ir.Value, Sequence[Dim] | None] | None = None,
+    ) -> None:
+        self._proven = proven
+        self._known = dict(known or {})
 
     def __contains__(self, value: object) -> bool:
-        return isinstance(value, ir.Value) and value.producer() is not None
+        return isinstance(value, ir.Value) and (value in self._known or value.producer() is not None)
 
     def __getitem__(self, value: ir.Value) -> Sequence[Dim] | None:
-        return self._dims.get(value)
+        if value in self._known:
+            return self._known[value]
+        if value.producer() is None:
+            raise KeyError(value)
+        return self._proven(value)
 
     def __iter__(self) -> Iterator[ir.Value]:
-        return iter(self._dims)
+        return iter(self._known)
 
     def __len__(self) -> int:
-        return len(self._dims)
+        return len(self._known)
 
 
 def _int_list(node: ir.Node, attribute: str, input_index: int) -> list[int] | None:
@@ -484,6 +518,9 @@ def _infer_dims(
     """
     if node.domain == _OWN_DOMAIN and node.op_type == "GatedGroupRMSNorm":
         return dims_of(node.inputs[0]) if index == 0 and node.inputs else None
+    if node.domain == "com.microsoft":
+        same = _CONTRIB_SAME_SHAPE.get(node.op_type, ())
+        return dims_of(node.inputs[0]) if index in same and node.inputs else None
     if node.domain not in ("", "ai.onnx") or not node.outputs:
         return None
     op, inputs = node.op_type, node.inputs

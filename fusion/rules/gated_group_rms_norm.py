@@ -24,7 +24,10 @@ first (``fuse_gated_group_rms_norm``): otherwise the chain would already be fuse
 before the Cast is reached; the weight-as-scale rules run last.
 
 Only what the graph proves is fused: group sizes from constant Reshape targets or shape arithmetic that
-``_graph.resolve_shape_tensor`` follows exactly, never from declared shapes of intermediate values. A
+``_graph.resolve_shape_tensor`` follows exactly, never from declared shapes of intermediate values (a
+``Shape`` of one reads its proven dims, ``ForwardShapes``; y's leading dims are a graph input's or proven,
+``_evidence_dims``). A second Reshape whose target is not proven to be y's shape but ends in C is kept
+after the fused node (``_restore_target``). A
 width of y (or the gate) that the graph does not prove is read through ``Expand`` to the other input's
 shape (the broadcast guard), so the fused node computes the original's product for every width.
 
@@ -38,7 +41,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -150,6 +153,9 @@ class _Plan:
     broadcast: str | None = None
     #: the weight is a constant [G, gs] scale: the node reads it flattened to [C]
     flatten_weight: bool = False
+    #: the second Reshape's target and allowzero, when the graph does not prove that it gives back y's shape:
+    #: the fused node's output (y's shape, the same elements in the same order) is reshaped to it
+    restore_to: tuple[ir.Value, int] | None = None
 
 
 # --- the rule ---------------------------------------------------------------------------------------
@@ -352,9 +358,12 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             )
         if not dims_equal(y_dims[-1], channels):
             raise _Refusal(f"the last axis of y {format_dims(y_dims)} is not the weight's length C = {channels}", y)
+        # The Reshape proofs below compare targets with y's leading dims: those must be y's real dims.
+        y_dims = _evidence_dims(y_dims, (y, y_input), self._shapes)
         # The chain's tensors all have y's dims (y and z are equal, the product is elementwise).
         rounded: ir.Value = b["rounded"]
-        aliases = dict.fromkeys((y, z, y_input, z_input, b["silu"], b["gated"], rounded), y_dims)
+        # Shape tensors read these tensors' dims as y's, and any other intermediate's as the graph proves them.
+        aliases = self._shapes.aliases(dict.fromkeys((y, z, y_input, z_input, b["silu"], b["gated"], rounded), y_dims))
 
         gated_dtype = ir.DataType.FLOAT
         if rounded is not b["gated"]:  # a Cast of the product before the norm: rounding point 0
@@ -383,9 +392,11 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             )
 
         flat: ir.Value = b["flat"] if self._grouped else b["normalized" if self._inner == "decomposed" else "inner"]
+        restore_to = None
         if self._grouped:
             restored = _target_dims(flat.producer(), b["shape_out"], group_dims, aliases)
-            _check_restores(restored, y_dims, flat.producer())
+            if not _restores(restored, y_dims):
+                restore_to = _restore_target(flat.producer(), b["shape_out"], restored, y_dims, channels, aliases)
 
         if self._weight_in_group:
             # The weight Mul runs in float32 on the unrounded norm: no rounding before it (norm_dtype
@@ -437,6 +448,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             rewire=rewire,
             broadcast=broadcast,
             flatten_weight=flatten_weight,
+            restore_to=restore_to,
         )
 
     def _weight_dtypes(
@@ -515,7 +527,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             data = plan.weight.const_value.numpy().reshape(-1)
             weight = op.initializer(ir.tensor(data, name=f"{plan.weight.name}_flat"), name=f"{plan.weight.name}_flat")
         extra = {"gated_dtype": int(plan.gated_dtype)} if plan.gated_dtype != ir.DataType.FLOAT else {}
-        return op.GatedGroupRMSNorm(
+        fused = op.GatedGroupRMSNorm(
             y,
             z,
             weight,
@@ -527,6 +539,10 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             output_dtype=int(plan.output_dtype),
             **extra,
         )
+        if plan.restore_to is None:
+            return fused
+        target, allowzero = plan.restore_to
+        return op.Reshape(fused, target, allowzero=allowzero)
 
     def setup(self) -> None:
         self._leftovers = []
@@ -575,6 +591,23 @@ def _proven_dims(value: ir.Value, shapes: ForwardShapes) -> list[Dim] | None:
     # The proven width, and proven leading dims where the declared ones are unnamed.
     leading = [p if not isinstance(d, int | str) and p is not None else d for d, p in zip(dims, proven, strict=True)]
     return [*leading[:-1], proven[-1]]
+
+
+def _evidence_dims(dims: list[Dim], values: Sequence[ir.Value], shapes: ForwardShapes) -> list[Dim]:
+    """Return y's dims as evidence for the Reshape proofs: each leading dim as a graph input declares it (the
+    model's interface) or as the graph proves it (``ForwardShapes``). A leading dim that only an intermediate
+    value's declared shape gives is a hint, not checked at run time: it becomes a placeholder equal to
+    itself alone, so that only targets built from y's own shape (``0``, ``Shape`` of a chain tensor) prove
+    anything about it. The width stays as checked against the weight (the kernel checks it at run time).
+    """
+    if any(value.producer() is None for value in values):
+        return dims
+    proven = next((p for p in map(shapes, values) if p is not None and len(p) == len(dims)), None)
+    leading = [
+        proven[i] if proven is not None and proven[i] is not None else ("unproven", id(values[0]), i)
+        for i in range(len(dims) - 1)
+    ]
+    return [*leading, dims[-1]]
 
 
 def _last_axis_as_channels(
@@ -728,7 +761,10 @@ def _rank(value: ir.Value) -> int | None:
 
 
 def _target_dims(
-    reshape: ir.Node, shape: ir.Value, input_dims: Sequence[Dim] | None, aliases: dict[ir.Value, list[Dim]]
+    reshape: ir.Node,
+    shape: ir.Value,
+    input_dims: Sequence[Dim] | None,
+    aliases: Mapping[ir.Value, Sequence[Dim] | None],
 ) -> list[Dim] | None:
     """Return a Reshape's target dims with ONNX's ``0`` (copy the input dim) resolved."""
     dims = resolve_shape_tensor(shape, aliases)
@@ -865,16 +901,39 @@ def _check_inner_norm(
     return epsilon
 
 
-def _check_restores(restored: list[Dim] | None, y_dims: list[Dim], reshape: ir.Node) -> None:
-    """Refuse unless the second Reshape provably gives back y's shape."""
-    if restored is not None and len(restored) == len(y_dims):
-        unproven = [i for i, (r, d) in enumerate(zip(restored, y_dims, strict=True)) if not dims_equal(r, d)]
-        # One -1 is forced to the missing size once every other dim is proven equal.
-        if not unproven or (len(unproven) == 1 and restored[unproven[0]] == -1):
-            return
+def _restores(restored: list[Dim] | None, y_dims: list[Dim]) -> bool:
+    """Whether the second Reshape provably gives back y's shape."""
+    if restored is None or len(restored) != len(y_dims):
+        return False
+    unproven = [i for i, (r, d) in enumerate(zip(restored, y_dims, strict=True)) if not dims_equal(r, d)]
+    # One -1 is forced to the missing size once every other dim is proven equal.
+    return not unproven or (len(unproven) == 1 and restored[unproven[0]] == -1)
+
+
+def _restore_target(
+    reshape: ir.Node,
+    shape: ir.Value,
+    restored: list[Dim] | None,
+    y_dims: list[Dim],
+    channels: int,
+    aliases: Mapping[ir.Value, Sequence[Dim] | None],
+) -> tuple[ir.Value, int]:
+    """Return the second Reshape's target and allowzero, to reshape the fused output to, or refuse.
+
+    Where the graph does not prove that the target is y's shape (y's leading dims unproven, a target of
+    constants or of other values' dims), the original's output still has the target's shape and the
+    chain's elements in order; the fused node's output has the same elements in the same order, so the
+    same Reshape after it gives the original's output exactly. The weight multiplies along the target's last
+    axis, so that must be C; and a 0 that copies a dim of the grouped tensor (allowzero = 0) would copy
+    another dim of the fused output, so the target may not have one.
+    """
+    allowzero = reshape.attributes.get_int("allowzero", 0)
+    raw = resolve_shape_tensor(shape, aliases)
+    if raw and raw[-1] == channels and (allowzero == 1 or 0 not in raw):
+        return shape, allowzero
     raise _Refusal(
         f"the second Reshape's target {format_dims(restored)} does not provably restore the shape "
-        f"{format_dims(y_dims)} of y",
+        f"{format_dims(y_dims)} of y, and does not end in C = {channels}",
         reshape,
     )
 
