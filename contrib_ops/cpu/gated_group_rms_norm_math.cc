@@ -20,7 +20,7 @@
 // (half conversions, vscalefps, non-temporal stores) behind small per-ISA helpers. Large outputs (prefill)
 // are written with non-temporal stores, and the next group's y and z are prefetched.
 //
-// silu: with a vector permute (AVX-512, AVX2, NEON, generic), silu(z) = z / (1 + e^-z) for |z| <= 86, e^-z
+// silu: with a vector permute (AVX-512, AVX2, NEON, generic), y silu(z) = y z / (1 + e^-z) for |z| <= 86, e^-z
 // from a table of 2^(j/N) and a degree-2 or 3 polynomial, 2^e added to the exponent field with integer
 // operations (SiluTable: its comment has the error analysis, <= 1.8e-7 + 2.4e-7 |z|/86 relative for e^-z);
 // a group with a larger |z| (or NaN, Inf) is computed again by SiluWide. SiluWide (and SSE2, which has no
@@ -34,9 +34,10 @@
 // Cost (AVX-512, per 16 elements): 7 multiply/FMA instructions in the gate pass and 2 in the norm pass,
 // one division, ~18 vector instructions in the gate pass and 5 in the norm pass. On the machine measured
 // (AMD Zen 4: one 512-bit FMA or multiply a cycle, a 512-bit division every 6 cycles) the FMA pipe alone
-// would allow ~1.2 us per 7680-wide row; the gate pass's chains (~45 cycles from z's load to the sum of
+// would allow ~1.2 us per 7680-wide row; the gate pass's chains (~40 cycles from z's load to the sum of
 // squares, ~25 instructions a vector) fill the out-of-order window first. Measured: 2.39 us with the two
-// passes one after the other, 2.14 us interleaved (FusedPass); see benchmarks/RESULTS.md.
+// passes one after the other, 2.14 us interleaved (FusedPass), 2.11 us with y z as the numerator; see
+// benchmarks/RESULTS.md.
 //
 // Float32 subnormals (x86): an FP instruction with a subnormal operand (DAZ clear) or a subnormal result
 // (FTZ clear) takes a microcode assist on Intel cores (~150 cycles per instruction; AMD's handle most of
@@ -377,11 +378,11 @@ inline VF SubnormalsToSignedZero(VF x) {
 
 // --- silu ---------------------------------------------------------------------------------------------
 
-// a/d for d in [1, 2] (or NaN): a true division, not a reciprocal estimate refined by Newton steps. The
-// divider runs beside the FMA pipes and keeps up with the loop (measured faster than estimate + Newton on
-// AVX-512 and AVX2), and a division is exact where the sigmoid saturates: 1/(1 + t) is exactly 1 for
-// t < 2^-24, so silu(z) = z exactly for large z, as in the reference (an estimate is off by an ulp there,
-// enough to move a product that sits on a gated_dtype rounding tie).
+// a/d for d = 1 + e^-z >= 1 (or NaN): a true division, not a reciprocal estimate refined by Newton steps.
+// The divider runs beside the FMA pipes and keeps up with the loop (measured faster than estimate + Newton
+// on AVX-512 and AVX2), and a division is exact where the sigmoid saturates: a / 1 is a, so where 1 + e^-z
+// rounds to 1 (e^-z below 2^-24) h is y z rounded once, as in the reference (an estimate is off by an ulp
+// there, enough to move a product that sits on a gated_dtype rounding tie).
 inline VF Divide(VF a, VF d) { return a / d; }
 
 // Degree-5 minimax polynomial of e^r on [-ln2/2, ln2/2] (float32 coefficients; relative error 1.9e-7
@@ -442,10 +443,14 @@ __attribute__((always_inline)) inline void SiluWide(VF (&v)[kUnroll]) {
 
 // --- silu with e^-z from a table of 2^(j/N) (every build with a vector permute) ----------------------
 //
-// For |z| <= 86: silu(z) = z / (1 + e^-z) directly (e^86 < 2^125: nothing overflows, and for z < 0 the
-// sum of two positive terms loses no relative accuracy, so silu keeps its full relative accuracy for z << 0;
-// for z large 1 + e^-z rounds to 1 and silu(z) = z exactly, as in the reference). No select and no
-// numerator product: one division.
+// For |z| <= 86: y silu(z) = (y z) / (1 + e^-z) directly (e^86 < 2^125: nothing overflows in the
+// denominator, and for z < 0 the sum of two positive terms loses no relative accuracy, so h keeps its full
+// relative accuracy for z << 0; for z large 1 + e^-z rounds to 1 and h = y z rounded once, as in the
+// reference). No select: one product y z, which waits on nothing but the loads, and one division, the last
+// step of the chain (z / (1 + t) first and y times it after measured 3.13 -> 2.97 us per 7680-wide row on
+// AVX2, 2.15 -> 2.11 on AVX-512, AMD Zen 4: the product after the division lengthened the chain the out-of-
+// order window holds). A y z that overflows (|y| > 3.9e36) makes the sum not finite, and such a group is
+// computed again with SiluWide, which multiplies y last.
 // e^x, x = -z: k = round(x N / ln2), x = k ln2/N + r with |r| <= ln2/(2N); k = N e + j (j in [0, N)) and
 // e^x = 2^e 2^(j/N) e^r. 2^(j/N) comes from a table of N entries held in two vectors (vpermt2d on AVX-512,
 // two vpermd and a blend on AVX2, tbl on NEON; not the multiply pipes), 2^e is added to its exponent field
@@ -466,9 +471,11 @@ __attribute__((always_inline)) inline void SiluWide(VF (&v)[kUnroll]) {
 // T + T p rounds once, <= u/2; s: k fl(ln2/N) differs from k ln2/N by |k| 1.9e-9/N <= 2.4e-7 |z|/86 (an
 // absolute error of s, hence relative of t), < 5.5e-8 for |z| < 20 (the gates of real models); the FMA
 // that forms s rounds at |s|'s scale (< 1e-9 of t). Total <= 1.8e-7 + 2.4e-7 |z|/86, the same class as
-// the degree-5 polynomial's 1.9e-7 + 2.9e-7 |z|/104; then 1 + t and the division round once each (one
-// rounding less than z t / (1 + t)). Inside the float32 budget (2e-6) and the gated_dtype tie window
-// (9.5e-7) with the products after it (the file comment's ~5e-7 for h holds).
+// the degree-5 polynomial's 1.9e-7 + 2.9e-7 |z|/104; then 1 + t, y z and the division round once each (as
+// 1 + t, z / (1 + t) and y times it did before y z became the numerator; measured over 5e5 gates of
+// random rows, the outputs' mean error is the same, 0.72 ulp on AVX-512, and 0.70 -> 0.67 ulp on AVX2).
+// Inside the float32 budget (2e-6) and the gated_dtype tie window (9.5e-7) with the products after it (the
+// file comment's ~5e-7 for h holds).
 // |k| > 86 N / ln2 (|z| > 86.0065, where 2^e leaves the normals) or an infinite z: those lanes' results are
 // not used; the pass keeps the largest |k| (a maximum over the k it computes anyway, and the absolute
 // value's mask) and the group is computed again with SiluWide, the full range as before. Such gates
@@ -527,9 +534,9 @@ MAMBAFUSE_ALWAYS_INLINE VF LargerMagnitude(VF widest, VF n) {
 #endif
 }
 
-// silu(z) of kUnroll vectors, in place, for |z| <= 86; `widest` keeps the largest |k| (NaN k passed over)
-// for the caller's check against kMaxTableK.
-__attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], VF& widest) {
+// num / (1 + e^-z) of kUnroll vectors (num = y z: y silu(z)), into v, which holds z, for |z| <= 86;
+// `widest` keeps the largest |k| (NaN k passed over) for the caller's check against kMaxTableK.
+__attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], const VF (&num)[kUnroll], VF& widest) {
   constexpr int kShift = 23 - (kExpTableSize == 32 ? 5 : kExpTableSize == 16 ? 4 : 3);
   constexpr float kMinusNLog2e = -1.44269504088896341f * kExpTableSize;
   constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
@@ -563,7 +570,7 @@ __attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], VF& wides
   }
   for (int k = 0; k < kUnroll; ++k) q[k] = q[k] * s[k];         // e^r - 1
   for (int k = 0; k < kUnroll; ++k) t[k] = t[k] * q[k] + t[k];  // e^-z
-  for (int k = 0; k < kUnroll; ++k) v[k] = Divide(v[k], 1.f + t[k]);
+  for (int k = 0; k < kUnroll; ++k) v[k] = Divide(num[k], 1.f + t[k]);
 }
 
 // --- the two passes -----------------------------------------------------------------------------------
@@ -653,13 +660,17 @@ MAMBAFUSE_ALWAYS_INLINE void PrefetchAhead(const char* y, const char* z, int64_t
   for (size_t line = 0; line < step * zb; line += 64) __builtin_prefetch(z + (ahead + j) * zb + line, 0, 1);
 }
 
-// silu of kUnroll vectors by SiluWide (kWide) or SiluTable.
+// y silu(z) of kUnroll vectors, into v (which holds z): by SiluWide and then the product with y (kWide), or
+// by SiluTable from y z.
 template <bool kWide>
-MAMBAFUSE_ALWAYS_INLINE void Silu(VF (&v)[kUnroll], GateState& state) {
+MAMBAFUSE_ALWAYS_INLINE void GatedSilu(VF (&v)[kUnroll], const VF (&y)[kUnroll], GateState& state) {
   if constexpr (kWide) {
     SiluWide(v);
+    for (int k = 0; k < kUnroll; ++k) v[k] = y[k] * v[k];
   } else {
-    SiluTable(v, state.widest);
+    VF num[kUnroll];
+    for (int k = 0; k < kUnroll; ++k) num[k] = y[k] * v[k];
+    SiluTable(v, num, state.widest);
   }
 }
 
@@ -682,13 +693,13 @@ MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __re
   // infinite other factor: GateFinish looks at a sum that is not finite too); so the product is probed,
   // one probe for both inputs.
   constexpr bool kProbe = (MayBeSubnormal(Y) && kScaled == YScaling::kNone) || MayBeSubnormal(Z);
-  VF v[kUnroll];
+  VF v[kUnroll], yv[kUnroll];
   for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
-  Silu<kWide>(v, state);
+  for (int k = 0; k < kUnroll; ++k) yv[k] = ScaleY<kScaled>(Load(y + (j + k * kWidth) * yb, Y), scale);
+  GatedSilu<kWide>(v, yv, state);
   for (int k = 0; k < kUnroll; ++k) {
-    const VF product = ScaleY<kScaled>(Load(y + (j + k * kWidth) * yb, Y), scale) * v[k];
-    if (kProbe) state.lowest = NoteZeroOrSubnormal(state.lowest, product);
-    const VF h = RoundThrough(product, G);  // rounding point 0
+    if (kProbe) state.lowest = NoteZeroOrSubnormal(state.lowest, v[k]);
+    const VF h = RoundThrough(v[k], G);  // rounding point 0
     std::memcpy(gated + j + k * kWidth, &h, sizeof h);
     state.acc[k] += h * h;
   }
@@ -702,13 +713,14 @@ void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, 
   constexpr bool kProbeY = MayBeSubnormal(Y) && kScaled == YScaling::kNone;
   for (; j < n; j += kWidth) {
     const int64_t count = n - j < kWidth ? n - j : kWidth;
-    VF v[kUnroll] = {};
+    VF v[kUnroll] = {}, yv[kUnroll] = {};
     v[0] = count == kWidth ? Load(z + j * zb, Z) : LoadPartial(z + j * zb, Z, count);
     if (MayBeSubnormal(Z)) state.exact_lowest = NoteSubnormals(state.exact_lowest, v[0]);
-    Silu<kWide>(v, state);
-    const VF yv = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
-    if (kProbeY) state.exact_lowest = NoteSubnormals(state.exact_lowest, yv);
-    const VF h = RoundThrough(ScaleY<kScaled>(yv, scale) * v[0], G);
+    yv[0] = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
+    if (kProbeY) state.exact_lowest = NoteSubnormals(state.exact_lowest, yv[0]);
+    yv[0] = ScaleY<kScaled>(yv[0], scale);
+    GatedSilu<kWide>(v, yv, state);
+    const VF h = RoundThrough(v[0], G);
     std::memcpy(gated + j, &h, static_cast<size_t>(count) * sizeof(float));
     state.acc[0] += h * h;
   }
@@ -723,7 +735,8 @@ GateSums GateFinish(const char* y, const char* z, int64_t n, GateState& state) {
   if constexpr (!kWide) {
     bool wide_z = false;
     for (int l = 0; l < kWidth; ++l) wide_z |= state.widest[l] > kMaxTableK;
-    if (wide_z) return {sum, false, true};
+    // A sum that is not finite: y z may have overflowed where y silu(z) does not; SiluWide's order decides.
+    if (wide_z || !std::isfinite(sum)) return {sum, false, true};
   }
   if (!kSubnormalsAsIntegers) return {sum, false};
   const bool maybe = AnyZeroOrSubnormal(state.lowest) || !std::isfinite(sum);
@@ -774,6 +787,27 @@ uint32_t MaxAbsBits(const char* y, int64_t n) {
     for (int l = 0; l < kWidth; ++l) result = m[k][l] > result ? m[k][l] : result;
   }
   return result;
+}
+
+// The bits of |y| over a group, ORed: below 2^23 (0x00800000) exactly when every y is subnormal or zero, and
+// then with the highest set bit of max |y|, so ScaleExponent gives the same k for both. One instruction a
+// vector where MaxAbsBits takes two (the sign is masked once, at the end): a decayed row's groups are
+// checked with it before their scaled pass (7680-wide row on AVX2, AMD Zen 4: 4.50 -> 4.3 us).
+template <ElemType Y>
+uint32_t OrAbsBits(const char* y, int64_t n) {
+  VU m[4] = {};
+  int64_t j = 0;
+  for (; j + 4 * kWidth <= n; j += 4 * kWidth) {
+    for (int k = 0; k < 4; ++k) m[k] |= Bits(Load(y + (j + k * kWidth) * Type<Y>::bytes, Y));
+  }
+  for (; j < n; j += kWidth) {
+    const int64_t count = n - j < kWidth ? n - j : kWidth;
+    m[0] |= Bits(LoadPartial(y + j * Type<Y>::bytes, Y, count));
+  }
+  const VU all = (m[0] | m[1]) | (m[2] | m[3]);
+  uint32_t result = 0;
+  for (int l = 0; l < kWidth; ++l) result |= all[l];
+  return result & 0x7FFFFFFFu;
 }
 
 // out = round(O, w * round(N, h * nf)) for one vector, as stored in S (O, or float holding values rounded
@@ -1071,7 +1105,7 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     int k = 0;
     uint32_t max_abs_bits = 0;
     if (!done && G == ElemType::kFloat && scaled_hint) {
-      max_abs_bits = MaxAbsBits<Y>(y, gs);
+      max_abs_bits = OrAbsBits<Y>(y, gs);  // max |y|'s bits where it matters: below 2^23
       if (max_abs_bits != 0 && max_abs_bits < 0x00800000u) k = ScaleExponent(max_abs_bits);
     }
     if (!done && k == 0) {
