@@ -123,6 +123,22 @@ def _cases():
             [_x(), _x("t", 1, 4, 8)],
             [],
         ),
+        "tile": ([make("Tile", ["x", "repeats"], ["y"])], [_x()], [_int("repeats", [1, 2, 3])]),
+        "gemm": (
+            [make("Gemm", ["x2", "b"], ["y"])],
+            [_x("x2", "seq", 8)],
+            [onnx.numpy_helper.from_array(np.ones((8, 5), np.float32), "b")],
+        ),
+        "gemm transposed": (
+            [make("Gemm", ["x2", "b", "c"], ["y"], transA=1, transB=1)],
+            [_x("x2", 8, "seq")],
+            [
+                onnx.numpy_helper.from_array(np.ones((5, 8), np.float32), "b"),
+                onnx.numpy_helper.from_array(np.ones(5, np.float32), "c"),
+            ],
+        ),
+        "topk": ([make("TopK", ["x", "k"], ["y", "indices"], axis=-1)], [_x()], [_int("k", [3])]),
+        "topk indices": ([make("TopK", ["x", "k"], ["values", "y"], axis=2)], [_x()], [_int("k", [3])]),
         "gather": (
             [make("Gather", ["table", "ids"], ["y"])],
             [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "seq"])],

@@ -497,6 +497,23 @@ def _normalized_axes(axes: Sequence[int], rank: int) -> list[int] | None:
     return normalized
 
 
+def _tile_dims(source: list[Dim] | None, repeats: list[Dim] | None) -> list[Dim] | None:
+    """Tile's output dims: each input dim times its (constant, non-negative) repeat count."""
+    if source is None or repeats is None or len(repeats) != len(source):
+        return None
+    result: list[Dim] = []
+    for dim, repeat in zip(source, repeats, strict=True):
+        if not isinstance(repeat, int) or repeat < 0:
+            return None
+        if repeat == 1:
+            result.append(dim)
+            continue
+        expression = as_expression(dim)
+        product = None if expression is None else _arith.multiply(expression, _arith.QuasiAffine.constant(repeat))
+        result.append(None if product is None else simplified(product))
+    return result
+
+
 def _sum_dims(parts: Sequence[Dim]) -> Dim:
     total: _arith.QuasiAffine | None = _arith.QuasiAffine.constant(0)
     for part in parts:
@@ -591,6 +608,23 @@ def _infer_dims(
             result[position] = known[0] if known else None
         result[axis] = _sum_dims([part[axis] for part in parts])  # type: ignore[index]
         return result
+    if op == "Tile" and len(inputs) > 1:
+        return _tile_dims(dims(0), resolve_shape_tensor(inputs[1], aliases))
+    if op == "TopK" and len(inputs) > 1:
+        source, k = dims(0), resolve_shape_tensor(inputs[1], aliases)
+        axis = node.attributes.get_int("axis", -1)
+        if source is None or k is None or len(k) != 1 or not -len(source) <= axis < len(source):
+            return None
+        result = list(source)
+        result[axis] = k[0]  # both outputs (values and indices); the node fails where k exceeds the dim
+        return result
+    if op == "Gemm" and len(inputs) > 1:
+        a, b = dims(0), dims(1)
+        if a is None or b is None or len(a) != 2 or len(b) != 2:
+            return None
+        rows = a[1] if node.attributes.get_int("transA", 0) else a[0]
+        cols = b[0] if node.attributes.get_int("transB", 0) else b[1]
+        return [rows, cols]  # C only broadcasts to [M, N]
     if op == "Gather" and len(inputs) > 1:
         data, indices = dims(0), dims(1)
         if data is None or indices is None:
