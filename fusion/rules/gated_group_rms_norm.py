@@ -542,7 +542,8 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         if plan.restore_to is None:
             return fused
         target, allowzero = plan.restore_to
-        return op.Reshape(fused, target, allowzero=allowzero)
+        # allowzero only where the original set it (Reshape-13 has no such attribute)
+        return op.Reshape(fused, target, **({"allowzero": 1} if allowzero else {}))
 
     def setup(self) -> None:
         self._leftovers = []
