@@ -124,6 +124,46 @@ def _cases():
             [],
         ),
         "tile": ([make("Tile", ["x", "repeats"], ["y"])], [_x()], [_int("repeats", [1, 2, 3])]),
+        # torch's floor division as its exporter writes it: Div, less 1 where the remainder is not zero and the
+        # signs differ (Sign, Equal, Not, Mod, Cast to bool, And, Cast back); here of the padded length by 4
+        "floor division": (
+            [
+                *pad_nodes,
+                make("Add", ["seq_s", "p"], ["padded"]),
+                make("Div", ["padded", "multiple"], ["truncated"]),
+                make("Sign", ["padded"], ["sign_a"]),
+                make("Sign", ["multiple"], ["sign_b"]),
+                make("Equal", ["sign_a", "sign_b"], ["same_sign"]),
+                make("Not", ["same_sign"], ["signs_differ"]),
+                make("Mod", ["padded", "multiple"], ["remainder"]),
+                make("Cast", ["remainder"], ["inexact"], to=TensorProto.BOOL),
+                make("And", ["signs_differ", "inexact"], ["adjust_bool"]),
+                make("Cast", ["adjust_bool"], ["adjust"], to=TensorProto.INT64),
+                make("Sub", ["truncated", "adjust"], ["chunks"]),
+                make("Unsqueeze", ["chunks", "axis0"], ["chunks_1d"]),
+                make("Concat", ["one", "chunks_1d", "eight"], ["shape"], axis=0),
+                make("Expand", ["unit", "shape"], ["y"]),
+            ],
+            [_x()],
+            [
+                *pad_constants,
+                _int("one", [1]),
+                _int("eight", [8]),
+                onnx.numpy_helper.from_array(np.ones((1, 1, 1), np.float32), "unit"),
+            ],
+        ),
+        # a length cast to bool and back is 1, not the length
+        "length cast to bool": (
+            [
+                make("Shape", ["x"], ["s"], start=1, end=2),
+                make("Cast", ["s"], ["nonzero"], to=TensorProto.BOOL),
+                make("Cast", ["nonzero"], ["flag"], to=TensorProto.INT64),
+                make("Concat", ["flag", "s", "eight"], ["shape"], axis=0),
+                make("Expand", ["unit", "shape"], ["y"]),
+            ],
+            [_x()],
+            [_int("eight", [8]), onnx.numpy_helper.from_array(np.ones((1, 1, 1), np.float32), "unit")],
+        ),
         "gemm": (
             [make("Gemm", ["x2", "b"], ["y"])],
             [_x("x2", "seq", 8)],

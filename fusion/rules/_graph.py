@@ -118,6 +118,37 @@ def value_dims(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim] 
     return dims
 
 
+#: Cast targets that hold every int64 shape value exactly (float32 is exact only up to 2^24, bool and the narrow
+#: ints change values): a shape value seen through such a Cast is the same value.
+_VALUE_KEEPING = frozenset({ir.DataType.INT32, ir.DataType.INT64, ir.DataType.UINT64, ir.DataType.DOUBLE})
+
+
+def _keeps_value(node: ir.Node) -> bool:
+    """Whether ``node`` (Identity, Cast, CastLike) passes a shape value on unchanged.
+
+    INT32 and UINT64 are taken as exact for shape values (sizes below 2^31, never negative where they matter).
+    """
+    if node.op_type == "Identity":
+        return True
+    if node.op_type == "Cast":
+        to = node.attributes.get("to")
+        return to is not None and to.as_int() in _VALUE_KEEPING
+    if node.op_type == "CastLike" and len(node.inputs) > 1 and node.inputs[1] is not None:
+        return node.inputs[1].dtype in _VALUE_KEEPING
+    return False
+
+
+def _nonzero(value: _arith.QuasiAffine | None) -> _arith.QuasiAffine | None:
+    """value != 0 as 0 or 1 (a Cast to bool): known where the value is a constant or provably positive."""
+    if value is None:
+        return None
+    constant = value.as_constant()
+    if constant is not None:
+        return _arith.QuasiAffine.constant(int(constant != 0))
+    low = value.lower_bound()
+    return _arith.QuasiAffine.constant(1) if low is not None and low >= 1 else None
+
+
 def _normalized_slice(length: int, start: int, end: int | None) -> slice:
     # ONNX Shape/Slice semantics: negative indices count from the end, out-of-range ones clamp.
     def clamp(index: int) -> int:
@@ -171,8 +202,14 @@ def resolve_shape_tensor(
             if scalar is not _UNRESOLVED:
                 return [scalar]
             return [None] if int(target.reshape(-1)[0]) == 1 else None
+    if op == "Cast" and producer.attributes.get_int("to", 0) == ir.DataType.BOOL:
+        source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
+        if source is None:
+            return None
+        flags = [_nonzero(as_expression(dim)) for dim in source]
+        return [None if flag is None else simplified(flag) for flag in flags]
     if op in ("Cast", "CastLike", "Identity"):
-        return resolve_shape_tensor(inputs[0], aliases, depth + 1)
+        return resolve_shape_tensor(inputs[0], aliases, depth + 1) if _keeps_value(producer) else None
     if op == "Unsqueeze":
         # The result is a valid 1-D shape only when the input is a scalar: one element, known or not.
         scalar = resolve_scalar(inputs[0], aliases, depth + 1)
@@ -251,6 +288,8 @@ def _scalar_leaf(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim
     if producer is None or producer.domain not in ("", "ai.onnx"):
         return _UNRESOLVED
     op, inputs = producer.op_type, producer.inputs
+    if op in ("Cast", "CastLike", "Identity") and not _keeps_value(producer):
+        return _UNRESOLVED  # quasi_affine looks at a Cast to bool
     if op in ("Cast", "CastLike", "Identity", "Squeeze", "Reshape", "Unsqueeze"):
         inner = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         if inner is not None and len(inner) == 1 and inner[0] is not None:
@@ -291,8 +330,38 @@ def quasi_affine(
     if producer is None or producer.domain not in ("", "ai.onnx"):
         return None
     op, inputs = producer.op_type, [v for v in producer.inputs]
+    if op == "Cast" and inputs and producer.attributes.get_int("to", 0) == ir.DataType.BOOL:
+        return _nonzero(quasi_affine(inputs[0], aliases, depth + 1))
+    if op in ("Cast", "CastLike", "Identity") and not _keeps_value(producer):
+        return None
     if op in ("Cast", "CastLike", "Identity", "Squeeze", "Unsqueeze", "Reshape") and inputs:
         return quasi_affine(inputs[0], aliases, depth + 1)
+    if op == "Sign" and inputs:  # of a constant, or of a provably positive value
+        inner = quasi_affine(inputs[0], aliases, depth + 1)
+        constant = None if inner is None else inner.as_constant()
+        if constant is not None:
+            return _arith.QuasiAffine.constant((constant > 0) - (constant < 0))
+        low = None if inner is None else inner.lower_bound()
+        return _arith.QuasiAffine.constant(1) if low is not None and low >= 1 else None
+    if op == "Not" and inputs:  # of a boolean 0 or 1
+        inner = quasi_affine(inputs[0], aliases, depth + 1)
+        constant = None if inner is None else inner.as_constant()
+        return _arith.QuasiAffine.constant(1 - constant) if constant in (0, 1) else None
+    if op == "Equal" and len(inputs) == 2:  # of two values that are provably equal or provably different
+        left, right = (quasi_affine(v, aliases, depth + 1) for v in inputs)
+        difference = None if left is None or right is None else _arith.add(left, right, sign=-1)
+        constant = None if difference is None else difference.as_constant()
+        return None if constant is None else _arith.QuasiAffine.constant(int(constant == 0))
+    if op in ("And", "Or") and len(inputs) == 2:
+        # booleans as 0 / 1: a false operand decides And, a true one decides Or, whatever the other is
+        decisive = 0 if op == "And" else 1
+        operands = [quasi_affine(v, aliases, depth + 1) for v in inputs]
+        constants = [None if e is None else e.as_constant() for e in operands]
+        if decisive in constants:
+            return _arith.QuasiAffine.constant(decisive)
+        if all(c is not None for c in constants):
+            return _arith.QuasiAffine.constant(1 - decisive)
+        return None
     if len(inputs) != 2 or op not in (*_ARITHMETIC, "Div", "Mod"):
         return None
     left = quasi_affine(inputs[0], aliases, depth + 1)
