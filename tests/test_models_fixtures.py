@@ -138,3 +138,27 @@ def test_bf16_fixtures_are_counted_not_run() -> None:
     # for chains only (test_fixture_has_one_chain_per_mamba_layer), and run on CUDA elsewhere.
     bf16 = [stem for stem, record in FIXTURES.items() if record["dtype"] == "bf16"]
     assert bf16, "no bf16 fixture exported"
+
+
+def _runs_at(path: Path, length: int) -> bool:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ids = (np.arange(length, dtype=np.int64) % 50).reshape(1, length)
+    try:
+        session.run(None, {i.name: ids for i in session.get_inputs()})
+    except Exception as error:  # onnxruntime raises its own classes
+        assert "Expand" in str(error), error
+        return False
+    return True
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "zamba2"])
+def test_transformers_prefill_runs_one_chunk_only(family: str) -> None:
+    """models/README.md, exporter failure 6: transformers' exporter bakes the traced chunk count into the prefill
+    graph (an Expand to a constant mask shape). Traced from 8 tokens, one chunk of 16: runs at 16 tokens, fails at
+    17. The dynamo export of the same model runs at any length. If a new transformers lifts the limit, this
+    fails and the README's note goes."""
+    transformers_prefill = FIXTURE_DIR / FIXTURES[f"{family}-transformers-fp32-prefill"]["file"]
+    assert _runs_at(transformers_prefill, 16)
+    assert not _runs_at(transformers_prefill, 17)
+    dynamo_prefill = FIXTURE_DIR / FIXTURES[f"{family}-dynamo-fp32-prefill"]["file"]
+    assert _runs_at(dynamo_prefill, 17) and _runs_at(dynamo_prefill, 40)
