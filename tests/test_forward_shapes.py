@@ -124,6 +124,12 @@ def _cases():
             [],
         ),
         "tile": ([make("Tile", ["x", "repeats"], ["y"])], [_x()], [_int("repeats", [1, 2, 3])]),
+        # s is seq in x and 1 in w: ONNX Runtime broadcasts the label, the output has seq
+        "einsum label of size 1 beside seq": (
+            [make("Einsum", ["x", "w"], ["y"], equation="bsh,bsh->bsh")],
+            [_x()],
+            [onnx.numpy_helper.from_array(np.ones((1, 1, 8), np.float32), "w")],
+        ),
         # torch's floor division as its exporter writes it: Div, less 1 where the remainder is not zero and the
         # signs differ (Sign, Equal, Not, Mod, Cast to bool, And, Cast back); here of the padded length by 4
         "floor division": (
@@ -333,10 +339,10 @@ def _unproven_cases():
             [_x()],
             [onnx.numpy_helper.from_array(np.ones((8, 12), np.float32), "w")],
         ),
-        "einsum label of two sizes": (  # s is seq in x and 1 in w: a broadcast at most, not proven
+        "einsum label of two sizes": (  # s is seq in x and 5 in w: equal only where the node runs, not proven
             [make("Einsum", ["x", "w"], ["y"], equation="bsh,bsh->bsh")],
             [_x()],
-            [onnx.numpy_helper.from_array(np.ones((1, 1, 8), np.float32), "w")],
+            [onnx.numpy_helper.from_array(np.ones((1, 5, 8), np.float32), "w")],
         ),
         "slice with step 2": (
             [make("Slice", ["x", "s0", "big", "ax1", "two"], ["y"])],
@@ -472,3 +478,20 @@ def test_dynamo_dynamic_prefill_exports_fuse_without_the_guard(path: str) -> Non
     assert report.fused >= 2, report.summary()
     count = lambda m: sum(n.op_type == "Expand" for n in m.graph.node)  # noqa: E731
     assert count(fused) == count(model)
+
+
+def test_a_number_beside_an_unproven_dim_broadcasts_to_the_number() -> None:
+    """Add(x [1, k, 8], c [1, 3, 8]) runs only where k is 3 or 1, and then gives [1, 3, 8]; at any other k the
+    node fails. So the output's dims are proven without knowing k."""
+    model = _model(
+        [helper.make_node("Add", ["x", "c"], ["y"])],
+        [_x("x", 1, "k", 8)],
+        "y",
+        [onnx.numpy_helper.from_array(np.ones((1, 3, 8), np.float32), "c")],
+    )
+    assert _proven(model, "y") == [1, 3, 8]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for k in (1, 3):
+        assert session.run(None, {"x": np.ones((1, k, 8), np.float32)})[0].shape == (1, 3, 8)
+    with pytest.raises(Exception, match="(?i)broadcast|shape"):
+        session.run(None, {"x": np.ones((1, 2, 8), np.float32)})

@@ -817,8 +817,10 @@ def _split_dims(node: ir.Node, index: int, source: list[Dim] | None) -> list[Dim
 
 
 def _einsum_dims(node: ir.Node, operands: list[list[Dim] | None]) -> list[Dim] | None:
-    """Explicit equations without ellipsis or repeated labels in one term; a label's dim must be provably
-    the same in every operand that has it (no size-1 broadcasting is assumed)."""
+    """Explicit equations without ellipsis or repeated labels in one term. A label's dim is the one its
+    operands provably share, size-1 dims aside: ONNX Runtime broadcasts a label of size 1 against the other
+    operands' (and where it would not, the node fails), so a 1 beside a dim d gives d, whatever d is at run time
+    (1 included). Two dims not provably equal, neither 1, give an unknown dim."""
     equation_attr = node.attributes.get("equation")
     if equation_attr is None:
         return None
@@ -833,16 +835,18 @@ def _einsum_dims(node: ir.Node, operands: list[list[Dim] | None]) -> list[Dim] |
         return None
     if any(len(set(term)) != len(term) for term in [*terms, output]):
         return None
-    label_dims: dict[str, Dim] = {}
+    sizes: dict[str, list[Dim]] = {}
     for term, operand in zip(terms, operands, strict=True):
         for label, dim in zip(term, operand, strict=True):  # type: ignore[arg-type]
-            if label in label_dims and not dims_equal(label_dims[label], dim):
-                label_dims[label] = None
-            else:
-                label_dims.setdefault(label, dim)
-    if any(label not in label_dims for label in output):
+            sizes.setdefault(label, []).append(dim)
+    if any(label not in sizes for label in output):
         return None
-    return [label_dims[label] for label in output]
+
+    def label_dim(dims: list[Dim]) -> Dim:
+        wide = [dim for dim in dims if dim != 1] or [1]
+        return wide[0] if all(dims_equal(wide[0], dim) for dim in wide[1:]) else None
+
+    return [label_dim(sizes[label]) for label in output]
 
 
 def _pad_dims(
@@ -924,6 +928,10 @@ def _broadcast(left: list[Dim] | None, right: list[Dim] | None) -> list[Dim] | N
             dims.append(a)
         elif a == 1:
             dims.append(b)
+        elif isinstance(a, int) or isinstance(b, int):
+            # a number other than 1 beside a dim not proven equal to it: the node runs only where that dim is the
+            # number or 1, and then the result is the number
+            dims.append(a if isinstance(a, int) else b)
         else:
             return None
     return dims
