@@ -765,49 +765,41 @@ __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float*
   return GateFinish<Y, Z, kScaled, kWide>(y, z, n, state);
 }
 
-// The bits of max |y| over a group, compared as integers (the same order as the floats', and no FP compare
-// reads a subnormal: under DAZ it would read 0). A NaN counts as larger than Inf (its group is NaN anyway).
-template <ElemType Y>
-uint32_t MaxAbsBits(const char* y, int64_t n) {
-  VU m[4] = {};  // independent maxima: one running maximum would wait on its own latency every vector
-  int64_t j = 0;
-  for (; j + 4 * kWidth <= n; j += 4 * kWidth) {
-    for (int k = 0; k < 4; ++k) {
-      const VU a = Bits(Load(y + (j + k * kWidth) * Type<Y>::bytes, Y)) & 0x7FFFFFFFu;
-      m[k] = a > m[k] ? a : m[k];
-    }
-  }
-  for (; j < n; j += kWidth) {
-    const int64_t count = n - j < kWidth ? n - j : kWidth;
-    const VU a = Bits(LoadPartial(y + j * Type<Y>::bytes, Y, count)) & 0x7FFFFFFFu;
-    m[0] = a > m[0] ? a : m[0];
-  }
-  uint32_t result = 0;
-  for (int k = 0; k < 4; ++k) {
-    for (int l = 0; l < kWidth; ++l) result = m[k][l] > result ? m[k][l] : result;
-  }
-  return result;
-}
+// A reduction over the bits of |y| in a group, as integers (no FP operation reads a subnormal: under DAZ it
+// would read 0), four independent accumulators (one would wait on its own latency every vector):
+//   kMax: the bits of max |y| (the same order as the floats'; a NaN counts as larger than Inf, its group is
+//         NaN anyway);
+//   kOr:  the bits ORed, the sign masked once at the end: below 2^23 (0x00800000) exactly when every y is
+//         subnormal or zero, and then with the highest set bit of max |y|, so ScaleExponent gives the same k
+//         for both. One instruction a vector where kMax takes two: a decayed row's groups are checked with it
+//         before their scaled pass (7680-wide row on AVX2, AMD Zen 4: 4.49 -> 4.40 us).
+enum class AbsBits { kMax, kOr };
 
-// The bits of |y| over a group, ORed: below 2^23 (0x00800000) exactly when every y is subnormal or zero, and
-// then with the highest set bit of max |y|, so ScaleExponent gives the same k for both. One instruction a
-// vector where MaxAbsBits takes two (the sign is masked once, at the end): a decayed row's groups are
-// checked with it before their scaled pass (7680-wide row on AVX2, AMD Zen 4: 4.49 -> 4.40 us).
-template <ElemType Y>
-uint32_t OrAbsBits(const char* y, int64_t n) {
+template <ElemType Y, AbsBits kHow>
+uint32_t ReduceAbsBits(const char* y, int64_t n) {
+  const auto combine = [](VU m, VU bits) {
+    if constexpr (kHow == AbsBits::kOr) {
+      return m | bits;
+    } else {
+      return bits > m ? bits : m;
+    }
+  };
+  const auto fold = [&combine](VU m, VF v) {
+    return combine(m, kHow == AbsBits::kOr ? Bits(v) : Bits(v) & 0x7FFFFFFFu);  // kOr masks once, at the end
+  };
   VU m[4] = {};
   int64_t j = 0;
   for (; j + 4 * kWidth <= n; j += 4 * kWidth) {
-    for (int k = 0; k < 4; ++k) m[k] |= Bits(Load(y + (j + k * kWidth) * Type<Y>::bytes, Y));
+    for (int k = 0; k < 4; ++k) m[k] = fold(m[k], Load(y + (j + k * kWidth) * Type<Y>::bytes, Y));
   }
   for (; j < n; j += kWidth) {
     const int64_t count = n - j < kWidth ? n - j : kWidth;
-    m[0] |= Bits(LoadPartial(y + j * Type<Y>::bytes, Y, count));
+    m[0] = fold(m[0], LoadPartial(y + j * Type<Y>::bytes, Y, count));
   }
-  const VU all = (m[0] | m[1]) | (m[2] | m[3]);
+  const VU all = combine(combine(m[0], m[1]), combine(m[2], m[3]));
   uint32_t result = 0;
-  for (int l = 0; l < kWidth; ++l) result |= all[l];
-  return result & 0x7FFFFFFFu;
+  for (int l = 0; l < kWidth; ++l) result = kHow == AbsBits::kOr ? result | all[l] : all[l] > result ? all[l] : result;
+  return kHow == AbsBits::kOr ? result & 0x7FFFFFFFu : result;
 }
 
 // out = round(O, w * round(N, h * nf)) for one vector, as stored in S (O, or float holding values rounded
@@ -1026,6 +1018,7 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
   const int64_t groups_per_row = a.channels / gs;
   const size_t w_bytes = TypeBytes(a.w_type), out_bytes = TypeBytes(a.out_storage_type);
   const float group_size = static_cast<float>(gs);
+  const auto inv_rms_of = [&](float sum_sq) { return 1.f / std::sqrt(sum_sq / group_size + a.epsilon); };
 
   // Two scratch buffers for h: the group whose norm pass waits for the next one's gate pass keeps its own.
   alignas(64) float stack_buffer[2 * kStackGroup];
@@ -1091,7 +1084,7 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
 #else
         done = !gate.wide_z;
 #endif
-        if (done) inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
+        if (done) inv_rms = inv_rms_of(gate.sum_sq);
       }
     }
     bool exact = false;
@@ -1105,7 +1098,7 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     int k = 0;
     uint32_t max_abs_bits = 0;
     if (!done && G == ElemType::kFloat && scaled_hint) {
-      max_abs_bits = OrAbsBits<Y>(y, gs);  // max |y|'s bits where it matters: below 2^23
+      max_abs_bits = ReduceAbsBits<Y, AbsBits::kOr>(y, gs);  // max |y|'s bits where it matters: below 2^23
       if (max_abs_bits != 0 && max_abs_bits < 0x00800000u) k = ScaleExponent(max_abs_bits);
     }
     if (!done && k == 0) {
@@ -1113,9 +1106,9 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
       const GateSums gate = Gate<Y, Z, G>(y, z, gated, gs);
       done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq);
       if (done) {
-        inv_rms = 1.f / std::sqrt(gate.sum_sq / group_size + a.epsilon);
+        inv_rms = inv_rms_of(gate.sum_sq);
       } else if (G == ElemType::kFloat) {
-        max_abs_bits = MaxAbsBits<Y>(y, gs);
+        max_abs_bits = ReduceAbsBits<Y, AbsBits::kMax>(y, gs);
         k = ScaleExponent(max_abs_bits);
       }
     }
@@ -1138,13 +1131,11 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     if (!done) {
       flush.Exact();
       exact = true;
-      const float sum_sq = Gate<Y, Z, G>(y, z, gated, gs).sum_sq;
-      inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+      inv_rms = inv_rms_of(Gate<Y, Z, G>(y, z, gated, gs).sum_sq);
     }
 #else
     if (!done) {
-      const float sum_sq = Gate<Y, Z, G>(y, z, gated, gs).sum_sq;
-      inv_rms = 1.f / std::sqrt(sum_sq / group_size + a.epsilon);
+      inv_rms = inv_rms_of(Gate<Y, Z, G>(y, z, gated, gs).sum_sq);
     }
 #endif
     // An ordinary group's norm pass waits for the next group's gate pass (FusedPass), within this call: never
