@@ -336,32 +336,8 @@ def quasi_affine(
         return None
     if op in ("Cast", "CastLike", "Identity", "Squeeze", "Unsqueeze", "Reshape") and inputs:
         return quasi_affine(inputs[0], aliases, depth + 1)
-    if op == "Sign" and inputs:  # of a constant, or of a provably positive value
-        inner = quasi_affine(inputs[0], aliases, depth + 1)
-        constant = None if inner is None else inner.as_constant()
-        if constant is not None:
-            return _arith.QuasiAffine.constant((constant > 0) - (constant < 0))
-        low = None if inner is None else inner.lower_bound()
-        return _arith.QuasiAffine.constant(1) if low is not None and low >= 1 else None
-    if op == "Not" and inputs:  # of a boolean 0 or 1
-        inner = quasi_affine(inputs[0], aliases, depth + 1)
-        constant = None if inner is None else inner.as_constant()
-        return _arith.QuasiAffine.constant(1 - constant) if constant in (0, 1) else None
-    if op == "Equal" and len(inputs) == 2:  # of two values that are provably equal or provably different
-        left, right = (quasi_affine(v, aliases, depth + 1) for v in inputs)
-        difference = None if left is None or right is None else _arith.add(left, right, sign=-1)
-        constant = None if difference is None else difference.as_constant()
-        return None if constant is None else _arith.QuasiAffine.constant(int(constant == 0))
-    if op in ("And", "Or") and len(inputs) == 2:
-        # booleans as 0 / 1: a false operand decides And, a true one decides Or, whatever the other is
-        decisive = 0 if op == "And" else 1
-        operands = [quasi_affine(v, aliases, depth + 1) for v in inputs]
-        constants = [None if e is None else e.as_constant() for e in operands]
-        if decisive in constants:
-            return _arith.QuasiAffine.constant(decisive)
-        if all(c is not None for c in constants):
-            return _arith.QuasiAffine.constant(1 - decisive)
-        return None
+    if op in ("Sign", "Not", "Equal", "And", "Or"):
+        return _logic(op, [quasi_affine(v, aliases, depth + 1) for v in inputs])
     if len(inputs) != 2 or op not in (*_ARITHMETIC, "Div", "Mod"):
         return None
     left = quasi_affine(inputs[0], aliases, depth + 1)
@@ -379,6 +355,30 @@ def quasi_affine(
             return None
         return _arith.modulo(left, right)
     return _ARITHMETIC[op](left, right)
+
+
+def _logic(op: str, operands: list[_arith.QuasiAffine | None]) -> _arith.QuasiAffine | None:
+    """Sign, and the boolean ops on 0 / 1 (Not, Equal, And, Or), where the operands decide them: constants, a
+    provably positive value (Sign 1), two values provably equal or different (Equal), one false operand of And
+    or one true operand of Or (whatever the other is)."""
+    constants = [None if e is None else e.as_constant() for e in operands]
+    if op == "Sign" and len(operands) == 1:
+        c = constants[0]
+        return _nonzero(operands[0]) if c is None else _arith.QuasiAffine.constant((c > 0) - (c < 0))
+    if op == "Not" and len(operands) == 1:
+        return _arith.QuasiAffine.constant(1 - constants[0]) if constants[0] in (0, 1) else None
+    if op == "Equal" and len(operands) == 2:
+        left, right = operands
+        difference = None if left is None or right is None else _arith.add(left, right, sign=-1)
+        constant = None if difference is None else difference.as_constant()
+        return None if constant is None else _arith.QuasiAffine.constant(int(constant == 0))
+    if op in ("And", "Or") and len(operands) == 2:
+        decisive = 0 if op == "And" else 1
+        if decisive in constants:
+            return _arith.QuasiAffine.constant(decisive)
+        if all(c is not None for c in constants):
+            return _arith.QuasiAffine.constant(1 - decisive)
+    return None
 
 
 def dims_equal(left: Dim, right: Dim) -> bool:
@@ -570,17 +570,10 @@ def _tile_dims(source: list[Dim] | None, repeats: list[Dim] | None) -> list[Dim]
     """Tile's output dims: each input dim times its (constant, non-negative) repeat count."""
     if source is None or repeats is None or len(repeats) != len(source):
         return None
-    result: list[Dim] = []
-    for dim, repeat in zip(source, repeats, strict=True):
-        if not isinstance(repeat, int) or repeat < 0:
-            return None
-        if repeat == 1:
-            result.append(dim)
-            continue
-        expression = as_expression(dim)
-        product = None if expression is None else _arith.multiply(expression, _arith.QuasiAffine.constant(repeat))
-        result.append(None if product is None else simplified(product))
-    return result
+    if not all(isinstance(repeat, int) and repeat >= 0 for repeat in repeats):
+        return None
+    products = [_product([dim, repeat]) for dim, repeat in zip(source, repeats, strict=True)]
+    return [None if product is None else simplified(product) for product in products]
 
 
 def _sum_dims(parts: Sequence[Dim]) -> Dim:
