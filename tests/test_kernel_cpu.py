@@ -401,6 +401,48 @@ def test_result_of_a_row_does_not_depend_on_the_rows_before_it(ordinary_max: flo
     assert differ == 0, f"{differ} of {alone.size} outputs of ordinary rows changed after subnormal rows"
 
 
+def _decayed_targets(rng: np.random.Generator) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Groups of 96 (y, z) that a decayed group before them sends first to the kernel's scaled pass for y all
+    subnormal or zero (k = 126): where that pass stands, where its products underflow, and where its y are not
+    such y after all."""
+    subnormal = (rng.uniform(-1.0, 1.0, 96) * 2.0**-126).astype(np.float32)
+    ordinary_z = rng.standard_normal(96).astype(np.float32) * np.float32(3)
+    few_units = (rng.integers(-3, 4, 96) * 2.0**-149).astype(np.float32)  # largest |y| 3 * 2^-149: k = 127 alone
+    one_normal = subnormal.copy()
+    one_normal[37] = np.float32(1e-30)
+    one_subnormal_z = ordinary_z.copy()
+    one_subnormal_z[5] = np.float32(2.0**-140)
+    return {
+        "subnormal": (subnormal, ordinary_z),
+        "few-units": (few_units, ordinary_z),
+        "products-underflow": (few_units, np.full(96, -40.0, np.float32)),  # |h| 2^126 ~ 1e-22: h^2 underflows
+        "one-normal-y": (one_normal, ordinary_z),
+        "zeros": (np.zeros(96, np.float32), ordinary_z),
+        "signed-zeros-and-subnormals": (np.where(np.arange(96) % 2 == 0, np.float32(-0.0), few_units), ordinary_z),
+        "one-subnormal-z": (subnormal, one_subnormal_z),
+    }
+
+
+def test_result_of_a_group_does_not_depend_on_a_decayed_group_before_it() -> None:
+    """After a group of subnormal y the kernel tries the next one's scaled pass first (it reads y once,
+    checking that they are subnormal or zero as it goes); each group must come out bit for bit as it does
+    after an ordinary group, which takes the usual way (the fast pass, then the scaled pass with its own
+    k, or the exact one) — whether the first try stands or not."""
+    rng = np.random.default_rng(1260)
+    targets = _decayed_targets(rng)
+    decayed = (rng.standard_normal(96) * 1e-39).astype(np.float32)
+    ordinary = rng.standard_normal(96).astype(np.float32)
+    lead_z = rng.standard_normal(96).astype(np.float32)
+    w = rng.uniform(0.5, 1.5, 2 * 96).astype(np.float32)
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[1, 2 * 96], group_size=96)
+    for name, (y_target, z_target) in targets.items():
+        z = np.concatenate([lead_z, z_target])[None]
+        after_decayed = run_op(model, np.concatenate([decayed, y_target])[None], z, w)[0, 96:]
+        after_ordinary = run_op(model, np.concatenate([ordinary, y_target])[None], z, w)[0, 96:]
+        np.testing.assert_array_equal(after_decayed.view(np.uint32), after_ordinary.view(np.uint32), err_msg=name)
+        check_against_reference(np.concatenate([decayed, y_target])[None], z, w, group_size=96)
+
+
 #: The type combinations whose norm pass the kernel runs in one loop with the next group's gate pass
 #: (FusedPass): (y/z/w type, gated_dtype, norm_dtype = output_dtype).
 INTERLEAVED_TYPES = {

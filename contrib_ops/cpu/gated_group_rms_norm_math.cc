@@ -32,12 +32,13 @@
 // GATED_TIE_WINDOW, 9.5e-7).
 //
 // Cost (AVX-512, per 16 elements): 7 multiply/FMA instructions in the gate pass and 2 in the norm pass,
-// one division, ~18 vector instructions in the gate pass and 5 in the norm pass. On the machine measured
-// (AMD Zen 4: one 512-bit FMA or multiply a cycle, a 512-bit division every 6 cycles) the FMA pipe alone
-// would allow ~1.2 us per 7680-wide row; the gate pass's chains (~40 cycles from z's load to the sum of
-// squares, ~25 instructions a vector) fill the out-of-order window first. Measured: 2.39 us with the two
-// passes one after the other, 2.14 us interleaved (FusedPass), 2.11 us with y z as the numerator; see
-// benchmarks/RESULTS.md.
+// one division, ~19 vector instructions in the gate pass and 5 in the norm pass. On the machine measured
+// (AMD Zen 4: one 512-bit FMA or multiply a cycle; a 512-bit division every 6 cycles, which also takes
+// the multiply pipes ~1.2 cycles more than a multiply does: benchmarks/pipe_floor.cc) the multiply pipes
+// alone allow ~11 cycles a vector, ~1.46 us per 7680-wide row at 3.67 GHz; the gate pass's chains (~36
+// cycles from z's load to the sum of squares) fill the out-of-order window first. Measured: 2.39 us with
+// the two passes one after the other, 2.14 us interleaved (FusedPass), 2.11 us with y z as the numerator,
+// 2.08 us with the shorter denominator chain (SiluTable); see benchmarks/RESULTS.md.
 //
 // Float32 subnormals (x86): an FP instruction with a subnormal operand (DAZ clear) or a subnormal result
 // (FTZ clear) takes a microcode assist on Intel cores (~150 cycles per instruction; AMD's handle most of
@@ -357,16 +358,26 @@ inline VF ScaleSubnormals(VF y, float unit) {
 }
 
 // x * 2^-64, rounded to nearest even, for the outputs of a scaled group's norm pass, where no FP operation
-// may make a subnormal: where the result is normal (|x| >= 2^-62) an FP multiply (exact); below, x + 2^-62
-// rounds x to a multiple of 2^-85 (2^-62's ulp) once, and the bits of that sum less those of 2^-62 are
-// the subnormal's (a carry into 2^-61 gives the smallest normal). Zeros, Inf and NaN stay. The multiply
-// flushes (FTZ) and raises the underflow flag in the lanes it does not provide; the caller ignores it.
+// may make a subnormal. Where the result is normal (|x| >= 2^-62) an FP multiply (exact); below, the
+// multiply flushes to +0 (FTZ; it raises the underflow flag, which the caller ignores), and |x| + 2^-62
+// rounds |x| to a multiple of 2^-85 (2^-62's ulp) once: the bits of that sum less those of 2^-62 are the
+// subnormal's (a carry into 2^-61 gives the smallest normal). The larger of the two as integers is the
+// result: for |x| >= 2^-62 the sum is at most 2 |x|, so its bits less 2^-62's are at most those of
+// |x| 2^-64; below, the product is 0. Zeros, Inf and NaN stay. (A select on |x| < 2^-62 took one more
+// instruction: a decayed 7680-wide row on AVX2, AMD Zen 4, 3.77 -> 3.70 us.)
 inline VF ScaleDownBy64(VF x) {
   constexpr float kTwoToMinus62 = 0x1p-62f;
-  const VU bits = Bits(x), sign = bits & 0x80000000u;
+  const VU bits = Bits(x);
   const VF magnitude = FromBits(bits & 0x7FFFFFFFu);
-  const VU tiny = (Bits(magnitude + kTwoToMinus62) - Bits(Splat(kTwoToMinus62))) | sign;
-  return magnitude < kTwoToMinus62 ? FromBits(tiny) : x * 0x1p-64f;
+  const VU product = Bits(magnitude * 0x1p-64f);
+  const VU tiny = Bits(magnitude + kTwoToMinus62) - Bits(Splat(kTwoToMinus62));
+#if defined(MAMBAFUSE_MXCSR) && !defined(__SSE4_1__)
+  // SSE2 has no 32-bit unsigned maximum: the select on |x| < 2^-62 (15.65 -> 15.29 us a decayed row).
+  const VU larger = magnitude < kTwoToMinus62 ? tiny : product;
+#else
+  const VU larger = product > tiny ? product : tiny;
+#endif
+  return FromBits(larger | (bits & 0x80000000u));
 }
 
 // Float32 subnormals as signed zeros: what float16 rounds them to (|x| < 2^-126 is far below half of
@@ -452,30 +463,36 @@ __attribute__((always_inline)) inline void SiluWide(VF (&v)[kUnroll]) {
 // order window holds). A y z that overflows (|y| > 3.9e36) makes the sum not finite, and such a group is
 // computed again with SiluWide, which multiplies y last.
 // e^x, x = -z: k = round(x N / ln2), x = k ln2/N + r with |r| <= ln2/(2N); k = N e + j (j in [0, N)) and
-// e^x = 2^e 2^(j/N) e^r. 2^(j/N) comes from a table of N entries held in two vectors (vpermt2d on AVX-512,
-// two vpermd and a blend on AVX2, tbl on NEON; not the multiply pipes), 2^e is added to its exponent field
-// with integer operations (the table holds bits(2^(j/N)) - j 2^(23 - log2 N), so adding
+// e^x = 2^e 2^(j/N) e^r. 2^(j/N) comes from a table of N entries held in one or two vectors (vpermt2d on
+// AVX-512, vpermd on AVX2, tbl on NEON; not the multiply pipes), 2^e is added to its exponent field with
+// integer operations (the table holds bits(2^(j/N)) - j 2^(23 - log2 N), so adding
 // bits(shifted) << (23 - log2 N) = k 2^(23 - log2 N) leaves bits(2^(j/N)) + e 2^23: a float T 2^e, normal
-// for |e| <= 125), and e^r is T + T p(r), p(r) = r q(r) a small minimax polynomial (evaluated in s = -r:
-// s = z + k ln2/N is one FMA). Per vector (AVX-512) the silu takes 5 multiply/FMA instructions (6 with a
-// degree-3 polynomial) and 13 vector instructions in all, the division and the note of a wide z included,
-// where the degree-5 polynomial with vscalefps, the clamp, the select and the numerator product took 9
-// and 15.
+// for |e| <= 125), and e^r is 1 + p(r), p(r) = r q(r) a small minimax polynomial (evaluated in s = -r:
+// s = z + k ln2/N is one FMA). The denominator is then (1 + T) + (T s) q(s): one FMA after q, with 1 + T
+// and T s formed beside the polynomial (T + T p and then 1 + that made a chain three instructions longer:
+// 2.15 -> 2.08 us per 7680-wide row on AVX-512, 2.97 -> 2.83 on AVX2, AMD Zen 4). Per vector (AVX-512)
+// the silu takes 5 multiply/FMA instructions (6 with a degree-3 polynomial) and 14 vector instructions in
+// all, the division and the note of a wide z included, where the degree-5 polynomial with vscalefps, the
+// clamp, the select and the numerator product took 9 and 15.
 //
 // N and p per width (minimax for the relative error of e^r on |r| <= ln2/(2N), coefficients rounded to
 // float32, the error measured in float64 at 4e5 points):
-//   AVX-512 (N = 32): q = c1 + c2 r, 5.4e-8 (0.45 float32 ulp of 1, u = 2^-23);
-//   AVX2 (N = 16): q = c1 + c2 r + c3 r^2, 1.7e-9;   4 lanes (N = 8): the same form, 2.7e-8.
-// Error of t = e^-z (relative): the table entry rounded to nearest, <= u/2 = 6.0e-8; the polynomial,
-// <= 5.4e-8; p itself (|p| <= 0.011, a few roundings of ~u relative each) < 1e-9 of t; the final FMA
-// T + T p rounds once, <= u/2; s: k fl(ln2/N) differs from k ln2/N by |k| 1.9e-9/N <= 2.4e-7 |z|/86 (an
-// absolute error of s, hence relative of t), < 5.5e-8 for |z| < 20 (the gates of real models); the FMA
-// that forms s rounds at |s|'s scale (< 1e-9 of t). Total <= 1.8e-7 + 2.4e-7 |z|/86, the same class as
-// the degree-5 polynomial's 1.9e-7 + 2.9e-7 |z|/104; then 1 + t, y z and the division round once each (as
-// 1 + t, z / (1 + t) and y times it did before y z became the numerator; measured over 5e5 gates of
-// random rows, the outputs' mean error is the same, 0.72 ulp on AVX-512, and 0.70 -> 0.67 ulp on AVX2).
-// Inside the float32 budget (2e-6) and the gated_dtype tie window (9.5e-7) with the products after it (the
-// file comment's ~5e-7 for h holds).
+//   AVX-512 (N = 32, two vectors): q = c1 + c2 r, 5.4e-8 (0.45 float32 ulp of 1, u = 2^-23);
+//   AVX2 (N = 8, one vector) and 4 lanes (N = 8, two vectors): q = c1 + c2 r + c3 r^2, 2.7e-8.
+// (AVX2 had N = 16 in two vectors: two vpermd, a mask and a blend where one vpermd does now, with the same
+// polynomial degree: 2.83 -> 2.47 us per row, AMD Zen 4.)
+// Error of D = 1 + e^-z (relative): the table entry rounded to nearest, <= u/2 = 6.0e-8 of T; the
+// polynomial, <= 5.4e-8 of e^-z; s: k fl(ln2/N) differs from k ln2/N by |k| 1.9e-9/N <= 2.4e-7 |z|/86 (an
+// absolute error of s, hence relative of e^-z), < 5.5e-8 for |z| < 20 (the gates of real models); the
+// FMA that forms s rounds at |s|'s scale (< 1e-9); T s rounded, < 1e-9 (|s q| <= 0.011); 1 + T rounded,
+// <= u/2 of 1 + T, which is within 1.1 % of D; the final FMA, <= u/2 of D. Total <= 2.4e-7 + 2.4e-7 |z|/86
+// of D (the same class as the degree-5 polynomial's 1.9e-7 + 2.9e-7 |z|/104 for e^-z); then y z and the
+// division round once each. Measured (SiluTable against long double over 1e7 z, uniform): max relative
+// error 4.3e-7 for |z| <= 86 (at z = -84.6) and 2.2e-7 for |z| <= 8 on AVX-512, 3.8e-7 and 1.9e-7 on AVX2,
+// each the same as or within 0.2e-7 of the T + T p form's; the outputs' mean error over 5e5 gates of random
+// rows moved 0.72 -> 0.76 ulp (AVX-512) and 0.67 -> 0.71 ulp (AVX2), the largest 3.98e-7 and 3.82e-7
+// relative. Inside the float32 budget (2e-6) and the gated_dtype tie window (9.5e-7) with the products
+// after it (the file comment's ~5e-7 for h holds).
 // |k| > 86 N / ln2 (|z| > 86.0065, where 2^e leaves the normals) or an infinite z: those lanes' results are
 // not used; the pass keeps the largest |k| (a maximum over the k it computes anyway, and the absolute
 // value's mask) and the group is computed again with SiluWide, the full range as before. Such gates
@@ -487,7 +504,7 @@ constexpr bool kExpTable = false;  // SSE2 has no variable permute: GCC would do
 #else
 constexpr bool kExpTable = true;
 #endif
-constexpr int kExpTableSize = 2 * kWidth;     // N: two vectors of entries
+constexpr int kExpTableSize = kWidth == 8 ? 8 : 2 * kWidth;  // N: one vector of entries on AVX2, else two
 constexpr float kMaxTableK = 86.f * kExpTableSize / 0.693147180559945309f;  // |k| above it is not served
 
 #if defined(__AVX512F__)
@@ -500,24 +517,16 @@ alignas(64) constexpr uint32_t kExp2Table[32] = {
 // e^r = 1 + r (c1 + c2 r), c1 = 0x1.0000f6p+0, c2 = 0x1.fffffep-2; in s = -r: 1 + s (-c1 + c2 s).
 constexpr float kQ1 = -0x1.0000f6p+0f, kQ2 = 0x1.fffffep-2f, kQ3 = 0.f;
 constexpr int kExpTableDegree = 2;
-#elif defined(__AVX2__)
-// bits(2^(j/16)) - (j << 19), j = 0..15.
-alignas(64) constexpr uint32_t kExp2Table[16] = {
-    0x3F800000u, 0x3F7DAAC3u, 0x3F7B95C2u, 0x3F79C3D3u, 0x3F7837F0u, 0x3F76F532u, 0x3F75FED7u, 0x3F75583Fu,
-    0x3F7504F3u, 0x3F7508A4u, 0x3F75672Au, 0x3F76248Cu, 0x3F7744FDu, 0x3F78CCDFu, 0x3F7AC0C7u, 0x3F7D257Du};
-// e^r = 1 + r (c1 + c2 r + c3 r^2), c1 = 1, c2 = 0x1.000222p-1, c3 = 0x1.555238p-3; in s = -r the odd
-// coefficients change sign.
-constexpr float kQ1 = -1.f, kQ2 = 0x1.000222p-1f, kQ3 = -0x1.555238p-3f;
-constexpr int kExpTableDegree = 3;
 #else
-// bits(2^(j/8)) - (j << 20), j = 0..7.
+// bits(2^(j/8)) - (j << 20), j = 0..7 (AVX2: one vector; 4 lanes: two).
 alignas(64) constexpr uint32_t kExp2Table[8] = {0x3F800000u, 0x3F7B95C2u, 0x3F7837F0u, 0x3F75FED7u,
                                                0x3F7504F3u, 0x3F75672Au, 0x3F7744FDu, 0x3F7AC0C7u};
 // c1 = 1, c2 = 0x1.000886p-1, c3 = 0x1.5548dep-3, in s = -r as above.
 constexpr float kQ1 = -1.f, kQ2 = 0x1.000886p-1f, kQ3 = -0x1.5548dep-3f;
 constexpr int kExpTableDegree = 3;
 #endif
-static_assert(sizeof kExp2Table == 2 * sizeof(VF), "the table is two vectors");
+constexpr int kTableVectors = kExpTableSize / kWidth;
+static_assert(sizeof kExp2Table == kTableVectors * sizeof(VF), "the table fills one or two vectors");
 
 // max(widest, |n|) for widest >= 0, one instruction where there is one. A NaN n leaves widest as it was, or
 // makes it NaN (AVX-512's vrangeps): either way the lane is not noted (see above).
@@ -540,7 +549,7 @@ __attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], const VF 
   constexpr int kShift = 23 - (kExpTableSize == 32 ? 5 : kExpTableSize == 16 ? 4 : 3);
   constexpr float kMinusNLog2e = -1.44269504088896341f * kExpTableSize;
   constexpr float kRoundMagic = 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
-  VU table[2];
+  VU table[kTableVectors];
   std::memcpy(table, kExp2Table, sizeof table);
   VF shifted[kUnroll], n[kUnroll], s[kUnroll], q[kUnroll], t[kUnroll];
   for (int k = 0; k < kUnroll; ++k) shifted[k] = v[k] * kMinusNLog2e + kRoundMagic;
@@ -560,7 +569,11 @@ __attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], const VF 
   // bit 22; two's complement), and bits(shifted) << kShift is k << kShift (bits(magic) shifts out).
   for (int k = 0; k < kUnroll; ++k) {
     const VU index = Bits(shifted[k]);
-    t[k] = FromBits(__builtin_shuffle(table[0], table[1], index) + (index << kShift));
+    if constexpr (kTableVectors == 1) {
+      t[k] = FromBits(__builtin_shuffle(table[0], index) + (index << kShift));
+    } else {
+      t[k] = FromBits(__builtin_shuffle(table[0], table[kTableVectors - 1], index) + (index << kShift));
+    }
   }
   if constexpr (kExpTableDegree == 2) {
     for (int k = 0; k < kUnroll; ++k) q[k] = s[k] * kQ2 + kQ1;
@@ -568,9 +581,10 @@ __attribute__((always_inline)) inline void SiluTable(VF (&v)[kUnroll], const VF 
     for (int k = 0; k < kUnroll; ++k) q[k] = s[k] * kQ3 + kQ2;
     for (int k = 0; k < kUnroll; ++k) q[k] = q[k] * s[k] + kQ1;
   }
-  for (int k = 0; k < kUnroll; ++k) q[k] = q[k] * s[k];         // e^r - 1
-  for (int k = 0; k < kUnroll; ++k) t[k] = t[k] * q[k] + t[k];  // e^-z
-  for (int k = 0; k < kUnroll; ++k) v[k] = Divide(num[k], 1.f + t[k]);
+  VF ts[kUnroll], one_t[kUnroll];
+  for (int k = 0; k < kUnroll; ++k) ts[k] = t[k] * s[k];
+  for (int k = 0; k < kUnroll; ++k) one_t[k] = 1.f + t[k];
+  for (int k = 0; k < kUnroll; ++k) v[k] = Divide(num[k], ts[k] * q[k] + one_t[k]);  // 1 + e^-z
 }
 
 // --- the two passes -----------------------------------------------------------------------------------
@@ -593,7 +607,7 @@ inline auto WithType(ElemType t, F&& f) {
 }
 
 // How the gate pass takes y: as it is, scaled by 2^k (ScaleByPowerOfTwo), or scaled by 2^k when every y
-// of the group is subnormal or zero (ScaleSubnormals).
+// of the group is subnormal or zero (ScaleSubnormals; the pass checks that it is, see GateSums::misfit_y).
 enum class YScaling { kNone, kAny, kSubnormal };
 
 // Whether an input of the group is a float32 subnormal: y (unless kScaled: its scaled form is never read
@@ -619,6 +633,7 @@ struct GateSums {
   float sum_sq;          // sum(h^2)
   bool subnormal_input;  // a y or z was a float32 subnormal (x86: read as 0 under DAZ)
   bool wide_z = false;   // SiluTable saw a z it does not serve (|z| > 86.0065, Inf): h is not to be used
+  bool misfit_y = false;  // YScaling::kSubnormal: not every y subnormal or zero: h is not to be used
 };
 
 // y * 2^k for the scaled gate pass: the two powers of two ScaleByPowerOfTwo takes (k in [0, 127]), and
@@ -640,8 +655,18 @@ struct YScale {
   }
 };
 
+// The bits of y ORed, noted by the gate pass with YScaling::kSubnormal only (a member in every pass's
+// state made GCC keep or spill one more register in the interleaved loop: 2.47 -> 2.68 us per AVX2 row).
+template <YScaling kScaled>
+struct NotedYBits {};
+template <>
+struct NotedYBits<YScaling::kSubnormal> {
+  VU y_bits = VU{};  // an exponent bit: a y ScaleSubnormals misreads
+};
+
 // The gate pass's running state over one group: the sums of h^2 per unrolled vector and the probes.
-struct GateState {
+template <YScaling kScaled = YScaling::kNone>
+struct GateState : NotedYBits<kScaled> {
   VF acc[kUnroll] = {};
   VU lowest = ~VU{};        // NoteZeroOrSubnormal's running minimum over the products y * silu(z)
   VU exact_lowest = ~VU{};  // NoteSubnormals' over the zero-padded last vector
@@ -662,8 +687,8 @@ MAMBAFUSE_ALWAYS_INLINE void PrefetchAhead(const char* y, const char* z, int64_t
 
 // y silu(z) of kUnroll vectors, into v (which holds z): by SiluWide and then the product with y (kWide), or
 // by SiluTable from y z.
-template <bool kWide>
-MAMBAFUSE_ALWAYS_INLINE void GatedSilu(VF (&v)[kUnroll], const VF (&y)[kUnroll], GateState& state) {
+template <bool kWide, class State>
+MAMBAFUSE_ALWAYS_INLINE void GatedSilu(VF (&v)[kUnroll], const VF (&y)[kUnroll], State& state) {
   if constexpr (kWide) {
     SiluWide(v);
     for (int k = 0; k < kUnroll; ++k) v[k] = y[k] * v[k];
@@ -687,7 +712,7 @@ MAMBAFUSE_ALWAYS_INLINE VF ScaleY(VF y, const YScale& scale) {
 // SiluTable (then the state's widest says whether the result stands).
 template <ElemType Y, ElemType Z, ElemType G, YScaling kScaled, bool kWide>
 MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __restrict gated, int64_t j,
-                                       YScale scale, GateState& state) {
+                                       YScale scale, GateState<kScaled>& state) {
   constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
   // Under DAZ a subnormal y or z reads as 0, and the product y * silu(z) comes out +-0 (or NaN, for an
   // infinite other factor: GateFinish looks at a sum that is not finite too); so the product is probed,
@@ -695,7 +720,11 @@ MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __re
   constexpr bool kProbe = (MayBeSubnormal(Y) && kScaled == YScaling::kNone) || MayBeSubnormal(Z);
   VF v[kUnroll], yv[kUnroll];
   for (int k = 0; k < kUnroll; ++k) v[k] = Load(z + (j + k * kWidth) * zb, Z);
-  for (int k = 0; k < kUnroll; ++k) yv[k] = ScaleY<kScaled>(Load(y + (j + k * kWidth) * yb, Y), scale);
+  for (int k = 0; k < kUnroll; ++k) {
+    yv[k] = Load(y + (j + k * kWidth) * yb, Y);
+    if constexpr (kScaled == YScaling::kSubnormal) state.y_bits |= Bits(yv[k]);
+    yv[k] = ScaleY<kScaled>(yv[k], scale);
+  }
   GatedSilu<kWide>(v, yv, state);
   for (int k = 0; k < kUnroll; ++k) {
     if (kProbe) state.lowest = NoteZeroOrSubnormal(state.lowest, v[k]);
@@ -708,7 +737,7 @@ MAMBAFUSE_ALWAYS_INLINE void GateBlock(const char* y, const char* z, float* __re
 // The elements [j, n) after the last full block, one (possibly partial) vector at a time.
 template <ElemType Y, ElemType Z, ElemType G, YScaling kScaled, bool kWide>
 void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, int64_t n, YScale scale,
-              GateState& state) {
+              GateState<kScaled>& state) {
   constexpr size_t yb = Type<Y>::bytes, zb = Type<Z>::bytes;
   constexpr bool kProbeY = MayBeSubnormal(Y) && kScaled == YScaling::kNone;
   for (; j < n; j += kWidth) {
@@ -718,6 +747,7 @@ void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, 
     if (MayBeSubnormal(Z)) state.exact_lowest = NoteSubnormals(state.exact_lowest, v[0]);
     yv[0] = count == kWidth ? Load(y + j * yb, Y) : LoadPartial(y + j * yb, Y, count);
     if (kProbeY) state.exact_lowest = NoteSubnormals(state.exact_lowest, yv[0]);
+    if constexpr (kScaled == YScaling::kSubnormal) state.y_bits |= Bits(yv[0]);  // zero padded
     yv[0] = ScaleY<kScaled>(yv[0], scale);
     GatedSilu<kWide>(v, yv, state);
     const VF h = RoundThrough(v[0], G);
@@ -728,10 +758,15 @@ void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, 
 
 // The group's sum of h^2 and what the probes found.
 template <ElemType Y, ElemType Z, YScaling kScaled, bool kWide>
-GateSums GateFinish(const char* y, const char* z, int64_t n, GateState& state) {
+GateSums GateFinish(const char* y, const char* z, int64_t n, GateState<kScaled>& state) {
   for (int k = 1; k < kUnroll; ++k) state.acc[0] += state.acc[k];
   float sum = 0.f;
   for (int l = 0; l < kWidth; ++l) sum += state.acc[0][l];
+  if constexpr (kScaled == YScaling::kSubnormal) {
+    uint32_t y_bits = 0;
+    for (int l = 0; l < kWidth; ++l) y_bits |= state.y_bits[l];
+    if ((y_bits & 0x7F800000u) != 0) return {sum, false, false, true};
+  }
   if constexpr (!kWide) {
     bool wide_z = false;
     for (int l = 0; l < kWidth; ++l) wide_z |= state.widest[l] > kMaxTableK;
@@ -751,10 +786,10 @@ template <ElemType Y, ElemType Z, ElemType G, YScaling kScaled = YScaling::kNone
 __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float* __restrict gated, int64_t n,
                                             YScale scale = {}) {
   constexpr int64_t step = kWidth * kUnroll;
-  GateState state;
+  GateState<kScaled> state;
   int64_t j = 0;
   {
-    GateState live;  // does not escape: GCC keeps it in registers through the loop (state would be spilled)
+    GateState<kScaled> live;  // does not escape: GCC keeps it in registers through the loop (state would be spilled)
     for (; j + step <= n; j += step) {
       PrefetchAhead<Y, Z>(y, z, n, j);
       GateBlock<Y, Z, G, kScaled, kWide>(y, z, gated, j, scale, live);
@@ -765,27 +800,14 @@ __attribute__((noinline)) GateSums GatePass(const char* y, const char* z, float*
   return GateFinish<Y, Z, kScaled, kWide>(y, z, n, state);
 }
 
-// A reduction over the bits of |y| in a group, as integers (no FP operation reads a subnormal: under DAZ it
-// would read 0), four independent accumulators (one would wait on its own latency every vector):
-//   kMax: the bits of max |y| (the same order as the floats'; a NaN counts as larger than Inf, its group is
-//         NaN anyway);
-//   kOr:  the bits ORed, the sign masked once at the end: below 2^23 (0x00800000) exactly when every y is
-//         subnormal or zero, and then with the highest set bit of max |y|, so ScaleExponent gives the same k
-//         for both. One instruction a vector where kMax takes two: a decayed row's groups are checked with it
-//         before their scaled pass (7680-wide row on AVX2, AMD Zen 4: 4.49 -> 4.40 us).
-enum class AbsBits { kMax, kOr };
-
-template <ElemType Y, AbsBits kHow>
-uint32_t ReduceAbsBits(const char* y, int64_t n) {
-  const auto combine = [](VU m, VU bits) {
-    if constexpr (kHow == AbsBits::kOr) {
-      return m | bits;
-    } else {
-      return bits > m ? bits : m;
-    }
-  };
-  const auto fold = [&combine](VU m, VF v) {
-    return combine(m, kHow == AbsBits::kOr ? Bits(v) : Bits(v) & 0x7FFFFFFFu);  // kOr masks once, at the end
+// The bits of max |y| over a group, as integers (no FP operation reads a subnormal: under DAZ it would read
+// 0; the same order as the floats'; a NaN counts as larger than Inf, its group is NaN anyway), four
+// independent accumulators (one would wait on its own latency every vector).
+template <ElemType Y>
+uint32_t MaxAbsBits(const char* y, int64_t n) {
+  const auto fold = [](VU m, VF v) {
+    const VU bits = Bits(v) & 0x7FFFFFFFu;
+    return bits > m ? bits : m;
   };
   VU m[4] = {};
   int64_t j = 0;
@@ -796,10 +818,10 @@ uint32_t ReduceAbsBits(const char* y, int64_t n) {
     const int64_t count = n - j < kWidth ? n - j : kWidth;
     m[0] = fold(m[0], LoadPartial(y + j * Type<Y>::bytes, Y, count));
   }
-  const VU all = combine(combine(m[0], m[1]), combine(m[2], m[3]));
+  for (int k = 1; k < 4; ++k) m[0] = m[k] > m[0] ? m[k] : m[0];
   uint32_t result = 0;
-  for (int l = 0; l < kWidth; ++l) result = kHow == AbsBits::kOr ? result | all[l] : all[l] > result ? all[l] : result;
-  return kHow == AbsBits::kOr ? result & 0x7FFFFFFFu : result;
+  for (int l = 0; l < kWidth; ++l) result = m[0][l] > result ? m[0][l] : result;
+  return result;
 }
 
 // out = round(O, w * round(N, h * nf)) for one vector, as stored in S (O, or float holding values rounded
@@ -1090,41 +1112,51 @@ void RunItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_i
     bool exact = false;
     int scaled_by = 0;  // k of y' = 2^k y
 #if defined(MAMBAFUSE_MXCSR)
+    // y scaled by 2^k (exact) so that the products stay normal floats: h' = 2^k h, and
+    // nf' = 1 / sqrt(sum h'^2 / gs + eps 4^k) = 2^-k nf (in double: eps 4^k may exceed float's range), so
+    // h' nf' = h nf. Only where a gated_dtype does not round h at its own scale. Both ways of scaling give
+    // the same y'. Where no product, sum or 1/rms leaves the normal floats (else this returns false), every
+    // k gives the same h' nf' and the same outputs: powers of two scale the roundings exactly.
+    const auto scaled_pass = [&](int k_, bool all_subnormal) {
+      flush.Gate();
+      const GateSums gate = all_subnormal ? Gate<Y, Z, G, YScaling::kSubnormal>(y, z, gated, gs, YScale::Of(k_))
+                                          : Gate<Y, Z, G, YScaling::kAny>(y, z, gated, gs, YScale::Of(k_));
+      const double denominator = static_cast<double>(gate.sum_sq) / static_cast<double>(gs) +
+                                 static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k_);
+      inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
+      return !gate.misfit_y && !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq) && std::isnormal(inv_rms);
+    };
     // The fast pass, unless the previous group needed y scaled (rows decayed into the subnormals tend to
-    // stay there) and this one's y are all zero or subnormal, some not zero: then the fast pass must fail
-    // (it notes the subnormal y), so going straight to the scaled pass gives the same result. Nowhere
-    // else: a group's result never depends on the groups before it (with -ffp-contract=fast the two
-    // passes need not round alike, so a guess must not choose between them).
+    // stay there): then first the scaled pass for y all subnormal or zero, with k = 126 (ScaleSubnormals
+    // puts every such y, m 2^-149, at m 2^-23, a normal float or zero below 1); the pass checks that the y
+    // are such (misfit_y), so y is read once, not first for its largest magnitude (7680-wide decayed row,
+    // AMD Zen 4: 3.99 -> 3.77 us on AVX2, 3.02 -> 2.87 on AVX-512). Where it stands, the result is the one
+    // without the hint: if some y is not zero, the fast pass fails (it notes the subnormal y) and the
+    // scaled pass with the k below (126 or 127) gives the same outputs (see above); if every y is zero, every
+    // h and output is the zero the fast pass gives (and a NaN or infinite z makes 1/rms NaN, which this
+    // pass does not let stand). Where it does not stand, the usual way follows. So a group's result never
+    // depends on the groups before it (with -ffp-contract=fast the fast and the scaled pass need not round
+    // alike, so a guess must not choose between them).
+    constexpr int kSubnormalScale = 126;
     int k = 0;
     uint32_t max_abs_bits = 0;
-    if (!done && G == ElemType::kFloat && scaled_hint) {
-      max_abs_bits = ReduceAbsBits<Y, AbsBits::kOr>(y, gs);  // max |y|'s bits where it matters: below 2^23
-      if (max_abs_bits != 0 && max_abs_bits < 0x00800000u) k = ScaleExponent(max_abs_bits);
+    if (!done && G == ElemType::kFloat && scaled_hint && scaled_pass(kSubnormalScale, true)) {
+      done = true;
+      k = scaled_by = kSubnormalScale;
     }
-    if (!done && k == 0) {
+    if (!done) {
       flush.Gate();
       const GateSums gate = Gate<Y, Z, G>(y, z, gated, gs);
       done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq);
       if (done) {
         inv_rms = inv_rms_of(gate.sum_sq);
       } else if (G == ElemType::kFloat) {
-        max_abs_bits = ReduceAbsBits<Y, AbsBits::kMax>(y, gs);
+        max_abs_bits = MaxAbsBits<Y>(y, gs);
         k = ScaleExponent(max_abs_bits);
       }
     }
     if (!done && k > 0) {
-      // y scaled by 2^k (exact) so that the products stay normal floats: h' = 2^k h, and
-      // nf' = 1 / sqrt(sum h'^2 / gs + eps 4^k) = 2^-k nf (in double: eps 4^k may exceed float's range),
-      // so h' nf' = h nf. Only where a gated_dtype does not round h at its own scale. Both ways of scaling
-      // give the same y'.
-      flush.Gate();
-      const GateSums gate = max_abs_bits < 0x00800000u
-                                ? Gate<Y, Z, G, YScaling::kSubnormal>(y, z, gated, gs, YScale::Of(k))
-                                : Gate<Y, Z, G, YScaling::kAny>(y, z, gated, gs, YScale::Of(k));
-      const double denominator = static_cast<double>(gate.sum_sq) / static_cast<double>(gs) +
-                                 static_cast<double>(a.epsilon) * std::ldexp(1.0, 2 * k);
-      inv_rms = static_cast<float>(1.0 / std::sqrt(denominator));
-      done = !gate.subnormal_input && !FlushScope::Raised(gate.sum_sq) && std::isnormal(inv_rms);
+      done = scaled_pass(k, max_abs_bits < 0x00800000u);
       if (done) scaled_by = k;
     }
     scaled_hint = k > 0;
