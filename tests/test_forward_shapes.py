@@ -282,6 +282,36 @@ def _cases():
             [_x()],
             [_int("target", [1, -1, 4, 2])],
         ),
+        # torch's exporter: a length as a one-element tensor times [1], squeezed, as Range's limit
+        "range to a one-element product": (
+            [
+                make("Shape", ["x"], ["s"], start=1, end=2),
+                make("Mul", ["one", "s"], ["n_1d"]),
+                make("Squeeze", ["n_1d"], ["n"]),
+                make("Range", ["zero", "n", "step"], ["y"]),
+            ],
+            [_x()],
+            [_int("one", [1]), _int("zero", 0), _int("step", 1)],
+        ),
+        # ... and an Expand's shape from Max(Sub(Shape, Shape), c) and Add(Shape, c), one-element tensors
+        "expand to one-element arithmetic": (
+            [
+                make("Shape", ["x"], ["s"], start=1, end=2),
+                make("Shape", ["x"], ["s_again"], start=1, end=2),
+                make("Sub", ["s", "s_again"], ["nothing"]),
+                make("Max", ["nothing", "two"], ["a"]),
+                make("Add", ["s", "one"], ["b"]),
+                make("Concat", ["a", "b", "eight"], ["shape"], axis=0),
+                make("Expand", ["zero", "shape"], ["y"]),
+            ],
+            [_x()],
+            [
+                _int("two", [2]),
+                _int("one", [1]),
+                _int("eight", [8]),
+                onnx.numpy_helper.from_array(np.zeros((), np.float32), "zero"),
+            ],
+        ),
     }
 
 
@@ -383,6 +413,72 @@ def test_what_the_rules_do_not_cover_is_not_proven(case: str) -> None:
     nodes, inputs, constants = _unproven_cases()[case]
     proven = _proven(_model(nodes, inputs, "y", constants), "y")
     assert proven is None or proven[1] is None, proven
+
+
+def _group_query_attention(packed: bool, width: int) -> onnx.ModelProto:
+    """ORT's GroupQueryAttention on a prompt (no past): 4 heads, 2 key/value heads of 8, query [1, seq, width]
+    with key and value packed into it, or beside it ([1, seq, 16] each)."""
+    qkv = ["q", "", ""] if packed else ["q", "k", "v"]
+    node = helper.make_node(
+        "GroupQueryAttention",
+        [*qkv, "", "", "seqlens_k", "total"],
+        ["y"],
+        domain="com.microsoft",
+        num_heads=4,
+        kv_num_heads=2,
+    )
+    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, "seq", width])]
+    if not packed:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, "seq", 16]) for n in ("k", "v")]
+    inputs += [
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [1]),
+        helper.make_tensor_value_info("total", TensorProto.INT32, []),
+    ]
+    model = _model([node], inputs, "y")
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "key-and-value"])
+def test_group_query_attention_output_dims_are_what_onnxruntime_produces(packed: bool) -> None:
+    """Zamba2's transformers-ort export runs its attention as ORT's GroupQueryAttention: its output's dims
+    (num_heads * head_size wide) must be proven for the chains after it to be."""
+    model = _group_query_attention(packed, 64 if packed else 32)
+    proven = _proven(model, "y")
+    assert proven is not None
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in LENGTHS:
+        feeds = {
+            name: np.ones((1, seq, dim), np.float32)
+            for name, dim in (("q", 64 if packed else 32), ("k", 16), ("v", 16))
+        }
+        if packed:
+            del feeds["k"], feeds["v"]
+        feeds |= {"seqlens_k": np.array([seq - 1], np.int32), "total": np.array(seq, np.int32)}
+        got = session.run(["y"], feeds)[0].shape
+        assert [_evaluate(d, seq) for d in proven] == list(got), f"seq = {seq}: {proven} vs {got}"
+
+
+def test_group_query_attention_of_a_width_the_heads_do_not_divide_is_not_proven() -> None:
+    assert _proven(_group_query_attention(True, 60), "y") is None
+
+
+def test_arithmetic_that_broadcasts_is_not_one_shape_element() -> None:
+    """[seq] + [1, 2] has two elements: an Expand to Concat([1], that) is rank 3, so no dims are proven (a
+    one-element result claimed here would make it rank 2)."""
+    make = helper.make_node
+    nodes = [
+        make("Shape", ["x"], ["s"], start=1, end=2),
+        make("Add", ["s", "one_two"], ["b"]),
+        make("Concat", ["one", "b"], ["shape"], axis=0),
+        make("Expand", ["zero", "shape"], ["y"]),
+    ]
+    constants = [
+        _int("one", [1]),
+        _int("one_two", [1, 2]),
+        onnx.numpy_helper.from_array(np.zeros((), np.float32), "zero"),
+    ]
+    assert _proven(_model(nodes, [_x()], "y", constants), "y") is None
 
 
 def test_a_shape_of_an_intermediate_uses_its_proven_dims_not_its_declared_ones() -> None:

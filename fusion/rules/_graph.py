@@ -166,7 +166,7 @@ def resolve_shape_tensor(
 
     Follows constants and the shape arithmetic that exporters emit around a Reshape: ``Shape`` (with
     start/end), ``Concat``, ``Gather``/``Slice`` of a shape, ``Unsqueeze`` of a scalar, ``Cast``,
-    ``Identity``, and scalar ``Mul``/``Div`` of known ints.
+    ``Identity``, and int arithmetic of one-element tensors (as ``resolve_scalar`` follows it).
     """
     if value is None or depth > _MAX_DEPTH:
         return None
@@ -223,6 +223,14 @@ def resolve_shape_tensor(
             return [source[int(i)] for i in indices]
         except IndexError:
             return None
+    if op in (*_ARITHMETIC, "Div", "Mod") and len(inputs) == 2:
+        # Elementwise on two one-element tensors (torch's exporter computes a length as Max(Sub(Shape, Shape),
+        # c) this way): one element, the value resolve_scalar follows. Other lengths broadcast: not followed.
+        lengths = [_one_element(v, aliases, depth + 1) for v in inputs]
+        if not all(lengths):
+            return None
+        element = resolve_scalar(value, aliases, depth + 1)
+        return [None if element is _UNRESOLVED else element]
     if op == "Slice":
         source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         starts = constant_array(inputs[1]) if len(inputs) > 1 else None
@@ -236,6 +244,15 @@ def resolve_shape_tensor(
         end = min(end, len(source)) if end >= 0 else end
         return source[_normalized_slice(len(source), int(starts.reshape(-1)[0]), end)]
     return None
+
+
+def _one_element(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int) -> bool:
+    """Whether a value is proven to hold exactly one element (a scalar or a tensor of shape [1])."""
+    array = constant_array(value)
+    if array is not None:
+        return array.size == 1
+    shape = resolve_shape_tensor(value, aliases, depth)
+    return shape is not None and len(shape) == 1
 
 
 class _Unresolved:
@@ -288,6 +305,9 @@ def _scalar_leaf(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim
     if producer is None or producer.domain not in ("", "ai.onnx"):
         return _UNRESOLVED
     op, inputs = producer.op_type, producer.inputs
+    if op in ("Shape", "Concat", "Slice"):  # a one-element 1-D tensor of a shape's elements: that element
+        inner = resolve_shape_tensor(value, aliases, depth + 1)
+        return inner[0] if inner is not None and len(inner) == 1 and inner[0] is not None else _UNRESOLVED
     if op in ("Cast", "CastLike", "Identity") and not _keeps_value(producer):
         return _UNRESOLVED  # quasi_affine looks at a Cast to bool
     if op in ("Cast", "CastLike", "Identity", "Squeeze", "Reshape", "Unsqueeze"):
@@ -598,6 +618,8 @@ def _infer_dims(
     if node.domain == _OWN_DOMAIN and node.op_type == "GatedGroupRMSNorm":
         return dims_of(node.inputs[0]) if index == 0 and node.inputs else None
     if node.domain == "com.microsoft":
+        if node.op_type == "GroupQueryAttention":
+            return _group_query_attention_dims(node, index, dims_of)
         same = _CONTRIB_SAME_SHAPE.get(node.op_type, ())
         return dims_of(node.inputs[0]) if index in same and node.inputs else None
     if node.domain not in ("", "ai.onnx") or not node.outputs:
@@ -730,6 +752,28 @@ def _infer_dims(
     if op == "SequenceAt" and len(inputs) > 1:
         return _sequence_at_dims(node, dims_of)
     return None
+
+
+def _group_query_attention_dims(
+    node: ir.Node, index: int, dims_of: Callable[[ir.Value | None], list[Dim] | None]
+) -> list[Dim] | None:
+    """ORT's GroupQueryAttention, its output (not the present key and value): [batch, sequence, num_heads *
+    head_size]. The query is [batch, sequence, num_heads * head_size], or with key and value packed into it
+    (no key input) [batch, sequence, (num_heads + 2 kv_num_heads) * head_size]."""
+    query = dims_of(node.inputs[0]) if index == 0 and node.inputs else None
+    if query is None or len(query) != 3:
+        return None
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        return list(query)
+    heads, kv_heads, width = (
+        node.attributes.get_int("num_heads", 0),
+        node.attributes.get_int("kv_num_heads", 0),
+        query[2],
+    )
+    packed = heads + 2 * kv_heads
+    if heads < 1 or kv_heads < 1 or not isinstance(width, int) or width % packed != 0:
+        return None
+    return [query[0], query[1], heads * (width // packed)]
 
 
 def _sequence_at_dims(node: ir.Node, dims_of: Callable[[ir.Value | None], list[Dim] | None]) -> list[Dim] | None:
