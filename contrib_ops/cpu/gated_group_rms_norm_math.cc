@@ -38,7 +38,8 @@
 // alone allow ~11 cycles a vector, ~1.46 us per 7680-wide row at 3.67 GHz; the gate pass's chains (~36
 // cycles from z's load to the sum of squares) fill the out-of-order window first. Measured: 2.39 us with
 // the two passes one after the other, 2.14 us interleaved (FusedPass), 2.11 us with y z as the numerator,
-// 2.08 us with the shorter denominator chain (SiluTable); see benchmarks/RESULTS.md.
+// 2.08 us with the shorter denominator chain (SiluTable), 1.98 us with a group's fixed cost cut from ~44 to
+// ~28 ns (GatePass, AnyLane); see benchmarks/RESULTS.md.
 //
 // Float32 subnormals (x86): an FP instruction with a subnormal operand (DAZ clear) or a subnormal result
 // (FTZ clear) takes a microcode assist on Intel cores (~150 cycles per instruction; AMD's handle most of
