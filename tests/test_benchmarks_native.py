@@ -8,16 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_kernel_isa import _cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    match = re.search(r"^flags\s*:\s*(.*)$", text, re.MULTILINE)
-    return set(match.group(1).split()) if match else set()
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

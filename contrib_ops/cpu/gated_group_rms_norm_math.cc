@@ -773,9 +773,7 @@ GateSums GateFinish(const char* y, const char* z, int64_t n, GateState<kScaled>&
   float sum = 0.f;
   for (int l = 0; l < kWidth; ++l) sum += state.acc[0][l];
   if constexpr (kScaled == YScaling::kSubnormal) {
-    uint32_t y_bits = 0;
-    for (int l = 0; l < kWidth; ++l) y_bits |= state.y_bits[l];
-    if ((y_bits & 0x7F800000u) != 0) return {sum, false, false, true};
+    if (AnyLane((state.y_bits & 0x7F800000u) != 0u)) return {sum, false, false, true};
   }
   if constexpr (!kWide) {
     const bool wide_z = AnyLane(state.widest > kMaxTableK);  // a NaN compares false

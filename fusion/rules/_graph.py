@@ -226,8 +226,7 @@ def resolve_shape_tensor(
     if op in (*_ARITHMETIC, "Div", "Mod") and len(inputs) == 2:
         # Elementwise on two one-element tensors (torch's exporter computes a length as Max(Sub(Shape, Shape),
         # c) this way): one element, the value resolve_scalar follows. Other lengths broadcast: not followed.
-        lengths = [_one_element(v, aliases, depth + 1) for v in inputs]
-        if not all(lengths):
+        if not all(_one_element(v, aliases, depth + 1) for v in inputs):
             return None
         element = resolve_scalar(value, aliases, depth + 1)
         return [None if element is _UNRESOLVED else element]
