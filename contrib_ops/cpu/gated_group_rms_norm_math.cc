@@ -35,11 +35,12 @@
 // one division, ~19 vector instructions in the gate pass and 5 in the norm pass. On the machine measured
 // (AMD Zen 4: one 512-bit FMA or multiply a cycle; a 512-bit division every 6 cycles, which also takes
 // the multiply pipes ~1.2 cycles more than a multiply does: benchmarks/pipe_floor.cc) the multiply pipes
-// alone allow ~11 cycles a vector, ~1.46 us per 7680-wide row at 3.67 GHz; the gate pass's chains (~36
-// cycles from z's load to the sum of squares) fill the out-of-order window first. Measured: 2.39 us with
-// the two passes one after the other, 2.14 us interleaved (FusedPass), 2.11 us with y z as the numerator,
-// 2.08 us with the shorter denominator chain (SiluTable), 1.98 us with a group's fixed cost cut from ~44 to
-// ~28 ns (GatePass, AnyLane); see benchmarks/RESULTS.md.
+// alone need ~10.2 cycles a vector, 1.33 us per 7680-wide row at 3.67 GHz, and the whole mix ~11, 1.46 us;
+// the gate pass's chains (~36 cycles from z's load to the sum of squares) fill the out-of-order window
+// first. Measured: 2.39 us with the two passes one after the other, 2.14 us interleaved (FusedPass), 2.11 us
+// with y z as the numerator, 2.08 us with the shorter denominator chain (SiluTable), 1.98 us with a group's
+// fixed cost cut from ~44 to ~28 ns (GatePass, AnyLane), 1.90 us with a group's finish inline and its sum a
+// tree (~22 ns a group: GateFinish, SumOfLanes); see benchmarks/RESULTS.md.
 //
 // Float32 subnormals (x86): an FP instruction with a subnormal operand (DAZ clear) or a subnormal result
 // (FTZ clear) takes a microcode assist on Intel cores (~150 cycles per instruction; AMD's handle most of
@@ -325,7 +326,8 @@ MAMBAFUSE_ALWAYS_INLINE bool AnyLane(VI mask) {
 #endif
 }
 
-inline bool AnySubnormal(VU lowest) { return AnyLane(lowest < 0x007FFFFFu); }
+inline VI SubnormalLanes(VU lowest) { return lowest < 0x007FFFFFu; }
+inline bool AnySubnormal(VU lowest) { return AnyLane(SubnormalLanes(lowest)); }
 
 // The gate pass's cheaper probe, two integer operations a vector (over the products y * silu(z), see
 // GateBlock): per lane the lowest (unsigned) of bits | sign bit, below 0x80800000 when some value was a
@@ -341,7 +343,8 @@ inline VU NoteZeroOrSubnormal(VU lowest, VF v) {
 #endif
 }
 
-inline bool AnyZeroOrSubnormal(VU lowest) { return AnyLane(lowest < 0x80800000u); }
+inline VI ZeroOrSubnormalLanes(VU lowest) { return lowest < 0x80800000u; }
+inline bool AnyZeroOrSubnormal(VU lowest) { return AnyLane(ZeroOrSubnormalLanes(lowest)); }
 
 // Only float32 and bfloat16 inputs widen to a float32 subnormal (a float16 subnormal is a normal float).
 constexpr bool MayBeSubnormal(ElemType t) { return kSubnormalsAsIntegers && t != ElemType::kFloat16; }
@@ -766,12 +769,42 @@ void GateRest(const char* y, const char* z, float* __restrict gated, int64_t j, 
   }
 }
 
-// The group's sum of h^2 and what the probes found.
-template <ElemType Y, ElemType Z, YScaling kScaled, bool kWide>
-GateSums GateFinish(const char* y, const char* z, int64_t n, GateState<kScaled>& state) {
-  for (int k = 1; k < kUnroll; ++k) state.acc[0] += state.acc[k];
+// The sum of every lane of the kUnroll accumulators as a tree, the vectors pairwise and then halves of
+// the width: ~6 dependent additions where a sum lane by lane took kUnroll - 1 + kWidth (18 on AVX-512),
+// on the path from a group's last vector to the next group's 1/rms (and to the checks below).
+MAMBAFUSE_ALWAYS_INLINE float SumOfLanes(const VF (&acc)[kUnroll]) {
+  VF v[kUnroll];
+  for (int k = 0; k < kUnroll; ++k) v[k] = acc[k];
+  for (int half = kUnroll / 2; half >= 1; half /= 2) {
+    for (int k = 0; k < half; ++k) v[k] += v[k + half];
+  }
+#if defined(MAMBAFUSE_MXCSR)
+#if defined(__AVX512F__)
+  const __m512 whole = reinterpret_cast<__m512>(v[0]);
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(whole),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(whole), 1)));
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+#elif defined(__AVX2__)
+  const __m256 whole = reinterpret_cast<__m256>(v[0]);
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(whole), _mm256_extractf128_ps(whole, 1));
+#else
+  const __m128 four = reinterpret_cast<__m128>(v[0]);
+#endif
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+#elif defined(__aarch64__)
+  return vaddvq_f32(reinterpret_cast<float32x4_t>(v[0]));
+#else
   float sum = 0.f;
-  for (int l = 0; l < kWidth; ++l) sum += state.acc[0][l];
+  for (int l = 0; l < kWidth; ++l) sum += v[0][l];
+  return sum;
+#endif
+}
+
+// What the probes found, given the group's sum of h^2 (GateFinish): called where a probe saw something.
+template <ElemType Y, ElemType Z, YScaling kScaled, bool kWide>
+__attribute__((noinline)) GateSums GateChecks(const char* y, const char* z, int64_t n, GateState<kScaled>& state,
+                                              float sum) {
   if constexpr (kScaled == YScaling::kSubnormal) {
     if (AnyLane((state.y_bits & 0x7F800000u) != 0u)) return {sum, false, false, true};
   }
@@ -784,6 +817,23 @@ GateSums GateFinish(const char* y, const char* z, int64_t n, GateState<kScaled>&
   const bool maybe = AnyZeroOrSubnormal(state.lowest) || !std::isfinite(sum);
   const bool subnormal = AnySubnormal(state.exact_lowest) || (maybe && SubnormalInput<Y, Z, kScaled>(y, z, n));
   return {sum, subnormal};
+}
+
+// The group's sum of h^2 and what the probes found. Where none found anything (a group of the fast path,
+// nearly always) one vector test says so, inline: the calls of GateChecks for every group and their checks
+// lane group by lane group were ~13 ns of a group's ~29 (AVX-512, Zen 4).
+template <ElemType Y, ElemType Z, YScaling kScaled, bool kWide>
+MAMBAFUSE_ALWAYS_INLINE GateSums GateFinish(const char* y, const char* z, int64_t n, GateState<kScaled>& state) {
+  const float sum = SumOfLanes(state.acc);
+  if constexpr (kScaled == YScaling::kNone) {
+    VI found = VI{};
+    if constexpr (!kWide) found |= state.widest > kMaxTableK;  // a NaN compares false
+    if constexpr (kSubnormalsAsIntegers) {
+      found |= ZeroOrSubnormalLanes(state.lowest) | SubnormalLanes(state.exact_lowest);
+    }
+    if (__builtin_expect(!AnyLane(found) && std::isfinite(sum), 1)) return {sum, false};
+  }
+  return GateChecks<Y, Z, kScaled, kWide>(y, z, n, state, sum);
 }
 
 // h = round(G, y * silu(z)) into `gated`, and the sum of h^2 (see GateBlock for kScaled and kWide). Not
