@@ -328,6 +328,8 @@ MAMBAFUSE_ALWAYS_INLINE bool AnyLane(VI mask) {
 
 inline VI SubnormalLanes(VU lowest) { return lowest < 0x007FFFFFu; }
 inline bool AnySubnormal(VU lowest) { return AnyLane(SubnormalLanes(lowest)); }
+// Lanes whose bits have an exponent bit set (an OR of values' bits: some value was neither zero nor subnormal).
+inline VI NormalLanes(VU bits) { return (bits & 0x7F800000u) != 0u; }
 
 // The gate pass's cheaper probe, two integer operations a vector (over the products y * silu(z), see
 // GateBlock): per lane the lowest (unsigned) of bits | sign bit, below 0x80800000 when some value was a
@@ -806,7 +808,7 @@ template <ElemType Y, ElemType Z, YScaling kScaled, bool kWide>
 __attribute__((noinline)) GateSums GateChecks(const char* y, const char* z, int64_t n, GateState<kScaled>& state,
                                               float sum) {
   if constexpr (kScaled == YScaling::kSubnormal) {
-    if (AnyLane((state.y_bits & 0x7F800000u) != 0u)) return {sum, false, false, true};
+    if (AnyLane(NormalLanes(state.y_bits))) return {sum, false, false, true};
   }
   if constexpr (!kWide) {
     const bool wide_z = AnyLane(state.widest > kMaxTableK);  // a NaN compares false
@@ -819,20 +821,17 @@ __attribute__((noinline)) GateSums GateChecks(const char* y, const char* z, int6
   return {sum, subnormal};
 }
 
-// The group's sum of h^2 and what the probes found. Where none found anything (a group of the fast path,
-// nearly always) one vector test says so, inline: the calls of GateChecks for every group and their checks
-// lane group by lane group were ~13 ns of a group's ~29 (AVX-512, Zen 4).
+// The group's sum of h^2 and what the probes found. Where none found anything (nearly always: a group that
+// stands) one vector test says so, inline: the calls of GateChecks for every group and their checks one
+// after another were ~13 ns of a group's ~29 (AVX-512, Zen 4).
 template <ElemType Y, ElemType Z, YScaling kScaled, bool kWide>
 MAMBAFUSE_ALWAYS_INLINE GateSums GateFinish(const char* y, const char* z, int64_t n, GateState<kScaled>& state) {
   const float sum = SumOfLanes(state.acc);
-  if constexpr (kScaled == YScaling::kNone) {
-    VI found = VI{};
-    if constexpr (!kWide) found |= state.widest > kMaxTableK;  // a NaN compares false
-    if constexpr (kSubnormalsAsIntegers) {
-      found |= ZeroOrSubnormalLanes(state.lowest) | SubnormalLanes(state.exact_lowest);
-    }
-    if (__builtin_expect(!AnyLane(found) && std::isfinite(sum), 1)) return {sum, false};
-  }
+  VI found = VI{};
+  if constexpr (kScaled == YScaling::kSubnormal) found |= NormalLanes(state.y_bits);
+  if constexpr (!kWide) found |= state.widest > kMaxTableK;  // a NaN compares false
+  if constexpr (kSubnormalsAsIntegers) found |= ZeroOrSubnormalLanes(state.lowest) | SubnormalLanes(state.exact_lowest);
+  if (__builtin_expect(!AnyLane(found) && std::isfinite(sum), 1)) return {sum, false};
   return GateChecks<Y, Z, kScaled, kWide>(y, z, n, state, sum);
 }
 
