@@ -345,8 +345,8 @@ def test_subnormal_inputs_with_normal_outputs(subnormal_input: str, y_type: int,
     their bits (a zero for them fails the budget by far). y: tiny normal y (h^2 ~ 1e-20, so nf ~ 1/sqrt(eps))
     around subnormal ones, outputs ~1e-37. z: y ~ 1e22 with gates of -30 around subnormal gates in
     [2^-127, 2^-126) (silu(z) ~ z/2 keeps 22 bits there; h ~ 1e-17), outputs ~1e-28. Group sizes: 96 ends in
-    a partial block of the unrolled loop at every width (a tail probed element by element), 128 does not (the
-    loop's own probe of the products must notice them)."""
+    a partial block of AVX-512's unrolled loop (a tail probed element by element), 128 ends in none at any
+    width (the loop's own probe of the products must notice them)."""
     rng = np.random.default_rng([29, len(subnormal_input), y_type])
     y, z, w = random_inputs(rng, (4, 2 * group_size), FLOAT, FLOAT, FLOAT)
     pick = np.zeros(y.shape, bool)

@@ -521,6 +521,8 @@ constexpr bool kExpTable = true;
 #endif
 constexpr int kExpTableSize = kWidth == 8 ? 8 : 2 * kWidth;  // N: one vector of entries on AVX2, else two
 constexpr float kMaxTableK = 86.f * kExpTableSize / 0.693147180559945309f;  // |k| above it is not served
+// Lanes of SiluTable's largest |k| that it does not serve (a NaN compares false: NaN k are passed over).
+inline VI UnservedLanes(VF widest) { return widest > kMaxTableK; }
 
 #if defined(__AVX512F__)
 // bits(2^(j/32)) - (j << 18), j = 0..31, 2^(j/32) rounded to nearest float.
@@ -811,7 +813,7 @@ __attribute__((noinline)) GateSums GateChecks(const char* y, const char* z, int6
     if (AnyLane(NormalLanes(state.y_bits))) return {sum, false, false, true};
   }
   if constexpr (!kWide) {
-    const bool wide_z = AnyLane(state.widest > kMaxTableK);  // a NaN compares false
+    const bool wide_z = AnyLane(UnservedLanes(state.widest));
     // A sum that is not finite: y z may have overflowed where y silu(z) does not; SiluWide's order decides.
     if (wide_z || !std::isfinite(sum)) return {sum, false, true};
   }
@@ -829,7 +831,7 @@ MAMBAFUSE_ALWAYS_INLINE GateSums GateFinish(const char* y, const char* z, int64_
   const float sum = SumOfLanes(state.acc);
   VI found = VI{};
   if constexpr (kScaled == YScaling::kSubnormal) found |= NormalLanes(state.y_bits);
-  if constexpr (!kWide) found |= state.widest > kMaxTableK;  // a NaN compares false
+  if constexpr (!kWide) found |= UnservedLanes(state.widest);
   if constexpr (kSubnormalsAsIntegers) found |= ZeroOrSubnormalLanes(state.lowest) | SubnormalLanes(state.exact_lowest);
   if (__builtin_expect(!AnyLane(found) && std::isfinite(sum), 1)) return {sum, false};
   return GateChecks<Y, Z, kScaled, kWide>(y, z, n, state, sum);
