@@ -5,7 +5,7 @@ the model-local function's stock-op body: ``contrib_ops.session`` leaves the lib
 CoreML is the preferred provider, ONNX Runtime inlines the function (before its level-1 optimizations and
 partitioning), and CoreML can take the inlined ops. This onnxruntime has no CoreML provider, so the tests
 check the decision, the fallback numerics (the inlined body on the CPU provider, against
-fusion/reference.py at the budget), and which inlined ops CoreML would refuse, from the supported-op list
+fusion/reference/gated_group_rms_norm.py at the budget), and which inlined ops CoreML would refuse, from the supported-op list
 this onnxruntime wheel ships and the constraints of ONNX Runtime's CoreML op builders (contrib_ops/APPLE.md).
 """
 
@@ -242,7 +242,7 @@ def coreml_refusals(model: onnx.ModelProto, supported: dict[str, str]) -> dict[s
     return refusals
 
 
-#: What CoreML would refuse in the inlined body of fusion/function.py today (contrib_ops/APPLE.md,
+#: What CoreML would refuse in the inlined body of fusion/function/gated_group_rms_norm.py today (contrib_ops/APPLE.md,
 #: "CoreML"). Update both when the body changes.
 CURRENT_BODY_REFUSALS = {
     "A-f32-static": {},

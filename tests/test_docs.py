@@ -1,7 +1,7 @@
 """The docs say what the code does, and never point outside the repository.
 
-- docs/op.md's attribute table against the reference (``fusion/reference.py``), the model-local function
-  (``fusion/function.py``) and the kernel library (a one-node model per default); its formula against the
+- docs/op.md's attribute table against the reference (``fusion/reference/gated_group_rms_norm.py``), the model-local function
+  (``fusion/function/gated_group_rms_norm.py``) and the kernel library (a one-node model per default); its formula against the
   reference's docstring; its accuracy constants against ``budget_report``'s.
 - docs/forms.md's per-exporter table against the fixtures' manifest (what the exports contain), its forms
   against the rule's classifier, and every refusal reason it quotes against the rule modules' messages.
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import json
 import re
@@ -24,8 +25,12 @@ import onnxruntime as ort
 import pytest
 
 import contrib_ops
-from fusion import function, reference
 from fusion.reference import DOMAIN, OP_TYPE, bfloat16
+
+# The op's modules (the packages re-export its names, so the attribute ``fusion.reference.gated_group_rms_norm``
+# is the reference function, not the module).
+reference = importlib.import_module("fusion.reference.gated_group_rms_norm")
+function = importlib.import_module("fusion.function.gated_group_rms_norm")
 
 ROOT = Path(__file__).resolve().parent.parent
 OP_DOC = ROOT / "docs" / "op.md"

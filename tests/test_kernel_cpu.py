@@ -1,4 +1,4 @@
-"""The CPU kernel of ai.mambafuse::GatedGroupRMSNorm against fusion/reference.py (docs/op.md)."""
+"""The CPU kernel of ai.mambafuse::GatedGroupRMSNorm against fusion/reference/gated_group_rms_norm.py (docs/op.md)."""
 
 from __future__ import annotations
 

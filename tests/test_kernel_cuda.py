@@ -1,4 +1,4 @@
-"""The CUDA kernel of ai.mambafuse::GatedGroupRMSNorm against fusion/reference.py (docs/op.md, §3).
+"""The CUDA kernel of ai.mambafuse::GatedGroupRMSNorm against fusion/reference/gated_group_rms_norm.py (docs/op.md, §3).
 
 Needs onnxruntime with the CUDA execution provider, a GPU, and the library built with -DMAMBAFUSE_CUDA=ON
 (point $MAMBAFUSE_LIBRARY at it). Every session here forbids CPU fallback, so a library without the CUDA

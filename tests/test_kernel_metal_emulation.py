@@ -1,4 +1,4 @@
-"""The Metal kernel's logic, emulated on the CPU, against fusion/reference.py (docs/op.md).
+"""The Metal kernel's logic, emulated on the CPU, against fusion/reference/gated_group_rms_norm.py (docs/op.md).
 
 contrib_ops/metal/gated_group_rms_norm.metal is compiled as C++ with the host compiler through
 contrib_ops/metal/msl_shim.h: address spaces and attributes vanish, half/bfloat are exact RNE storage

@@ -22,7 +22,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from fusion.reference import DOMAIN, OP_TYPE
+from fusion.reference.gated_group_rms_norm import DOMAIN, OP_TYPE
 
 #: The op's opset version in the ``ai.mambafuse`` domain (docs/op.md).
 OPSET_VERSION = 1
