@@ -5,7 +5,7 @@ the model-local function's stock-op body: ``contrib_ops.session`` leaves the lib
 CoreML is the preferred provider, ONNX Runtime inlines the function (before its level-1 optimizations and
 partitioning), and CoreML can take the inlined ops. This onnxruntime has no CoreML provider, so the tests
 check the decision, the fallback numerics (the inlined body on the CPU provider, against
-fusion/reference/gated_group_rms_norm.py at the budget), and which inlined ops CoreML would refuse, from the supported-op list
+the reference at the budget), and which inlined ops CoreML would refuse, from the supported-op list
 this onnxruntime wheel ships and the constraints of ONNX Runtime's CoreML op builders (contrib_ops/APPLE.md).
 """
 

@@ -1,8 +1,8 @@
 """The docs say what the code does, and never point outside the repository.
 
-- docs/op.md's attribute table against the reference (``fusion/reference/gated_group_rms_norm.py``), the model-local function
-  (``fusion/function/gated_group_rms_norm.py``) and the kernel library (a one-node model per default); its formula against the
-  reference's docstring; its accuracy constants against ``budget_report``'s.
+- docs/op.md's attribute table against the reference (``fusion/reference/gated_group_rms_norm.py``), the
+  model-local function (``fusion/function/gated_group_rms_norm.py``) and the kernel library (a one-node model per
+  default); its formula against the reference's docstring; its accuracy constants against ``budget_report``'s.
 - docs/forms.md's per-exporter table against the fixtures' manifest (what the exports contain), its forms
   against the rule's classifier, and every refusal reason it quotes against the rule modules' messages.
 - README.md and docs/: links resolve to files in the repository; nothing refers to files that are not

@@ -1,4 +1,4 @@
-"""The CPU math core on AArch64 (NEON, as on Apple silicon) against fusion/reference/gated_group_rms_norm.py (docs/op.md).
+"""The CPU math core on AArch64 (NEON, as on Apple silicon) against the reference (docs/op.md).
 
 The standalone program contrib_ops/tests/kernel_golden_test.cc links the math core without ONNX Runtime.
 On Linux x86-64 it is cross-compiled (static) with aarch64-linux-gnu-g++ and run under qemu-aarch64; on an
