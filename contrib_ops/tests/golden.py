@@ -4,7 +4,7 @@
 kernel) without ONNX Runtime, so it runs where the library cannot: cross-compiled for AArch64 under
 qemu, under sanitizers, on a Mac's GPU. This module is its other half:
 
-- ``write_cases(directory, cases)`` draws seeded inputs, evaluates ``fusion/reference/gated_group_rms_norm.py`` in float64 and
+- ``write_cases(directory, cases)`` draws seeded inputs, evaluates the reference in float64 and
   writes ``cases.txt`` plus raw little-endian ``<name>.y/.z/.w/.expected`` files (nothing is committed);
 - the program writes ``<name>.out``; ``check_case`` applies the accuracy budget of docs/op.md
   (``budget_report``) and, for edge cases, that NaN/Inf stay inside their own group.
