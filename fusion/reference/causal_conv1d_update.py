@@ -1,0 +1,234 @@
+"""Numpy reference of ``ai.mambafuse::CausalConv1dUpdate`` — the executable form of
+docs/causal_conv1d_update.md.
+
+The causal depthwise convolution of a Mamba-2 mixer, advanced by L new columns, for every batch row b and
+channel c, with T = x's type and round_T the rounding of a float32 value to T (a no-op for float)::
+
+    window  = concat(conv_state[b,c,:], x[b,c,:])          # S + L columns
+    present = window[L:]                                   # present_state: the last S columns
+    for t in 0 .. L-1:
+        v = round_T(sum_k f32(w[c,k]) * f32(window[S-K+1+t+k]) + f32(bias[c]))   # the Conv's one rounding
+        y[t] = activation == "silu" ? round_T(v * round_T(sigmoid(v))) : v     # Sigmoid, then Mul
+
+These are the rounding points of transformers' ``causal_conv1d_update`` torch fallback as exported
+(a Conv, then Sigmoid and Mul); causal-conv1d's CUDA kernel accumulates in float32 the same way.
+
+``compute_dtype=np.float32`` mirrors the kernels; ``np.float64`` gives the float64 evaluation with the same
+rounding points. ``budget_report`` checks a result against the accuracy budget (``budget_bounds``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from onnx.reference.op_run import OpRun
+
+from fusion.reference._bounds import (
+    TINY32,
+    TRANSCENDENTAL_ERROR,
+    U32,
+    check_dtype,
+    check_within,
+    mul_interval,
+    round_interval,
+    round_to,
+)
+
+DOMAIN = "ai.mambafuse"
+OP_TYPE = "CausalConv1dUpdate"
+ACTIVATIONS = ("silu", "none")
+
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+
+
+def check_inputs(
+    x: np.ndarray,
+    conv_state: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None,
+    activation: str = "silu",
+) -> tuple[int, int, int, int, int]:
+    """Return (batch, channels, new columns L, state length S, kernel width K), or raise ValueError.
+
+    The kernels' conditions: x (B, C, L) with L >= 1, conv_state (B, C, S), weight (C, 1, K) or (C, K)
+    with K >= 1 and S >= K - 1, bias (C); all of one type T; activation "silu" or "none".
+    """
+    t = check_dtype("x", x, OP_TYPE)
+    if x.ndim != 3:
+        raise ValueError(f"{OP_TYPE}: x must be (B, C, L), got shape {list(x.shape)}")
+    batch, channels, new = x.shape
+    if new < 1:
+        raise ValueError(f"{OP_TYPE}: x must have at least one new column (L >= 1), got L = {new}")
+    if conv_state.ndim != 3 or conv_state.shape[:2] != (batch, channels):
+        raise ValueError(
+            f"{OP_TYPE}: conv_state must have shape [{batch}, {channels}, S], got {list(conv_state.shape)}"
+        )
+    if weight.ndim == 3 and weight.shape[1] == 1:
+        weight = weight[:, 0, :]
+    if weight.ndim != 2 or weight.shape[0] != channels or weight.shape[1] < 1:
+        raise ValueError(
+            f"{OP_TYPE}: weight must have shape [{channels}, 1, K] or [{channels}, K], got {list(weight.shape)}"
+        )
+    width, state_len = weight.shape[1], conv_state.shape[2]
+    if state_len < width - 1:
+        raise ValueError(f"{OP_TYPE}: conv_state holds S = {state_len} columns, fewer than K - 1 = {width - 1}")
+    if bias is not None and bias.shape != (channels,):
+        raise ValueError(f"{OP_TYPE}: bias must have shape [{channels}], got {list(bias.shape)}")
+    for name, arr in (("conv_state", conv_state), ("weight", weight), ("bias", bias)):
+        if arr is not None and arr.dtype != t:
+            raise ValueError(f"{OP_TYPE}: {name} must have x's type {t}, got {arr.dtype}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{OP_TYPE}: activation must be 'silu' or 'none', got {activation!r}")
+    return batch, channels, new, state_len, width
+
+
+def _windows(window: np.ndarray, state_len: int, width: int, new: int) -> np.ndarray:
+    """Return (B, C, L, K): for output column t, the K window columns S - K + 1 + t .. S + t."""
+    start = state_len - width + 1
+    return np.stack([window[:, :, start + t : start + t + width] for t in range(new)], axis=2)
+
+
+def _sigmoid(v: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(v))  # never overflows
+    return np.where(v >= 0, 1 / (1 + e), e / (1 + e)).astype(v.dtype)
+
+
+def causal_conv1d_update(
+    x: np.ndarray,
+    conv_state: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None = None,
+    *,
+    activation: str = "silu",
+    compute_dtype: np.dtype | type = np.float32,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``(y, present_state)`` of ``CausalConv1dUpdate`` as the module docstring defines it.
+
+    Raises ValueError for any input the op rejects (``check_inputs``). NaN and Inf propagate.
+    """
+    x, conv_state, weight = np.asarray(x), np.asarray(conv_state), np.asarray(weight)
+    bias = None if bias is None else np.asarray(bias)
+    _, channels, new, state_len, width = check_inputs(x, conv_state, weight, bias, activation)
+    t, cd = x.dtype, np.dtype(compute_dtype)
+    if cd not in (_F32, _F64):
+        raise ValueError(f"compute_dtype must be float32 or float64, got {cd}")
+
+    def r_t(v: np.ndarray) -> np.ndarray:
+        return round_to(v, t) if cd == _F64 else v.astype(t).astype(cd)
+
+    window = np.concatenate([conv_state, x], axis=-1)
+    w = weight.reshape(channels, width).astype(cd)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        acc = np.sum(_windows(window, state_len, width, new).astype(cd) * w[None, :, None, :], axis=-1, dtype=cd)
+        if bias is not None:
+            acc = acc + bias.astype(cd)[None, :, None]
+        v = r_t(acc)
+        y = r_t(v * r_t(_sigmoid(v))) if activation == "silu" else v
+    return y.astype(t), window[:, :, new:].copy()
+
+
+def budget_bounds(
+    x: np.ndarray,
+    conv_state: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None = None,
+    *,
+    activation: str = "silu",
+    transcendental_error: float = TRANSCENDENTAL_ERROR,
+    sigmoid_abs_error: float = 0.0,
+) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Return ``{"y": (reference, lo, hi), "present_state": (reference, lo, hi)}``, float64 arrays.
+
+    The convolution's sum (K products and the bias, any order, FMA or not) may err by (K + 1) float32 unit
+    roundoffs times the sum of its terms' magnitudes; the sigmoid by ``transcendental_error`` (relative)
+    plus ``sigmoid_abs_error`` (absolute; 0 for the kernels — an implementation whose sigmoid is accurate
+    only in absolute terms states its own). Roundings to T map the interval's ends, so values near a tie
+    may land on either neighbour. present_state is a copy: lo = hi = the reference.
+    """
+    x, conv_state, weight = np.asarray(x), np.asarray(conv_state), np.asarray(weight)
+    bias = None if bias is None else np.asarray(bias)
+    _, channels, new, state_len, width = check_inputs(x, conv_state, weight, bias, activation)
+    point_y, present = causal_conv1d_update(
+        x, conv_state, weight, bias, activation=activation, compute_dtype=np.float64
+    )
+    t = x.dtype
+    window = np.concatenate([conv_state, x], axis=-1).astype(np.float64)
+    w = weight.reshape(channels, width).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+        terms = _windows(window, state_len, width, new) * w[None, :, None, :]
+        acc = terms.sum(axis=-1)
+        magnitude = np.abs(terms).sum(axis=-1)
+        if bias is not None:
+            b = bias.astype(np.float64)[None, :, None]
+            acc, magnitude = acc + b, magnitude + np.abs(b)
+        slack = (width + 1) * (U32 * magnitude + 2 * TINY32)
+        v_lo, v_hi = round_interval(acc - slack, acc + slack, _F32, t)
+        if activation == "silu":
+            e, abs_e = transcendental_error, sigmoid_abs_error + 4 * TINY32
+            sg_lo = np.maximum(_sigmoid(v_lo) * (1 - e) - abs_e, 0.0)
+            sg_hi = np.minimum(_sigmoid(v_hi) * (1 + e) + abs_e, 1.0)
+            sg_lo, sg_hi = round_interval(sg_lo, sg_hi, _F32, t)
+            y_lo, y_hi = round_interval(*mul_interval(v_lo, v_hi, sg_lo, sg_hi), _F32, t)
+        else:
+            y_lo, y_hi = v_lo, v_hi
+    state64 = present.astype(np.float64)
+    return {"y": (point_y.astype(np.float64), y_lo, y_hi), "present_state": (state64, state64, state64)}
+
+
+def budget_report(
+    y: np.ndarray,
+    present_state: np.ndarray,
+    x: np.ndarray,
+    conv_state: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None = None,
+    *,
+    activation: str = "silu",
+    transcendental_error: float = TRANSCENDENTAL_ERROR,
+    sigmoid_abs_error: float = 0.0,
+) -> tuple[bool, str]:
+    """Return (within budget, message) for a kernel's ``y`` and ``present_state`` on these inputs.
+
+    y must lie element by element in the intervals of ``budget_bounds`` (NaN exactly where the float64
+    reference has NaN, infinities equal); present_state must equal the reference bit for bit (NaN where
+    it has NaN).
+    """
+    bounds = budget_bounds(
+        x,
+        conv_state,
+        weight,
+        bias,
+        activation=activation,
+        transcendental_error=transcendental_error,
+        sigmoid_abs_error=sigmoid_abs_error,
+    )
+    lines, total = [], 0
+    for name, actual in (("y", y), ("present_state", present_state)):
+        actual = np.asarray(actual)
+        point, lo, hi = bounds[name]
+        if actual.shape != point.shape or actual.dtype != np.asarray(x).dtype:
+            return False, f"{name}: shape/dtype {actual.shape} {actual.dtype} != expected {point.shape} {x.dtype}"
+        count, line = check_within(name, actual, point, lo, hi)
+        total += count
+        lines.append(line)
+    return total == 0, "; ".join(lines)
+
+
+class CausalConv1dUpdate(OpRun):
+    """``onnx.reference`` implementation, so ``ReferenceEvaluator`` runs fused models."""
+
+    op_domain = DOMAIN
+
+    def _run(  # type: ignore[override]
+        self,
+        x: np.ndarray,
+        conv_state: np.ndarray,
+        weight: np.ndarray,
+        bias: np.ndarray | None = None,
+        activation: str | bytes | None = None,
+    ) -> tuple[Any, Any]:
+        if isinstance(activation, bytes):
+            activation = activation.decode()
+        return causal_conv1d_update(x, conv_state, weight, bias, activation=activation or "silu")
