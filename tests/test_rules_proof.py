@@ -263,12 +263,13 @@ def test_width_proven_by_shape_arithmetic() -> None:
     y = next(v for node in ir_model.graph for v in node.outputs if v.name == "y")
     assert y.shape is None  # nothing declared: the proof comes from the graph alone
     assert forward_dims(y) == [1, "seq", 64]
-    # an expression that is not the same for every length is not proven
+    # an expression that is not the same for every length is not proven: the width is unknown (the rank
+    # and the other dims are the target's wherever the Reshape runs)
     graph.node.remove(next(n for n in graph.node if n.output[0] == "kept"))
     graph.node.insert(0, onnx.helper.make_node("Min", ["s", "c16"], ["kept"]))
     ir_model = ir.from_proto(model)
     y = next(v for node in ir_model.graph for v in node.outputs if v.name == "y")
-    assert forward_dims(y) is None
+    assert forward_dims(y) == [1, "seq", None]
 
 
 def test_assume_equal_widths_drops_the_guard_and_rejects_width_one_loudly() -> None:
@@ -359,3 +360,132 @@ def test_leading_dims_declared_only_on_an_intermediate_y_are_not_evidence() -> N
     assert report.fused == 1, report.summary()
     feeds = _rows_apart_feeds(y_name="y_in", x_width=1)
     _assert_same_as_original(model, fused, feeds)
+
+
+# --- an element the rule cannot follow, pinned by the element count (whole-model dynamo exports) --------
+
+CHUNK = 8
+
+
+def _padded_element(model: onnx.ModelProto, name: str, factor: int) -> None:
+    """Replace the one-element int initializer ``name`` by torch's ``(factor * 8 * ceil(L / 8)) // L`` made 1-D,
+    L from Shape(y)[1]: the group count (or width) a dynamo whole-model export writes from the SSD's padded
+    length. It is ``factor`` at every multiple of 8 and at some other lengths, and no expression of L."""
+    graph = model.graph
+    kept = [t for t in graph.initializer if t.name != name]
+    assert len(kept) == len(graph.initializer) - 1, name
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    ints = {f"{name}_c": CHUNK, f"{name}_f": factor * CHUNK, f"{name}_m1": -1}
+    graph.initializer.extend(onnx.numpy_helper.from_array(np.array(v, np.int64), k) for k, v in ints.items())
+    graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1], np.int64), f"{name}_flat"))
+    make = onnx.helper.make_node
+    c, p = f"{name}_c", name
+    nodes = [
+        make("Shape", ["y"], [f"{p}_s1"], start=1, end=2),
+        make("Squeeze", [f"{p}_s1"], [f"{p}_s"]),
+        make("Mod", [f"{p}_s", c], [f"{p}_r"]),
+        make("Mul", [f"{name}_m1", f"{p}_r"], [f"{p}_nr"]),
+        make("Add", [c, f"{p}_nr"], [f"{p}_pad0"]),
+        make("Mod", [f"{p}_pad0", c], [f"{p}_pad"]),
+        make("Add", [f"{p}_s", f"{p}_pad"], [f"{p}_padded"]),
+        make("Div", [f"{p}_padded", c], [f"{p}_chunks"]),
+        make("Mul", [f"{name}_f", f"{p}_chunks"], [f"{p}_total"]),
+        make("Div", [f"{p}_total", f"{p}_s"], [f"{p}_scalar"]),
+        make("Reshape", [f"{p}_scalar", f"{name}_flat"], [name]),
+    ]
+    for node in reversed(nodes):
+        graph.node.insert(0, node)
+    del graph.value_info[:]
+
+
+def _padded_chain(target: tuple[int | str, ...], unknown: dict[int, int], restore_factor: int | None = None):
+    """A chain on y [1, L, C] whose group target is ``target`` with element i replaced by the padded-length
+    element of factor ``unknown[i]`` (and the second Reshape's last element too, when ``restore_factor``)."""
+    spec = ChainSpec(leading=(1, "L"), shape_as="dynamic", group_target=target)
+    model = build_chain(spec)
+    for index, factor in unknown.items():
+        _padded_element(model, f"group_target_{index}", factor)
+    if restore_factor is not None:
+        _padded_element(model, "tail_out", restore_factor)
+    onnx.checker.check_model(model)
+    return spec, model
+
+
+def _runs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> bool:
+    try:
+        _outputs(model, feeds, use_library=False)
+    except Exception:
+        return False
+    return True
+
+
+def _assert_same_where_the_original_runs(spec: ChainSpec, model: onnx.ModelProto, fused: onnx.ModelProto) -> None:
+    """Parity at every length 1..24 at which the original runs: each multiple of 8, and some others."""
+    ran = []
+    for length in range(1, 25):
+        feeds = chain_inputs(spec, leading=(1, length))
+        if _runs(model, feeds):
+            _assert_same_as_original(model, fused, feeds)
+            ran.append(length)
+    assert {8, 16, 24} <= set(ran) and len(ran) < 24, ran  # the element is no constant: it fails somewhere
+
+
+@pytest.mark.parametrize("restore", [False, True], ids=["restore-C", "restore-padded"])
+def test_padded_group_count_between_proven_rows_and_a_constant_group_size_fuses(restore: bool) -> None:
+    """[B, L, (8 * G * ceil(L / 8)) // L, gs] (issue 25's target): the interior element is unknown, the
+    rows are y's and gs divides C, so every group is gs consecutive channels of one row."""
+    spec, model = _padded_chain(("L0", "L1", 0, GROUP_SIZE), {2: GROUPS}, CHANNELS if restore else None)
+    fused, report = rewrite_model(model)
+    assert report.fused == 1, report.summary()
+    assert report.fused_chains[0]["group_size"] == GROUP_SIZE
+    # the restore is proven y's shape: no Reshape is kept after the fused node
+    assert not [n for n in fused.graph.node if n.op_type == "Reshape" and n.input[0].startswith("gated")]
+    _assert_same_where_the_original_runs(spec, model, fused)
+
+
+def test_padded_last_element_after_proven_rows_and_groups_is_pinned_to_c_over_g() -> None:
+    """[B, L, G, unknown]: the node runs only where B * L * G * last = B * L * C, i.e. last = C / G."""
+    spec, model = _padded_chain(("L0", "L1", GROUPS, 0), {3: GROUP_SIZE})
+    fused, report = rewrite_model(model)
+    assert report.fused == 1, report.summary()
+    assert report.fused_chains[0]["group_size"] == GROUP_SIZE
+    _assert_same_where_the_original_runs(spec, model, fused)
+
+
+@pytest.mark.parametrize(
+    ("target", "unknown", "reason"),
+    [
+        # the unknown where a row dim belongs: its groups could take channels of several rows
+        (("L0", 0, GROUPS, -1), {1: 1}, "could span rows"),
+        ((0, "L1", GROUPS, 0), {0: 1, 3: GROUP_SIZE}, "could span rows"),
+        # two elements left to the element count: the unknown and a -1, or two unknowns
+        (("L0", "L1", 0, -1), {2: GROUPS}, "does not prove the group size"),
+        (("L0", "L1", 0, 0), {2: GROUPS, 3: GROUP_SIZE}, "does not prove the group size"),
+        # leading elements that are not y's leading dims
+        ((GROUPS, 0), {1: GROUP_SIZE}, "could span rows"),
+        (("L1", GROUPS, 0), {2: GROUP_SIZE}, "could span rows"),
+        (("L1", "L0", GROUPS, 0), {3: GROUP_SIZE}, "could span rows"),
+    ],
+)
+def test_unknown_elements_that_the_element_count_does_not_pin_are_refused(
+    target: tuple[int | str, ...], unknown: dict[int, int], reason: str
+) -> None:
+    _, model = _padded_chain(target, unknown)
+    fused, report = rewrite_model(model)
+    assert report.fused == 0, report.summary()
+    assert reason in report.refused[0][1], report.refused
+    assert fused.SerializeToString() == model.SerializeToString()
+
+
+def test_unknown_restore_element_beside_unproven_rows_is_refused() -> None:
+    """The second Reshape [L1, L0, unknown] on y [1, L, C]: no element is pinned (its rows are not y's) and
+    it does not end in C, so neither the proof nor the kept-Reshape path applies."""
+    spec = ChainSpec(leading=(1, "L"), shape_as="dynamic")
+    model = build_chain(spec)
+    concat = next(n for n in model.graph.node if n.op_type == "Concat" and "tail_out" in n.input)
+    concat.input[0], concat.input[1] = concat.input[1], concat.input[0]
+    _padded_element(model, "tail_out", CHANNELS)
+    fused, report = rewrite_model(model)
+    assert report.fused == 0, report.summary()
+    assert "does not provably restore" in report.refused[0][1], report.refused

@@ -195,13 +195,15 @@ def resolve_shape_tensor(
         return [dim for part in parts for dim in part]  # type: ignore[union-attr]
     if op == "Reshape" and len(inputs) > 1:
         # A scalar made 1-D: one element. Reshape to [1] guarantees that (or fails); to [-1] only when
-        # the input is proven to be one element (a resolved scalar).
+        # the input is proven to be one element (a resolved scalar, or a value whose proven dims are all
+        # 1: torch's (8 * ceil(L / 8)) // L, which no expression of L follows, is still one element).
         target = constant_array(inputs[1])
         if target is not None and target.size == 1 and int(target.reshape(-1)[0]) in (-1, 1):
             scalar = resolve_scalar(inputs[0], aliases, depth + 1)
             if scalar is not _UNRESOLVED:
                 return [scalar]
-            return [None] if int(target.reshape(-1)[0]) == 1 else None
+            one = int(target.reshape(-1)[0]) == 1 or _one_element(inputs[0], aliases, depth + 1)
+            return [None] if one else None
     if op == "Cast" and producer.attributes.get_int("to", 0) == ir.DataType.BOOL:
         source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         if source is None:
@@ -246,10 +248,18 @@ def resolve_shape_tensor(
 
 
 def _one_element(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int) -> bool:
-    """Whether a value is proven to hold exactly one element (a scalar or a tensor of shape [1])."""
+    """Whether a value is proven to hold exactly one element (a scalar or a tensor of shape [1]).
+
+    Proven: a constant of one element, a shape tensor of length 1, or a produced value whose dims
+    ``aliases`` proves (``ProvenAliases``: from the graph's inputs on, never a declared shape) to be all 1.
+    """
     array = constant_array(value)
     if array is not None:
         return array.size == 1
+    if value is not None and value.producer() is not None and value in aliases:
+        proven = aliases[value]
+        if proven is not None and all(isinstance(d, int) and d == 1 for d in proven):
+            return True
     shape = resolve_shape_tensor(value, aliases, depth)
     return shape is not None and len(shape) == 1
 
@@ -986,29 +996,33 @@ def _reshape_dims(
     input_dims_of: Callable[[], list[Dim] | None],
     aliases: Mapping[ir.Value, Sequence[Dim] | None],
 ) -> list[Dim] | None:
-    """Return a Reshape's output dims; the input's dims are looked up only for 0 and -1 elements."""
+    """Return a Reshape's output dims; the input's dims are looked up only for 0 and -1 elements.
+
+    The rank is the target's length; an element the rules cannot follow (an unknown target element, a 0
+    copying an unproven input dim, a -1 whose size is not one expression) is an unknown dim, the others are
+    what the target says: where the node runs, its output has exactly those.
+    """
     target = resolve_shape_tensor(reshape.inputs[1], aliases)
-    if target is None or any(d is None for d in target):
+    if target is None:
         return None
     input_dims = input_dims_of() if any(d in (0, -1) for d in target) else None
     allow_zero = reshape.attributes.get_int("allowzero", 0) == 1
     dims: list[Dim] = []
     for index, dim in enumerate(target):
         if dim == 0 and not allow_zero:
-            if input_dims is None or index >= len(input_dims):
-                return None
-            dim = input_dims[index]
+            dim = input_dims[index] if input_dims is not None and index < len(input_dims) else None
         dims.append(dim)
     if -1 in dims:
-        known = [d for d in dims if d != -1]
+        if dims.count(-1) != 1:
+            return None  # not a valid target: the node fails
+        position = dims.index(-1)
+        dims[position] = None
+        known = [d for i, d in enumerate(dims) if i != position]
         total, rest = _product(input_dims) if input_dims is not None else None, _product(known)
-        if dims.count(-1) != 1 or total is None or rest is None:
-            return None
-        missing = _arith.floor_divide(total, rest)
+        missing = _arith.floor_divide(total, rest) if total is not None and rest is not None else None
         back = _arith.multiply(missing, rest) if missing is not None else None
-        if back is None or not dims_equal(simplified(back), simplified(total)):
-            return None  # the element count is not provably a multiple: not followed
-        dims[dims.index(-1)] = simplified(missing)
+        if back is not None and dims_equal(simplified(back), simplified(total)):  # type: ignore[arg-type]
+            dims[position] = simplified(missing)  # type: ignore[arg-type]
     return dims
 
 

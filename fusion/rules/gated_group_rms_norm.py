@@ -785,12 +785,15 @@ def _group_size(group_dims: list[Dim] | None, y_dims: list[Dim], channels: int, 
     """Return the group width that the first Reshape's target proves, else refuse.
 
     Groups are contiguous runs of the flattened product. A constant last element gs with C % gs == 0
-    makes every run lie inside one row, whatever the leading elements are. A last element -1 leaves the
+    makes every run lie inside one row, whatever the leading elements are (known or not: torch writes
+    the group count from the padded length, ``(8 * ceil(L / 8)) // L``). A last element -1 leaves the
     width to the element count: it is C / G only when the leading elements are provably y's own leading
-    dims (otherwise, for example [B, G, -1] on [B, L, C], rows and channels are grouped together).
+    dims (otherwise, for example [B, G, -1] on [B, L, C], rows and channels are grouped together). A last
+    element the rule cannot follow is pinned the same way: whatever it is at run time (-1, 0 or a size),
+    the node runs only where rows * G * last = rows * C, so with those leading elements it is C / G.
     Declared shapes of the grouped tensor are not evidence: they are not checked at run time.
     """
-    if group_dims is None or not group_dims or group_dims[-1] is None:
+    if group_dims is None or not group_dims:
         raise _Refusal(
             f"the group Reshape's target {format_dims(group_dims)} is not a constant or shape arithmetic "
             "the rule can follow, so the group size is not proven",
@@ -802,15 +805,16 @@ def _group_size(group_dims: list[Dim] | None, y_dims: list[Dim], channels: int, 
             raise _Refusal(f"C = {channels} is not divisible by the group size {last}", reshape)
         return last
     groups = group_dims[-2] if len(group_dims) >= 2 else None
-    if last == -1 and isinstance(groups, int) and groups > 0 and channels % groups == 0:
+    if last in (-1, None) and isinstance(groups, int) and groups > 0 and channels % groups == 0:
         leading, y_leading = group_dims[:-2], y_dims[:-1]
         same_rows = len(leading) == len(y_leading) and all(map(dims_equal, leading, y_leading))
         static = all(isinstance(d, int) and d > 0 for d in [*leading, *y_leading])
         if same_rows or (static and math.prod(leading) == math.prod(y_leading)):  # type: ignore[arg-type]
             return channels // groups
+        ending = "-1" if last == -1 else "an element the rule cannot follow"
         raise _Refusal(
-            f"the group Reshape's target {format_dims(group_dims)} ends in -1 and its leading dims are not "
-            f"provably y's {format_dims(y_leading)}: its groups could span rows",
+            f"the group Reshape's target {format_dims(group_dims)} ends in {ending} and its leading dims are "
+            f"not provably y's {format_dims(y_leading)}: its groups could span rows",
             reshape,
         )
     raise _Refusal(
@@ -907,8 +911,9 @@ def _restores(restored: list[Dim] | None, y_dims: list[Dim]) -> bool:
     if restored is None or len(restored) != len(y_dims):
         return False
     unproven = [i for i, (r, d) in enumerate(zip(restored, y_dims, strict=True)) if not dims_equal(r, d)]
-    # One -1 is forced to the missing size once every other dim is proven equal.
-    return not unproven or (len(unproven) == 1 and restored[unproven[0]] == -1)
+    # One -1, or one element the rule cannot follow (torch's group_count * group_size, from the padded
+    # length), is forced to the missing size by the element count once every other dim is proven equal.
+    return not unproven or (len(unproven) == 1 and restored[unproven[0]] in (-1, None))
 
 
 def _restore_target(
