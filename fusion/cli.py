@@ -23,7 +23,7 @@ commands:
   rewrite   fuse a model's chains (python -m fusion.rewrite): {PACKAGE} rewrite model.onnx [--verify] ...
   report    dispatches and latency before vs after (python -m fusion.report): {PACKAGE} report before.onnx after.onnx
   genai     fuse an onnxruntime-genai model folder (python -m fusion.genai): {PACKAGE} genai IN_DIR OUT_DIR
-  olive     run an Olive workflow config with the mambafuse surgeon registered (python -m fusion.olive)
+  olive     run an Olive workflow config with the mambafuse surgeon registered: {PACKAGE} olive CONFIG.json
 
 '{PACKAGE} COMMAND --help' shows a command's options."""
 
@@ -65,15 +65,9 @@ def _genai(argv: Sequence[str]) -> int:
 
 
 def _olive(argv: Sequence[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or len(argv) != 1:
-        print(f"usage: {PACKAGE} olive CONFIG.json  (an Olive workflow config)", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    try:
-        from fusion import olive
-    except ImportError as error:
-        print(f"{PACKAGE} olive: error: {error}", file=sys.stderr)
-        return 2
-    return olive.main(list(argv))
+    from fusion import olive_command  # checks the arguments before Olive's slow import
+
+    return olive_command.main(list(argv), prog=f"{PACKAGE} olive")
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
@@ -105,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse exits on --help and on bad arguments
         code = exit_.code
         return code if isinstance(code, int) else (0 if code is None else 2)
+    except BrokenPipeError:  # `mambafuse … | head`: the reader left
+        from fusion.progress import stdout_closed
+
+        return stdout_closed()
     except KeyboardInterrupt:
         print(f"{PACKAGE}: interrupted", file=sys.stderr)
         return 130

@@ -17,7 +17,8 @@ name, case-insensitive) when the class is created. Importing this module therefo
     })
 
 ``olive run --config …`` on the command line does not import it; ``mambafuse olive CONFIG.json``
-does the same run with the surgeon registered.
+(fusion/olive_command.py, which checks its arguments before Olive's slow import) does the same run with
+the surgeon registered.
 
 Evaluation inside Olive: Olive's own ONNX Runtime sessions register no custom-op library but
 onnxruntime-extensions', so they cannot load mambafuse's kernels. The surgeon therefore attaches the
@@ -83,20 +84,10 @@ class MambafuseGatedGroupRMSNorm(Surgeon):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fusion.olive CONFIG.json``: run an Olive workflow with the surgeon registered."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 1 or args[0] in ("-h", "--help"):
-        print("usage: python -m fusion.olive CONFIG.json  (an Olive workflow config)", file=sys.stderr)
-        return 0 if args and args[0] in ("-h", "--help") else 2
-    from olive.workflows import run
+    """``python -m fusion.olive CONFIG``: ``mambafuse olive CONFIG`` (fusion/olive_command.py)."""
+    from fusion import olive_command
 
-    try:
-        run(args[0])
-    except Exception as error:  # Olive's and the passes' errors: one line
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"python -m fusion.olive: error: {type(error).__name__}: {message}", file=sys.stderr)
-        return 1
-    return 0
+    return olive_command.main(argv, prog="python -m fusion.olive")
 
 
 if __name__ == "__main__":

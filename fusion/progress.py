@@ -128,6 +128,19 @@ class Progress:
             self._drawn = False
 
 
+def stdout_closed() -> int:
+    """Handle a closed stdout (``mambafuse report … | head``): return 141, as a command ended by SIGPIPE.
+
+    The reader is gone, so nothing more is printed; stdout is pointed at /dev/null so that Python's own
+    flush at exit does not raise a second BrokenPipeError.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return 128 + 13  # SIGPIPE
+
+
 def _terminal_width(stream: IO[str]) -> int:
     """Return the terminal's width; 80 when unknown (a pseudo-terminal without a size reports 0)."""
     try:

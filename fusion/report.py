@@ -21,6 +21,7 @@ The JSON keys ``before/after.{nodes, kernels_per_run, latency_us.{median, p90}}`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -37,120 +38,20 @@ from typing import Any
 import numpy as np
 import onnx
 
-from fusion.progress import Progress
+from fusion.inputs import InputError, describe, holds_bfloat16, load_inputs, make_inputs, parse_dims, resolve_dims
+from fusion.model_io import first_line
+from fusion.progress import Progress, stdout_closed
 from fusion.reference import DOMAIN, OP_TYPE
 
 SCHEMA_VERSION = 1
 GPU_PROVIDERS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider", "ROCMExecutionProvider"})
-
-#: Default sizes for symbolic dimensions, by name: a decode step (one new token, a short cache).
-DEFAULT_DIMS: dict[str, int] = {"batch": 1, "batch_size": 1, "sequence_length": 1, "seq": 1, "seq_len": 1}
-DEFAULT_CACHE_LENGTH = 8
-UNKNOWN_DIM = 1
 
 
 class ReportError(Exception):
     """A problem with the report's arguments or models, with a message for the user."""
 
 
-# --- progress: one updating line on a terminal, nothing in a log (fusion/progress.py) -------------
-
-
-# --- inputs -------------------------------------------------------------------------------------
-
-
-def _numpy_dtype(elem_type: int) -> np.dtype:
-    if elem_type == onnx.TensorProto.BFLOAT16:
-        raise ReportError("a model input is bfloat16, which numpy cannot feed; report on a fp16/fp32 model instead")
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-
-
-def dim_value(name: str, dims: dict[str, int]) -> int:
-    """Return the size bound to a symbolic dimension ``name`` (user overrides first, then defaults).
-
-    A dim_param that is a number ("128", as transformers' exporter writes fixed sizes) is that number.
-    """
-    if name in dims:
-        return dims[name]
-    if name.isdigit():
-        return int(name)
-    lowered = name.lower()
-    if lowered in DEFAULT_DIMS:
-        return DEFAULT_DIMS[lowered]
-    if "past" in lowered or "cache" in lowered or "total" in lowered:
-        return DEFAULT_CACHE_LENGTH
-    if "batch" in lowered:
-        return 1
-    return UNKNOWN_DIM
-
-
-def load_inputs(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Return the arrays of an ``.npz`` file of model inputs, keyed by input name.
-
-    Keys may also end in ``input/<name>`` (as in tests/fixtures/models/references.npz): the part after the
-    last ``input/`` is the name.
-    """
-    file = Path(path)
-    if not file.is_file():
-        raise ReportError(f"inputs file {str(file)!r} does not exist")
-    try:
-        with np.load(file, allow_pickle=False) as data:
-            return {key.rsplit("input/", 1)[-1]: data[key] for key in data.files}
-    except Exception as exc:
-        raise ReportError(f"inputs file {str(file)!r} is not a readable .npz ({type(exc).__name__})") from None
-
-
-def make_inputs(
-    model: onnx.ModelProto,
-    dims: dict[str, int] | None = None,
-    seed: int = 0,
-    provided: dict[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    """Return seeded inputs for every graph input, symbolic dimensions bound by ``dim_value``.
-
-    ``provided`` arrays (real inputs, e.g. from ``load_inputs``) are used as they are. Others are made:
-    integer inputs get small non-negative values (token ids < 16, masks of ones, positions counting up),
-    floating inputs N(0, 1) values.
-    """
-    dims = dims or {}
-    provided = provided or {}
-    rng = np.random.default_rng(seed)
-    initializers = {init.name for init in model.graph.initializer}
-    feeds: dict[str, np.ndarray] = {}
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
-        if value.name in provided:
-            array = np.asarray(provided[value.name])
-            expected = value.type.tensor_type.elem_type
-            if expected and expected != onnx.TensorProto.BFLOAT16:
-                array = array.astype(_numpy_dtype(expected), copy=False)  # e.g. fp16 inputs saved as fp32
-            feeds[value.name] = array
-            continue
-        tensor_type = value.type.tensor_type
-        if not value.type.HasField("tensor_type"):
-            raise ReportError(f"input {value.name!r} is not a tensor; the report feeds tensors only")
-        shape = []
-        for d in tensor_type.shape.dim:
-            if d.HasField("dim_value"):
-                shape.append(d.dim_value)
-            else:
-                shape.append(dim_value(d.dim_param, dims))
-        dtype = _numpy_dtype(tensor_type.elem_type)
-        lowered = value.name.lower()
-        if np.issubdtype(dtype, np.integer):
-            if "mask" in lowered:
-                arr = np.ones(shape, dtype)
-            elif "position" in lowered:
-                arr = np.broadcast_to(np.arange(shape[-1] if shape else 1, dtype=dtype), shape).copy()
-            else:
-                arr = rng.integers(0, 16, size=shape).astype(dtype)
-        elif dtype == np.bool_:
-            arr = np.ones(shape, dtype)
-        else:
-            arr = rng.standard_normal(shape).astype(dtype)
-        feeds[value.name] = arr
-    return feeds
+# --- inputs: fusion/inputs.py (make_inputs, load_inputs, parse_dims are re-exported here) -----------
 
 
 # --- static counts --------------------------------------------------------------------------------
@@ -193,9 +94,19 @@ class ProviderResult:
     kernels_by_provider: dict[str, int] = field(default_factory=dict)
     kernels_by_op: dict[str, int] = field(default_factory=dict)
     #: Sum of the profiled kernel durations of one Run (median over the profiled runs), and per op type.
+    #: Not in the table nor the JSON: under the profiler every kernel's duration includes the profiler's
+    #: own bookkeeping (a few us a node, several times a small kernel's time), so these are larger than
+    #: the unprofiled latency and do not move with it. Only comparisons within one profile hold (the
+    #: benchmarks use them that way, with that caveat).
     kernel_us_per_run: float = 0.0
     kernel_us_by_op: dict[str, float] = field(default_factory=dict)
     latency_us: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the measured fields (not the profiler's inflated kernel durations)."""
+        data = asdict(self)
+        del data["kernel_us_per_run"], data["kernel_us_by_op"]
+        return data
 
 
 @dataclass
@@ -222,7 +133,7 @@ class Report:
                 "nodes": nodes,
                 "kernels_per_run": {p: r.kernels_per_run for p, r in results.items()},
                 "latency_us": dict(first.latency_us),
-                "by_provider": {p: asdict(r) for p, r in results.items()},
+                "by_provider": {p: r.to_json() for p, r in results.items()},
             }
 
         return {
@@ -262,7 +173,6 @@ class Report:
             rows.append((f"[{short}]", "", "", "", ""))
             add("  nodes after ORT optimization", b.optimized_nodes, a.optimized_nodes, "")
             add("  kernel dispatches per Run", b.kernels_per_run, a.kernels_per_run, "")
-            add("  kernel time per Run (profiler)", b.kernel_us_per_run, a.kernel_us_per_run, " us", "{:.1f}")
             add("  provider partitions", b.partitions, a.partitions, "")
             add("  memcpy nodes", b.memcpy_nodes, a.memcpy_nodes, "")
             add("  latency median", b.latency_us["median"], a.latency_us["median"], " us", "{:.1f}")
@@ -289,7 +199,7 @@ class Report:
             lines.append("  ".join(cells).rstrip())
         env = self.environment
         lines.append(
-            f"{self.runs} runs, dims {self.dims or 'default'}; onnxruntime {env['onnxruntime']}, "
+            f"{self.runs} runs, dims {describe(self.dims)}; onnxruntime {env['onnxruntime']}, "
             f"{env['cpu']}, {env['intra_op_threads']} intra-op threads"
         )
         return "\n".join(lines)
@@ -335,7 +245,7 @@ def _session(
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = level
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # errors reach the user through the exception, once
     if profile:
         options.enable_profiling = True
         options.profile_file_prefix = os.path.join(tempfile.gettempdir(), f"mambafuse_profile_{os.getpid()}")
@@ -344,6 +254,22 @@ def _session(
     providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
     # The library is registered where the provider can host it; a model without fused nodes ignores it.
     return contrib_ops.session(model_bytes, providers=providers, session_options=options)
+
+
+def _loaded(what: str, provider: str, open_session: Callable[[], Any], bfloat16: bool = False) -> Any:
+    """Return ``open_session()``; a model ONNX Runtime cannot load is a ReportError that says why
+    (``bfloat16``: the model holds bfloat16 values, which ONNX Runtime's CPU provider cannot run all of)."""
+    try:
+        return open_session()
+    except Exception as error:
+        message = first_line(error)
+        if provider == "CPUExecutionProvider" and (bfloat16 or "bfloat16" in message):
+            raise ReportError(
+                f"the {what} model does not load in ONNX Runtime's CPU provider, which has no bfloat16 kernels "
+                "for some of its ops; report bfloat16 models on CUDA (--providers CUDAExecutionProvider). "
+                f"ONNX Runtime: {message}"
+            ) from None
+        raise ReportError(f"the {what} model does not load in ONNX Runtime ({provider}): {message}") from None
 
 
 def profile_kernels(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -402,6 +328,21 @@ class _Runner:
         return self.session.run(self.outputs, self.feeds)
 
 
+def _level(name: str) -> Any:
+    """Return ONNX Runtime's graph optimization level called ``name``."""
+    import onnxruntime as ort
+
+    levels = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }
+    if name not in levels:
+        raise ReportError(f"optimization level must be one of {', '.join(levels)}, got {name!r}")
+    return levels[name]
+
+
 def measure(
     before: onnx.ModelProto | str | os.PathLike[str],
     after: onnx.ModelProto | str | os.PathLike[str],
@@ -428,15 +369,7 @@ def measure(
             raise ReportError(
                 f"provider {p!r} is not available in this onnxruntime (available: {', '.join(available)})"
             )
-    levels = {
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }
-    if optimization_level not in levels:
-        raise ReportError(f"optimization level must be one of {', '.join(levels)}, got {optimization_level!r}")
-    level = levels[optimization_level]
+    level = _level(optimization_level)
 
     progress.step("loading models")
     paths = {}
@@ -462,7 +395,8 @@ def measure(
             f"the models have different inputs: only before {only_before}, only after {only_after}; "
             "compare a model with its own fused version"
         )
-    feeds = make_inputs(protos["before"], dims, provided=inputs)
+    used_dims = resolve_dims(protos["before"], dims, inputs)
+    feeds = make_inputs(protos["before"], provided=inputs, resolved=used_dims)
 
     before_nodes, after_nodes = count_nodes(protos["before"]), count_nodes(protos["after"])
     fused = count_fused(protos["after"]) - count_fused(protos["before"])
@@ -478,12 +412,23 @@ def measure(
             res = ProviderResult()
             with tempfile.TemporaryDirectory() as tmp:
                 optimized = os.path.join(tmp, "optimized.onnx")
-                session = _session(model_bytes[what], provider, threads, level, profile=True, optimized_path=optimized)
+                open_session = functools.partial(
+                    _session, model_bytes[what], provider, threads, level, profile=True, optimized_path=optimized
+                )
+                session = _loaded(what, provider, open_session, holds_bfloat16(protos[what]))
                 opt_model = onnx.load(optimized, load_external_data=False)
                 res.optimized_nodes = count_nodes(opt_model)
                 res.memcpy_nodes = sum(1 for n in opt_model.graph.node if n.op_type.startswith("Memcpy"))
                 runner = _Runner(session, feeds, provider)
-                for _ in range(profile_runs + 1):  # the first run pays one-time costs; it is dropped
+                try:
+                    runner()  # the first run pays one-time costs; it is dropped
+                except Exception as error:
+                    raise ReportError(
+                        f"the {what} model rejects its inputs on {short} ({first_line(error)}); dims used: "
+                        f"{describe(used_dims)}; bind its symbolic dims with --dim NAME=SIZE or give real inputs "
+                        "with --inputs FILE.npz"
+                    ) from None
+                for _ in range(profile_runs):
                     runner()
                 profile_path = session.end_profiling()
                 try:
@@ -548,7 +493,7 @@ def measure(
         max_abs_error=max(errors.values(), default=0.0),
         max_abs_error_by_output=errors,
         runs=runs,
-        dims=dict(dims or {}),
+        dims=used_dims,
         environment=environment(threads),
     )
 
@@ -596,17 +541,6 @@ def write_json(report: Report, path: str | os.PathLike[str]) -> None:
     os.replace(tmp, target)
 
 
-def parse_dims(items: Sequence[str]) -> dict[str, int]:
-    """Return {name: size} from ``NAME=SIZE`` strings, or raise ReportError."""
-    dims = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
-            raise ReportError(f"--dim expects NAME=SIZE (a positive integer), got {item!r}")
-        dims[name] = int(value)
-    return dims
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the report's options to a parser (shared with ``fusion.rewrite --report``)."""
     parser.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated execution providers")
@@ -626,14 +560,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
-def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> Report:
-    """Measure, print the table, and write the JSON/PNG the arguments ask for."""
+def check_arguments(
+    before: Any, args: argparse.Namespace
+) -> tuple[list[str], dict[str, int], dict[str, np.ndarray] | None]:
+    """Return (providers, dims, inputs) of the report's arguments, every one checked against ``before``.
+
+    Checked before any measuring (and, behind ``rewrite --report``, before anything is written): the
+    numbers, the output paths, the providers (available in this onnxruntime), the ``--dim`` names (the
+    model's own, see fusion/inputs.py) and the inputs they make (their size, their element types), and
+    that a model holding bfloat16 loads in the CPU provider when it is asked for. Raises ReportError or
+    InputError with the reason.
+    """
+    import onnxruntime as ort
+
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     if not providers:
         raise ReportError("--providers is empty")
-    if args.threads < 1:
+    if getattr(args, "threads", 1) < 1:
         raise ReportError(f"--threads must be >= 1, got {args.threads}")
-    if args.warmup < 0:
+    if getattr(args, "warmup", 0) < 0:
         raise ReportError(f"--warmup must be >= 0, got {args.warmup}")
     if args.runs < 1:
         raise ReportError(f"--runs must be >= 1, got {args.runs}")
@@ -641,6 +586,31 @@ def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: C
         # Checked before minutes of measuring, not after.
         if value and not Path(value).resolve().parent.is_dir():
             raise ReportError(f"{option}: directory {str(Path(value).parent)!r} does not exist")
+    available = ort.get_available_providers()
+    for p in providers:
+        if p not in available:
+            raise ReportError(
+                f"provider {p!r} is not available in this onnxruntime (available: {', '.join(available)})"
+            )
+    dims = parse_dims(args.dim)
+    inputs = load_inputs(args.inputs) if getattr(args, "inputs", None) else None
+    proto = _load(before, "before")
+    used = resolve_dims(proto, dims, inputs, strict=True)
+    make_inputs(proto, provided=inputs, resolved=used)  # sizes and element types, before any session
+    if "CPUExecutionProvider" in providers and holds_bfloat16(proto):
+        source = str(before) if not isinstance(before, onnx.ModelProto) else before.SerializeToString()
+        _loaded(
+            "before",
+            "CPUExecutionProvider",
+            functools.partial(_session, source, "CPUExecutionProvider", 1, _level("all")),
+            bfloat16=True,
+        )
+    return providers, dims, inputs
+
+
+def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> Report:
+    """Check the arguments, measure, print the table, and write the JSON/PNG the arguments ask for."""
+    providers, dims, inputs = check_arguments(before, args)
     report = measure(
         before,
         after,
@@ -648,8 +618,8 @@ def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: C
         runs=args.runs,
         warmup=args.warmup,
         threads=args.threads,
-        dims=parse_dims(args.dim),
-        inputs=load_inputs(args.inputs) if getattr(args, "inputs", None) else None,
+        dims=dims,
+        inputs=inputs,
         optimization_level=args.optimization_level,
         progress=Progress("report", enabled=not args.quiet),
     )
@@ -677,12 +647,16 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.rep
     args = parser.parse_args(argv)
     try:
         run_from_args(args.before, args.after, args)
-    except ReportError as exc:
+    except BrokenPipeError:  # `mambafuse report … | head`: the reader left; no error of ours
+        return stdout_closed()
+    except (ReportError, InputError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"{prog}: error: out of memory while measuring; choose smaller --dim sizes", file=sys.stderr)
+        return 1
     except Exception as exc:  # ORT's own errors: one line, not a traceback
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"{prog}: error: {type(exc).__name__}: {first}", file=sys.stderr)
+        print(f"{prog}: error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         return 1
     return 0
 

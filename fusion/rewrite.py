@@ -31,8 +31,20 @@ import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from fusion import function as fused_function
-from fusion.model_io import Interrupted, RewriteError, check_output, first_line, interruptible, load, save
-from fusion.progress import progress
+from fusion.inputs import DEFAULT_CACHE_LENGTH, InputError
+from fusion.model_io import (
+    Interrupted,
+    RewriteError,
+    check_output,
+    data_file_name,
+    first_line,
+    interruptible,
+    load,
+    save,
+    writes_own_data,
+)
+from fusion.progress import ENV as PROGRESS_ENV
+from fusion.progress import progress, stdout_closed
 from fusion.reference import DOMAIN, OP_TYPE
 from fusion.report import ReportError
 from fusion.rules._graph import all_values, value_info_preserved
@@ -44,7 +56,7 @@ from fusion.rules.gated_group_rms_norm import (
     fuse_gated_group_rms_norm,
     location,
 )
-from fusion.verify import prepare_inputs, verify
+from fusion.verify import prepare_inputs, run_original, verify
 
 ModelT = TypeVar("ModelT", onnx.ModelProto, ir.Model)
 
@@ -267,10 +279,34 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+_EPILOG = f"""\
+inputs of --verify and --report:
+  --inputs FILE.npz gives real arrays; every other input is generated (seeded) with its symbolic dims
+  bound by --dim NAME=SIZE, else by name for one decode step: {DEFAULT_CACHE_LENGTH} for a past/cache length, past + 1
+  for a total length, 1 for batch, sequence and anything else. A dim named by an expression of
+  other dims (mobius: 'past_seq_len + seq_len') is evaluated from them (+ - * / // % and parentheses;
+  past_seq_len there is the model's past_sequence_len). The dims used are printed. A --dim the model
+  does not have is an error that lists the dims it has.
+
+exit status:
+  0    fused and written (and, with --verify, verified)
+  1    --verify ran and failed: the output is not kept (rerun without --verify to keep it)
+  2    bad argument, bad model, or a check that cannot run (ONNX Runtime cannot load or feed
+       the original); every argument is checked and the original run before anything is written
+  130, 143   interrupted (SIGINT, SIGTERM): the output is complete or absent
+  141  stdout closed by its reader (| head)
+
+environment:
+  {PROGRESS_ENV}=0 never draws the progress line on stderr, =1 always does (default: on a terminal)
+"""
+
+
 def _parser(prog: str = "python -m fusion.rewrite") -> argparse.ArgumentParser:
     parser = _Parser(
         prog=prog,
         description="Fuse the gated group-RMSNorm chains of a Mamba-2 model into ai.mambafuse::GatedGroupRMSNorm.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("input", type=Path, help="the ONNX model to rewrite (never modified)")
     parser.add_argument("-o", "--output", type=Path, help="where to write (default: IN.fused.onnx beside IN)")
@@ -288,7 +324,7 @@ def _parser(prog: str = "python -m fusion.rewrite") -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=SIZE",
-        help="bind a symbolic dimension of the generated inputs (--verify, --report)",
+        help="bind a symbolic dimension of the generated inputs (--verify, --report); repeatable; defaults below",
     )
     parser.add_argument(
         "--inputs", metavar="FILE.npz", help="real model inputs for --verify and --report (arrays named by input)"
@@ -311,13 +347,13 @@ def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--report-plot", metavar="OUT.png", help="also write a PNG (needs matplotlib)")
 
 
-def _run_report(args: argparse.Namespace, original: Path, fused: Path) -> None:
-    """Measure and print the before/after report when ``--report`` asks for it."""
-    if not (args.report or args.report_json or args.report_plot):
-        return
-    from fusion import report as before_after
+def _wants_report(args: argparse.Namespace) -> bool:
+    return bool(args.report or args.report_json or args.report_plot)
 
-    options = argparse.Namespace(
+
+def _report_options(args: argparse.Namespace) -> argparse.Namespace:
+    """Return the report's options (fusion.report's names) from the rewrite command line."""
+    return argparse.Namespace(
         providers=args.providers,
         runs=args.runs,
         warmup=20,
@@ -329,9 +365,29 @@ def _run_report(args: argparse.Namespace, original: Path, fused: Path) -> None:
         quiet=args.json,
         inputs=args.inputs,
     )
+
+
+def _check_report(args: argparse.Namespace) -> None:
+    """Check the report's arguments against the input model (providers, dims, inputs) before any write."""
+    if not _wants_report(args):
+        return
+    from fusion import report as before_after
+
     try:
-        before_after.run_from_args(original, fused, options, print_fn=print)
-    except before_after.ReportError as error:
+        before_after.check_arguments(args.input, _report_options(args))
+    except (ReportError, InputError) as error:
+        raise RewriteError(f"--report: {error}") from None
+
+
+def _run_report(args: argparse.Namespace, original: Path, fused: Path) -> None:
+    """Measure and print the before/after report when ``--report`` asks for it."""
+    if not _wants_report(args):
+        return
+    from fusion import report as before_after
+
+    try:
+        before_after.run_from_args(original, fused, _report_options(args), print_fn=print)
+    except (ReportError, InputError) as error:
         raise RewriteError(f"report: {error}") from None
 
 
@@ -342,7 +398,8 @@ def default_output(input_path: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.rewrite") -> int:
-    """Run the command line; return the exit status (0 ok, 1 verification failed, 2 error, 130/143 signal).
+    """Run the command line; return the exit status (0 ok, 1 verification failed, 2 error, 130/143 signal,
+    141 stdout closed by its reader).
 
     ``prog`` is how errors name the command (``mambafuse rewrite`` from the console command).
     """
@@ -350,6 +407,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.rew
     try:
         with interruptible():
             return _run(args)
+    except BrokenPipeError:  # `mambafuse rewrite … | head`: the reader left; the output is complete
+        return stdout_closed()
     except Interrupted as interrupted:
         print(f"{prog}: interrupted ({interrupted}); no output was written or it is complete", file=sys.stderr)
         return 128 + interrupted.signal_number
@@ -368,30 +427,54 @@ def _run(args: argparse.Namespace) -> int:
         bar.step("loading and checking the model")
         model = load(args.input)
         check_output(args.input, model, output)
-        # Every argument is checked before anything is written.
+        # Every argument is checked, and the original run for --verify, before anything is written.
         dims, inputs = prepare_inputs(args.input, args.dim, args.inputs) if args.verify or args.report else ({}, None)
         _check_report_paths(args)
+        _check_report(args)
+        original_run = None
+        if args.verify:
+            bar.step("verifying: running the original model")
+            original_run = run_original(args.input, dims, inputs)
         bar.step("fusing")
         fused_model, report = rewrite_model(
             model, function=not args.no_function, assume_equal_widths=args.assume_equal_widths
         )
+        written = [output]
+        if writes_own_data(fused_model, output):
+            written.append(output.parent / data_file_name(output))
         bar.step(f"writing {output.name}")
         save(fused_model, output)
         if args.verify:
-            bar.step("verifying: running the original and the fused model")
-            report.verification = verify(args.input, output, dims, inputs)
+            bar.step("verifying: running the fused model")
+            try:
+                report.verification = verify(args.input, output, original_run=original_run)
+            except RewriteError as error:
+                raise RewriteError(f"{error}; {_remove(written)}") from None
+            except BaseException:  # interrupted, or an internal error: an unverified output is not kept
+                _remove(written)
+                raise
+    kept = report.verification is None or report.verification["ok"]
+    last_line = f"wrote {output}" if kept else f"verification failed: {_remove(written)}"
     if args.json:
-        print(json.dumps({"output": str(output), **report.to_dict()}, indent=2))
+        print(json.dumps({"output": str(output) if kept else None, **report.to_dict()}, indent=2))
     else:
         print(report.summary())
-        print(f"wrote {output}")
+        print(last_line)
     if args.debug:
         print(_debug_text(report), file=sys.stderr)
-    if report.verification is not None and not report.verification["ok"]:
+    if not kept:
         return 1
     sys.stdout.flush()
     _run_report(args, args.input, output)
     return 0
+
+
+def _remove(paths: list[Path]) -> str:
+    """Delete the files a rewrite wrote (the output was not verified); return what was done, for the user."""
+    for path in paths:
+        path.unlink(missing_ok=True)
+    names = " and ".join(str(path) for path in paths)
+    return f"removed {names} (not kept unless verified; rerun without --verify to keep an unverified output)"
 
 
 def _check_report_paths(args: argparse.Namespace) -> None:
@@ -403,7 +486,7 @@ def _check_report_paths(args: argparse.Namespace) -> None:
 
 def _report_error(prog: str, error: Exception, debug: bool) -> int:
     """Print one line for ``error`` (a traceback only with --debug, for unexpected errors); return 2."""
-    if isinstance(error, (RewriteError, ReportError)):
+    if isinstance(error, (RewriteError, ReportError, InputError)):
         print(f"{prog}: error: {error}", file=sys.stderr)
     elif isinstance(error, (OSError, MemoryError)):
         print(f"{prog}: error: {first_line(error)}", file=sys.stderr)

@@ -1,24 +1,26 @@
 """``--verify``: run the original and the fused model in ONNX Runtime on the same inputs and compare.
 
 Two checks: every fused node against the float64 reference on its real inputs, at the op's accuracy
-budget; and the model outputs, fused against original. ``prepare_inputs`` validates ``--dim`` and
-``--inputs`` against the original model before anything is written, so a bad argument never leaves an
-output behind.
+budget; and the model outputs, fused against original. Before anything is written, ``prepare_inputs``
+validates ``--dim`` and ``--inputs`` against the original model and ``run_original`` runs it on the inputs
+(so a model ONNX Runtime cannot run, or inputs it rejects, never leave an output behind); ``verify`` then
+runs the fused model and compares.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
+from fusion.inputs import InputError, describe, holds_bfloat16, load_inputs, make_inputs, parse_dims, resolve_dims
 from fusion.model_io import RewriteError, first_line
 from fusion.reference import DOMAIN, OP_TYPE, budget_report
-from fusion.report import ReportError, load_inputs, make_inputs, parse_dims
 
 
 def prepare_inputs(
@@ -26,17 +28,20 @@ def prepare_inputs(
 ) -> tuple[dict[str, int], dict[str, np.ndarray] | None]:
     """Return the parsed ``--dim`` bindings and ``--inputs`` arrays, checked against ``original``.
 
-    Raises RewriteError naming the argument: a malformed ``--dim``, an unreadable or pickled ``.npz``, an
-    array for an input the model does not have, or one whose rank or element type is not the input's.
+    Raises RewriteError naming the argument: a malformed ``--dim`` or one for a dim the model does not
+    have (fusion/inputs.py), an unreadable or pickled ``.npz``, an array for an input the model does not
+    have, or one whose rank or element type is not the input's.
     """
+    model = onnx.load(str(original), load_external_data=False)
     try:
         dims = parse_dims(dim_items)
         arrays = load_inputs(inputs_file) if inputs_file else None
-    except ReportError as error:
+        resolve_dims(model, dims, arrays, strict=True)
+    except InputError as error:
         raise RewriteError(str(error)) from None
     if arrays is None:
         return dims, None
-    graph = onnx.load(str(original), load_external_data=False).graph
+    graph = model.graph
     initializers = {t.name for t in graph.initializer}
     declared = {v.name: v for v in graph.input if v.name not in initializers}
     for name, array in arrays.items():
@@ -166,19 +171,26 @@ def _check_fused_nodes(
     return results
 
 
-def verify(
-    original: Path,
-    fused: Path,
-    dims: dict[str, int] | None = None,
-    inputs: dict[str, np.ndarray] | None = None,
-) -> dict[str, Any]:
-    """Run both models in ONNX Runtime (CPU) on the same inputs; return what agreed and what did not.
+@dataclass
+class OriginalRun:
+    """The original model's run that ``verify`` compares the fused model with (``run_original``)."""
 
-    Two checks: every fused node against the float64 reference on its real inputs, at the op's accuracy
-    budget (docs/op.md); and the model outputs, fused against original, within END_TO_END_RTOL of each
-    output's largest magnitude (non-float outputs must be identical). Uses the mambafuse library when it
-    is built, else the fused model's function (stock ORT). Inputs: ``inputs`` where given, the rest
-    generated with symbolic dims bound by ``dims`` (fusion.report.make_inputs).
+    feeds: dict[str, np.ndarray]
+    output_names: list[str]
+    expected: list[np.ndarray]
+    #: The symbolic dims the generated inputs were made with (``name: size``).
+    dims: dict[str, int]
+    use_library: bool
+    backend: str
+
+
+def run_original(
+    original: Path, dims: dict[str, int] | None = None, inputs: dict[str, np.ndarray] | None = None
+) -> OriginalRun:
+    """Run the original model in ONNX Runtime (CPU) on the verification inputs; return its outputs.
+
+    Raises RewriteError when the check cannot run: a model ONNX Runtime does not load (bfloat16 on the
+    CPU), inputs that cannot be made (too large, bfloat16), or inputs the model rejects (with the dims used).
     """
     import contrib_ops
 
@@ -200,23 +212,51 @@ def verify(
         reference = contrib_ops.session(original, session_options=_quiet_options(), use_library=original_needs_library)
     except Exception as error:
         message = first_line(error)
-        if "bfloat16" in message:
+        if "bfloat16" in message or holds_bfloat16(original_proto):
             raise RewriteError(
                 "--verify: the original model does not load in ONNX Runtime's CPU provider, which has no "
-                "bfloat16 kernels for some of its ops; verify bfloat16 models on CUDA"
+                f"bfloat16 kernels for some of its ops; verify bfloat16 models on CUDA (ONNX Runtime: {message})"
             ) from None
         raise RewriteError(f"--verify: the original model does not load in ONNX Runtime: {message}") from None
     try:
-        feeds = make_inputs(original_proto, dims, provided=inputs)
-    except ReportError as error:
+        used = resolve_dims(original_proto, dims, inputs)
+        feeds = make_inputs(original_proto, provided=inputs, resolved=used)
+    except InputError as error:
         raise RewriteError(f"--verify: {error}") from None
     try:
         expected = reference.run(None, feeds)
     except Exception as error:
         raise RewriteError(
-            f"--verify: the original model rejects its inputs ({first_line(error)}); bind its "
-            "symbolic dims with --dim NAME=SIZE or give real inputs with --inputs FILE.npz"
+            f"--verify: the original model rejects its inputs ({first_line(error)}); dims used: "
+            f"{describe(used)}; bind its symbolic dims with --dim NAME=SIZE or give real inputs with --inputs "
+            "FILE.npz"
         ) from None
+    names = [meta.name for meta in reference.get_outputs()]
+    return OriginalRun(feeds, names, [np.asarray(e) for e in expected], used, use_library, backend)
+
+
+def verify(
+    original: Path,
+    fused: Path,
+    dims: dict[str, int] | None = None,
+    inputs: dict[str, np.ndarray] | None = None,
+    *,
+    original_run: OriginalRun | None = None,
+) -> dict[str, Any]:
+    """Run both models in ONNX Runtime (CPU) on the same inputs; return what agreed and what did not.
+
+    Two checks: every fused node against the float64 reference on its real inputs, at the op's accuracy
+    budget (docs/op.md); and the model outputs, fused against original, within END_TO_END_RTOL of each
+    output's largest magnitude (non-float outputs must be identical). Uses the mambafuse library when it
+    is built, else the fused model's function (stock ORT). Inputs: ``inputs`` where given, the rest
+    generated with symbolic dims bound by ``dims`` (fusion.inputs). ``original_run`` is the original's
+    run from ``run_original`` when the caller made it already (before writing the fused model).
+    Raises RewriteError when the fused model does not load or run.
+    """
+    import contrib_ops
+
+    run = original_run if original_run is not None else run_original(original, dims, inputs)
+    feeds, use_library, backend = run.feeds, run.use_library, run.backend
     try:
         candidate = contrib_ops.session(fused, session_options=_quiet_options(), use_library=use_library)
         actual = candidate.run(None, feeds)
@@ -225,7 +265,7 @@ def verify(
         raise RewriteError(f"--verify: the fused model failed in ONNX Runtime: {first_line(error)}") from None
     outputs = []
     ok = all(n.get("within_budget", True) for n in nodes)
-    for meta, want, got in zip(reference.get_outputs(), expected, actual, strict=True):
+    for name, want, got in zip(run.output_names, run.expected, actual, strict=True):
         want, got = np.asarray(want), np.asarray(got)
         with np.errstate(invalid="ignore"):
             diff = np.abs(got.astype(np.float64) - want.astype(np.float64)) if want.size else np.zeros(0)
@@ -239,10 +279,13 @@ def verify(
         else:
             within = want.shape == got.shape and np.array_equal(want, got)
             message = "identical" if within else "differs"
-        outputs.append({"name": meta.name, "within_budget": within, "max_abs_error": max_abs, "detail": message})
+        outputs.append({"name": name, "within_budget": within, "max_abs_error": max_abs, "detail": message})
         ok &= within
     checked = [n for n in nodes if n["checked"]]
     lines = [f"verify ({backend}): {'PASS' if ok else 'FAIL'}"]
+    given = sorted(set(inputs or {}) & set(feeds))
+    source = f"{len(given)} of {len(feeds)} inputs given, the rest generated" if given else "generated inputs"
+    lines.append(f"  inputs: {source}; dims {describe(run.dims)}")
     failing = [n for n in checked if not n["within_budget"]]
     unchecked = [n for n in nodes if not n["checked"]]
     lines.append(
@@ -252,4 +295,11 @@ def verify(
     )
     lines += [f"    {n['node']}: {n['detail']}" for n in failing]
     lines += [f"  output {o['name']}: max abs error {o['max_abs_error']:.3g}; {o['detail']}" for o in outputs]
-    return {"backend": backend, "ok": ok, "nodes": nodes, "outputs": outputs, "summary": "\n".join(lines)}
+    return {
+        "backend": backend,
+        "ok": ok,
+        "dims": dict(run.dims),
+        "nodes": nodes,
+        "outputs": outputs,
+        "summary": "\n".join(lines),
+    }

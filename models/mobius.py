@@ -266,7 +266,12 @@ def _build_one(argv: list[str]) -> int:
       fields are unset: linear_num_key_heads, ..."). Its config for ``nemotron_h`` gets ``mamba2`` for them.
     - With a local ``--model`` folder and ``--runtime ort-genai``, mobius asks the hub for the tokenizer
       files (``HFValidationError: Repo id must be in the form 'repo_name' ...``): copy them from the folder.
+    - With a local ``--model`` folder the hub is not needed, and without network its client retries for
+      ~20 s before giving up: ``HF_HUB_OFFLINE=1`` unless the caller set it (read when the hub client is
+      imported, so set before mobius is).
     """
+    if _local_model(argv):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import mobius.__main__ as cli
     import mobius._config_resolver as resolver
     import mobius.integrations.ort_genai.auto_export as auto_export
@@ -292,6 +297,15 @@ def _build_one(argv: list[str]) -> int:
     auto_export._copy_tokenizer_files = copy_tokenizer_files
     sys.argv = ["mobius", *argv]
     return cli.main() or 0
+
+
+def _local_model(argv: list[str]) -> bool:
+    """Return whether a mobius command line's ``--model`` names an existing local folder."""
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--model" and i + 1 < len(argv) else arg.partition("=")[2]
+        if arg == "--model" or arg.startswith("--model="):
+            return Path(value).is_dir()
+    return False
 
 
 def mobius_argv(job: dict[str, Any], checkpoint_dir: str, out_dir: str) -> list[str]:

@@ -68,8 +68,8 @@ def test_report_dispatches_to_fusion_report(tmp_path: Path) -> None:
         ([], 2, "usage: mambafuse"),
         (["rewrite", "tests/no-such-model.onnx"], 2, "no such file"),
         (["rewrite", "--no-such-flag"], 2, "error:"),
-        (["olive"], 2, "usage: mambafuse olive CONFIG.json"),
-        (["olive", "a.json", "b.json"], 2, "usage: mambafuse olive CONFIG.json"),
+        (["olive"], 2, "mambafuse olive: error: expected one CONFIG file, got 0 arguments"),
+        (["olive", "a.json", "b.json"], 2, "mambafuse olive: error: expected one CONFIG file, got 2 arguments"),
     ],
 )
 def test_errors_are_one_line(args: list[str], status: int, message: str) -> None:

@@ -101,6 +101,17 @@ class FusionLog:
             return
         self.chains[anchor] = ChainRecord(location(anchor), form, reason is None, reason, attributes)
 
+    def __repr__(self) -> str:
+        # What an onnxscript user sees of the rule set's log: per chain, where, its form, fused or why not
+        # (the default repr printed every anchor ir.Node in full).
+        records = list(self.chains.values())
+        fused = sum(record.fused for record in records)
+        chains = ", ".join(
+            f"{record.location!r} form {record.form} " + ("fused" if record.fused else f"refused: {record.reason}")
+            for record in records
+        )
+        return f"FusionLog({fused} fused, {len(records) - fused} refused: [{chains}])"
+
 
 _ACTIVE_LOG: contextvars.ContextVar[FusionLog | None] = contextvars.ContextVar("mambafuse_log", default=None)
 #: The user's opt-in (``--assume-equal-widths``): an unproven width of y or the gate is taken to be C

@@ -1,0 +1,429 @@
+"""Inputs for ``--verify`` and the report: symbolic dims bound by name, defaults that agree, seeded arrays.
+
+A model's symbolic dims are plain names (``batch``, ``past_sequence_len``) or expressions of names that
+builders write for sizes derived from others (mobius names the attention mask's length
+``past_seq_len + seq_len``). ``resolve_dims`` binds every one:
+
+1. ``--dim NAME=SIZE`` (the user's bindings), then the sizes of arrays given with ``--inputs``;
+2. otherwise a default by name, for one decode step: 8 for a past / cache length, 1 for batch, sequence
+   and anything else, ``past + sequence`` for a ``total`` length;
+3. an expression is evaluated from the sizes of its names (parsed here, never ``eval``'d: integers,
+   names, ``+ - * / // %`` and parentheses). A name used in an expression that is not itself a dim of the
+   model stands for the dim whose name is the same once ``sequence`` is read as ``seq`` and ``length`` as
+   ``len`` (mobius' ``past_seq_len`` is the model's ``past_sequence_len``), so a binding of one is a
+   binding of both.
+
+A ``--dim`` for a name the model does not have, or one that contradicts what an expression gives, is an
+error; so are generated inputs larger than half of this machine's memory.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+#: Default sizes for symbolic dimensions, by name: a decode step (one new token, a short cache).
+DEFAULT_DIMS: dict[str, int] = {"batch": 1, "batch_size": 1, "sequence_length": 1, "seq": 1, "seq_len": 1}
+DEFAULT_CACHE_LENGTH = 8
+UNKNOWN_DIM = 1
+
+
+class InputError(ValueError):
+    """A problem with ``--dim``, ``--inputs`` or the inputs they make, with a message for the user."""
+
+
+# --- dim expressions --------------------------------------------------------------------------------
+
+_TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_.]*)|(//|[-+*/%()]))")
+
+
+@dataclass(frozen=True)
+class _Expression:
+    """A parsed dim expression: ``evaluate`` with sizes for ``names``."""
+
+    text: str
+    names: tuple[str, ...]
+    evaluate: Callable[[dict[str, int]], int]
+
+
+def _tokens(text: str) -> list[tuple[str, str]] | None:
+    tokens, position = [], 0
+    while position < len(text):
+        if text[position:].isspace():
+            break
+        match = _TOKEN.match(text, position)
+        if match is None:
+            return None
+        number, name, operator = match.groups()
+        tokens.append(("int", number) if number else ("name", name) if name else ("op", operator))
+        position = match.end()
+    return tokens
+
+
+def parse_expression(text: str) -> _Expression | None:
+    """Return ``text`` parsed as an arithmetic expression of dim names, or None when it is a plain name
+    (or a number, or something that is no expression: then it is an opaque name)."""
+    tokens = _tokens(text)
+    if not tokens or not any(kind == "op" for kind, _ in tokens):
+        return None
+    position = 0
+    names: list[str] = []
+
+    def peek() -> tuple[str, str] | None:
+        return tokens[position] if position < len(tokens) else None
+
+    def take() -> tuple[str, str]:
+        nonlocal position
+        position += 1
+        return tokens[position - 1]
+
+    # Recursive descent: sum := product (('+'|'-') product)*; product := unary (('*'|'/'|'//'|'%') unary)*
+    def parse_sum() -> Callable[[dict[str, int]], int]:
+        left = parse_product()
+        while peek() in (("op", "+"), ("op", "-")):
+            operator, right = take()[1], parse_product()
+            left = _binary(operator, left, right)
+        return left
+
+    def parse_product() -> Callable[[dict[str, int]], int]:
+        left = parse_unary()
+        while peek() in (("op", "*"), ("op", "/"), ("op", "//"), ("op", "%")):
+            operator, right = take()[1], parse_unary()
+            left = _binary(operator, left, right)
+        return left
+
+    def parse_unary() -> Callable[[dict[str, int]], int]:
+        if peek() == ("op", "-"):
+            take()
+            inner = parse_unary()
+            return lambda sizes: -inner(sizes)
+        if peek() == ("op", "("):
+            take()
+            inner = parse_sum()
+            if take() != ("op", ")"):
+                raise SyntaxError
+            return inner
+        kind, value = take()
+        if kind == "int":
+            number = int(value)
+            return lambda sizes: number
+        if kind == "name":
+            names.append(value)
+            return lambda sizes: sizes[value]
+        raise SyntaxError
+
+    try:
+        evaluate = parse_sum()
+    except (SyntaxError, IndexError):
+        return None
+    if position != len(tokens):
+        return None
+    return _Expression(text, tuple(dict.fromkeys(names)), evaluate)
+
+
+def _binary(
+    operator: str, left: Callable[[dict[str, int]], int], right: Callable[[dict[str, int]], int]
+) -> Callable[[dict[str, int]], int]:
+    def apply(sizes: dict[str, int]) -> int:
+        a, b = left(sizes), right(sizes)
+        if operator == "+":
+            return a + b
+        if operator == "-":
+            return a - b
+        if operator == "*":
+            return a * b
+        if b == 0:
+            raise ZeroDivisionError
+        if operator == "%":
+            return a % b
+        if operator == "/" and a % b:
+            raise ArithmeticError(f"{a} / {b} is not a whole number")
+        return a // b
+
+    return apply
+
+
+# --- binding ----------------------------------------------------------------------------------------
+
+
+def _canonical(name: str) -> str:
+    """The name as compared across spellings: lower case, ``sequence`` -> ``seq``, ``length`` -> ``len``."""
+    return name.lower().replace("sequence", "seq").replace("length", "len")
+
+
+def _is_past(name: str) -> bool:
+    lowered = name.lower()
+    return "past" in lowered or "cache" in lowered
+
+
+def _is_sequence(name: str) -> bool:
+    canonical = _canonical(name)
+    return "seq" in canonical and not _is_past(name) and "total" not in canonical
+
+
+def default_dim(name: str) -> int:
+    """Return the default size of a plain dim ``name`` (one decode step with a short cache)."""
+    lowered = name.lower()
+    if lowered in DEFAULT_DIMS:
+        return DEFAULT_DIMS[lowered]
+    if _is_past(name):
+        return DEFAULT_CACHE_LENGTH
+    if "total" in lowered:
+        return DEFAULT_CACHE_LENGTH + 1  # past + one new token
+    return UNKNOWN_DIM
+
+
+def dim_params(model: onnx.ModelProto) -> list[str]:
+    """Return the symbolic dims of ``model``'s graph inputs (initializers excluded), in order of use."""
+    initializers = {t.name for t in model.graph.initializer}
+    names: dict[str, None] = {}
+    for value in model.graph.input:
+        if value.name in initializers or not value.type.HasField("tensor_type"):
+            continue
+        for dim in value.type.tensor_type.shape.dim:
+            if not dim.HasField("dim_value") and dim.dim_param and not dim.dim_param.strip().isdigit():
+                names[dim.dim_param] = None
+    return list(names)
+
+
+def _format(dims: dict[str, int]) -> str:
+    return ", ".join(f"{name}={size}" for name, size in dims.items())
+
+
+def resolve_dims(
+    model: onnx.ModelProto,
+    dims: dict[str, int] | None = None,
+    provided: dict[str, np.ndarray] | None = None,
+    *,
+    strict: bool = False,
+) -> dict[str, int]:
+    """Return the size of every symbolic dim of ``model``'s inputs, consistent with each other.
+
+    ``dims`` are the user's bindings, ``provided`` real input arrays (their shapes bind the dims of the
+    inputs they are given for). With ``strict`` (the command line), a binding of a name the model does
+    not have is an InputError that lists the names it has. An expression bound by the user must equal
+    what its names give. Raises InputError for an expression that does not evaluate to a positive size.
+    """
+    dims = dict(dims or {})
+    params = dim_params(model)
+    expressions = {name: e for name in params if (e := parse_expression(name)) is not None}
+    plain = [name for name in params if name not in expressions]
+    variables = list(dict.fromkeys(v for e in expressions.values() for v in e.names))
+    known = list(dict.fromkeys([*plain, *variables, *expressions]))
+    if strict:
+        unknown = [name for name in dims if name not in known]
+        if unknown:
+            has = ", ".join(repr(n) for n in known) if known else "none: every input dim is fixed"
+            raise InputError(f"--dim {unknown[0]!r}: the model has no such symbolic dim (its dims: {has})")
+
+    bound = {name: size for name, size in dims.items() if name not in expressions}
+    for name, size in _sizes_from_arrays(model, provided or {}).items():
+        if name in expressions:
+            continue
+        bound.setdefault(name, size)
+    # Spellings of one dim (past_seq_len in an expression, past_sequence_len on an input) share a binding.
+    by_canonical: dict[str, list[str]] = {}
+    for name in dict.fromkeys([*plain, *variables]):
+        by_canonical.setdefault(_canonical(name), []).append(name)
+    sizes: dict[str, int] = {}
+    for group in by_canonical.values():
+        given = [bound[name] for name in group if name in bound]
+        if len(set(given)) > 1:
+            spelled = " and ".join(f"{name}={bound[name]}" for name in group if name in bound)
+            raise InputError(f"--dim {spelled}: these name one dim of the model; give one size")
+        for name in group:
+            sizes[name] = given[0] if given else None  # type: ignore[assignment]
+    # Defaults; a total length is past + sequence where the model has one of each.
+    pasts = [n for n in plain if _is_past(n)]
+    sequences = [n for n in plain if _is_sequence(n)]
+    for name in [n for n in sizes if sizes[n] is None and "total" not in n.lower()]:
+        sizes[name] = default_dim(name)
+    for name in [n for n in sizes if sizes[n] is None]:
+        if len(pasts) == 1 and len(sequences) == 1:
+            sizes[name] = sizes[pasts[0]] + sizes[sequences[0]]
+        else:
+            sizes[name] = default_dim(name)
+
+    result: dict[str, int] = {}
+    for name in params:
+        expression = expressions.get(name)
+        if expression is None:
+            result[name] = sizes[name]
+            continue
+        try:
+            value = expression.evaluate(sizes)
+        except (ArithmeticError, ZeroDivisionError) as error:
+            detail = f": {error}" if str(error) else ""
+            raise InputError(f"dim {name!r} does not evaluate with {_format(sizes)}{detail}") from None
+        if name in dims and dims[name] != value:
+            parts = _format({v: sizes[v] for v in expression.names})
+            raise InputError(
+                f"--dim {name}={dims[name]} disagrees with its terms ({parts} give {value}); "
+                f"bind the terms instead: --dim {expression.names[0]}=SIZE"
+            )
+        if value < 1:
+            raise InputError(f"dim {name!r} = {value} with {_format(sizes)}; bind its terms with --dim NAME=SIZE")
+        result[name] = value
+    return result
+
+
+def _sizes_from_arrays(model: onnx.ModelProto, provided: dict[str, np.ndarray]) -> dict[str, int]:
+    """Return the sizes the shapes of ``provided`` arrays give the symbolic dims of their inputs."""
+    sizes: dict[str, int] = {}
+    for value in model.graph.input:
+        array = provided.get(value.name)
+        if array is None or not value.type.HasField("tensor_type"):
+            continue
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) != np.ndim(array):
+            continue
+        for dim, size in zip(dims, np.shape(array), strict=True):
+            if not dim.HasField("dim_value") and dim.dim_param:
+                sizes.setdefault(dim.dim_param, int(size))
+    return sizes
+
+
+def describe(dims: dict[str, int]) -> str:
+    """Return ``name=size, …`` of the dims used, or ``none`` for a model whose inputs are all fixed."""
+    return _format(dims) if dims else "none (fixed shapes)"
+
+
+def holds_bfloat16(model: onnx.ModelProto) -> bool:
+    """Return whether ``model`` declares a bfloat16 value or weight, or casts to bfloat16 (ONNX Runtime's
+    CPU provider has no bfloat16 kernels for most ops)."""
+    bf16 = onnx.TensorProto.BFLOAT16
+    graph = model.graph
+    values = [*graph.input, *graph.output, *graph.value_info]
+    return (
+        any(v.type.tensor_type.elem_type == bf16 for v in values)
+        or any(t.data_type == bf16 for t in graph.initializer)
+        or any(n.op_type == "Cast" and any(a.name == "to" and a.i == bf16 for a in n.attribute) for n in graph.node)
+    )
+
+
+# --- arrays -----------------------------------------------------------------------------------------
+
+
+def numpy_dtype(elem_type: int) -> np.dtype:
+    """Return the numpy dtype of an ONNX element type; InputError for bfloat16 (numpy has none)."""
+    if elem_type == onnx.TensorProto.BFLOAT16:
+        raise InputError("a model input is bfloat16, which numpy cannot make; use a float16 or float32 model")
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+def memory_limit() -> int:
+    """Return the most bytes of generated inputs allowed: half of this machine's physical memory."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 64 * 2**30
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.3g} GiB"
+
+
+def _generated(model: onnx.ModelProto, provided: dict[str, np.ndarray]) -> Iterator[onnx.ValueInfoProto]:
+    initializers = {init.name for init in model.graph.initializer}
+    for value in model.graph.input:
+        if value.name not in initializers and value.name not in provided:
+            yield value
+
+
+def make_inputs(
+    model: onnx.ModelProto,
+    dims: dict[str, int] | None = None,
+    seed: int = 0,
+    provided: dict[str, np.ndarray] | None = None,
+    *,
+    resolved: dict[str, int] | None = None,
+) -> dict[str, np.ndarray]:
+    """Return seeded inputs for every graph input, symbolic dimensions bound by ``resolve_dims``.
+
+    ``provided`` arrays (real inputs, e.g. from ``load_inputs``) are used as they are. Others are made:
+    integer inputs get small non-negative values (token ids < 16, masks of ones, positions counting up),
+    floating inputs N(0, 1) values. ``resolved`` (from ``resolve_dims``) skips the resolution. Raises
+    InputError before allocating when the generated arrays would take more than ``memory_limit()``.
+    """
+    provided = provided or {}
+    sizes = resolved if resolved is not None else resolve_dims(model, dims, provided)
+    plan: list[tuple[onnx.ValueInfoProto, list[int], np.dtype]] = []
+    for value in _generated(model, provided):
+        if not value.type.HasField("tensor_type"):
+            raise InputError(f"input {value.name!r} is not a tensor; only tensors can be generated")
+        tensor_type = value.type.tensor_type
+        shape = [
+            d.dim_value
+            if d.HasField("dim_value")
+            else sizes.get(d.dim_param, UNKNOWN_DIM)
+            if not d.dim_param.strip().isdigit()
+            else int(d.dim_param)
+            for d in tensor_type.shape.dim
+        ]
+        plan.append((value, shape, numpy_dtype(tensor_type.elem_type)))
+    need = {value.name: int(np.prod(shape, dtype=object)) * dtype.itemsize for value, shape, dtype in plan}
+    limit = memory_limit()
+    if sum(need.values()) > limit:
+        largest = max(plan, key=lambda item: need[item[0].name])
+        raise InputError(
+            f"the generated inputs would take {_gib(sum(need.values()))} (input {largest[0].name!r} of shape "
+            f"{largest[1]}: {_gib(need[largest[0].name])}) with dims {describe(sizes)}; more than half of this "
+            f"machine's memory ({_gib(limit)}): choose smaller --dim sizes"
+        )
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, np.ndarray] = {}
+    for value in (v for v in model.graph.input if v.name in provided):
+        array = np.asarray(provided[value.name])
+        expected = value.type.tensor_type.elem_type
+        if expected and expected != onnx.TensorProto.BFLOAT16:
+            array = array.astype(numpy_dtype(expected), copy=False)  # e.g. fp16 inputs saved as fp32
+        feeds[value.name] = array
+    for value, shape, dtype in plan:
+        lowered = value.name.lower()
+        if np.issubdtype(dtype, np.integer):
+            if "mask" in lowered:
+                array = np.ones(shape, dtype)
+            elif "position" in lowered:
+                array = np.broadcast_to(np.arange(shape[-1] if shape else 1, dtype=dtype), shape).copy()
+            else:
+                array = rng.integers(0, 16, size=shape).astype(dtype)
+        elif dtype == np.bool_:
+            array = np.ones(shape, dtype)
+        else:
+            array = rng.standard_normal(shape).astype(dtype)
+        feeds[value.name] = array
+    return feeds
+
+
+def load_inputs(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Return the arrays of an ``.npz`` file of model inputs, keyed by input name.
+
+    Keys may also end in ``input/<name>`` (as in tests/fixtures/models/references.npz): the part after the
+    last ``input/`` is the name.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"inputs file {str(file)!r} does not exist")
+    try:
+        with np.load(file, allow_pickle=False) as data:
+            return {key.rsplit("input/", 1)[-1]: data[key] for key in data.files}
+    except Exception as exc:
+        raise InputError(f"inputs file {str(file)!r} is not a readable .npz ({type(exc).__name__})") from None
+
+
+def parse_dims(items: Sequence[str]) -> dict[str, int]:
+    """Return {name: size} from ``NAME=SIZE`` strings (NAME may hold ``=``: the last one splits)."""
+    dims = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        name = name.strip()
+        if not sep or not name or not value.strip().isdigit() or int(value) < 1:
+            raise InputError(f"--dim expects NAME=SIZE (a positive integer), got {item!r}")
+        dims[name] = int(value)
+    return dims
