@@ -284,8 +284,11 @@ def verify(
     checked = [n for n in nodes if n["checked"]]
     lines = [f"verify ({backend}): {'PASS' if ok else 'FAIL'}"]
     given = sorted(set(inputs or {}) & set(feeds))
-    source = f"{len(given)} of {len(feeds)} inputs given, the rest generated" if given else "generated inputs"
-    lines.append(f"  inputs: {source}; dims {describe(run.dims)}")
+    if len(given) == len(feeds):
+        lines.append(f"  inputs: all {len(feeds)} given")
+    else:
+        source = f"{len(given)} of {len(feeds)} given, the rest generated" if given else "generated"
+        lines.append(f"  inputs: {source}; dims {describe(run.dims)}")
     failing = [n for n in checked if not n["within_budget"]]
     unchecked = [n for n in nodes if not n["checked"]]
     lines.append(
