@@ -81,6 +81,14 @@ class Report:
     fused_chains: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: Filled by ``--verify``: backend used, per-output errors, pass/fail.
     verification: dict[str, Any] | None = None
+    #: The decode-step fusions (fusion/fusions.py), per op type: what they count, chains found, fused, refused
+    #: (location, reason) and the fused chains' attributes. Only ops with chains in the model are listed.
+    decode: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def decode_fused(self) -> int:
+        """How many decode-step chains were fused (all ops)."""
+        return sum(op["fused"] for op in self.decode.values())
 
     def summary(self) -> str:
         """Return a few human-readable lines: chains per form, fused, refused with reasons, node counts."""
@@ -91,7 +99,13 @@ class Report:
             f"fused: {self.fused}, refused: {len(self.refused)}",
             f"nodes: {self.nodes_before} -> {self.nodes_after}",
         ]
-        if self.fused:
+        for op_type, op in self.decode.items():
+            lines.append(
+                f"{op['counts']} found: {op['found']} (ai.mambafuse::{op_type}), fused: {op['fused']}, "
+                f"refused: {len(op['refused'])}"
+            )
+            lines += [f"  refused {where}: {reason}" for where, reason in op["refused"]]
+        if self.fused or self.decode_fused:
             lines.append(
                 "model-local function: " + ("attached" if self.function_attached else "omitted (--no-function)")
             )
@@ -142,7 +156,7 @@ def rewrite_model(model: ModelT, *, function: bool = True, assume_equal_widths: 
     if isinstance(model, onnx.ModelProto):
         ir_model = ir.from_proto(model)
         _, report = rewrite_model(ir_model, function=function, assume_equal_widths=assume_equal_widths)
-        if report.fused == 0:
+        if report.fused == 0 and report.decode_fused == 0:
             unchanged = onnx.ModelProto()
             unchanged.CopyFrom(model)
             return unchanged, report
@@ -174,7 +188,8 @@ def rewrite_model(model: ModelT, *, function: bool = True, assume_equal_widths: 
             # their shape arithmetic); ONNX Runtime's symbolic inference often can. Second pass, same log.
             report.fused += fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
         _explain_refusals(model, log, report)
-    if report.fused and function:
+        _fuse_decode_steps(model, opset, report)
+    if (report.fused or report.decode_fused) and function:
         attach_function(model, opset)
         report.function_attached = True
     report.nodes_after = _node_count(model)
@@ -262,11 +277,39 @@ def _explain_refusals(model: ir.Model, log: FusionLog, report: Report) -> None:
 
 
 def attach_function(model: ir.Model, onnx_opset: int | None = None) -> None:
-    """Add the GatedGroupRMSNorm model-local function to ``model`` (replacing an older copy)."""
+    """Add the model-local functions to ``model`` (replacing older copies): GatedGroupRMSNorm's, and that of
+    every other ``ai.mambafuse`` op whose nodes the model has (fusion/fusions.py)."""
+    from fusion import fusions
+
     opset = onnx_opset if onnx_opset is not None else _onnx_opset(model)
     function = ir.serde.deserialize_function(fused_function.make_function(opset))
     model.functions[function.identifier()] = function
     model.opset_imports.setdefault(DOMAIN, fused_function.OPSET_VERSION)
+    fusions.attach_functions(model, opset)
+
+
+def _fuse_decode_steps(model: ir.Model, opset: int, report: Report) -> None:
+    """Run the decode-step fusions (after the gated norm) and fill ``report.decode`` for ops with chains."""
+    from fusion import fusions
+
+    for fusion in fusions.DECODE_FUSIONS:
+        log = FusionLog()
+        fused = fusion.fuse(model, log)
+        refused = []
+        for anchor in fusion.find_anchors(model.graph):
+            record = log.chains.get(anchor)
+            reason = record.reason if record is not None and record.reason else "does not match the op's chain"
+            refused.append((record.location if record is not None else location(anchor), reason))
+        if fused or refused:
+            report.decode[fusion.op_type] = {
+                "counts": fusion.counts,
+                "found": fused + len(refused),
+                "fused": fused,
+                "refused": refused,
+                "fused_chains": [
+                    {"location": r.location, **r.attributes} for r in log.chains.values() if r.fused
+                ],
+            }
 
 
 # --- command line -----------------------------------------------------------------------------------
