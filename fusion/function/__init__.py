@@ -2,12 +2,16 @@
 
 - ``gated_group_rms_norm``: ``GatedGroupRMSNorm``. Its names are re-exported here, so
   ``from fusion.function import make_function, attach_function`` keeps working.
+- ``causal_conv1d_update``: ``CausalConv1dUpdate``; ``selective_state_update``: ``SelectiveStateUpdate``.
+  ``attach_functions`` adds the function of every ``ai.mambafuse`` op a model uses.
 
 A fused model carries the function of every op it uses, so it runs on ONNX Runtime without the mambafuse
 library (which, when registered, shadows the functions with its kernels).
 """
 
 from __future__ import annotations
+
+import onnx
 
 from fusion.function.gated_group_rms_norm import (
     ATTRIBUTES,
@@ -19,6 +23,31 @@ from fusion.function.gated_group_rms_norm import (
 )
 from fusion.reference.gated_group_rms_norm import DOMAIN, OP_TYPE
 
+
+def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Add (or replace) the function of every ``ai.mambafuse`` op ``model`` uses, in place; return it."""
+    from fusion import fusions
+
+    used = {node.op_type for node in model.graph.node if node.domain == DOMAIN}
+    if not used:
+        return model
+    onnx_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    if onnx_opset is None:
+        raise ValueError("the model imports no ONNX opset")
+    for fusion in fusions.FUSIONS:
+        if fusion.op_type not in used:
+            continue
+        kept = [f for f in model.functions if (f.domain, f.name) != (DOMAIN, fusion.op_type)]
+        del model.functions[:]
+        model.functions.extend([*kept, fusion.make_function(onnx_opset)])
+        for domain, version in fusion.function_domains:
+            if not any(o.domain == domain for o in model.opset_import):
+                model.opset_import.append(onnx.helper.make_opsetid(domain, version))
+    if not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    return model
+
+
 __all__ = [
     "ATTRIBUTES",
     "DOMAIN",
@@ -27,5 +56,6 @@ __all__ = [
     "OPTIONAL_ATTRIBUTES",
     "OP_TYPE",
     "attach_function",
+    "attach_functions",
     "make_function",
 ]

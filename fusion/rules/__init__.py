@@ -32,6 +32,7 @@ __all__ = [
     "FusionLog",
     "GatedGroupRMSNormFusion",
     "GatedGroupRMSNormRuleSet",
+    "all_rewrite_rules",
     "attach_function",
     "fuse_gated_group_rms_norm",
     "gated_group_rms_norm_rule_sets",
@@ -90,6 +91,17 @@ def rewrite_rules() -> GatedGroupRMSNormRuleSet:
     return GatedGroupRMSNormRuleSet()
 
 
+def all_rewrite_rules() -> list[pattern.RewriteRule]:
+    """Return the rules of every fusion (fusion/fusions.py), in the order ``rewrite_model`` runs them, as one
+    flat list: the gated norm's (as ``rewrite_rules``), then CausalConv1dUpdate's and SelectiveStateUpdate's.
+
+    ``rewrite_rules()`` stays the gated norm's rule set; call ``attach_function`` after either.
+    """
+    from fusion import fusions
+
+    return [rule for fusion in fusions.FUSIONS for rule_set in fusion.rules for rule in rule_set]
+
+
 def attach_function(model: ModelT) -> ModelT:
     """Add the op's model-local function to a fused ``model`` (ModelProto or ir.Model) in place; return it.
 
@@ -99,8 +111,9 @@ def attach_function(model: ModelT) -> ModelT:
     if isinstance(model, onnx.ModelProto):
         from fusion import function
 
-        if any(node.domain == function.DOMAIN for node in model.graph.node):
+        if any(node.domain == function.DOMAIN and node.op_type == function.OP_TYPE for node in model.graph.node):
             function.attach_function(model)
+        function.attach_functions(model)  # the decode-step ops' functions, for the ops the model uses
         return model
     from fusion import rewrite
 
