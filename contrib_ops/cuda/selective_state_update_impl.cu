@@ -1,0 +1,150 @@
+// SelectiveStateUpdate on CUDA: the host side. Checks the arguments, chooses the path and block shape, and
+// dispatches on (T, S) to the instantiations in selective_state_update_impl_t{f32,f16,bf16}.cu.
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "selective_state_update_kernels.cuh"
+
+namespace mambafuse {
+namespace {
+
+using ssu_kernels::kBlock;
+
+bool Aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+size_t Bytes(ElemType t) { return t == ElemType::kFloat ? 4 : 2; }
+bool Supported(ElemType t) {
+  return t == ElemType::kFloat || t == ElemType::kFloat16 || t == ElemType::kBFloat16;
+}
+
+int MultiprocessorCount() {
+  int device = 0;
+  int count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0) {
+    cudaGetLastError();  // a failed query must not surface as the launch's error
+    return 132;          // an H100/H200's count: only sizes the grid
+  }
+  return count;
+}
+
+int Pow2Ceil(int64_t v) {
+  int p = 1;
+  while (p < v && p < 32) p *= 2;
+  return p;
+}
+
+int Log2(int v) {
+  int s = 0;
+  while ((1 << s) < v) ++s;
+  return s;
+}
+
+}  // namespace
+
+const char* CheckSelectiveStateUpdateArgs(const SelectiveStateUpdateArgs& a) {
+  if (!Supported(a.t_type)) return "the activation type is not float, float16 or bfloat16";
+  if (a.s_type != ElemType::kFloat && a.s_type != a.t_type) return "the state type is neither float nor x's type";
+  if (a.d != nullptr && a.d_type != ElemType::kFloat && a.d_type != a.t_type) {
+    return "D's type is neither float nor x's type";
+  }
+  if (a.batch < 0 || a.heads < 0 || a.head_dim < 0 || a.state_size < 0 || a.groups <= 0) return "negative sizes";
+  if (a.heads % a.groups != 0) return "heads is not a multiple of groups";
+  // The grid: rows and N are int in the kernel, heads and batch are grid dimensions y and z.
+  if (a.head_dim > INT_MAX / 2 || a.state_size > INT_MAX / 2 || a.heads > 65535 || a.batch > 65535) {
+    return "a dimension is beyond the kernel's grid (heads and batch <= 65535, P and N < 2^30)";
+  }
+  return nullptr;
+}
+
+SelectiveStateUpdateLaunch ChooseSelectiveStateUpdateLaunch(const SelectiveStateUpdateArgs& a, int multiprocessors) {
+  SelectiveStateUpdateLaunch launch;
+  const int vec = static_cast<int>(16 / Bytes(a.s_type));
+  const int64_t chunks_total = a.state_size / vec;
+  const char* path = std::getenv("MAMBAFUSE_SSU_PATH");  // read per launch: tests switch it in-process
+  const bool forced_scalar = path != nullptr && std::strcmp(path, "scalar") == 0;
+  // 16-byte state chunks; B and C chunks of vec elements of T (8 or 16 bytes). Every row starts aligned when
+  // N is a multiple of vec and the base pointers are 16-byte aligned (ORT's allocations are 256-byte aligned).
+  launch.vector = !forced_scalar && a.state_size % vec == 0 && chunks_total <= 2 * 32 && Aligned(a.state, 16) &&
+                  Aligned(a.present_state, 16) && Aligned(a.b, 16) && Aligned(a.c, 16);
+  if (launch.vector) {
+    launch.vec = vec;
+    launch.lanes_per_row = Pow2Ceil(chunks_total);
+    launch.chunks = static_cast<int>((chunks_total + launch.lanes_per_row - 1) / launch.lanes_per_row);
+  } else {
+    launch.vec = 1;
+    launch.lanes_per_row = Pow2Ceil(a.state_size);
+    launch.chunks = static_cast<int>((a.state_size + launch.lanes_per_row - 1) / launch.lanes_per_row);
+  }
+  // Rows per lane: 4 (each lane keeps 4 rows' loads in flight) while that still gives every SM two blocks;
+  // fewer rows (more, smaller blocks) where heads x batch are too few to fill the GPU at 4. Nemotron-H-8B at
+  // batch 1 (H = 128, P = 64, N = 128, f32 state): 32 lanes a row, 4 rows a warp, 16 rows a block, 4 blocks
+  // a head, 512 blocks of 4 warps on 132 SMs: the whole 4 MB state is requested in the first wave.
+  const int teams = kBlock / launch.lanes_per_row;
+  const int64_t heads_total = a.batch * a.heads;
+  int rows = 4;
+  while (rows > 1 && heads_total * ((a.head_dim + teams * rows - 1) / (teams * rows)) < 2 * multiprocessors) {
+    rows /= 2;
+  }
+  if (const char* forced = std::getenv("MAMBAFUSE_SSU_ROWS")) {
+    const int value = std::atoi(forced);
+    if (value == 1 || value == 2 || value == 4) rows = value;
+  }
+  launch.rows_per_lane = rows;
+  launch.rows_per_block = teams * rows;
+  launch.blocks = heads_total * ((a.head_dim + launch.rows_per_block - 1) / launch.rows_per_block);
+  return launch;
+}
+
+cudaError_t LaunchSelectiveStateUpdate(const SelectiveStateUpdateArgs& a, cudaStream_t stream) {
+  if (CheckSelectiveStateUpdateArgs(a) != nullptr) return cudaErrorInvalidValue;
+  if (a.batch == 0 || a.heads == 0 || a.head_dim == 0) return cudaSuccess;
+  const SelectiveStateUpdateLaunch launch = ChooseSelectiveStateUpdateLaunch(a, MultiprocessorCount());
+  ssu_kernels::Params params{};
+  params.state = a.state;
+  params.x = a.x;
+  params.dt = a.dt;
+  params.dt_bias = a.dt_bias;
+  params.a = a.a;
+  params.b = a.b;
+  params.c = a.c;
+  params.d = a.d;
+  params.out = a.out;
+  params.present = a.present_state;
+  params.heads = static_cast<int>(a.heads);
+  params.head_dim = static_cast<int>(a.head_dim);
+  params.state_size = static_cast<int>(a.state_size);
+  params.groups = static_cast<int>(a.groups);
+  params.heads_per_group = static_cast<int>(a.heads / a.groups);
+  params.lane_shift = Log2(launch.lanes_per_row);
+  params.chunks = launch.chunks;
+  params.d_is_float = a.d_type == ElemType::kFloat;
+  params.softplus = a.dt_softplus;
+  params.dt_min = a.dt_min;
+  params.dt_max = a.dt_max;
+  const dim3 grid(static_cast<unsigned>((a.head_dim + launch.rows_per_block - 1) / launch.rows_per_block),
+                  static_cast<unsigned>(a.heads), static_cast<unsigned>(a.batch));
+  const bool state_float = a.s_type == ElemType::kFloat;
+  switch (a.t_type) {
+    case ElemType::kFloat: ssu_kernels::LaunchTyped<float, float>(params, launch, grid, stream); break;
+    case ElemType::kFloat16:
+      if (state_float) {
+        ssu_kernels::LaunchTyped<__half, float>(params, launch, grid, stream);
+      } else {
+        ssu_kernels::LaunchTyped<__half, __half>(params, launch, grid, stream);
+      }
+      break;
+    default:
+      if (state_float) {
+        ssu_kernels::LaunchTyped<__nv_bfloat16, float>(params, launch, grid, stream);
+      } else {
+        ssu_kernels::LaunchTyped<__nv_bfloat16, __nv_bfloat16>(params, launch, grid, stream);
+      }
+      break;
+  }
+  // The launch's own error (bad configuration, no device, no kernel image for this GPU); never a sync.
+  return cudaGetLastError();
+}
+
+}  // namespace mambafuse
