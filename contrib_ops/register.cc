@@ -1,5 +1,5 @@
-// Entry point of the mambafuse custom-op library: one domain (ai.mambafuse), one op name
-// (GatedGroupRMSNorm), one kernel per execution provider. Loaded by ONNX Runtime through
+// Entry point of the mambafuse custom-op library: one domain (ai.mambafuse), its ops (GatedGroupRMSNorm,
+// CausalConv1dUpdate, SelectiveStateUpdate), one kernel per op and execution provider. Loaded by ONNX Runtime through
 // SessionOptions.register_custom_ops_library; the library does not link libonnxruntime.
 #include <memory>
 #include <mutex>
@@ -7,7 +7,9 @@
 #include <vector>
 
 #include "common/ort_api.h"
+#include "cpu/causal_conv1d_update.h"
 #include "cpu/gated_group_rms_norm.h"
+#include "cpu/selective_state_update.h"
 #if defined(MAMBAFUSE_WITH_CUDA)
 #include "cuda/gated_group_rms_norm_cuda.h"
 #endif
@@ -25,6 +27,8 @@ constexpr const char* kDomain = "ai.mambafuse";
 // Ops and the domain must outlive every session that uses them: ORT keeps raw pointers to both.
 struct Registry {
   mambafuse::GatedGroupRMSNormCpuOp cpu_op;
+  mambafuse::CausalConv1dUpdateCpuOp conv_update_op;
+  mambafuse::SelectiveStateUpdateCpuOp state_update_op;
 #if defined(MAMBAFUSE_WITH_CUDA)
   mambafuse::GatedGroupRMSNormCudaOp cuda_op;
 #endif
@@ -60,6 +64,8 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     static std::mutex domains_mutex;
     Ort::CustomOpDomain domain{kDomain};
     domain.Add(&Ops().cpu_op);
+    domain.Add(&Ops().conv_update_op);
+    domain.Add(&Ops().state_update_op);
 #if defined(MAMBAFUSE_WITH_CUDA)
     domain.Add(&Ops().cuda_op);
 #endif

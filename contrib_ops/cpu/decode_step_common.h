@@ -1,0 +1,88 @@
+// ONNX Runtime-facing helpers shared by the decode-step ops (CausalConv1dUpdate, SelectiveStateUpdate):
+// errors that name the op, an input's dims in one query, and an output's type and shape copied from an
+// input in type and shape inference.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/ort_api.h"
+#include "gated_group_rms_norm.h"  // TensorDims
+#include "gated_group_rms_norm_impl.h"
+
+namespace mambafuse {
+
+inline Ort::Status OpError(const char* op, const std::string& message) {
+  return Ort::Status((std::string(op) + ": " + message).c_str(), ORT_INVALID_ARGUMENT);
+}
+
+// "[2, 16]"
+inline std::string DimsString(const int64_t* dims, size_t rank) {
+  std::string out = "[";
+  for (size_t i = 0; i < rank; ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + "]";
+}
+
+inline bool HasDims(const TensorDims& t, std::initializer_list<int64_t> expected) {
+  if (t.rank() != expected.size()) return false;
+  size_t i = 0;
+  for (int64_t d : expected) {
+    if (t.data()[i++] != d) return false;
+  }
+  return true;
+}
+
+inline int64_t ElementCount(const TensorDims& t) {
+  int64_t count = 1;
+  for (size_t i = 0; i < t.rank(); ++i) count *= t.data()[i];
+  return count;
+}
+
+// Reads an input that may be absent (an optional input left empty): false when it is.
+inline bool ReadOptionalInput(Ort::KernelContext& context, size_t index, TensorDims& dims, const void** data) {
+  const Ort::ConstValue value = context.GetInput(index);
+  if (!value) return false;
+  dims.Read(value);
+  *data = value.GetTensorRawData();
+  return true;
+}
+
+// Shape inference: output `out` gets input `in`'s element type and shape (dims and their names). An
+// input of unknown rank leaves the output to the graph.
+inline OrtStatusPtr ForwardTypeShape(OrtShapeInferContext* context, size_t in, size_t out) {
+  return GuardStatus([&]() -> Ort::Status {
+    const OrtApi& api = Ort::GetApi();
+    size_t count = 0;
+    Ort::ThrowOnError(api.ShapeInferContext_GetInputCount(context, &count));
+    if (in >= count) return Ort::Status{};
+    OrtTensorTypeAndShapeInfo* info = nullptr;  // belongs to the context
+    Ort::ThrowOnError(api.ShapeInferContext_GetInputTypeShape(context, in, &info));
+    if (info == nullptr) return Ort::Status{};
+    const Ort::ConstTensorTypeAndShapeInfo view(info);
+    const int64_t type = view.GetElementType();
+    if (!IsSupportedElemType(type)) return Ort::Status{};
+    std::vector<int64_t> dims = view.GetShape();
+    OrtTensorTypeAndShapeInfo* raw_out = nullptr;
+    Ort::ThrowOnError(api.CreateTensorTypeAndShapeInfo(&raw_out));
+    const Ort::TensorTypeAndShapeInfo out_info(raw_out);  // owns raw_out
+    Ort::ThrowOnError(api.SetTensorElementType(raw_out, static_cast<ONNXTensorElementDataType>(type)));
+    if (!dims.empty()) {
+      std::vector<const char*> names(dims.size(), nullptr);
+      view.GetSymbolicDimensions(names.data(), names.size());
+      std::vector<std::string> kept(dims.size());
+      std::vector<const char*> name_ptrs(dims.size());
+      for (size_t d = 0; d < dims.size(); ++d) {
+        // An unnamed unknown dim gets a name: ORT writes it as the value -1 otherwise.
+        kept[d] = names[d] && *names[d] ? names[d] : dims[d] < 0 ? "decode_step_dim_" + std::to_string(d) : "";
+        name_ptrs[d] = kept[d].c_str();
+      }
+      Ort::ThrowOnError(api.SetDimensions(raw_out, dims.data(), dims.size()));
+      Ort::ThrowOnError(api.SetSymbolicDimensions(raw_out, name_ptrs.data(), name_ptrs.size()));
+    }
+    Ort::ThrowOnError(api.ShapeInferContext_SetOutputTypeShape(context, out, raw_out));
+    return Ort::Status{};
+  });
+}
+
+}  // namespace mambafuse

@@ -1,0 +1,237 @@
+// Element helpers of the decode-step math cores (selective_state_update_math.cc,
+// causal_conv1d_update_math.cc): float32 <-> float16 / bfloat16 and the rounding of a float32 value to a
+// half type (round to nearest even, NaN kept, overflow to Inf), written once for a scalar (float,
+// uint32_t) and for a GCC vector of the instruction-set level's width (VF, VU), by integer operations on
+// the bits that any level vectorizes. Everything is in the math core's per-ISA namespace (MAMBAFUSE_ISA_NS,
+// set by CMake for each compilation of a math core), with internal linkage.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#ifndef MAMBAFUSE_ISA_NS
+#define MAMBAFUSE_ISA_NS isa_generic
+#endif
+
+namespace mambafuse {
+namespace MAMBAFUSE_ISA_NS {
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kWidth = 16;
+#elif defined(__AVX2__)
+constexpr int kWidth = 8;
+#else
+constexpr int kWidth = 4;
+#endif
+
+typedef float VF __attribute__((vector_size(4 * kWidth)));
+typedef int32_t VI __attribute__((vector_size(4 * kWidth)));
+typedef uint32_t VU __attribute__((vector_size(4 * kWidth)));
+typedef uint16_t VH __attribute__((vector_size(2 * kWidth)));
+
+#define MAMBAFUSE_INLINE inline __attribute__((always_inline))
+
+// The unsigned type of a float type's bits: float -> uint32_t, VF -> VU.
+template <typename F>
+struct BitsOf;
+template <>
+struct BitsOf<float> {
+  using type = uint32_t;
+};
+template <>
+struct BitsOf<VF> {
+  using type = VU;
+};
+
+template <typename F>
+MAMBAFUSE_INLINE typename BitsOf<F>::type ToBits(F f) {
+  typename BitsOf<F>::type u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+template <typename F, typename U>
+MAMBAFUSE_INLINE F FromBits(U u) {
+  F f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// A condition of the same kind as U: a bool for a scalar, a lane mask for a vector; Select picks per lane.
+MAMBAFUSE_INLINE uint32_t Select(bool c, uint32_t a, uint32_t b) { return c ? a : b; }
+MAMBAFUSE_INLINE VU Select(VI c, VU a, VU b) { return c ? a : b; }
+
+// float32 -> the nearest bfloat16, widened back (bits of a float32 whose low 16 bits are 0).
+template <typename F>
+MAMBAFUSE_INLINE typename BitsOf<F>::type RoundBF16Bits(F f) {
+  using U = typename BitsOf<F>::type;
+  const U u = ToBits(f);
+  const U rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const U quiet_nan = (u | 0x00400000u) & 0xFFFF0000u;
+  return Select((u & 0x7FFFFFFFu) > 0x7F800000u, quiet_nan, rounded);
+}
+
+// float32 -> the nearest float16, widened back, as float32 bits. Normal halves: the mantissa rounded at
+// bit 13 (a carry into the exponent is the right result); |f| >= 65520 (half of float16's last step past
+// 65504): Inf; |f| < 2^-14 (a float16 subnormal): the value rounded to a multiple of 2^-24 by adding and
+// subtracting 0.5, whose float32 spacing is 2^-24 (exact float arithmetic on normal numbers).
+template <typename F>
+MAMBAFUSE_INLINE typename BitsOf<F>::type RoundF16Bits(F f) {
+  using U = typename BitsOf<F>::type;
+  const U u = ToBits(f);
+  const U sign = u & 0x80000000u;
+  const U a = u & 0x7FFFFFFFu;
+  const U normal = (a + 0x0FFFu + ((a >> 13) & 1u)) & 0xFFFFE000u;
+  const F magnitude = FromBits<F>(a);
+  const U tiny = ToBits(F((magnitude + 0.5f) - 0.5f));
+  U r = Select(a < 0x38800000u, tiny, normal);
+  r = Select(a >= 0x477FF000u, a > 0x7F800000u ? U(a | 0x00400000u) : U(0x7F800000u), r);
+  return r | sign;
+}
+
+// Specialised for the vector: the nested select above is a scalar ternary.
+template <>
+MAMBAFUSE_INLINE VU RoundF16Bits<VF>(VF f) {
+  const VU u = ToBits(f);
+  const VU sign = u & 0x80000000u;
+  const VU a = u & 0x7FFFFFFFu;
+  const VU normal = (a + 0x0FFFu + ((a >> 13) & 1u)) & 0xFFFFE000u;
+  const VF magnitude = FromBits<VF>(a);
+  const VU tiny = ToBits(VF((magnitude + 0.5f) - 0.5f));
+  VU r = a < 0x38800000u ? tiny : normal;
+  const VU big = a > 0x7F800000u ? (a | 0x00400000u) : (VU{} + 0x7F800000u);
+  r = a >= 0x477FF000u ? big : r;
+  return r | sign;
+}
+
+// The value rounded to float16 (kHalf == 1), bfloat16 (2) or not at all (0), as a float.
+enum HalfKind : int { kNone = 0, kF16 = 1, kBF16 = 2 };
+
+template <int kHalf, typename F>
+MAMBAFUSE_INLINE F RoundTo(F f) {
+  if constexpr (kHalf == kF16) {
+    return FromBits<F>(RoundF16Bits(f));
+  } else if constexpr (kHalf == kBF16) {
+    return FromBits<F>(RoundBF16Bits(f));
+  } else {
+    return f;
+  }
+}
+
+// float16 bits (widened to 32) -> float32 bits. Exact: subnormal halves through one float subtraction of
+// normal numbers (2^-14 (1 + m 2^-10) - 2^-14), which FTZ cannot change.
+template <typename U>
+MAMBAFUSE_INLINE U F16BitsToFloatBits(U h) {
+  const U sign = (h & 0x8000u) << 16;
+  const U em = (h & 0x7FFFu) << 13;
+  const U exponent = em & 0x0F800000u;
+  const U normal = em + (112u << 23);
+  using F = std::conditional_t<std::is_same_v<U, uint32_t>, float, VF>;
+  const U sub = ToBits(F(FromBits<F>(U(em + (113u << 23))) - 6.103515625e-05f));
+  const U special = em + (224u << 23);
+  U r = Select(exponent == 0x0F800000u, special, normal);
+  r = Select(exponent == 0u, sub, r);
+  return r | sign;
+}
+
+template <>
+MAMBAFUSE_INLINE VU F16BitsToFloatBits<VU>(VU h) {
+  const VU sign = (h & 0x8000u) << 16;
+  const VU em = (h & 0x7FFFu) << 13;
+  const VU exponent = em & 0x0F800000u;
+  const VU normal = em + (112u << 23);
+  const VU sub = ToBits(VF(FromBits<VF>(VU(em + (113u << 23))) - 6.103515625e-05f));
+  const VU special = em + (224u << 23);
+  VU r = exponent == 0x0F800000u ? special : normal;
+  r = exponent == 0u ? sub : r;
+  return r | sign;
+}
+
+// Loads and stores of element type kHalf (0: float32) from/to float32.
+template <int kHalf>
+MAMBAFUSE_INLINE float LoadScalar(const void* p, int64_t i) {
+  if constexpr (kHalf == kNone) {
+    float f;
+    std::memcpy(&f, static_cast<const char*>(p) + 4 * i, 4);
+    return f;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, static_cast<const char*>(p) + 2 * i, 2);
+    const uint32_t wide = h;
+    return FromBits<float>(kHalf == kBF16 ? wide << 16 : F16BitsToFloatBits(wide));
+  }
+}
+
+template <int kHalf>
+MAMBAFUSE_INLINE void StoreScalar(void* p, int64_t i, float f) {
+  if constexpr (kHalf == kNone) {
+    std::memcpy(static_cast<char*>(p) + 4 * i, &f, 4);
+  } else {
+    const uint16_t h = kHalf == kBF16 ? static_cast<uint16_t>(RoundBF16Bits(f) >> 16) : [&] {
+      // float32 bits of a float16 value -> float16 bits (exact: the value is representable).
+      const uint32_t b = RoundF16Bits(f);
+      const uint32_t sign = (b >> 16) & 0x8000u;
+      const uint32_t a = b & 0x7FFFFFFFu;
+      uint32_t half;
+      if (a >= 0x7F800000u) {
+        half = a > 0x7F800000u ? 0x7E00u : 0x7C00u;
+      } else if (a < 0x38800000u) {  // subnormal half: a multiple of 2^-24
+        half = static_cast<uint32_t>(FromBits<float>(a) * 16777216.0f);
+      } else {
+        half = (a - (112u << 23)) >> 13;
+      }
+      return static_cast<uint16_t>(half | sign);
+    }();
+    std::memcpy(static_cast<char*>(p) + 2 * i, &h, 2);
+  }
+}
+
+template <int kHalf>
+MAMBAFUSE_INLINE VF LoadVector(const void* p, int64_t i) {
+  if constexpr (kHalf == kNone) {
+    VF v;
+    std::memcpy(&v, static_cast<const char*>(p) + 4 * i, sizeof v);
+    return v;
+  } else {
+    VH h;
+    std::memcpy(&h, static_cast<const char*>(p) + 2 * i, sizeof h);
+    const VU wide = __builtin_convertvector(h, VU);
+    return FromBits<VF>(kHalf == kBF16 ? VU(wide << 16) : F16BitsToFloatBits(wide));
+  }
+}
+
+template <int kHalf>
+MAMBAFUSE_INLINE void StoreVector(void* p, int64_t i, VF v) {
+  if constexpr (kHalf == kNone) {
+    std::memcpy(static_cast<char*>(p) + 4 * i, &v, sizeof v);
+  } else if constexpr (kHalf == kBF16) {
+    const VH h = __builtin_convertvector(RoundBF16Bits(v) >> 16, VH);
+    std::memcpy(static_cast<char*>(p) + 2 * i, &h, sizeof h);
+  } else {
+    const VU b = RoundF16Bits(v);
+    const VU sign = (b >> 16) & 0x8000u;
+    const VU a = b & 0x7FFFFFFFu;
+    const VU sub = __builtin_convertvector(FromBits<VF>(a) * 16777216.0f, VU);
+    VU half = (a - (112u << 23)) >> 13;
+    half = a < 0x38800000u ? sub : half;
+    half = a >= 0x7F800000u ? (a > 0x7F800000u ? (VU{} + 0x7E00u) : (VU{} + 0x7C00u)) : half;
+    const VH h = __builtin_convertvector(half | sign, VH);
+    std::memcpy(static_cast<char*>(p) + 2 * i, &h, sizeof h);
+  }
+}
+
+MAMBAFUSE_INLINE float SumLanes(VF v) {
+  float total = 0.f;
+  for (int i = 0; i < kWidth; ++i) total += v[i];
+  return total;
+}
+
+// The HalfKind of an ONNX element type number (1 float, 10 float16, 16 bfloat16).
+constexpr int HalfOf(int32_t onnx_type) { return onnx_type == 10 ? kF16 : onnx_type == 16 ? kBF16 : kNone; }
+
+}  // namespace
+}  // namespace MAMBAFUSE_ISA_NS
+}  // namespace mambafuse

@@ -1,0 +1,103 @@
+// SelectiveStateUpdate, the per-head math (docs/selective_state_update.md), compiled once per
+// instruction-set level like the gated norm's core (CMake passes MAMBAFUSE_ISA_NS and the -m flags).
+//
+//   d   = softplus(round_T(dt + dt_bias)) rounded to T       (once per (b, h): A is per head)
+//   dA  = exp(d * A[h])                                      (once per (b, h))
+//   dB  = round_T(d * B[b, g, n])                            (once per (b, h), N values)
+//   s   = round_S(state * dA + round_T(dB * x[p]))           (each state element read once, written once)
+//   out = round_T(sum_n round_T(s) C[b, g, n]) (+ round_T(x D))
+//
+// The state update is bandwidth-bound (Nemotron-H-8B: 128 x 64 x 128 float32 = 4 MB read and 4 MB written
+// per layer and token), so the loop over n streams the state once, in vectors of the level's width, and
+// everything per head is computed before it. The vector FMA the AVX2/AVX-512 builds contract
+// state * dA + dBx into is one rounding instead of two: inside the budget, which allows both.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "decode_step_vector.h"
+#include "selective_state_update_impl.h"
+
+namespace mambafuse {
+namespace MAMBAFUSE_ISA_NS {
+namespace {
+
+constexpr float kSoftplusThreshold = 20.f;  // torch's: softplus(v) = v above it
+
+template <int kT, int kS, int kD>
+void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t last_item) {
+  const int64_t heads = a.heads, head_dim = a.head_dim, n_state = a.state_size;
+  const int64_t heads_per_group = heads / a.groups;
+  // dB (rounded to T) and C widened to float, per head: read N times each in the loop over p.
+  std::vector<float> scratch(2 * static_cast<size_t>(n_state));
+  float* dB = scratch.data();
+  float* c = dB + n_state;
+  for (int64_t item = first_item; item < last_item; ++item) {
+    const int64_t b = item / heads, h = item % heads, g = h / heads_per_group;
+    float d = LoadScalar<kT>(a.dt, item);
+    if (a.dt_bias != nullptr) d = RoundTo<kT>(d + LoadScalar<kT>(a.dt_bias, h));
+    if (a.dt_softplus && !(d > kSoftplusThreshold)) d = RoundTo<kT>(std::log1p(std::exp(d)));
+    const float dA = std::exp(d * a.A[h]);
+    const int64_t group_base = (b * a.groups + g) * n_state;
+    for (int64_t n = 0; n < n_state; ++n) {
+      dB[n] = RoundTo<kT>(d * LoadScalar<kT>(a.B, group_base + n));
+      c[n] = LoadScalar<kT>(a.C, group_base + n);
+    }
+    const float d_skip = a.D != nullptr ? LoadScalar<kD>(a.D, h) : 0.f;
+    const VF dA_v = VF{} + dA;
+    for (int64_t p = 0; p < head_dim; ++p) {
+      const int64_t row = item * head_dim + p;
+      const int64_t base = row * n_state;
+      const float xp = LoadScalar<kT>(a.x, row);
+      VF acc = VF{};
+      int64_t n = 0;
+      for (; n + kWidth <= n_state; n += kWidth) {
+        const VF dbx = RoundTo<kT>(LoadVector<kNone>(dB, n) * xp);
+        const VF s = RoundTo<kS>(LoadVector<kS>(a.state, base + n) * dA_v + dbx);
+        StoreVector<kS>(a.present_state, base + n, s);
+        acc += RoundTo<kT>(s) * LoadVector<kNone>(c, n);
+      }
+      float tail = 0.f;
+      for (; n < n_state; ++n) {
+        const float dbx = RoundTo<kT>(dB[n] * xp);
+        const float s = RoundTo<kS>(LoadScalar<kS>(a.state, base + n) * dA + dbx);
+        StoreScalar<kS>(a.present_state, base + n, s);
+        tail += RoundTo<kT>(s) * c[n];
+      }
+      float y = RoundTo<kT>(SumLanes(acc) + tail);
+      if (a.D != nullptr) y = RoundTo<kT>(y + RoundTo<kT>(xp * d_skip));
+      StoreScalar<kT>(a.out, row, y);
+    }
+  }
+}
+
+template <int kT, int kS>
+void WithD(const SelectiveStateUpdateCpuArgs& a, int64_t first, int64_t last) {
+  if (a.d_type == ElemType::kFloat) {
+    RunHeads<kT, kS, kNone>(a, first, last);
+  } else {
+    RunHeads<kT, kS, kT>(a, first, last);
+  }
+}
+
+template <int kT>
+void WithState(const SelectiveStateUpdateCpuArgs& a, int64_t first, int64_t last) {
+  if (a.state_type == ElemType::kFloat) {
+    WithD<kT, kNone>(a, first, last);
+  } else {
+    WithD<kT, kT>(a, first, last);
+  }
+}
+
+}  // namespace
+
+void SelectiveStateUpdateItems(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t last_item) {
+  switch (a.type) {
+    case ElemType::kFloat16: WithState<kF16>(a, first_item, last_item); break;
+    case ElemType::kBFloat16: WithState<kBF16>(a, first_item, last_item); break;
+    default: WithState<kNone>(a, first_item, last_item); break;
+  }
+}
+
+}  // namespace MAMBAFUSE_ISA_NS
+}  // namespace mambafuse
