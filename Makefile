@@ -52,7 +52,7 @@ sanitize: $(STAMPS)/deps
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	MAMBAFUSE_LIBRARY=$(abspath build/sanitize/libmambafuse_ops.so) \
-	  $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_cpu.py
+	  $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_cpu.py tests/test_causal_conv1d_update_kernel.py tests/test_selective_state_update_kernel.py
 
 lint: $(STAMPS)/deps
 	$(PIP) install ruff

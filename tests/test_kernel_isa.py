@@ -1,6 +1,6 @@
 """The CPU kernel suite on every instruction-set variant this machine can run, not only the widest.
 
-The library picks its variant once per process, so each variant runs tests/test_kernel_cpu.py in a
+The library picks its variant once per process, so each variant runs the CPU kernel suites in a
 child process with MAMBAFUSE_CPU_ISA set. The baseline (SSE2 on x86-64, NEON on Arm) is what a user
 without AVX2 gets.
 """
@@ -35,6 +35,12 @@ VARIANTS = {
     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"},
 }
 EXPECTED_NAME = {"avx2": "avx2", "avx512": "avx512"}
+#: The CPU kernel tests of every op of the library.
+KERNEL_SUITES = (
+    "tests/test_kernel_cpu.py",
+    "tests/test_causal_conv1d_update_kernel.py",
+    "tests/test_selective_state_update_kernel.py",
+)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -59,7 +65,7 @@ def test_kernel_suite_on_variant(variant: str) -> None:
     if variant == "baseline":
         assert selected in {"sse2", "neon", "generic"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernel_cpu.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_SUITES],
         env=env,
         capture_output=True,
         text=True,
