@@ -11,7 +11,9 @@
 #include "cpu/gated_group_rms_norm.h"
 #include "cpu/selective_state_update.h"
 #if defined(MAMBAFUSE_WITH_CUDA)
+#include "cuda/causal_conv1d_update_cuda.h"
 #include "cuda/gated_group_rms_norm_cuda.h"
+#include "cuda/selective_state_update_cuda.h"
 #endif
 
 #if defined(_WIN32)
@@ -31,6 +33,8 @@ struct Registry {
   mambafuse::SelectiveStateUpdateCpuOp state_update_op;
 #if defined(MAMBAFUSE_WITH_CUDA)
   mambafuse::GatedGroupRMSNormCudaOp cuda_op;
+  mambafuse::CausalConv1dUpdateCudaOp conv_update_cuda_op;
+  mambafuse::SelectiveStateUpdateCudaOp state_update_cuda_op;
 #endif
 };
 
@@ -68,6 +72,8 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     domain.Add(&Ops().state_update_op);
 #if defined(MAMBAFUSE_WITH_CUDA)
     domain.Add(&Ops().cuda_op);
+    domain.Add(&Ops().conv_update_cuda_op);
+    domain.Add(&Ops().state_update_cuda_op);
 #endif
     Ort::UnownedSessionOptions session_options(options);
     session_options.Add(domain);

@@ -5,14 +5,12 @@
 #include <string>
 
 #include "causal_conv1d_update_launcher.h"
-#include "cpu/gated_group_rms_norm.h"  // TensorDims, ElemTypeName
+#include "cpu/decode_step_common.h"  // TensorDims, OpError, ForwardTypeShape
 
 namespace mambafuse {
 namespace {
 
-Ort::Status Invalid(const std::string& message) {
-  return Ort::Status(("CausalConv1dUpdate: " + message).c_str(), ORT_INVALID_ARGUMENT);
-}
+Ort::Status Invalid(const std::string& message) { return OpError("CausalConv1dUpdate", message); }
 
 }  // namespace
 
@@ -45,6 +43,7 @@ OrtStatusPtr CausalConv1dUpdateCudaKernel::ComputeV2(OrtKernelContext* raw_conte
     }
     if (dims[0].rank() != 3) return Invalid("x must have shape [B, C, L], got " + dims[0].ToString());
     const int64_t batch = dims[0].data()[0], channels = dims[0].data()[1], length = dims[0].data()[2];
+    if (length < 1) return Invalid("x must have at least one new column (L >= 1), got " + dims[0].ToString());
     if (dims[1].rank() != 3 || dims[1].data()[0] != batch || dims[1].data()[1] != channels) {
       return Invalid("conv_state must have shape [B, C, S] with x's B and C (" + dims[0].ToString() + "), got " +
                      dims[1].ToString());
@@ -64,7 +63,7 @@ OrtStatusPtr CausalConv1dUpdateCudaKernel::ComputeV2(OrtKernelContext* raw_conte
     }
     Ort::UnownedValue y = context.GetOutput(0, dims[0].data(), dims[0].rank());
     Ort::UnownedValue present = context.GetOutput(1, dims[1].data(), dims[1].rank());
-    if (batch * channels == 0 || (length == 0 && state_len == 0)) return Ort::Status{};
+    if (batch * channels == 0) return Ort::Status{};
     CausalConv1dUpdateArgs args;
     args.x = Ort::ConstValue(values[0]).GetTensorRawData();
     args.conv_state = Ort::ConstValue(values[1]).GetTensorRawData();
@@ -94,8 +93,9 @@ OrtStatusPtr CausalConv1dUpdateCudaKernel::ComputeV2(OrtKernelContext* raw_conte
 
 CausalConv1dUpdateCudaOp::CausalConv1dUpdateCudaOp() {
   InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) -> OrtStatusPtr {
-    static constexpr size_t kPairs[2][2] = {{0, 0}, {1, 1}};  // y: x's type and shape; present: conv_state's
-    return InferPassThrough(context, kPairs);
+    // The CPU op's inference: y gets x's type and shape, present_state conv_state's.
+    if (OrtStatusPtr status = ForwardTypeShape(context, 0, 0)) return status;
+    return ForwardTypeShape(context, 1, 1);
   };
 }
 

@@ -4,7 +4,6 @@
 #pragma once
 
 #include "common/ort_api.h"
-#include "selective_state_update_cuda.h"  // InferPassThrough
 
 namespace mambafuse {
 

@@ -68,7 +68,8 @@ __device__ __forceinline__ float RoundTo(float f) {
 template <typename T>
 __device__ __forceinline__ T Activate(float v, int silu) {
   if (!silu) return Narrow<T>(v);
-  const float sigmoid = RoundTo<T>(1.f / (1.f + expf(-v)));
+  const float e = expf(-fabsf(v));  // never overflows: both halves keep their relative accuracy
+  const float sigmoid = RoundTo<T>(v >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
   return Narrow<T>(__fmul_rn(v, sigmoid));
 }
 

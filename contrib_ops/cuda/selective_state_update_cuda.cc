@@ -1,47 +1,24 @@
 #include "selective_state_update_cuda.h"
 
-#include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "cpu/gated_group_rms_norm.h"  // TensorDims, ElemTypeName
+#include "cpu/decode_step_common.h"  // TensorDims, OpError, HasDims, ForwardTypeShape
 #include "selective_state_update_launcher.h"
 
 namespace mambafuse {
 namespace {
 
-Ort::Status Invalid(const std::string& message) {
-  return Ort::Status(("SelectiveStateUpdate: " + message).c_str(), ORT_INVALID_ARGUMENT);
-}
+Ort::Status Invalid(const std::string& message) { return OpError("SelectiveStateUpdate", message); }
 
-std::string Dims(std::initializer_list<int64_t> dims) {
-  std::string text = "[";
-  for (int64_t d : dims) text += (text.size() > 1 ? ", " : "") + std::to_string(d);
-  return text + "]";
-}
+std::string Dims(std::initializer_list<int64_t> dims) { return DimsString(dims.begin(), dims.size()); }
 
-bool Matches(const TensorDims& t, std::initializer_list<int64_t> dims) {
-  if (t.rank() != dims.size()) return false;
-  size_t i = 0;
-  for (int64_t d : dims) {
-    if (t.data()[i++] != d) return false;
-  }
-  return true;
-}
-
-// Reads an optional attribute of the node; absent -> fallback.
-template <typename V>
-V OptionalAttribute(const OrtKernelInfo* info, const char* name, V fallback) {
+// Reads an optional int attribute of the node; absent -> fallback.
+int64_t OptionalInt(const OrtKernelInfo* info, const char* name, int64_t fallback) {
   const OrtApi& api = Ort::GetApi();
-  V value = fallback;
-  OrtStatus* status = nullptr;
-  if constexpr (std::is_same_v<V, float>) {
-    status = api.KernelInfoGetAttribute_float(info, name, &value);
-  } else {
-    status = api.KernelInfoGetAttribute_int64(info, name, &value);
-  }
-  if (status != nullptr) {
+  int64_t value = fallback;
+  if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value)) {
     api.ReleaseStatus(status);
     return fallback;
   }
@@ -56,47 +33,6 @@ Ort::Status LaunchError(const char* op, cudaError_t error) {
 }
 
 }  // namespace
-
-OrtStatusPtr InferPassThrough(OrtShapeInferContext* context, const size_t (&pairs)[2][2]) {
-  return GuardStatus([&]() -> Ort::Status {
-    const OrtApi& api = Ort::GetApi();
-    size_t input_count = 0;
-    Ort::ThrowOnError(api.ShapeInferContext_GetInputCount(context, &input_count));
-    for (const auto& pair : pairs) {
-      if (pair[0] >= input_count) continue;
-      // The info belongs to the context: wrapping it in an owning Ort object would free it twice.
-      OrtTensorTypeAndShapeInfo* info = nullptr;
-      Ort::ThrowOnError(api.ShapeInferContext_GetInputTypeShape(context, pair[0], &info));
-      if (info == nullptr) continue;
-      const Ort::ConstTensorTypeAndShapeInfo view(info);
-      const auto type = view.GetElementType();
-      if (!IsSupportedElemType(type)) continue;
-      const std::vector<int64_t> dims = view.GetShape();
-      std::vector<const char*> symbols(dims.size(), nullptr);
-      if (!dims.empty()) view.GetSymbolicDimensions(symbols.data(), symbols.size());
-      std::vector<std::string> names(dims.size());
-      std::vector<const char*> name_ptrs(dims.size());
-      for (size_t d = 0; d < dims.size(); ++d) {
-        // An unnamed unknown dim gets a fresh name: ORT would write it as -1, which ops downstream take literally.
-        if (dims[d] < 0) {
-          names[d] = symbols[d] && *symbols[d] ? symbols[d] : "decode_dim_" + std::to_string(pair[1]) + "_" +
-                                                                   std::to_string(d);
-        }
-        name_ptrs[d] = names[d].c_str();
-      }
-      OrtTensorTypeAndShapeInfo* raw_out = nullptr;
-      Ort::ThrowOnError(api.CreateTensorTypeAndShapeInfo(&raw_out));
-      const Ort::TensorTypeAndShapeInfo out_info(raw_out);  // owns raw_out
-      Ort::ThrowOnError(api.SetTensorElementType(raw_out, type));
-      if (!dims.empty() || view.GetDimensionsCount() == 0) {
-        Ort::ThrowOnError(api.SetDimensions(raw_out, dims.data(), dims.size()));
-        Ort::ThrowOnError(api.SetSymbolicDimensions(raw_out, name_ptrs.data(), name_ptrs.size()));
-      }
-      Ort::ThrowOnError(api.ShapeInferContext_SetOutputTypeShape(context, pair[1], raw_out));
-    }
-    return Ort::Status{};
-  });
-}
 
 OrtStatusPtr SelectiveStateUpdateCudaKernel::ComputeV2(OrtKernelContext* raw_context) {
   return GuardStatus([&]() -> Ort::Status {
@@ -138,21 +74,21 @@ OrtStatusPtr SelectiveStateUpdateCudaKernel::ComputeV2(OrtKernelContext* raw_con
     if (dims[0].rank() != 4) return Invalid("state must have shape [B, H, P, N], got " + dims[0].ToString());
     const int64_t batch = dims[0].data()[0], heads = dims[0].data()[1], head_dim = dims[0].data()[2],
                   state_size = dims[0].data()[3];
-    if (!Matches(dims[1], {batch, heads, head_dim})) {
+    if (!HasDims(dims[1], {batch, heads, head_dim})) {
       return Invalid("x must have shape [B, H, P] = " + Dims({batch, heads, head_dim}) + ", got " + dims[1].ToString());
     }
-    if (!Matches(dims[2], {batch, heads})) {
+    if (!HasDims(dims[2], {batch, heads})) {
       return Invalid("dt must have shape [B, H] = " + Dims({batch, heads}) + ", got " + dims[2].ToString());
     }
-    if (values[3] != nullptr && !Matches(dims[3], {heads})) {
+    if (values[3] != nullptr && !HasDims(dims[3], {heads})) {
       return Invalid("dt_bias must have shape [H] = " + Dims({heads}) + ", got " + dims[3].ToString());
     }
-    if (!Matches(dims[4], {heads})) return Invalid("A must have shape [H] = " + Dims({heads}) + ", got " + dims[4].ToString());
-    if (values[7] != nullptr && !Matches(dims[7], {heads})) {
+    if (!HasDims(dims[4], {heads})) return Invalid("A must have shape [H] = " + Dims({heads}) + ", got " + dims[4].ToString());
+    if (values[7] != nullptr && !HasDims(dims[7], {heads})) {
       return Invalid("D must have shape [H] = " + Dims({heads}) + ", got " + dims[7].ToString());
     }
     const int64_t groups = dims[5].rank() == 3 ? dims[5].data()[1] : 0;
-    if (!Matches(dims[5], {batch, groups, state_size}) || groups <= 0 || heads % groups != 0) {
+    if (!HasDims(dims[5], {batch, groups, state_size}) || groups <= 0 || heads % groups != 0) {
       return Invalid("B must have shape [B, G, N] with G dividing H = " + std::to_string(heads) + " and N = " +
                      std::to_string(state_size) + ", got " + dims[5].ToString());
     }
@@ -181,8 +117,6 @@ OrtStatusPtr SelectiveStateUpdateCudaKernel::ComputeV2(OrtKernelContext* raw_con
     args.state_size = state_size;
     args.groups = groups;
     args.dt_softplus = dt_softplus_;
-    args.dt_min = dt_min_;
-    args.dt_max = dt_max_;
     if (const char* problem = CheckSelectiveStateUpdateArgs(args)) return Invalid(problem);
     // ORT's compute stream: the launch is ordered with the node's neighbours and captured with them when
     // ORT records a CUDA graph. Nothing here waits for the GPU or allocates.
@@ -196,20 +130,19 @@ OrtStatusPtr SelectiveStateUpdateCudaKernel::ComputeV2(OrtKernelContext* raw_con
 
 SelectiveStateUpdateCudaOp::SelectiveStateUpdateCudaOp() {
   InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) -> OrtStatusPtr {
-    static constexpr size_t kPairs[2][2] = {{1, 0}, {0, 1}};  // out: x's type and shape; present: state's
-    return InferPassThrough(context, kPairs);
+    // The CPU op's inference (ORT takes the schema's from the first op of a name): out gets x's type and
+    // shape, present_state the state's.
+    if (OrtStatusPtr status = ForwardTypeShape(context, 1, 0)) return status;
+    return ForwardTypeShape(context, 0, 1);
   };
 }
 
 OrtStatusPtr SelectiveStateUpdateCudaOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info,
                                                         void** kernel) const {
   return GuardStatus([&]() -> Ort::Status {
-    const int64_t softplus = OptionalAttribute<int64_t>(info, "dt_softplus", 1);
+    const int64_t softplus = OptionalInt(info, "dt_softplus", 1);
     if (softplus != 0 && softplus != 1) return Invalid("dt_softplus must be 0 or 1, got " + std::to_string(softplus));
-    const float dt_min = OptionalAttribute<float>(info, "dt_min", -INFINITY);
-    const float dt_max = OptionalAttribute<float>(info, "dt_max", INFINITY);
-    if (!(dt_min <= dt_max)) return Invalid("dt_min must not exceed dt_max");
-    *kernel = std::make_unique<SelectiveStateUpdateCudaKernel>(softplus == 1, dt_min, dt_max).release();
+    *kernel = std::make_unique<SelectiveStateUpdateCudaKernel>(softplus == 1).release();
     return Ort::Status{};
   });
 }

@@ -8,21 +8,14 @@
 
 namespace mambafuse {
 
-// Type and shape inference shared by the decode-step ops: output `output` gets input `input`'s element type
-// and shape (its symbolic dims too). Never reports an error (ORT ignores it); kernel creation checks.
-OrtStatusPtr InferPassThrough(OrtShapeInferContext* context, const size_t (&pairs)[2][2]);
-
 class SelectiveStateUpdateCudaKernel {
  public:
-  SelectiveStateUpdateCudaKernel(bool dt_softplus, float dt_min, float dt_max)
-      : dt_softplus_(dt_softplus), dt_min_(dt_min), dt_max_(dt_max) {}
+  explicit SelectiveStateUpdateCudaKernel(bool dt_softplus) : dt_softplus_(dt_softplus) {}
   // Enqueues the op on ORT's compute stream; returns without waiting for the GPU.
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
  private:
   bool dt_softplus_;
-  float dt_min_;
-  float dt_max_;
 };
 
 // Inputs: state, x, dt, dt_bias (optional), A, B, C, D (optional); outputs: out, present_state.

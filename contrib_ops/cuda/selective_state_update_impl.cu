@@ -121,8 +121,6 @@ cudaError_t LaunchSelectiveStateUpdate(const SelectiveStateUpdateArgs& a, cudaSt
   params.chunks = launch.chunks;
   params.d_is_float = a.d_type == ElemType::kFloat;
   params.softplus = a.dt_softplus;
-  params.dt_min = a.dt_min;
-  params.dt_max = a.dt_max;
   const dim3 grid(static_cast<unsigned>((a.head_dim + launch.rows_per_block - 1) / launch.rows_per_block),
                   static_cast<unsigned>(a.heads), static_cast<unsigned>(a.batch));
   const bool state_float = a.s_type == ElemType::kFloat;

@@ -52,8 +52,6 @@ struct Params {
   int chunks;      // scalar path: ceil(N / lanes per row)
   int d_is_float;  // D's type: 1 float, 0 T
   int softplus;
-  float dt_min;
-  float dt_max;
 };
 
 // Launches the kernel of `launch` for one (T, S) pair; defined by the instantiation files.
@@ -106,9 +104,6 @@ __device__ __forceinline__ void HeadScalars(const Params& p, int64_t bh, int h, 
   if (p.dt_bias != nullptr) v = RoundTo<T>(v + Widen(static_cast<const T*>(p.dt_bias)[h]));
   // torch's softplus (threshold 20): log1p(exp(v)) in float32, rounded to T; above 20 the input itself.
   if (p.softplus) v = v > 20.f ? v : RoundTo<T>(log1pf(expf(v)));
-  // Clamp (NaN stays NaN); the bound is rounded to T when it is taken. No-op with the default +-Inf.
-  v = v < p.dt_min ? RoundTo<T>(p.dt_min) : v;
-  v = v > p.dt_max ? RoundTo<T>(p.dt_max) : v;
   d = v;
   da = expf(__fmul_rn(v, p.a[h]));
 }

@@ -23,4 +23,8 @@ tail -n 3 "$logs/racecheck.log"
 MAMBAFUSE_CUDA_CHUNKS=4 "$sanitizer" --tool racecheck --racecheck-report all --error-exitcode 3 --print-limit 20 \
   "$driver" --quick >"$logs/racecheck4.log" 2>&1 || status=1
 tail -n 3 "$logs/racecheck4.log"
+# The decode-step ops' driver, where it was built (tools/sanitize_decode.sh).
+if [[ -x "$build/cuda/mambafuse_cuda_decode_selfcheck" ]]; then
+  bash "$(dirname "$0")/sanitize_decode.sh" "$build" "$logs" || status=1
+fi
 exit $status
