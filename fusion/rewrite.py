@@ -31,7 +31,8 @@ import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from fusion import function as fused_function
-from fusion.inputs import DEFAULT_CACHE_LENGTH, InputError
+from fusion.inputs import HELP as INPUTS_HELP
+from fusion.inputs import InputError
 from fusion.model_io import (
     Interrupted,
     RewriteError,
@@ -169,6 +170,8 @@ def rewrite_model(model: ModelT, *, function: bool = True, assume_equal_widths: 
         # the runtime's placeholder version (1000); the op has one version, 1.
         model.opset_imports[DOMAIN] = fused_function.OPSET_VERSION
     log = FusionLog()
+    # The graph's interface as declared: the decode fusions write present states under the same names.
+    declared_outputs = {v.name: (v.type, v.shape) for v in model.graph.outputs}
     # Shape inference lets the checks prove shapes; what it adds is rolled back at the end so that
     # the output differs from the input by the fusions only.
     with value_info_preserved(model):
@@ -189,6 +192,9 @@ def rewrite_model(model: ModelT, *, function: bool = True, assume_equal_widths: 
             report.fused += fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
         _explain_refusals(model, log, report)
         _fuse_decode_steps(model, opset, report)
+    for output in model.graph.outputs:
+        if output.name in declared_outputs:
+            output.type, output.shape = declared_outputs[output.name]
     if (report.fused or report.decode_fused) and function:
         attach_function(model, opset)
         report.function_attached = True
@@ -306,9 +312,7 @@ def _fuse_decode_steps(model: ir.Model, opset: int, report: Report) -> None:
                 "found": fused + len(refused),
                 "fused": fused,
                 "refused": refused,
-                "fused_chains": [
-                    {"location": r.location, **r.attributes} for r in log.chains.values() if r.fused
-                ],
+                "fused_chains": [{"location": r.location, **r.attributes} for r in log.chains.values() if r.fused],
             }
 
 
@@ -324,12 +328,7 @@ class _Parser(argparse.ArgumentParser):
 
 _EPILOG = f"""\
 inputs of --verify and --report:
-  --inputs FILE.npz gives real arrays; every other input is generated (seeded) with its symbolic dims
-  bound by --dim NAME=SIZE, else by name for one decode step: {DEFAULT_CACHE_LENGTH} for a past/cache length, past + 1
-  for a total length, 1 for batch, sequence and anything else. A dim named by an expression of
-  other dims (mobius: 'past_seq_len + seq_len') is evaluated from them (+ - * / // % and parentheses;
-  past_seq_len there is the model's past_sequence_len). The dims used are printed. A --dim the model
-  does not have is an error that lists the dims it has.
+{INPUTS_HELP}
 
 exit status:
   0    fused and written (and, with --verify, verified)
