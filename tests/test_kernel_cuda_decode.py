@@ -1,0 +1,332 @@
+"""The CUDA kernels of ai.mambafuse::SelectiveStateUpdate and ai.mambafuse::CausalConv1dUpdate against the op
+references (fusion/reference/selective_state_update.py, fusion/reference/causal_conv1d_update.py) at their
+accuracy budgets: every type combination, batch 1 and 8, G = 1, G = H and between, odd shapes, the real
+Nemotron-H-8B widths, both state-update paths and every rows-per-lane variant, edge values, a CUDA-graph
+replay, and bad inputs.
+
+Needs onnxruntime with the CUDA execution provider, a GPU, and the library built with -DMAMBAFUSE_CUDA=ON
+(point $MAMBAFUSE_LIBRARY at it). Every session forbids CPU fallback, so a library without the CUDA kernels
+fails instead of silently running the CPU ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import contrib_ops
+from fusion.reference.causal_conv1d_update import budget_report as conv_budget_report
+from fusion.reference.causal_conv1d_update import causal_conv1d_update
+from fusion.reference.selective_state_update import budget_report as ssu_budget_report
+from fusion.reference.selective_state_update import selective_state_update
+from tests._cuda import CUDA, cuda_problem, with_supported_ir
+
+ort = pytest.importorskip("onnxruntime")
+if (_problem := cuda_problem(ort)) is not None:
+    pytest.skip(_problem, allow_module_level=True)
+
+from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model  # noqa: E402  (after the skip)
+
+SSU = "SelectiveStateUpdate"
+CONV = "CausalConv1dUpdate"
+SSU_NAMES = ("state", "x", "dt", "dt_bias", "A", "B", "C", "D")
+CONV_NAMES = ("x", "conv_state", "weight", "bias")
+TYPE_COMBOS = [(t, s) for t in DTYPES for s in dict.fromkeys((FLOAT, t))]
+TYPE_IDS = [f"T{DTYPE_IDS[t]}-S{DTYPE_IDS[s]}" for t, s in TYPE_COMBOS]
+
+
+def cuda_session(model: onnx.ModelProto, **provider_options: str) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    return contrib_ops.session(
+        with_supported_ir(model), providers=[(CUDA, provider_options)], session_options=options, use_library=True
+    )
+
+
+def feeds_of(inputs: list[tuple[str, np.ndarray | None]]) -> dict[str, np.ndarray]:
+    """numpy feeds: bfloat16 values enter as float32 (one_node_model casts them on the GPU, exactly)."""
+    return {name: (v.astype(np.float32) if v.dtype == BFLOAT16 else v) for name, v in inputs if v is not None}
+
+
+def run_cuda(op: str, inputs: list[tuple[str, np.ndarray | None]], outputs: list[tuple[str, np.dtype]], **attrs):
+    sess = cuda_session(one_node_model(op, inputs, outputs, **attrs))
+    results = sess.run(None, feeds_of(inputs))
+    return [r.astype(np.dtype(dtype)) for r, (_, dtype) in zip(results, outputs, strict=True)]
+
+
+# --- SelectiveStateUpdate -----------------------------------------------------------------------------------
+
+
+def ssu_inputs(
+    rng: np.random.Generator,
+    *,
+    t: np.dtype,
+    s: np.dtype,
+    batch: int = 2,
+    heads: int = 8,
+    head_dim: int = 5,
+    state_size: int = 24,
+    groups: int = 2,
+    d_type: np.dtype | None = FLOAT,
+    dt_bias: bool = True,
+) -> dict[str, np.ndarray | None]:
+    """Seeded inputs with a decode step's magnitudes (dt in softplus' range, A < 0)."""
+    return {
+        "state": rng.standard_normal((batch, heads, head_dim, state_size)).astype(s),
+        "x": rng.standard_normal((batch, heads, head_dim)).astype(t),
+        "dt": (rng.standard_normal((batch, heads)) - 2).astype(t),
+        "dt_bias": rng.standard_normal(heads).astype(t) if dt_bias else None,
+        "A": -np.exp(rng.uniform(-1, 3, heads)).astype(np.float32),
+        "B": rng.standard_normal((batch, groups, state_size)).astype(t),
+        "C": rng.standard_normal((batch, groups, state_size)).astype(t),
+        "D": rng.standard_normal(heads).astype(d_type) if d_type is not None else None,
+    }
+
+
+def ssu_check(inputs: dict[str, np.ndarray | None], dt_softplus: int = 1) -> list[np.ndarray]:
+    """Run the CUDA kernel, assert both outputs are within the reference's budget, return them."""
+    outputs = [("out", inputs["x"].dtype), ("present_state", inputs["state"].dtype)]
+    out, state = run_cuda(SSU, [(n, inputs[n]) for n in SSU_NAMES], outputs, dt_softplus=dt_softplus)
+    ok, msg = ssu_budget_report(out, state, *(inputs[n] for n in SSU_NAMES), dt_softplus=dt_softplus)
+    assert ok, msg
+    return [out, state]
+
+
+@pytest.fixture
+def ssu_env(monkeypatch: pytest.MonkeyPatch):
+    """Sets the launcher's overrides (read at every launch) for one test."""
+
+    def set_env(path: str | None = None, rows: str | None = None) -> None:
+        for name, value in (("MAMBAFUSE_SSU_PATH", path), ("MAMBAFUSE_SSU_ROWS", rows)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+
+    return set_env
+
+
+@pytest.mark.parametrize(("t", "s"), TYPE_COMBOS, ids=TYPE_IDS)
+@pytest.mark.parametrize("d_kind", ["D-f32", "D-T", "no-D"])
+@pytest.mark.parametrize("dt_bias", [True, False], ids=["bias", "no-bias"])
+def test_ssu_type_combinations(t: np.dtype, s: np.dtype, d_kind: str, dt_bias: bool) -> None:
+    d_type = {"D-f32": FLOAT, "D-T": t, "no-D": None}[d_kind]
+    rng = np.random.default_rng([DTYPES.index(t), DTYPES.index(s), len(d_kind), int(dt_bias)])
+    ssu_check(ssu_inputs(rng, t=t, s=s, d_type=d_type, dt_bias=dt_bias, state_size=128))
+
+
+# (batch, heads, head_dim, state_size, groups): G = 1, G = H and between; odd P and N (the scalar path);
+# N = 64 (16-lane rows for float state, 8 for half), 256 (two chunks a lane) and 512 (past the vector path for
+# float state).
+SSU_SHAPES = [
+    (1, 4, 8, 16, 1),
+    (8, 6, 5, 24, 3),
+    (1, 12, 16, 128, 12),
+    (8, 16, 64, 64, 1),
+    (8, 4, 7, 256, 2),
+    (1, 3, 3, 33, 1),
+    (1, 2, 64, 512, 1),
+    (8, 12, 17, 128, 4),
+]
+
+
+@pytest.mark.parametrize(("t", "s"), TYPE_COMBOS, ids=TYPE_IDS)
+@pytest.mark.parametrize("shape", SSU_SHAPES, ids=lambda v: "x".join(map(str, v)))
+def test_ssu_shapes(t: np.dtype, s: np.dtype, shape: tuple[int, ...]) -> None:
+    batch, heads, head_dim, state_size, groups = shape
+    rng = np.random.default_rng(list(shape))
+    inputs = ssu_inputs(
+        rng, t=t, s=s, batch=batch, heads=heads, head_dim=head_dim, state_size=state_size, groups=groups
+    )
+    ssu_check(inputs)
+
+
+@pytest.mark.parametrize(("t", "s"), TYPE_COMBOS, ids=TYPE_IDS)
+@pytest.mark.parametrize("path", ["vector", "scalar"])
+@pytest.mark.parametrize("rows", ["1", "2", "4"])
+def test_ssu_paths_and_rows(t: np.dtype, s: np.dtype, path: str, rows: str, ssu_env) -> None:
+    """Each kernel variant the launcher can pick, forced, on a shape where rows and heads end mid-block."""
+    ssu_env(path="scalar" if path == "scalar" else None, rows=rows)
+    rng = np.random.default_rng([int(rows), len(path)])
+    ssu_check(ssu_inputs(rng, t=t, s=s, batch=3, heads=6, head_dim=37, state_size=128, groups=3))
+
+
+@pytest.mark.parametrize(("t", "s"), TYPE_COMBOS, ids=TYPE_IDS)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_ssu_real_width(t: np.dtype, s: np.dtype, batch: int) -> None:
+    """Nemotron-H-8B: H = 128, P = 64, N = 128, G = 8 (the launcher's default block shape there)."""
+    rng = np.random.default_rng(batch)
+    ssu_check(ssu_inputs(rng, t=t, s=s, batch=batch, heads=128, head_dim=64, state_size=128, groups=8, d_type=t))
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+def test_ssu_without_softplus(t: np.dtype) -> None:
+    rng = np.random.default_rng(3)
+    inputs = ssu_inputs(rng, t=t, s=FLOAT)
+    inputs["dt"] = np.abs(inputs["dt"].astype(np.float32) / 4).astype(t)
+    ssu_check(inputs, dt_softplus=0)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+def test_ssu_edge_values(t: np.dtype) -> None:
+    """dt above softplus' threshold, a zero and a very negative dt, and a NaN in the state: NaN reaches only its
+    own present_state element and its own output row."""
+    rng = np.random.default_rng(4)
+    inputs = ssu_inputs(rng, t=t, s=FLOAT, batch=2, heads=4, head_dim=6, state_size=32, groups=2, dt_bias=False)
+    inputs["dt"][0, 0], inputs["dt"][0, 1], inputs["dt"][1, 0] = 25.0, 0.0, -30.0
+    inputs["state"][1, 2, 3, 5] = np.nan
+    out, state = ssu_check(inputs)
+    nan_out = np.argwhere(np.isnan(out.astype(np.float32)))
+    nan_state = np.argwhere(np.isnan(state.astype(np.float32)))
+    assert nan_out.tolist() == [[1, 2, 3]]
+    assert nan_state.tolist() == [[1, 2, 3, 5]]
+
+
+def test_ssu_matches_the_float32_reference_in_float() -> None:
+    """With T = S = float every rounding is float32's: only exp/log1p and the readout's order may move the
+    last bits, so the kernel is within a few float32 ulps of the reference evaluated in float32."""
+    rng = np.random.default_rng(5)
+    inputs = ssu_inputs(rng, t=FLOAT, s=FLOAT, batch=2, heads=8, head_dim=16, state_size=128, groups=2)
+    out, state = ssu_check(inputs)
+    ref_out, ref_state = selective_state_update(*(inputs[n] for n in SSU_NAMES))
+    np.testing.assert_allclose(state, ref_state, rtol=3e-6, atol=1e-6)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-4, atol=1e-4)
+
+
+def test_ssu_cuda_graph_replay() -> None:
+    """ORT's CUDA graph: the node is captured on ORT's stream at the first Run and replayed; new input values
+    written into the bound device buffers give the new step's results (no allocation or host sync inside)."""
+    rng = np.random.default_rng(6)
+    first = ssu_inputs(rng, t=FLOAT16, s=FLOAT, batch=2, heads=8, head_dim=16, state_size=64, groups=4)
+    outputs = [("out", FLOAT16), ("present_state", FLOAT)]
+    model = one_node_model(SSU, [(n, first[n]) for n in SSU_NAMES], outputs)
+    sess = cuda_session(model, enable_cuda_graph="1")
+    binding = sess.io_binding()
+    bound = {}
+    for name, value in feeds_of([(n, first[n]) for n in SSU_NAMES]).items():
+        bound[name] = ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0)
+        binding.bind_ortvalue_input(name, bound[name])
+    out_value = ort.OrtValue.ortvalue_from_shape_and_type(first["x"].shape, np.float16, "cuda", 0)
+    state_value = ort.OrtValue.ortvalue_from_shape_and_type(first["state"].shape, np.float32, "cuda", 0)
+    binding.bind_ortvalue_output("out", out_value)
+    binding.bind_ortvalue_output("present_state", state_value)
+    for step in range(3):
+        inputs = (
+            first
+            if step == 0
+            else ssu_inputs(rng, t=FLOAT16, s=FLOAT, batch=2, heads=8, head_dim=16, state_size=64, groups=4)
+        )
+        for name, value in feeds_of([(n, inputs[n]) for n in SSU_NAMES]).items():
+            bound[name].update_inplace(value)
+        sess.run_with_iobinding(binding)
+        ok, msg = ssu_budget_report(out_value.numpy(), state_value.numpy(), *(inputs[n] for n in SSU_NAMES))
+        assert ok, f"step {step}: {msg}"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda i: i.update(state=i["state"].astype(np.float16)), "state must be float or"),
+        (lambda i: i.update(A=i["A"].astype(np.float16)), "A must be float"),
+        (lambda i: i.update(C=i["C"][:, :1]), "C must have B's shape"),
+        (lambda i: i.update(dt=i["dt"][:, :3]), "dt must have shape"),
+    ],
+    ids=["state-type", "A-type", "C-shape", "dt-shape"],
+)
+def test_ssu_bad_inputs_name_the_input(change, message: str) -> None:
+    rng = np.random.default_rng(7)
+    inputs = ssu_inputs(rng, t=FLOAT, s=FLOAT)
+    change(inputs)
+    outputs = [("out", FLOAT), ("present_state", inputs["state"].dtype)]
+    with pytest.raises(Exception, match=message):
+        run_cuda(SSU, [(n, inputs[n]) for n in SSU_NAMES], outputs)
+
+
+# --- CausalConv1dUpdate -------------------------------------------------------------------------------------
+
+
+def conv_inputs(
+    rng: np.random.Generator,
+    *,
+    t: np.dtype,
+    batch: int = 2,
+    channels: int = 70,
+    length: int = 1,
+    state_len: int = 3,
+    width: int = 4,
+    bias: bool = True,
+    weight_3d: bool = True,
+) -> dict[str, np.ndarray | None]:
+    weight_shape = (channels, 1, width) if weight_3d else (channels, width)
+    return {
+        "x": rng.standard_normal((batch, channels, length)).astype(t),
+        "conv_state": rng.standard_normal((batch, channels, state_len)).astype(t),
+        "weight": (rng.standard_normal(weight_shape) / 2).astype(t),
+        "bias": rng.standard_normal(channels).astype(t) if bias else None,
+    }
+
+
+def conv_check(inputs: dict[str, np.ndarray | None], activation: str = "silu") -> list[np.ndarray]:
+    t = inputs["x"].dtype
+    y, present = run_cuda(
+        CONV, [(n, inputs[n]) for n in CONV_NAMES], [("y", t), ("present_state", t)], activation=activation
+    )
+    ok, msg = conv_budget_report(y, present, *(inputs[n] for n in CONV_NAMES), activation=activation)
+    assert ok, msg
+    return [y, present]
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("activation", ["silu", "none"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize(
+    ("batch", "channels", "length", "state_len", "width"),
+    [(1, 130, 1, 3, 4), (8, 70, 1, 4, 4), (2, 33, 3, 3, 4), (8, 17, 1, 2, 3), (1, 9, 2, 6, 5), (2, 5, 4, 0, 1)],
+    ids=lambda v: str(v),
+)
+def test_conv(t, activation, bias, batch, channels, length, state_len, width) -> None:
+    """S = K - 1 (mobius, ORT) and S = K (transformers), L = 1 and L > 1, the unrolled K = 4 kernel and others."""
+    rng = np.random.default_rng([batch, channels, length, state_len, width, int(bias)])
+    inputs = conv_inputs(
+        rng,
+        t=t,
+        batch=batch,
+        channels=channels,
+        length=length,
+        state_len=state_len,
+        width=width,
+        bias=bias,
+        weight_3d=batch % 2 == 0,
+    )
+    y, present = conv_check(inputs, activation)
+    _, ref_present = causal_conv1d_update(*(inputs[n] for n in CONV_NAMES), activation=activation)
+    assert present.tobytes() == ref_present.tobytes()  # a copy of the window: bit for bit
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_conv_real_width(t: np.dtype, batch: int) -> None:
+    """Nemotron-H-8B's conv: 10240 channels, K = 4, with the state as transformers (S = K) and mobius (S = K - 1)
+    keep it."""
+    for state_len in (3, 4):
+        rng = np.random.default_rng([batch, state_len])
+        conv_check(conv_inputs(rng, t=t, batch=batch, channels=10240, state_len=state_len))
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+def test_conv_edge_values(t: np.dtype) -> None:
+    """Large |v| (the sigmoid's overflow-free form), zeros, and a NaN that stays in its channel."""
+    rng = np.random.default_rng(8)
+    inputs = conv_inputs(rng, t=t, batch=2, channels=8, bias=False)
+    inputs["x"][0, :4, 0] = np.array([60.0, -60.0, 0.0, 1e4], np.float32).astype(t)
+    inputs["conv_state"][1, 3, 2] = np.nan
+    y, _ = conv_check(inputs)
+    assert np.argwhere(np.isnan(y.astype(np.float32))).tolist() == [[1, 3, 0]]
+
+
+def test_conv_bad_inputs_name_the_input() -> None:
+    rng = np.random.default_rng(9)
+    inputs = conv_inputs(rng, t=FLOAT, state_len=2, width=4)  # S < K - 1
+    with pytest.raises(Exception, match="K - 1"):
+        run_cuda(CONV, [(n, inputs[n]) for n in CONV_NAMES], [("y", FLOAT), ("present_state", FLOAT)])
