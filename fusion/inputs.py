@@ -11,7 +11,8 @@ builders write for sizes derived from others (mobius names the attention mask's 
    names, ``+ - * / // %`` and parentheses). A name used in an expression that is not itself a dim of the
    model stands for the dim whose name is the same once ``sequence`` is read as ``seq`` and ``length`` as
    ``len`` (mobius' ``past_seq_len`` is the model's ``past_sequence_len``), so a binding of one is a
-   binding of both.
+   binding of both. A dim name with an operator none of whose terms is a dim of the model
+   (``batch-size``) is a plain name.
 
 A ``--dim`` for a name the model does not have, or one that contradicts what an expression gives, is an
 error; so are generated inputs larger than half of this machine's memory.
@@ -32,6 +33,15 @@ import onnx
 DEFAULT_DIMS: dict[str, int] = {"batch": 1, "batch_size": 1, "sequence_length": 1, "seq": 1, "seq_len": 1}
 DEFAULT_CACHE_LENGTH = 8
 UNKNOWN_DIM = 1
+
+#: The rules above, for the commands' --help (rewrite --verify/--report, report).
+HELP = f"""\
+  --inputs FILE.npz gives real arrays; every other input is generated (seeded) with its symbolic dims
+  bound by --dim NAME=SIZE, else by name for one decode step: {DEFAULT_CACHE_LENGTH} for a past/cache length,
+  past + 1 for a total length, 1 for batch, sequence and anything else. A dim named by an expression
+  of other dims (mobius: 'past_seq_len + seq_len') is evaluated from them (+ - * / // % and
+  parentheses; past_seq_len there is the model's past_sequence_len). The dims used are printed. A --dim
+  the model does not have is an error that lists the dims it has."""
 
 
 class InputError(ValueError):
@@ -212,8 +222,13 @@ def resolve_dims(
     """
     dims = dict(dims or {})
     params = dim_params(model)
-    expressions = {name: e for name in params if (e := parse_expression(name)) is not None}
-    plain = [name for name in params if name not in expressions]
+    parsed = {name: e for name in params if (e := parse_expression(name)) is not None}
+    plain = [name for name in params if name not in parsed]
+    # An expression is one whose terms include a dim of the model; otherwise it is a name that happens to
+    # hold an operator ("batch-size"), sized by name like any other.
+    plain_canonical = {_canonical(name) for name in plain}
+    expressions = {n: e for n, e in parsed.items() if any(_canonical(v) in plain_canonical for v in e.names)}
+    plain += [name for name in parsed if name not in expressions]
     variables = list(dict.fromkeys(v for e in expressions.values() for v in e.names))
     known = list(dict.fromkeys([*plain, *variables, *expressions]))
     if strict:

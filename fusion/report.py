@@ -38,8 +38,10 @@ from typing import Any
 import numpy as np
 import onnx
 
+from fusion.inputs import HELP as INPUTS_HELP
 from fusion.inputs import InputError, describe, holds_bfloat16, load_inputs, make_inputs, parse_dims, resolve_dims
 from fusion.model_io import first_line
+from fusion.progress import ENV as PROGRESS_ENV
 from fusion.progress import Progress, stdout_closed
 from fusion.reference import DOMAIN, OP_TYPE
 
@@ -640,7 +642,24 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.report") -> int:
     """Run the command line; return the exit status (0 ok, 1 ONNX Runtime failed, 2 bad argument or model)."""
-    parser = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser = _Parser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog=f"""\
+generated inputs:
+{INPUTS_HELP}
+
+exit status:
+  0    measured and printed
+  1    ONNX Runtime failed while measuring (one line: its error)
+  2    bad argument or model, or one ONNX Runtime cannot load or feed (bfloat16 on the CPU provider,
+       inputs it rejects); every argument is checked before measuring
+  141  stdout closed by its reader (| head)
+
+environment:
+  {PROGRESS_ENV}=0 never draws the progress line on stderr, =1 always does (default: on a terminal)""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("before", help="the original model")
     parser.add_argument("after", help="the fused model")
     add_arguments(parser)

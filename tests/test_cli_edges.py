@@ -153,8 +153,9 @@ def test_olive_help_says_what_it_does() -> None:
     assert all(word in result.stdout for word in ("MambafuseGatedGroupRMSNorm", "GraphSurgeries", "exit status"))
 
 
-def test_rewrite_help_documents_defaults_exit_statuses_and_progress() -> None:
-    result = _cli("rewrite", "--help")
+@pytest.mark.parametrize("command", ["rewrite", "report"])
+def test_help_documents_defaults_exit_statuses_and_progress(command: str) -> None:
+    result = _cli(command, "--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     for phrase in ("exit status", "MAMBAFUSE_PROGRESS", "8 for a past/cache length", "past_seq_len + seq_len", "141"):

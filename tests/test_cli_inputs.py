@@ -118,6 +118,10 @@ def test_bad_bindings(dims: dict[str, int], message: str) -> None:
         inputs.resolve_dims(MOBIUS_DIMS, dims, strict=True)
 
 
+def test_a_name_with_an_operator_but_no_dim_among_its_terms_is_a_name() -> None:
+    assert inputs.resolve_dims(_model(["batch-size", 4], ["seq"])) == {"batch-size": 1, "seq": 1}
+
+
 def test_an_expression_below_one_is_refused() -> None:
     with pytest.raises(inputs.InputError, match="'n - 1' = 0"):
         inputs.resolve_dims(_model(["n"], ["n - 1"]))
