@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
@@ -50,6 +51,9 @@ class _Plan:
     bias: ir.Value | None
     channels: int
     present: ir.Value
+    #: the weight and bias as T constants, when the graph holds them in float32 (widened form)
+    weight_data: np.ndarray | None
+    bias_data: np.ndarray | None
     leftovers: list[ir.Value]
     attributes: dict[str, Any]
 
@@ -70,6 +74,19 @@ def _last_axis_slice(node: ir.Node, rank: int) -> list[int]:
     if ends is None or ends[0] < _BIG_END:
         raise Refusal(f"the Slice does not run to the end (ends {ends})", node)
     return [0]
+
+
+def _narrowed(value: ir.Value, t: ir.DataType, what: str) -> np.ndarray:
+    """Return a float32 constant as T values, refusing one that T does not hold exactly."""
+    if value.dtype != ir.DataType.FLOAT:
+        raise Refusal(f"{what} is {dtype_name(value.dtype)} in a float32 Conv", value)
+    data = constant_array(value)
+    if data is None:
+        raise Refusal(f"{what} is not a constant: the op reads it in x's type, {dtype_name(t)}", value)
+    narrow = ir.tensor(data).numpy().astype(t.numpy())
+    if not np.array_equal(narrow.astype(np.float32), data, equal_nan=True):
+        raise Refusal(f"{what} holds float32 values that {dtype_name(t)} does not (the op reads it in x's type)", value)
+    return narrow
 
 
 def _is_minus_state_len(value: ir.Value | None, conv_state: ir.Value) -> bool:
@@ -102,25 +119,31 @@ def _is_minus_state_len(value: ir.Value | None, conv_state: ir.Value) -> bool:
 class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
     """Rewrites one decode conv update into a CausalConv1dUpdate node."""
 
-    def __init__(self, name: str, *, sigmoid_first: bool) -> None:
+    def __init__(self, name: str, *, sigmoid_first: bool, widened: bool) -> None:
         super().__init__(name, remove_nodes=False)
         self._sigmoid_first = sigmoid_first
+        #: transformers' exporter with a half model and a float32 weight: the window is widened to float32 for
+        #: the Conv and its output rounded back (Cast) before the Slice: the op's one rounding of the sum
+        self._widened = widened
         self._plan: _Plan | None = None
         self._leftovers: list[ir.Value] = []
         self._shapes: ForwardShapes | None = None
 
-    def pattern(self, op, conv_state, x, weight, starts, ends):
+    def pattern(self, op, conv_state, x, weight, starts, ends, wide_to, narrow_to):
         window = op.Concat(conv_state, x, _outputs=["window"])
-        conv = op.Conv(window, weight, _allow_other_inputs=True, _outputs=["conv"])
-        v = op.Slice(conv, starts, ends, _allow_other_inputs=True, _outputs=["v"])
+        conv_in = op.Cast(window, to=wide_to, _outputs=["conv_in"]) if self._widened else window
+        conv = op.Conv(conv_in, weight, _allow_other_inputs=True, _outputs=["conv"])
+        rounded = op.Cast(conv, to=narrow_to, _outputs=["rounded"]) if self._widened else conv
+        v = op.Slice(rounded, starts, ends, _allow_other_inputs=True, _outputs=["v"])
         gate = op.Sigmoid(v)
         return op.Mul(gate, v, _outputs=["y"]) if self._sigmoid_first else op.Mul(v, gate, _outputs=["y"])
 
-    def check(self, context, conv_state, x, weight, starts, window, conv, v, y, **_: Any) -> pattern.MatchResult:
+    def check(self, context, conv_state, x, weight, starts, window, conv, v, y, **b: Any) -> pattern.MatchResult:
         result = pattern.MatchResult()
         anchor = window.producer()
         try:
-            self._plan = self._make_plan(anchor, conv_state, x, weight, starts, window, conv, v)
+            widened = (b["conv_in"], b["rounded"]) if self._widened else None
+            self._plan = self._make_plan(anchor, conv_state, x, weight, starts, window, conv, v, widened)
             self._plan.leftovers.append(y)
         except Refusal as refusal:
             if _ACTIVE_LOG is not None and refusal.logged:
@@ -128,16 +151,27 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
             return result.fail(refusal.reason, refusal.culprit)
         return result
 
-    def _make_plan(self, anchor, conv_state, x, weight, starts, window, conv, v) -> _Plan:
+    def _make_plan(self, anchor, conv_state, x, weight, starts, window, conv, v, widened) -> _Plan:
         if self._shapes is None:
             self._shapes = ForwardShapes(window.graph)
         shapes = self._shapes
         t = x.dtype
         if t not in SUPPORTED_DTYPES:
             raise Refusal(f"the conv runs in {dtype_name(t)}, not float/float16/bfloat16", x)
-        for name, value in (("conv_state", conv_state), ("weight", weight), ("window", window), ("conv", conv)):
+        typed = [("conv_state", conv_state), ("window", window)]
+        if widened is None:
+            typed += [("weight", weight), ("conv", conv)]
+        else:
+            # f32(window) is exact; the float32 Conv's sum rounded once to T by the Cast is the op's v, when
+            # the float32 weight holds T values (then it is the same weight in T).
+            conv_in, rounded = widened
+            if conv_in.dtype != ir.DataType.FLOAT or conv.dtype != ir.DataType.FLOAT:
+                raise Refusal(f"the Conv runs in {dtype_name(conv.dtype)}, widened from {dtype_name(t)}", conv)
+            typed.append(("the Conv's rounded output", rounded))
+        for name, value in typed:
             if value.dtype != t:
                 raise Refusal(f"{name} is {dtype_name(value.dtype)}, x is {dtype_name(t)}", value)
+        weight_data = None if widened is None else _narrowed(weight, t, "the conv weight")
         concat_axis = anchor.attributes.get_int("axis", 0)
         if concat_axis not in (-1, 2) or len(anchor.inputs) != 2:
             raise Refusal(f"the window is not Concat(state, x) along the last axis (axis {concat_axis})", anchor)
@@ -163,8 +197,11 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
         if kernel is not None and list(kernel.as_ints()) != [width]:
             raise Refusal(f"the Conv's kernel_shape {list(kernel.as_ints())} is not the weight's {width}", conv_node)
         bias = conv_node.inputs[2] if len(conv_node.inputs) > 2 else None
-        if bias is not None and (bias.dtype != t or int_dims(bias, shapes, "the conv bias") != [channels]):
-            raise Refusal(f"the conv bias is not ({channels},) of x's type", bias)
+        bias_data = None if bias is None or widened is None else _narrowed(bias, t, "the conv bias")
+        if bias is not None and widened is None and bias.dtype != t:
+            raise Refusal(f"the conv bias is {dtype_name(bias.dtype)}, x is {dtype_name(t)}", bias)
+        if bias is not None and int_dims(bias, shapes, "the conv bias") != [channels]:
+            raise Refusal(f"the conv bias is not ({channels},)", bias)
         x_dims = int_dims(x, shapes, "x")
         if len(x_dims) != 3 or x_dims[1] != channels:
             raise Refusal(f"x is {x_dims}, not (B, {channels}, L)", x)
@@ -188,10 +225,12 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
         present, present_slice = self._present(window, conv_state, state_len, new, shapes)
         # nothing in the chain is read elsewhere
         chain = {anchor, conv_node, slice_node, present_slice, v.producer()}
+        extra = [] if widened is None else list(widened)
+        chain |= {value.producer() for value in extra}
         chain |= {user for user, _ in v.uses()}
         if present is not present_slice.outputs[0]:
             chain.add(present.producer())
-        for value in (window, conv, v, present_slice.outputs[0]):
+        for value in (window, conv, v, present_slice.outputs[0], *extra):
             if value is present:
                 continue
             if value.is_graph_output() or any(user not in chain for user, _ in value.uses()):
@@ -206,6 +245,8 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
             bias=bias,
             channels=channels,
             present=present,
+            weight_data=weight_data,
+            bias_data=bias_data,
             leftovers=[present, window, conv],
             attributes={
                 "channels": channels,
@@ -258,13 +299,19 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
         if _ACTIVE_LOG is not None:
             _ACTIVE_LOG.record(plan.anchor, FORM, **plan.attributes)
         self._leftovers.extend(plan.leftovers)
-        bias = plan.bias
+        bias, weight = plan.bias, plan.weight
+        if plan.weight_data is not None:
+            name = f"{plan.weight.name}_{plan.x.dtype.name.lower()}"
+            weight = op.initializer(ir.tensor(plan.weight_data, name=name), name=name)
+        if plan.bias_data is not None:
+            name = f"{plan.bias.name}_{plan.x.dtype.name.lower()}"
+            bias = op.initializer(ir.tensor(plan.bias_data, name=name), name=name)
         if bias is None:
             name = f"{plan.present.name}_bias"
             zeros = negative_zeros(name, plan.channels, plan.x.dtype)
             bias = op.initializer(zeros.const_value, name=name)
         y, present = op.CausalConv1dUpdate(
-            plan.x, plan.conv_state, plan.weight, bias, _domain=DOMAIN, _version=1, _outputs=2, activation="silu"
+            plan.x, plan.conv_state, weight, bias, _domain=DOMAIN, _version=1, _outputs=2, activation="silu"
         )
         replace_graph_output(plan.present, present)
         return y
@@ -283,8 +330,11 @@ _ACTIVE_LOG: FusionLog | None = None
 causal_conv1d_update_rules = pattern.RewriteRuleSet(
     [
         CausalConv1dUpdateFusion.rule(
-            f"CausalConv1dUpdate[{'Sigmoid(v) * v' if first else 'v * Sigmoid(v)'}]", sigmoid_first=first
+            f"CausalConv1dUpdate[{'Sigmoid(v) * v' if first else 'v * Sigmoid(v)'}{', float32 Conv' if wide else ''}]",
+            sigmoid_first=first,
+            widened=wide,
         )
+        for wide in (False, True)
         for first in (False, True)
     ]
 )
