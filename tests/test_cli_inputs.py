@@ -278,3 +278,29 @@ def test_fused_model_failing_to_run_keeps_no_output(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "the fused model failed in ONNX Runtime" in lines[0] and f"removed {output}" in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "stem", ["zamba2-g2-f32-default-cpu", "mamba2-g4-f16-default-cpu", "nemotron_h-g1-f32-default-cpu"]
+)
+def test_report_default_inputs_on_other_builds(stem: str, builds: Path) -> None:
+    model = str(builds / stem / "model.onnx")
+    result = _cli("report", model, model, "--runs", "2", "--warmup", "0")
+    assert result.returncode == 0, result.stderr
+    assert "dims batch=1, sequence_len=1" in result.stdout
+
+
+DECODE = FIXTURES / "nemotron_h-dynamo-fp32-decode.onnx"  # every cache dim its own name: defaults disagree
+
+
+def test_inputs_the_model_rejects_are_one_line_with_the_dims(tmp_path: Path) -> None:
+    result = _cli("report", str(DECODE), str(DECODE), "--runs", "2")
+    assert result.returncode == 2
+    line = _one_line_error(result, "mambafuse report")
+    assert "the before model rejects its inputs" in line and "dims used: s" in line and "--inputs" in line
+    output = tmp_path / "fused.onnx"
+    result = _cli("rewrite", str(DECODE), "-o", str(output), "--verify")
+    assert result.returncode == 2
+    line = _one_line_error(result, "mambafuse rewrite")
+    assert "the original model rejects its inputs" in line and "dims used: s" in line
+    assert list(tmp_path.iterdir()) == []
