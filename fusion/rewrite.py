@@ -498,7 +498,8 @@ def _run(args: argparse.Namespace) -> int:
     kept = report.verification is None or report.verification["ok"]
     last_line = f"wrote {output}" if kept else f"verification failed: {_remove(written)}"
     if args.json:
-        print(json.dumps({"output": str(output) if kept else None, **report.to_dict()}, indent=2))
+        removed = {} if kept else {"removed": [str(path) for path in written]}  # not kept: not verified
+        print(json.dumps({"output": str(output) if kept else None, **removed, **report.to_dict()}, indent=2))
     else:
         print(report.summary())
         print(last_line)

@@ -264,6 +264,12 @@ def test_failed_verification_keeps_no_output(
     assert "verify (mambafuse library): FAIL" in out or "verify (model-local function" in out
     assert out.strip().splitlines()[-1].startswith("verification failed: removed ")
     assert list(tmp_path.iterdir()) == [], "an output that failed verification is not kept (nor its data file)"
+    code = rewrite.main(
+        [str(builds / "nemotron_h-g4-f16-default-cpu" / "model.onnx"), "-o", str(output), "--verify", "--json"]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1 and data["output"] is None and data["removed"] == [str(output), f"{output}.data"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_fused_model_failing_to_run_keeps_no_output(
