@@ -20,7 +20,7 @@ import re
 import shutil
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import onnx
@@ -70,8 +70,8 @@ def load(path: Path) -> ir.Model:
     external = external_tensors(model)
     for tensor in external:  # initializers and attribute tensors alike
         tensor.base_dir = base_dir
-    _check_external_data(path, external)
-    _check_model(path, proto)
+    data_sizes = _check_external_data(path, external)
+    _check_model(path, proto, data_sizes)
     return model
 
 
@@ -109,25 +109,48 @@ def external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
     return found
 
 
-def _check_external_data(path: Path, external: list[ir.ExternalTensor]) -> None:
-    """Refuse missing external data files and tensors that reach past the end of theirs (truncated)."""
+def _check_external_data(path: Path, external: list[ir.ExternalTensor]) -> dict[str, int]:
+    """Refuse missing external data files, files outside the model's folder and tensors that reach past
+    the end of theirs (truncated); return each location's file size.
+
+    Outside the folder means after resolving symbolic links, as ONNX Runtime resolves them: it refuses to
+    read such a file ("External data path escapes model directory"), so the model could not run.
+    """
+    folder = path.resolve().parent
     sizes: dict[str, int] = {}
     for tensor in external:
-        data = Path(tensor.path)
-        if str(data) not in sizes:
+        location = tensor.location
+        if location not in sizes:
+            if Path(location).is_absolute():
+                raise RewriteError(
+                    f"{path}: external data location {location!r} is an absolute path; ONNX and ONNX Runtime "
+                    "read only paths relative to the model's folder"
+                )
+            data = Path(tensor.path)
             if not data.is_file():
-                raise RewriteError(f"{path}: external data file {tensor.location!r} is missing")
-            sizes[str(data)] = data.stat().st_size
+                raise RewriteError(f"{path}: external data file {location!r} is missing")
+            resolved = data.resolve()
+            if not resolved.is_relative_to(folder):
+                through = " (through a symbolic link)" if data.absolute() != resolved else ""
+                raise RewriteError(
+                    f"{path}: external data file {location!r} resolves to {resolved}, outside the model's "
+                    f"folder{through}; ONNX Runtime refuses to read it there: move or copy the data file "
+                    "into the model's folder"
+                )
+            sizes[location] = data.stat().st_size
         length = tensor.length if tensor.length is not None else tensor.nbytes
         end = (tensor.offset or 0) + length
-        if end > sizes[str(data)]:
+        if end > sizes[location]:
             raise RewriteError(
-                f"{path}: external data file {tensor.location!r} is truncated: tensor {tensor.name!r} needs "
-                f"bytes up to {end}, the file has {sizes[str(data)]}"
+                f"{path}: external data file {location!r} is truncated: tensor {tensor.name!r} needs "
+                f"bytes up to {end}, the file has {sizes[location]}"
             )
+    return sizes
 
 
 _NO_SCHEMA = re.compile(r"No Op registered for (\S+) with domain_version of \d+")
+#: The private domain ONNX Runtime's contrib ops in the ONNX domain are checked under (see _check_model).
+_CONTRIB_CHECK_DOMAIN = "mambafuse.onnxruntime-contrib"
 
 
 def _onnxruntime_schemas() -> set[tuple[str, str]]:
@@ -140,51 +163,48 @@ def _onnxruntime_schemas() -> set[tuple[str, str]]:
         return set()
 
 
-def _check_model(path: Path, proto: onnx.ModelProto) -> None:
-    """Run onnx.checker on the model; ops that only ONNX Runtime defines in the ONNX domain are allowed."""
-    try:
-        # From the path, so that external data resolves beside the model (and > 2 GiB models work).
-        onnx.checker.check_model(str(path))
-        return
-    except Exception as error:
-        message = first_line(error)
-        if not _NO_SCHEMA.search(message):
-            raise RewriteError(f"{path}: invalid ONNX model: {message}") from None
-    # ONNX Runtime contrib ops in the ONNX domain: check everything else with them in a private domain
-    # (a copy of the small graph proto, the external data files reached through links).
-    known = _onnxruntime_schemas()
+def _check_model(path: Path, proto: onnx.ModelProto, data_sizes: dict[str, int]) -> None:
+    """Run onnx.checker on the model; ops that only ONNX Runtime defines in the ONNX domain are allowed.
+
+    The data files were checked already (``_check_external_data``). The checker reads a copy of the
+    graph proto in a scratch folder, beside sparse stand-ins of the data files (same names and sizes, no
+    data read or written): onnx 1.23's checker refuses a data file that is a symbolic link, which ONNX
+    Runtime reads (a link inside the model's folder), and a copy is needed anyway when ONNX Runtime's
+    contrib ops (``SimplifiedLayerNormalization``, as transformers' exporter and onnxscript's
+    ``optimize_for_ort`` write it) sit in the ONNX domain: they are checked in a private domain.
+    """
+    known: set[tuple[str, str]] | None = None
     copy = onnx.ModelProto()
     copy.CopyFrom(proto)
     moved = False
     for node in copy.graph.node:
         domain = node.domain if node.domain != "ai.onnx" else ""
-        if domain == "" and not onnx.defs.has(node.op_type) and ("", node.op_type) in known:
-            node.domain = "mambafuse.onnxruntime-contrib"
-            moved = True
-    if not moved:
+        if domain == "" and not onnx.defs.has(node.op_type):
+            known = _onnxruntime_schemas() if known is None else known
+            if ("", node.op_type) in known:
+                node.domain = _CONTRIB_CHECK_DOMAIN
+                moved = True
+    if moved:
+        copy.opset_import.append(onnx.helper.make_opsetid(_CONTRIB_CHECK_DOMAIN, 1))
+    try:
+        if not data_sizes:
+            onnx.checker.check_model(copy)
+            return
+        with tempfile.TemporaryDirectory(prefix="mambafuse-check-") as scratch:
+            for location, size in data_sizes.items():
+                stand_in = Path(scratch, location)
+                if not stand_in.resolve().is_relative_to(Path(scratch).resolve()):  # checked above; never
+                    raise RewriteError(f"{path}: external data location {location!r} is outside its folder")
+                stand_in.parent.mkdir(parents=True, exist_ok=True)
+                with open(stand_in, "wb") as file:
+                    file.truncate(size)  # sparse: no disk blocks
+            checked = Path(scratch, "model.onnx")
+            onnx.save(copy, str(checked))
+            onnx.checker.check_model(str(checked))
+    except Exception as error:
+        message = first_line(error)
         match = _NO_SCHEMA.search(message)
         raise RewriteError(f"{path}: invalid ONNX model: {match.group(0) if match else message}") from None
-    copy.opset_import.append(onnx.helper.make_opsetid("mambafuse.onnxruntime-contrib", 1))
-    with tempfile.TemporaryDirectory(prefix="mambafuse-check-") as scratch:
-        for location in {e.value for t in _proto_tensors(copy) for e in t.external_data if e.key == "location"}:
-            link = Path(scratch, location)
-            link.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(OSError):
-                link.symlink_to(path.resolve().parent / location)
-        checked = Path(scratch, "model.onnx")
-        onnx.save(copy, str(checked))
-        try:
-            onnx.checker.check_model(str(checked))
-        except Exception as error:
-            raise RewriteError(f"{path}: invalid ONNX model: {first_line(error)}") from None
-
-
-def _proto_tensors(model: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
-    yield from model.graph.initializer
-    for node in model.graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.TENSOR:
-                yield attribute.t
 
 
 # --- where the output may go ------------------------------------------------------------------------
@@ -259,14 +279,29 @@ def _embed_attribute_tensors(model: ir.Model) -> None:
                     node.attributes[name] = ir.AttrTensor(name, ir.Tensor(tensor.numpy(), name=tensor.name))
 
 
-def save(model: ir.Model, output: Path) -> None:
+def _tensor_callback(progress: Callable[[int, int, str], None] | None) -> Callable[..., None] | None:
+    """Return an onnx-ir save callback that reports tensors written and the data file's size so far."""
+    if progress is None:
+        return None
+    written = 0
+
+    def callback(_tensor: object, info: ir.external_data.CallbackInfo) -> None:
+        nonlocal written
+        written += 1  # callbacks may come out of index order (onnx-ir writes with several threads)
+        progress(written, info.total, f"tensors, {info.offset / 2**20:,.0f} MiB into {info.filename}")
+
+    return callback
+
+
+def save(model: ir.Model, output: Path, *, progress: Callable[[int, int, str], None] | None = None) -> None:
     """Write ``model`` to ``output`` atomically, keeping external weights external.
 
     In the directory of the original data files the output refers to them (no copy); elsewhere its
     initializers go to its own ``<output>.data`` and external tensors held in node attributes are read
     and written inline. Either way all files are written in a temporary directory beside ``output`` and
     moved into place, data before model; that directory is gone afterwards, also after an error or a
-    signal.
+    signal. ``progress(done, total, message)`` (a ``fusion.progress.Progress`` is one) is called as each
+    tensor of the data file is written: the copy of a large model's weights takes minutes.
     """
     output = Path(output).resolve()
     own_data = writes_own_data(model, output)
@@ -276,7 +311,7 @@ def save(model: ir.Model, output: Path) -> None:
     scratch = Path(tempfile.mkdtemp(prefix=".mambafuse-", dir=output.parent))
     try:
         if own_data:
-            ir.save(model, scratch / output.name, external_data=data_name)
+            ir.save(model, scratch / output.name, external_data=data_name, callback=_tensor_callback(progress))
             os.replace(scratch / data_name, output.parent / data_name)
         else:
             ir.save(model, scratch / output.name)

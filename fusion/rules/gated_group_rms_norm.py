@@ -211,6 +211,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         self._plan: _Plan | None = None
         self._leftovers: list[ir.Value] = []
         self._shapes: ForwardShapes | None = None  # per rewrite pass (setup)
+        self._saved: list[tuple[list[ir.Value], ForwardShapes | None]] = []  # outer graphs' state (setup)
 
     # pattern ----------------------------------------------------------------------------------------
 
@@ -231,21 +232,36 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         norm_to,
         out_to,
         gated_to,
+        widen_to,
+        negate,
+        one,
+        norm_widen_to,
     ):
+        # z / (1 + exp(-z)): the spelling of mambafuse's own function body (it avoids ORT's Sigmoid), so
+        # that a fused model whose function an optimizer inlined fuses again.
+        minus_z = pattern.OrValue([op.Neg(z), op.Mul(z, negate), op.Mul(negate, z)])
+        exp_minus_z = op.Exp(minus_z)
         silu = pattern.OrValue(
             [
                 op.Mul(z, op.Sigmoid(z)),
                 op.Mul(op.Sigmoid(z), z),
                 op.QuickGelu(z, alpha=alpha, _domain=_MS_DOMAIN),
+                op.Div(z, op.Add(exp_minus_z, one)),
+                op.Div(z, op.Add(one, exp_minus_z)),
             ],
             name="silu",
             tag_var="silu_form",
-            tag_values=("sigmoid", "sigmoid", "quick_gelu"),
+            tag_values=("sigmoid", "sigmoid", "quick_gelu", "exp", "exp"),
         )
         gated = pattern.OrValue([op.Mul(y, silu), op.Mul(silu, y)], name="gated")
         # The third rounding point: mobius rounds h to the model's half type before the norm (a Cast to
-        # float32 there is TorchScript's no-op).
-        rounded = pattern.OrValue([op.Cast(gated, to=gated_to), gated], name="rounded")
+        # float32 there is TorchScript's no-op); the function body rounds and widens back to float32.
+        rounded = pattern.OrValue(
+            [op.Cast(op.Cast(gated, to=gated_to), to=widen_to), op.Cast(gated, to=gated_to), gated],
+            name="rounded",
+            tag_var="rounded_form",
+            tag_values=("widened", "cast", "none"),
+        )
         groups = op.Reshape(rounded, shape_in, _outputs=["groups"]) if self._grouped else rounded
         if self._weight_as_scale:
             normed_groups = op.RMSNormalization(groups, weight, _outputs=["inner"])
@@ -267,7 +283,14 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             weighted = op.Reshape(op.Mul(*pair, _outputs=["weighted"]), shape_out, _outputs=["flat"])
             return op.Cast(weighted, to=out_to) if self._trailing_cast else weighted
         flat = op.Reshape(normed_groups, shape_out, _outputs=["flat"]) if self._grouped else normed_groups
-        normed = pattern.OrValue([op.Cast(flat, to=norm_to), flat], name="normed")
+        # The first rounding point; the function body widens the rounded value back to float32, so that
+        # the weight Mul runs in float32 and the trailing Cast is the second rounding point.
+        normed = pattern.OrValue(
+            [op.Cast(op.Cast(flat, to=norm_to), to=norm_widen_to), op.Cast(flat, to=norm_to), flat],
+            name="normed",
+            tag_var="normed_form",
+            tag_values=("widened", "cast", "none"),
+        )
         if self._weight_first:
             weighted = op.Mul(weight, normed, _outputs=["weighted"])
         else:
@@ -333,6 +356,8 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             alpha = b["alpha"].as_float()
             if abs(alpha - 1.0) > 1e-6:
                 raise _Refusal(f"QuickGelu(alpha={alpha:g}) is x*sigmoid({alpha:g}x), not silu", b["silu"])
+        if b.get("silu_form") == "exp":
+            _check_exp_silu(b)
         for name, value in (("y", y), ("gate", z)):
             if value.dtype != ir.DataType.FLOAT:
                 raise _Refusal(
@@ -381,7 +406,14 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             gated_dtype = ir.DataType(b["gated_to"].as_int())
             if gated_dtype not in SUPPORTED_DTYPES:
                 raise _Refusal(f"the gated product is cast to {_dtype_name(gated_dtype)} before the norm", rounded)
-            if gated_dtype != ir.DataType.FLOAT and not self._weight_as_scale:
+            widened = b.get("rounded_form") == "widened"
+            if widened and b["widen_to"].as_int() != ir.DataType.FLOAT:
+                raise _Refusal(
+                    f"the gated product is rounded to {_dtype_name(gated_dtype)} and then cast to "
+                    f"{_dtype_name(b['widen_to'].as_int())}, not back to float32",
+                    rounded,
+                )
+            if gated_dtype != ir.DataType.FLOAT and not self._weight_as_scale and not widened:
                 raise _Refusal(
                     f"the gated product is rounded to {_dtype_name(gated_dtype)} and then normalized in that "
                     "type, not in float32",
@@ -472,26 +504,35 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
             norm_dtype = ir.DataType(b["norm_to"].as_int())
             if norm_dtype not in SUPPORTED_DTYPES:
                 raise _Refusal(f"the normalized value is cast to {_dtype_name(norm_dtype)}", normed)
-        if weight.dtype != norm_dtype:
+        # Rounded and widened back (the function body): the weight Mul runs in float32, as after no Cast.
+        widened = b.get("normed_form") == "widened"
+        if widened and b["norm_widen_to"].as_int() != ir.DataType.FLOAT:
+            raise _Refusal(
+                f"the normalized value is rounded to {_dtype_name(norm_dtype)} and then cast to "
+                f"{_dtype_name(b['norm_widen_to'].as_int())}, not back to float32",
+                normed,
+            )
+        multiply_dtype = ir.DataType.FLOAT if widened else norm_dtype
+        if weight.dtype != multiply_dtype:
             raise _Refusal(
                 f"the weight is {_dtype_name(weight.dtype)} but the normalized value is {_dtype_name(norm_dtype)}",
                 weight,
             )
         # A widening Cast on W is exact only when the weight Mul runs in fp32 anyway.
         weight_input, w_shape_readers = (
-            _bypass_widening_cast(weight, chain_nodes) if norm_dtype == ir.DataType.FLOAT else (weight, [])
+            _bypass_widening_cast(weight, chain_nodes) if multiply_dtype == ir.DataType.FLOAT else (weight, [])
         )
         if weight_input.dtype not in SUPPORTED_DTYPES:
             raise _Refusal(f"the weight is {_dtype_name(weight_input.dtype)}", weight_input)
 
-        if self._trailing_cast and norm_dtype != ir.DataType.FLOAT:
+        if self._trailing_cast and multiply_dtype != ir.DataType.FLOAT:
             raise _Refusal(
                 f"the weight Mul already rounds to {_dtype_name(norm_dtype)}; the Cast after it "
                 "would be a second rounding the op does not have, so it stays in the graph",
                 b["weighted"],
             )
         output_dtype = (
-            self._trailing_output_dtype(b, y_input, z_input, weight_input) if self._trailing_cast else norm_dtype
+            self._trailing_output_dtype(b, y_input, z_input, weight_input) if self._trailing_cast else multiply_dtype
         )
         return norm_dtype, output_dtype, weight_input, w_shape_readers
 
@@ -557,6 +598,10 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         return op.Reshape(fused, target, **({"allowzero": 1} if allowzero else {}))
 
     def setup(self) -> None:
+        # onnxscript calls setup / cleanup around every graph it visits, and visits a node's subgraphs
+        # (Scan, Loop, If bodies) in the middle of the outer graph: the outer graph's state is saved here
+        # and restored by cleanup, so chains fused before a subgraph are still cleaned up after it.
+        self._saved.append((self._leftovers, self._shapes))
         self._leftovers = []
         self._shapes = None
 
@@ -564,7 +609,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         # The replaced chains, and the constants, shape arithmetic and bypassed Casts that fed only
         # them, are dead now.
         remove_dead_producers(self._leftovers)
-        self._leftovers = []
+        self._leftovers, self._shapes = self._saved.pop() if self._saved else ([], None)
 
 
 def attributes_of(plan: _Plan) -> dict[str, Any]:
@@ -838,6 +883,15 @@ def _is_last_axis(axis: int, rank: int | None) -> bool:
     return axis == -1 or (rank is not None and axis == rank - 1)
 
 
+def _check_exp_silu(b: dict[str, Any]) -> None:
+    """Check that ``Div(z, Add(Exp(-z), one))`` is silu: ``-z`` a Neg or a Mul by -1, and ``one`` is 1."""
+    negate = b.get("negate")
+    if negate is not None and constant_scalar(negate) != -1.0:
+        raise _Refusal("z / (1 + exp(c * z)) with c not the constant -1 is not silu", negate)
+    if constant_scalar(b["one"]) != 1.0:
+        raise _Refusal("z / (c + exp(-z)) with c not the constant 1 is not silu", b["one"])
+
+
 def _check_decomposed(b: dict[str, Any], group_rank: int | None) -> float:
     """Check the decomposed inner norm and return its epsilon."""
     if b.get("square_form") == "pow":
@@ -975,7 +1029,8 @@ def classify(
 ) -> str:
     """Return the form letter of a matched chain (the catalog in docs/forms.md).
 
-    Forms overlap (G is "any form after ORT's optimizer"), so the most specific marker wins, in the
+    Forms overlap (G is "any form after an optimizer": ORT's, or one that inlined mambafuse's own function
+    body, whose silu is z / (1 + exp(-z))), so the most specific marker wins, in the
     order I, J, G, F, H, E, D, C, B, A. I is mobius's: the weight is the RMSNormalization's scale; J is
     Falcon-H1's: the weight multiplies the groups before the second Reshape.
     """
@@ -983,7 +1038,7 @@ def classify(
         return "I"
     if weight_in_group:
         return "J"
-    if b.get("silu_form") == "quick_gelu" or b.get("normalize_form") == "div":
+    if b.get("silu_form") in ("quick_gelu", "exp") or b.get("normalize_form") == "div":
         return "G"
     if inner == "simplified_layer_norm":
         return "F"
@@ -1172,6 +1227,15 @@ def _is_silu(value: ir.Value | None) -> bool:
         return False
     if producer.op_type == "QuickGelu":
         return True
+    if producer.op_type != "Mul":
+        return False
+    if producer.op_type == "Div":  # z / (1 + exp(-z)), the function body's spelling
+        z, denominator = producer.inputs[0], producer.inputs[1]
+        if _producer_op(denominator) != "Add":
+            return False
+        exps = [v for v in denominator.producer().inputs if _producer_op(v) == "Exp"]
+        negated = [v.producer().inputs[0] for v in exps]
+        return any(_producer_op(v) in ("Neg", "Mul") and z in v.producer().inputs for v in negated if v is not None)
     if producer.op_type != "Mul":
         return False
     a, b = producer.inputs[0], producer.inputs[1]
