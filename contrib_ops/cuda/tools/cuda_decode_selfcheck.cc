@@ -225,7 +225,7 @@ bool RunSsu(const SsuCase& c, std::mt19937& rng, cudaStream_t stream) {
         const size_t row = bh * static_cast<size_t>(P) + static_cast<size_t>(p);
         const float xv = x.values[row];
         float acc = 0.f;
-        double magnitude = 0;  // sum_n |C| (|state dA| + |dBx|): the readout's sensitivity
+        double magnitude = 0;  // sum_n |C| (|state| + 2 |dBx|): the readout's sensitivity
         for (int64_t n = 0; n < N; ++n) {
           const size_t i = row * static_cast<size_t>(N) + static_cast<size_t>(n);
           const size_t bn = bg * static_cast<size_t>(N) + static_cast<size_t>(n);
@@ -234,9 +234,12 @@ bool RunSsu(const SsuCase& c, std::mt19937& rng, cudaStream_t stream) {
           const float decayed = state.values[i] * da;
           const float s = RoundTo(c.s, decayed + dbx);
           acc += RoundTo(c.t, s) * cm.values[bn];
-          magnitude += std::fabs(cm.values[bn]) * (std::fabs(decayed) + 2 * std::fabs(dbx));
+          // One T ulp of d moves dA by |d A| ulps, which moves state * dA by at most 0.37 ulps of the state
+          // (x e^-x <= 1/e): the bound is relative to the state before the decay.
+          const double scale = std::fabs(state.values[i]) + 2 * std::fabs(dbx);
+          magnitude += std::fabs(cm.values[bn]) * scale;
           const double got = present.Get(i);
-          const double tol = 2 * Ulp(s, c.s) + rel * (std::fabs(decayed) + 2 * std::fabs(dbx));
+          const double tol = 2 * Ulp(s, c.s) + rel * scale;
           if (!(std::fabs(got - s) <= tol)) {
             if (bad_state++ < 3) {
               std::fprintf(stderr, "  present[%lld,%lld,%lld,%lld] = %.8g, expected %.8g\n", static_cast<long long>(b),
