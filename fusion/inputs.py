@@ -242,28 +242,33 @@ def resolve_dims(
         if name in expressions:
             continue
         bound.setdefault(name, size)
-    # Spellings of one dim (past_seq_len in an expression, past_sequence_len on an input) share a binding.
-    by_canonical: dict[str, list[str]] = {}
-    for name in dict.fromkeys([*plain, *variables]):
-        by_canonical.setdefault(_canonical(name), []).append(name)
-    sizes: dict[str, int] = {}
-    for group in by_canonical.values():
-        given = [bound[name] for name in group if name in bound]
-        if len(set(given)) > 1:
-            spelled = " and ".join(f"{name}={bound[name]}" for name in group if name in bound)
-            raise InputError(f"--dim {spelled}: these name one dim of the model; give one size")
-        for name in group:
-            sizes[name] = given[0] if given else None  # type: ignore[assignment]
+    # A term of an expression that is not a dim of the model is the dim spelled the same way
+    # (past_seq_len for past_sequence_len) where exactly one is: one dim, one binding.
+    alias = {}
+    for term in (v for v in variables if v not in plain):
+        matches = [name for name in plain if _canonical(name) == _canonical(term)]
+        if len(matches) == 1:
+            alias[term] = matches[0]
+    for term, name in alias.items():
+        if term in bound and name in bound and bound[term] != bound[name]:
+            raise InputError(
+                f"--dim {name}={bound[name]} and {term}={bound[term]}: these name one dim of the model; give one size"
+            )
+        if term in bound:
+            bound.setdefault(name, bound[term])
+    sizes: dict[str, int | None] = {name: bound.get(name) for name in dict.fromkeys([*plain, *variables])}
     # Defaults; a total length is past + sequence where the model has one of each.
     pasts = [n for n in plain if _is_past(n)]
     sequences = [n for n in plain if _is_sequence(n)]
-    for name in [n for n in sizes if sizes[n] is None and "total" not in n.lower()]:
+    for name in [n for n in sizes if sizes[n] is None and "total" not in n.lower() and n not in alias]:
         sizes[name] = default_dim(name)
-    for name in [n for n in sizes if sizes[n] is None]:
+    for name in [n for n in sizes if sizes[n] is None and n not in alias]:
         if len(pasts) == 1 and len(sequences) == 1:
-            sizes[name] = sizes[pasts[0]] + sizes[sequences[0]]
+            sizes[name] = sizes[pasts[0]] + sizes[sequences[0]]  # type: ignore[operator]
         else:
             sizes[name] = default_dim(name)
+    for term, name in alias.items():
+        sizes[term] = sizes[name]
 
     result: dict[str, int] = {}
     for name in params:
@@ -280,7 +285,7 @@ def resolve_dims(
             parts = _format({v: sizes[v] for v in expression.names})
             raise InputError(
                 f"--dim {name}={dims[name]} disagrees with its terms ({parts} give {value}); "
-                f"bind the terms instead: --dim {expression.names[0]}=SIZE"
+                f"bind the terms instead: --dim {alias.get(expression.names[0], expression.names[0])}=SIZE"
             )
         if value < 1:
             raise InputError(f"dim {name!r} = {value} with {_format(sizes)}; bind its terms with --dim NAME=SIZE")

@@ -118,6 +118,14 @@ def test_bad_bindings(dims: dict[str, int], message: str) -> None:
         inputs.resolve_dims(MOBIUS_DIMS, dims, strict=True)
 
 
+def test_two_input_dims_spelled_alike_stay_two_dims() -> None:
+    """Only an expression's term stands for the dim spelled alike; two dims of the inputs are two dims."""
+    assert inputs.resolve_dims(_model(["seq_len"], ["sequence_len"]), {"seq_len": 3}) == {
+        "seq_len": 3,
+        "sequence_len": 1,
+    }
+
+
 def test_a_name_with_an_operator_but_no_dim_among_its_terms_is_a_name() -> None:
     assert inputs.resolve_dims(_model(["batch-size", 4], ["seq"])) == {"batch-size": 1, "seq": 1}
 
