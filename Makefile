@@ -1,6 +1,8 @@
 # mambafuse — the two commands of the README, and the developer targets behind them.
-#   make demo   build everything on a fresh machine, fuse the bundled default model, print the report
-#   make test   build everything on a fresh machine and run the test suite
+#   make demo   on a fresh machine: the runtime dependencies and the build tools, the library, then fuse the
+#               bundled default model and print the report (nothing the demo does not use)
+#   make test   on a fresh machine: the same, plus the test dependencies (torch, transformers, mobius,
+#               onnxruntime-genai, olive, pytest; the apt cross compiler and qemu), then the test suite
 # Both create (or reuse) the virtualenv .venv in the repository root.
 
 PYTHON ?= python3
@@ -11,41 +13,58 @@ STAMPS := $(VENV)/.stamps
 NATIVE_SOURCES := $(shell find contrib_ops -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \
                     -o -name '*.mm' -o -name '*.metal' -o -name '*.cmake' -o -name CMakeLists.txt \) 2>/dev/null)
 PYTEST_ARGS ?=
+# pyproject.toml's dependencies, plus the optional-dependency groups named in $(1), as pip arguments.
+requirements = $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+  print(' '.join(repr(d) for d in p['dependencies'] + [d for g in '$(1)'.split() for d in p['optional-dependencies'][g]]))" \
+  | tr -d "'")
 
-.PHONY: demo test build deps sanitize lint compat clean
+.PHONY: demo test build deps deps-runtime deps-test sanitize lint compat clean
 
-# Python dependencies (runtime + the test, models and olive extras — torch's CPU build re-exports models in
-# the slow test tier; olive-ai, whose own torch requirement is unpinned, is resolved together with the
-# models extra's torch==2.13.0 — + the build backend, so that rebuilding the library needs no isolated
-# build environment). Re-run when pyproject.toml changes.
-$(STAMPS)/deps: pyproject.toml contrib_ops/tests/install_cross_tools.sh
+# A .venv set up before the dependency stamps were split had one stamp, "deps", for everything: when it is
+# current it stands for both (dated like it, so that the library is not rebuilt for it).
+ifneq ($(wildcard $(STAMPS)/deps),)
+$(shell [ $(STAMPS)/deps -nt pyproject.toml ] && for s in deps-runtime deps-test; do \
+  [ -e $(STAMPS)/$$s ] || touch -r $(STAMPS)/deps $(STAMPS)/$$s; done)
+endif
+
+# What the library's build and the fusion need: the runtime dependencies (onnxruntime, onnx, onnx-ir,
+# onnxscript, numpy, ml_dtypes) and the build backend and tools (scikit-build-core, cmake, ninja), so that
+# rebuilding the library needs no isolated build environment. Re-run when pyproject.toml changes.
+$(STAMPS)/deps-runtime: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	sh contrib_ops/tests/install_cross_tools.sh
 	$(PIP) install --upgrade pip
 	$(PIP) install "scikit-build-core>=0.10" "cmake>=3.24" ninja
-	$(PIP) install $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-	  print(' '.join(repr(d) for d in p['dependencies'] + p['optional-dependencies']['test'] \
-	  + p['optional-dependencies']['models'] + p['optional-dependencies']['olive']))" | tr -d "'")
+	$(PIP) install $(call requirements,)
 	@mkdir -p $(STAMPS) && touch $@
+
+# What the tests add: the test, models and olive extras, resolved together with the runtime dependencies
+# (torch's CPU build re-exports models in the slow test tier; olive-ai, whose own torch requirement is
+# unpinned, is resolved together with the models extra's torch==2.13.0), and the AArch64 cross compiler
+# and qemu-user of tests/test_kernel_arm64.py.
+$(STAMPS)/deps-test: $(STAMPS)/deps-runtime pyproject.toml contrib_ops/tests/install_cross_tools.sh
+	sh contrib_ops/tests/install_cross_tools.sh
+	$(PIP) install $(call requirements,test models olive)
+	@touch $@
 
 # The package in editable mode; scikit-build-core builds the custom-op library into it (incrementally,
 # in build/<wheel tag>), whenever a native source changes.
-$(STAMPS)/library: $(STAMPS)/deps $(NATIVE_SOURCES)
+$(STAMPS)/library: $(STAMPS)/deps-runtime $(NATIVE_SOURCES)
 	$(PIP) install --no-build-isolation --no-deps -e .
 	$(PY) -c "import contrib_ops; print('mambafuse library:', contrib_ops.library_path())"
 	@touch $@
 
-deps: $(STAMPS)/deps
+deps-runtime: $(STAMPS)/deps-runtime
+deps-test deps: $(STAMPS)/deps-test
 build: $(STAMPS)/library
 
-test: build
+test: $(STAMPS)/deps-test build
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: build
 	$(PY) -m fusion.demo
 
 # The kernel tests against a library built with AddressSanitizer + UndefinedBehaviorSanitizer.
-sanitize: $(STAMPS)/deps
+sanitize: $(STAMPS)/deps-test
 	$(VENV)/bin/cmake -S contrib_ops -B build/sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DMAMBAFUSE_SANITIZE=ON -DMAMBAFUSE_WERROR=ON -DMAMBAFUSE_CUDA=OFF -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) > /dev/null
 	$(VENV)/bin/cmake --build build/sanitize
@@ -54,7 +73,7 @@ sanitize: $(STAMPS)/deps
 	MAMBAFUSE_LIBRARY=$(abspath build/sanitize/libmambafuse_ops.so) \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_cpu.py tests/test_causal_conv1d_update_kernel.py tests/test_selective_state_update_kernel.py
 
-lint: $(STAMPS)/deps
+lint: $(STAMPS)/deps-runtime
 	$(PIP) install ruff
 	$(VENV)/bin/ruff check fusion contrib_ops models tests benchmarks
 	$(VENV)/bin/ruff format --check fusion contrib_ops models tests benchmarks
