@@ -2,7 +2,7 @@
 
 Command line::
 
-    python -m fusion.genai IN_FOLDER OUT_FOLDER [--no-function] [--genai-config-edit] [--json] [--debug]
+    python -m fusion.genai IN_FOLDER OUT_FOLDER [--no-library | --no-function] [--keep-model-type] [--json] [--debug]
 
 IN_FOLDER is a folder as ``mobius build ... --runtime ort-genai`` (or onnxruntime-genai's own builder)
 writes it: ``genai_config.json``, the decoder model it names (``model.decoder.filename``) with its external
@@ -15,15 +15,22 @@ data, tokenizer files. OUT_FOLDER (new, or an empty directory) gets
   ``model.decoder.session_options.custom_ops_library`` set to its file name. onnxruntime-genai looks the
   file up in the model folder, an execution-provider library folder or the working directory, and
   refuses paths with ``..``: a bare name in the model folder is what works wherever the folder is moved.
+  With ``--no-library`` neither: the folder runs the fused nodes through the model-local function (ONNX
+  Runtime inlines it), on any machine and provider, without mambafuse installed.
 
 onnxruntime-genai 0.18 does not know the ``model.type`` mobius writes for these families (``nemotron_h``,
-``zamba2``, ``mamba2``: "Unsupported model_type in config.json"). The command says so, and with
-``--genai-config-edit`` it declares the folder as genai's generic ``decoder`` with the model's conv /
-recurrent state names (a config-only change; genai 0.18 then generates with all three on CPU, the same
-greedy tokens as ONNX Runtime run step by step).
+``zamba2``, ``mamba2``: "Unsupported model_type in config.json"). By default the command declares such a
+folder as genai's generic ``decoder`` with the model's conv / recurrent state names (a config-only change;
+genai 0.18 then generates with all three on CPU, the same greedy tokens as ONNX Runtime run step by step)
+and prints each change; when the names do not allow it, it fails and says why. ``--keep-model-type``
+writes the config unchanged instead (for a genai that knows the type), with a note that genai 0.18 cannot
+load the folder. (``--genai-config-edit``, the opt-in of earlier versions, is accepted: it makes the edit
+required, an error for a model type it does not edit.)
 
 The input folder is never modified. OUT_FOLDER is assembled in a hidden directory beside it and renamed
-into place: it appears complete or not at all. Exit status 0 ok, 2 error (one line).
+into place: it appears complete or not at all. On a terminal one status line shows the data being
+written (tensors and MiB: a large model's weights take minutes; ``MAMBAFUSE_PROGRESS=0`` hides it).
+Exit status 0 ok, 2 error (one line).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
+from fusion.progress import progress, track
 from fusion.rewrite import Report, rewrite_model
 
 CONFIG_NAME = "genai_config.json"
@@ -80,10 +88,7 @@ def genai_support(config: dict[str, Any]) -> str | None:
     model_type = config["model"].get("type")
     if model_type not in GENAI_UNSUPPORTED_TYPES:
         return None
-    return (
-        f'onnxruntime-genai 0.18 cannot load model type {model_type!r} ("Unsupported model_type"); '
-        "rerun with --genai-config-edit to declare it as genai's 'decoder' with its conv/recurrent states"
-    )
+    return f'onnxruntime-genai 0.18 cannot load model type {model_type!r} ("Unsupported model_type")'
 
 
 def _template(names: list[str], suffix: str) -> str | None:
@@ -149,15 +154,33 @@ def _check_output_folder(source: Path, output: Path) -> None:
 
 
 def fuse_folder(
-    source: Path, output: Path, *, function: bool = True, genai_config_edit: bool = False
+    source: Path,
+    output: Path,
+    *,
+    function: bool = True,
+    library: bool = True,
+    genai_config_edit: bool | None = None,
 ) -> tuple[Report, dict[str, Any]]:
-    """Write OUT_FOLDER from a genai model folder (module docstring); return the rewrite report and a summary."""
+    """Write OUT_FOLDER from a genai model folder (module docstring); return the rewrite report and a summary.
+
+    ``genai_config_edit``: None (the default) edits the config when genai 0.18 does not know the model
+    type, True requires the edit, False keeps the config's model type. ``library=False`` writes no
+    library and no ``custom_ops_library`` (the fused nodes run through the function, which it needs).
+    """
     source, output = Path(source), Path(output)
+    if not library and not function:
+        raise GenaiFolderError(
+            "--no-library with --no-function: nothing could run the fused nodes (keep the function or the library)"
+        )
     config = read_config(source)
     _check_output_folder(source, output)
-    library = _library()
+    library_path = _library() if library else None
     existing = (config["model"]["decoder"].get("session_options") or {}).get("custom_ops_library")
-    if existing and Path(existing).name != library.name:
+    if library_path is None:
+        if existing and Path(existing).name in _library_names():
+            # The input is a folder this command wrote: drop the library it named (and its copy, below).
+            del config["model"]["decoder"]["session_options"]["custom_ops_library"]
+    elif existing and Path(existing).name != library_path.name:
         # genai takes one custom-op library per session: replacing it would break the model's other ops.
         raise GenaiFolderError(
             f"{source / CONFIG_NAME}: already names custom_ops_library {existing!r}; genai loads one library "
@@ -166,28 +189,47 @@ def fuse_folder(
     model_name = config["model"]["decoder"]["filename"]
     model = load(source / model_name)
     config_changes: list[str] = []
-    if genai_config_edit:
+    edit = genai_config_edit
+    if edit is None:
+        edit = genai_support(config) is not None
+    if edit:
         input_names = [v.name for v in model.graph.inputs]
         output_names = [v.name for v in model.graph.outputs]
-        config_changes = edit_config_for_genai(config, input_names, output_names)
+        try:
+            config_changes = edit_config_for_genai(config, input_names, output_names)
+        except GenaiFolderError as error:
+            if genai_config_edit:
+                raise
+            raise GenaiFolderError(
+                f"{genai_support(config)} and its config cannot be declared as genai's 'decoder': "
+                f"{str(error).removeprefix('--genai-config-edit: ')}; rerun with --keep-model-type to write "
+                "the folder with its config unchanged"
+            ) from None
     # The input model and its data files are replaced by the fused model and its own data file.
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
     fused, report = rewrite_model(model, function=function)
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
     try:
-        for entry in sorted(source.iterdir()):
-            if entry.resolve() in model_files or entry.name == CONFIG_NAME:
-                continue
+        entries = [
+            entry
+            for entry in sorted(source.iterdir())
+            if entry.resolve() not in model_files
+            and entry.name != CONFIG_NAME
+            and (library_path is not None or entry.name not in _library_names())  # --no-library on our output
+        ]
+        for entry in track(entries, "copying the folder's other files"):
             if entry.is_dir():
                 shutil.copytree(entry, scratch / entry.name, symlinks=False)
             else:
                 shutil.copy2(entry, scratch / entry.name)
         (scratch / model_name).parent.mkdir(parents=True, exist_ok=True)
-        save(fused, scratch / model_name)
-        shutil.copy2(library, scratch / library.name)
-        session_options = config["model"]["decoder"].setdefault("session_options", {})
-        session_options["custom_ops_library"] = library.name
+        with progress(f"writing {model_name}") as bar:
+            save(fused, scratch / model_name, progress=bar)
+        if library_path is not None:
+            shutil.copy2(library_path, scratch / library_path.name)
+            session_options = config["model"]["decoder"].setdefault("session_options", {})
+            session_options["custom_ops_library"] = library_path.name
         (scratch / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
         umask = os.umask(0)
         os.umask(umask)
@@ -200,12 +242,19 @@ def fuse_folder(
     summary = dict(
         output=str(output),
         model=model_name,
-        custom_ops_library=library.name,
+        custom_ops_library=library_path.name if library_path is not None else None,
         model_type=config["model"].get("type"),
         config_changes=config_changes,
-        genai_cannot_load=None if genai_config_edit else genai_support(config),
+        genai_cannot_load=genai_support(config),
     )
     return report, summary
+
+
+def _library_names() -> set[str]:
+    """Return the file names mambafuse's custom-op library has on any platform."""
+    import contrib_ops
+
+    return set(contrib_ops._LIBRARY_NAMES.values())
 
 
 class _Parser(argparse.ArgumentParser):
@@ -224,12 +273,25 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "input", type=Path, help="genai model folder (genai_config.json, model.onnx, ...); never modified"
     )
     parser.add_argument("output", type=Path, help="new (or empty) folder to write")
-    parser.add_argument("--no-function", action="store_true", help="omit the model-local function")
-    parser.add_argument(
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument(
+        "--no-library",
+        action="store_true",
+        help="write no custom-op library and no custom_ops_library: the fused nodes run through the model-local "
+        "function, without mambafuse (slower than the kernels)",
+    )
+    runs.add_argument("--no-function", action="store_true", help="omit the model-local function (library only)")
+    edits = parser.add_mutually_exclusive_group()
+    edits.add_argument(
+        "--keep-model-type",
+        action="store_true",
+        help="keep genai_config.json's model type; by default a Nemotron-H / Zamba2 / Mamba2 folder, whose types "
+        "genai 0.18 rejects, is declared as genai's 'decoder' with its conv/recurrent state names",
+    )
+    edits.add_argument(
         "--genai-config-edit",
         action="store_true",
-        help="declare a Nemotron-H / Zamba2 / Mamba2 folder as genai's 'decoder' with its conv/recurrent state "
-        "names (genai 0.18 rejects their model types)",
+        help="require that edit (the default makes it where needed): an error for another model type",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--debug", action="store_true", help="tracebacks for unexpected errors")
@@ -242,8 +304,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
     args = _parser(prog).parse_args(argv)
     try:
         with interruptible():
+            edit = True if args.genai_config_edit else False if args.keep_model_type else None
             report, summary = fuse_folder(
-                args.input, args.output, function=not args.no_function, genai_config_edit=args.genai_config_edit
+                args.input,
+                args.output,
+                function=not args.no_function,
+                library=not args.no_library,
+                genai_config_edit=edit,
             )
     except Interrupted as interrupted:
         print(f"{prog}: interrupted ({interrupted}); no output folder was written", file=sys.stderr)
@@ -262,9 +329,18 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
         print(report.summary())
         for change in summary["config_changes"]:
             print(f"genai_config.json: {change}")
-        print(f"wrote {summary['output']} (custom_ops_library: {summary['custom_ops_library']})")
+        runs_with = (
+            f"custom_ops_library: {summary['custom_ops_library']}"
+            if summary["custom_ops_library"]
+            else "no library: the fused nodes run through the model-local function"
+        )
+        print(f"wrote {summary['output']} ({runs_with})")
     if summary["genai_cannot_load"]:
-        print(f"{prog}: note: {summary['genai_cannot_load']}", file=sys.stderr)
+        print(
+            f"{prog}: note: {summary['genai_cannot_load']}; rerun without --keep-model-type to declare it as "
+            "genai's 'decoder' with its conv/recurrent states",
+            file=sys.stderr,
+        )
     return 0
 
 

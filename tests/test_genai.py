@@ -3,10 +3,11 @@
 Folders: the ``--runtime ort-genai`` builds of ``tests/fixtures/mobius`` (Nemotron-H, Zamba2, Mamba2; f32 and
 f16; cpu target). For each: the command writes a complete new folder (fused model, the library beside it,
 ``custom_ops_library`` set, every other file unchanged) and leaves the input alone; genai rejects the
-model types mobius writes and the command says so; with ``--genai-config-edit`` genai generates, and the
-greedy tokens from a fixed prompt are the same for the original model, the fused model with the
-library and the fused model without it (ORT inlines the model-local function). Logits differences are
-reported (``-s``) and bounded.
+model types mobius writes, so by default the command declares the folder as genai's ``decoder`` (with
+``--keep-model-type`` it keeps the type and says genai cannot load it); genai generates from the default
+folder, and the greedy tokens from a fixed prompt are the same for the original model, the fused model
+with the library and the ``--no-library`` folder (ORT inlines the model-local function). Logits
+differences are reported (``-s``) and bounded.
 """
 
 from __future__ import annotations
@@ -58,7 +59,10 @@ def _fuse(source: Path, output: Path, *args: str) -> tuple[int, str, str]:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = fusion_genai.main([str(source), str(output), *args])
+        try:
+            status = fusion_genai.main([str(source), str(output), *args])
+        except SystemExit as exit:  # argument errors exit from the parser, as on the command line
+            status = exit.code
     return status, out.getvalue(), err.getvalue()
 
 
@@ -71,16 +75,6 @@ def _edited_original(source: Path, dest: Path) -> Path:
         config, [v.name for v in model.graph.input], [v.name for v in model.graph.output]
     )
     (dest / "genai_config.json").write_text(json.dumps(config))
-    return dest
-
-
-def _without_library(fused: Path, dest: Path) -> Path:
-    """Copy a fused folder with ``custom_ops_library`` removed (genai's ORT then inlines the function)."""
-    shutil.copytree(fused, dest)
-    config = json.loads((dest / "genai_config.json").read_text())
-    del config["model"]["decoder"]["session_options"]["custom_ops_library"]
-    (dest / "genai_config.json").write_text(json.dumps(config))
-    (dest / fusion_genai_library_name()).unlink()
     return dest
 
 
@@ -154,16 +148,75 @@ def test_output_folder_layout(stem: str, builds: Path, tmp_path: Path, library: 
 
 
 @pytest.mark.parametrize("stem", GENAI_BUILDS)
-def test_model_type_note_without_edit(stem: str, builds: Path, tmp_path: Path) -> None:
-    """Without --genai-config-edit the folder is written and the command says genai cannot load it — true."""
-    status, _, err = _fuse(builds / stem, tmp_path / "out")
+def test_keep_model_type_says_genai_cannot_load_it(stem: str, builds: Path, tmp_path: Path) -> None:
+    """With --keep-model-type the folder keeps its type and the command says genai cannot load it — true."""
+    status, _, err = _fuse(builds / stem, tmp_path / "out", "--keep-model-type")
     assert status == 0
     family = RECORDS[stem]["family"]
-    assert f"cannot load model type '{family}'" in err and "--genai-config-edit" in err
+    assert f"cannot load model type '{family}'" in err and "without --keep-model-type" in err
     config = json.loads((tmp_path / "out" / "genai_config.json").read_text())
     assert config["model"]["type"] == family
     with pytest.raises(Exception, match=f"Unsupported model_type in config.json: {family}"):
         og.Model(str(tmp_path / "out"))
+
+
+def test_default_folder_loads_and_generates(builds: Path, tmp_path: Path) -> None:
+    """The command line without options writes a folder genai loads, and generates what the original does.
+
+    Run as a user runs it (the console script's module, a fresh process), one build per family.
+    """
+    import subprocess
+    import sys
+
+    for family in sorted({RECORDS[s]["family"] for s in GENAI_BUILDS}):
+        stem = next(s for s in GENAI_BUILDS if RECORDS[s]["family"] == family and RECORDS[s]["dtype"] == "f32")
+        out = tmp_path / stem
+        done = subprocess.run(
+            [sys.executable, "-m", "fusion.genai", str(builds / stem), str(out)], capture_output=True, text=True
+        )
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert f"genai_config.json: model.type: '{family}' -> 'decoder'" in done.stdout
+        tokens, _ = generate(_edited_original(builds / stem, tmp_path / f"{stem}-original"))
+        fused_tokens, _ = generate(out)
+        assert fused_tokens == tokens, f"{stem}: {fused_tokens} != {tokens}"
+
+
+def test_default_fails_when_the_config_cannot_be_edited(builds: Path, tmp_path: Path) -> None:
+    """State names without one pattern: no folder, one line with the reason and --keep-model-type."""
+    source = tmp_path / "in"
+    shutil.copytree(builds / GENAI_BUILDS[0], source)
+    model = onnx.load(source / "model.onnx", load_external_data=False)
+    renamed = next(v.name for v in model.graph.input if v.name.endswith(".conv_state"))
+    for value in model.graph.input:
+        if value.name == renamed:
+            value.name = "cache.0.conv_state"
+    for node in model.graph.node:
+        node.input[:] = ["cache.0.conv_state" if i == renamed else i for i in node.input]
+    onnx.save(model, source / "model.onnx")
+    status, out, err = _fuse(source, tmp_path / "out")
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "past_conv_names" in err and "--keep-model-type" in err
+    assert not (tmp_path / "out").exists()
+    assert _fuse(source, tmp_path / "kept", "--keep-model-type")[0] == 0
+
+
+def test_no_library_folder(builds: Path, tmp_path: Path, library: str) -> None:
+    """--no-library: no library file and no custom_ops_library, from a genai folder or from our own output."""
+    stem = GENAI_BUILDS[0]
+    source = builds / stem
+    status, out, err = _fuse(source, tmp_path / "plain", "--no-library")
+    assert status == 0, err
+    assert "no library: the fused nodes run through the model-local function" in out
+    assert _fuse(source, tmp_path / "fused")[0] == 0
+    assert _fuse(tmp_path / "fused", tmp_path / "dropped", "--no-library")[0] == 0
+    for folder in (tmp_path / "plain", tmp_path / "dropped"):
+        config = json.loads((folder / "genai_config.json").read_text())
+        assert "custom_ops_library" not in config["model"]["decoder"].get("session_options", {})
+        assert Path(library).name not in {p.name for p in folder.iterdir()}
+        model = onnx.load(folder / "model.onnx", load_external_data=False)
+        assert [f.name for f in model.functions if f.domain == "ai.mambafuse"] == ["GatedGroupRMSNorm"]
+    status, _, err = _fuse(source, tmp_path / "neither", "--no-library", "--no-function")
+    assert status == 2 and "not allowed with" in err and not (tmp_path / "neither").exists()
 
 
 def test_genai_loads_the_named_library(builds: Path, tmp_path: Path) -> None:
@@ -293,7 +346,9 @@ def test_generation_same_before_and_after_fusion(stem: str, builds: Path, tmp_pa
     original = _edited_original(builds / stem, tmp_path / "original")
     status, _, err = _fuse(builds / stem, tmp_path / "fused", "--genai-config-edit")
     assert status == 0, err
-    function_only = _without_library(tmp_path / "fused", tmp_path / "function")
+    function_only = tmp_path / "function"
+    status, _, err = _fuse(builds / stem, function_only, "--no-library")
+    assert status == 0, err
     tokens, logits = generate(original)
     assert len(set(tokens)) > 4, f"degenerate generation {tokens}: the comparison would prove little"
     limit = LOGITS_TOLERANCE[RECORDS[stem]["dtype"]] * float(np.abs(logits).max())
@@ -325,3 +380,22 @@ def test_a_fused_folder_fuses_again_to_the_same_model(builds: Path, tmp_path: Pa
     report = json.loads(out)
     assert report["fused"] == 0 and sum(report["chains_found"].values()) == 0
     assert (tmp_path / "twice" / fusion_genai_library_name()).is_file()
+
+
+def test_the_weights_copy_reports_progress(builds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing a large model's data takes minutes: save() reports every tensor written, genai shows it."""
+    from fusion import model_io
+
+    stem = GENAI_BUILDS[0]
+    model = model_io.load(builds / stem / "model.onnx")
+    external = len(model_io.external_tensors(model))
+    calls: list[tuple[int, int, str]] = []
+    model_io.save(
+        model, tmp_path / "copy.onnx", progress=lambda done, total, message: calls.append((done, total, message))
+    )
+    assert [done for done, _, _ in calls] == list(range(1, len(calls) + 1)) and len(calls) >= external > 0
+    assert {total for _, total, _ in calls} == {len(calls)} and "MiB into copy.onnx.data" in calls[-1][2]
+
+    monkeypatch.setenv("MAMBAFUSE_PROGRESS", "1")
+    status, _, err = _fuse(builds / stem, tmp_path / "out")
+    assert status == 0 and "writing model.onnx:" in err and "copying the folder's other files:" in err
