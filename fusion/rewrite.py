@@ -140,8 +140,13 @@ def _node_count(model: ir.Model) -> int:
     return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
 
 
-def rewrite_model(model: ModelT, *, function: bool = True, assume_equal_widths: bool = False) -> tuple[ModelT, Report]:
+def rewrite_model(
+    model: ModelT, *, function: bool = True, assume_equal_widths: bool = False, decode_steps: bool = True
+) -> tuple[ModelT, Report]:
     """Return ``model`` with its gated group-RMSNorm chains fused, and a Report.
+
+    With ``decode_steps`` (the default) the decode-step ops are fused too (fusion/fusions.py: CausalConv1dUpdate
+    and SelectiveStateUpdate, after the gated norm); ``decode_steps=False`` fuses the gated norm alone.
 
     A ModelProto is left untouched (a new one is returned). An ``ir.Model`` is rewritten in place and
     returned (copying it would load lazily-read external weights). With ``function``, fused models
@@ -156,7 +161,9 @@ def rewrite_model(model: ModelT, *, function: bool = True, assume_equal_widths: 
         raise TypeError(f"rewrite_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}{hint}")
     if isinstance(model, onnx.ModelProto):
         ir_model = ir.from_proto(model)
-        _, report = rewrite_model(ir_model, function=function, assume_equal_widths=assume_equal_widths)
+        _, report = rewrite_model(
+            ir_model, function=function, assume_equal_widths=assume_equal_widths, decode_steps=decode_steps
+        )
         if report.fused == 0 and report.decode_fused == 0:
             unchanged = onnx.ModelProto()
             unchanged.CopyFrom(model)
@@ -191,7 +198,8 @@ def rewrite_model(model: ModelT, *, function: bool = True, assume_equal_widths: 
             # their shape arithmetic); ONNX Runtime's symbolic inference often can. Second pass, same log.
             report.fused += fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
         _explain_refusals(model, log, report)
-        _fuse_decode_steps(model, opset, report)
+        if decode_steps:
+            _fuse_decode_steps(model, opset, report)
     for output in model.graph.outputs:
         if output.name in declared_outputs:
             output.type, output.shape = declared_outputs[output.name]
