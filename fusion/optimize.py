@@ -1,0 +1,319 @@
+"""Optimize a whole Mamba-2-family model for ONNX Runtime: onnxscript's ORT fusions, then every mambafuse fusion.
+
+Python::
+
+    model, report = optimize_model(onnx_ir.load("model.onnx"))
+    print(report.summary())
+
+Command line: ``mambafuse optimize IN.onnx [OUT.onnx]`` (``python -m fusion.optimize``), with the options and
+guarantees of ``mambafuse rewrite`` (atomic write, external data, ``--verify``, one-line errors).
+
+The order is the one that fuses the most. onnxscript's ``optimize_for_ort`` first: it folds constants and fuses
+the model's own RMSNorms (with the residual Add before them: ``SkipSimplifiedLayerNormalization``), rotary
+embeddings and attention where its rules match. Then mambafuse's fusions, which also see through what
+``optimize_for_ort`` leaves (its constant folding only makes shape arithmetic simpler). Run the other way round,
+``optimize_for_ort`` inlines every model-local function, so it would undo the mambafuse nodes; this command never
+does that, and ``mambafuse rewrite`` re-fuses an inlined model.
+
+onnxscript's optimizer trusts the shapes a model declares for its graph inputs (as ONNX Runtime does, which
+refuses inputs that contradict them); the mambafuse rules never do (docs/forms.md). ``--verify`` compares the
+result with the original in ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import onnx
+import onnx_ir as ir
+
+from fusion.model_io import first_line
+from fusion.rewrite import Report, rewrite_model
+
+ModelT = TypeVar("ModelT", onnx.ModelProto, ir.Model)
+
+__all__ = ["OptimizeReport", "PassResult", "optimize_model"]
+
+
+@dataclasses.dataclass
+class PassResult:
+    """What one pass did: fusions by name (only those that fired), node counts around it, or why it was skipped."""
+
+    name: str
+    fused: dict[str, int] = dataclasses.field(default_factory=dict)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    skipped: str | None = None
+    #: Steps undone because they left a graph ONNX Runtime would refuse, each with the reason.
+    undone: list[str] = dataclasses.field(default_factory=list)
+
+    def line(self) -> str:
+        """Return the pass's summary line."""
+        if self.skipped is not None:
+            return f"{self.name}: skipped ({self.skipped})"
+        fused = ", ".join(f"{name} {count}" for name, count in self.fused.items()) or "nothing fused"
+        line = f"{self.name}: {fused}; nodes {self.nodes_before} -> {self.nodes_after}"
+        return "\n    ".join([line, *(f"undone: {reason}" for reason in self.undone)])
+
+
+@dataclasses.dataclass
+class OptimizeReport:
+    """The passes in the order they ran, and the mambafuse pass's full rewrite Report."""
+
+    passes: list[PassResult] = dataclasses.field(default_factory=list)
+    rewrite: Report = dataclasses.field(default_factory=Report)
+
+    @property
+    def nodes_before(self) -> int:
+        return self.passes[0].nodes_before if self.passes else 0
+
+    @property
+    def nodes_after(self) -> int:
+        return self.passes[-1].nodes_after if self.passes else 0
+
+    def summary(self) -> str:
+        """Return a few lines: one per pass, then the mambafuse pass's own summary (chains, refusals)."""
+        lines = [f"nodes: {self.nodes_before} -> {self.nodes_after}"]
+        lines += [f"  {result.line()}" for result in self.passes]
+        lines.append(self.rewrite.summary())
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the report as JSON-ready data."""
+        return {
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "passes": [dataclasses.asdict(result) for result in self.passes],
+            "rewrite": self.rewrite.to_dict(),
+        }
+
+
+def _node_count(model: ir.Model) -> int:
+    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+@contextlib.contextmanager
+def _quiet_onnxscript() -> Iterator[None]:
+    """Silence the tracebacks onnx-ir logs when ONNX's shape inference gives up on a graph (it then goes on)."""
+    loggers = [logging.getLogger(name) for name in ("onnx_ir.passes.common.shape_inference", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+#: onnxscript's ORT fusions in the order ``optimize_for_ort`` applies them (onnxscript 0.5-0.7), as
+#: (name in the report, module under onnxscript.rewriter.ort_fusions, function, keyword arguments).
+_ORT_FUSIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+    ("erf_gelu", "erfgelu", "fuse_erfgelu", {}),
+    ("rms_normalization", "rms_normalization", "fuse_rms_normalization", {}),
+    ("skip_layer_normalization", "skip_normalization", "fuse_skip_layer_normalization", {}),
+    ("skip_rms_normalization", "skip_normalization", "fuse_skip_rms_normalization", {}),
+    ("rotary_embedding", "rotary_embedding", "fuse_rotary_embedding", {}),
+    ("cos_sin_cache", "cos_sin_cache", "fuse_cos_sin_cache", {}),
+    ("partial_rotary_embedding", "rotary_embedding", "fuse_partial_rotary_embedding", {}),
+    ("sdpa", "sdpa", "fuse_sdpa", {"apply_shape_inference": True}),
+    ("gqa", "gqa", "fuse_gqa", {}),
+    ("packed_qkv_for_gqa", "gqa_packed_qkv", "fuse_qkv_gqa", {}),
+    ("mha1", "mha", "fuse_mha1", {}),
+    ("mha2", "mha", "fuse_mha2", {}),
+    ("mha_scale", "mha_scale", "fuse_mha_scale", {}),
+    ("mha_bias", "mha_bias", "fuse_mha_bias", {}),
+    ("attention", "attention", "fuse_attention", {}),
+    ("gelu", "gelu", "fuse_gelu", {}),
+    ("bias_gelu", "bias_gelu", "fuse_bias_gelu", {}),
+    ("sdpa_via_mha", "sdpa_via_mha", "replace_sdpa_by_mha", {}),
+)
+
+
+class _Checkpoint:
+    """A copy of a model's graph to return to when an onnxscript step leaves it invalid.
+
+    External weights stay references to their files (only the graph is copied); the restored model's
+    external tensors get back the directories the originals were read from.
+    """
+
+    def __init__(self, model: ir.Model) -> None:
+        self.proto = ir.to_proto(model)
+        self.directories = {
+            value.name: value.const_value.base_dir
+            for value in model.graph.initializers.values()
+            if isinstance(value.const_value, ir.ExternalTensor)
+        }
+
+    def restore(self) -> ir.Model:
+        model = ir.serde.deserialize_model(self.proto)
+        for value in model.graph.initializers.values():
+            if isinstance(value.const_value, ir.ExternalTensor) and value.name in self.directories:
+                value.const_value.base_dir = self.directories[value.name]
+        return model
+
+
+def _ort_fusions(model: ir.Model) -> tuple[ir.Model, PassResult]:
+    """Run onnxscript's ORT fusions on ``model`` one at a time, undoing any that leaves an invalid graph.
+
+    onnxscript 0.7's fusions can write graphs ONNX Runtime refuses on these exports (measured on the bundled
+    fixtures: ``SkipSimplifiedLayerNormalization`` with a float16 residual and a float32 input in fp16 models,
+    rotary/attention rewrites that leave a node reading a value nothing produces). Each step is checked
+    (``model_problem``) and undone when it breaks the graph; the report names it with the reason.
+    """
+    import importlib
+
+    import onnx_ir.passes.common as common_passes
+    from onnxscript import optimizer, rewriter
+    from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES, shape_optimization
+
+    result = PassResult("onnxscript ORT fusions", nodes_before=_node_count(model))
+    problem_before = model_problem(model)
+    if problem_before is not None:
+        result.skipped = f"the model is already inconsistent, so the fusions could not be checked: {problem_before}"
+        result.nodes_after = result.nodes_before
+        return model, result
+    undone: list[str] = []
+
+    def step(name: str, run) -> None:
+        nonlocal model
+        checkpoint = _Checkpoint(model)
+        try:
+            with _quiet_onnxscript():
+                count = run(model)
+        except Exception as error:  # onnxscript raises many types on graphs its rules do not expect
+            model = checkpoint.restore()
+            undone.append(f"{name} ({first_line(error)})")
+            return
+        problem = model_problem(model)
+        if problem is not None:
+            model = checkpoint.restore()
+            undone.append(f"{name} (left an invalid graph: {problem})")
+        elif count:
+            result.fused[name] = result.fused.get(name, 0) + int(count)
+
+    def prepare(model: ir.Model) -> int:
+        common_passes.ShapeInferencePass()(model)
+        optimizer.optimize(model)
+        shape_optimization.rules.apply_to_model(model)
+        optimizer.optimize(model)
+        return 0
+
+    step("constant folding", prepare)
+    for name, module_name, function_name, kwargs in _ORT_FUSIONS:
+        try:
+            fuse = getattr(importlib.import_module(f"onnxscript.rewriter.ort_fusions.{module_name}"), function_name)
+        except (ImportError, AttributeError):
+            continue  # an onnxscript release without this fusion
+        step(name, lambda model, fuse=fuse, kwargs=kwargs: fuse(model, **kwargs))
+
+    def finish(model: ir.Model) -> int:
+        optimizer.optimize(model)  # inlines what the attention fusions left as functions
+        rewriter.rewrite(model, ORT_PATTERN_REWRITE_RULES)
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1)(model)
+        common_passes.RemoveInitializersFromInputsPass()(model)
+        common_passes.ShapeInferencePass()(model)
+        return 0
+
+    step("clean-up", finish)
+    result.undone = undone
+    result.nodes_after = _node_count(model)
+    return model, result
+
+
+@functools.cache
+def _schemas() -> dict[tuple[str, str], list[Any]]:
+    """Return ONNX Runtime's operator schemas (ONNX and its contrib domains) by (domain, op type), newest first."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+    schemas: dict[tuple[str, str], list[Any]] = {}
+    for schema in ort_state.get_all_operator_schema():
+        domain = "" if schema.domain in ("", "ai.onnx") else schema.domain
+        schemas.setdefault((domain, schema.name), []).append(schema)
+    for versions in schemas.values():
+        versions.sort(key=lambda schema: -schema.since_version)
+    return schemas
+
+
+def _schema(node: ir.Node, opsets: dict[str, int]) -> Any | None:
+    domain = "" if node.domain in ("", "ai.onnx") else node.domain
+    version = opsets.get(domain, opsets.get("ai.onnx" if domain == "" else domain))
+    for schema in _schemas().get((domain, node.op_type), []):
+        if version is None or schema.since_version <= version:
+            return schema
+    return None
+
+
+def model_problem(model: ir.Model) -> str | None:
+    """Return why ONNX Runtime would refuse ``model``'s main graph, or None.
+
+    Checks what onnxscript's fusions have been seen to break: a node reading a value that no node, input or
+    initializer produces (or that is produced after it), and a node whose inputs and outputs bind one type
+    parameter of its ONNX Runtime schema to two element types. Cheap: no session, no weights read.
+    """
+    graph = model.graph
+    available = {*graph.inputs, *graph.initializers.values()}
+    opsets = dict(model.opset_imports)
+    for node in graph:
+        for value in node.inputs:
+            if value is not None and value not in available:
+                return f"node {node.name!r} ({node.op_type}) reads {value.name!r}, which nothing before it produces"
+        available.update(node.outputs)
+        schema = _schema(node, opsets)
+        if schema is None:
+            continue
+        constraints = {constraint.type_param_str for constraint in schema.type_constraints}
+        bound: dict[str, set[ir.DataType]] = {}
+        for values, formals in ((node.inputs, schema.inputs), (node.outputs, schema.outputs)):
+            for index, value in enumerate(values):
+                if value is None or value.dtype is None or not formals:
+                    continue
+                type_param = formals[min(index, len(formals) - 1)].typeStr
+                if type_param in constraints:
+                    bound.setdefault(type_param, set()).add(value.dtype)
+        for type_param, dtypes in bound.items():
+            if len(dtypes) > 1:
+                names = " and ".join(sorted(dtype.name.lower() for dtype in dtypes))
+                return f"node {node.name!r} ({node.op_type}) binds its type {type_param} to {names}"
+    missing = [value.name for value in graph.outputs if value not in available]
+    if missing:
+        return f"graph output {missing[0]!r} is produced by no node"
+    return None
+
+
+def optimize_model(model: ModelT, *, ort_fusions: bool = True, function: bool = True) -> tuple[ModelT, OptimizeReport]:
+    """Return ``model`` optimized for ONNX Runtime, and an OptimizeReport.
+
+    Passes, in order: onnxscript's ``optimize_for_ort`` (skipped with ``ort_fusions=False``, or with its reason
+    when it fails on the model), then every mambafuse fusion (``rewrite_model``). A ModelProto is left untouched
+    (a new one is returned); an ``ir.Model`` is optimized in place and returned. With ``function``, fused nodes
+    carry their model-local functions, so the result runs on stock ONNX Runtime.
+    """
+    if not isinstance(model, (onnx.ModelProto, ir.Model)):
+        raise TypeError(f"optimize_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
+    if isinstance(model, onnx.ModelProto):
+        # onnxscript's optimizer edits protos that an ir.Model read from them still shares (seen: Constant
+        # nodes of the caller's ModelProto removed): work on a copy, so the caller's model stays as it was.
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        ir_model, report = optimize_model(ir.from_proto(copy), ort_fusions=ort_fusions, function=function)
+        return ir.to_proto(ir_model), report
+    report = OptimizeReport()
+    if ort_fusions:
+        model, result = _ort_fusions(model)
+    else:
+        count = _node_count(model)
+        result = PassResult("onnxscript ORT fusions", nodes_before=count, nodes_after=count, skipped="--no-ort-fusions")
+    report.passes.append(result)
+    before = _node_count(model)
+    model, report.rewrite = rewrite_model(model, function=function)
+    fused = {"GatedGroupRMSNorm": report.rewrite.fused}
+    fused.update({op_type: op["fused"] for op_type, op in report.rewrite.decode.items()})
+    fused = {op_type: count for op_type, count in fused.items() if count}
+    report.passes.append(PassResult("mambafuse", fused=fused, nodes_before=before, nodes_after=_node_count(model)))
+    return model, report
