@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 
+from contrib_ops.tests.golden import TIE_TYPE_MIXES, tie_close_inputs
 from fusion.reference import (
     DOMAIN,
     OP_TYPE,
@@ -16,8 +18,10 @@ from fusion.reference import (
     bfloat16,
     budget_report,
     dtype_to_onnx_type,
+    gated_group_rms_norm,
     reference_for_budget,
 )
+from fusion.reference.gated_group_rms_norm import gated_values
 
 FLOAT, FLOAT16, BFLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
 TYPE_NAMES = {FLOAT: "f32", FLOAT16: "f16", BFLOAT16: "bf16"}
@@ -223,7 +227,58 @@ def check_against_reference(
     return actual
 
 
+def assert_one_consistent_evaluation(
+    actual: np.ndarray,
+    y: np.ndarray,
+    z: np.ndarray,
+    w: np.ndarray,
+    *,
+    group_size: int,
+    gated_type: int,
+    epsilon: float = 1e-5,
+) -> int:
+    """Assert that a float32 output (float32 norm_dtype) is, element for element within 2e-6, ONE consistent
+    evaluation of docs/op.md's budget: the reference with the tie-close h that the kernel rounded the other
+    way flipped (``flip_gated``), every group's nf following from them. Return how many h were flipped.
+
+    A check of the kernel independent of the budget's intervals: which h tipped is read off the output (the
+    two neighbours differ by a half ulp, >= 2^-11, relative), then the reference is evaluated with those
+    choices; a group whose nf followed other choices than its elements show fails.
+    """
+    dtype = SUPPORTED_TYPES[gated_type]
+    rounded, other, close = gated_values(y, z, dtype)
+    attrs = dict(epsilon=epsilon, group_size=group_size, norm_dtype=np.float32, output_dtype=np.float32)
+    exact = gated_group_rms_norm(y, z, w, **attrs, gated_dtype=dtype, compute_dtype=np.float64)
+    grouped = (-1, group_size)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        # Per element, actual / exact = (the h taken / the nearest h) * (the group's nf / the exact nf).
+        ratio = (actual.astype(np.float64) / exact).reshape(grouped)
+        step = np.where(close, other / rounded, 1.0).reshape(grouped)
+    tie_close = close.reshape(grouped)
+    # The group's nf ratio: the median over its elements that are not tie-close; in a group of tie-close
+    # elements only, the value that explains the most elements with one of their two choices.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the groups of tie-close elements only: NaN here
+        scale = np.nanmedian(np.where(tie_close, np.nan, ratio), axis=-1, keepdims=True)
+    for group in np.flatnonzero(tie_close.all(axis=-1)):
+        candidates = np.concatenate([ratio[group], ratio[group] / step[group]])[:, None]
+        near = np.minimum(np.abs(ratio[group] - candidates), np.abs(ratio[group] - candidates * step[group]))
+        scale[group] = candidates[np.argmax((near <= 1e-6 * np.abs(candidates)).sum(axis=-1))]
+    flip = (tie_close & (np.abs(ratio - scale * step) < np.abs(ratio - scale))).reshape(y.shape)
+    taken = gated_group_rms_norm(y, z, w, **attrs, gated_dtype=dtype, compute_dtype=np.float64, flip_gated=flip)
+    error = np.abs(actual.astype(np.float64) - taken)
+    bad = error > 2e-6 * np.abs(taken) + np.finfo(np.float32).tiny
+    assert not bad.any(), (
+        f"{bad.sum()} of {bad.size} elements match no consistent evaluation (max error "
+        f"{np.max(error / np.abs(taken)):.3g} relative; {flip.sum()} of {close.sum()} tie-close h flipped)"
+    )
+    return int(flip.sum())
+
+
 __all__ = [
+    "TIE_TYPE_MIXES",
+    "assert_one_consistent_evaluation",
+    "tie_close_inputs",
     "EDGE_GROUP_SIZE",
     "EDGE_NONFINITE_GROUPS",
     "edge_value_inputs",

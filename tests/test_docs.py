@@ -181,8 +181,36 @@ def test_accuracy_constants_are_budget_reports() -> None:
     assert "2e-6" in budget and "2e-6" in source
     assert "0.1 %" in budget and "0.001 * actual.size" in source
     assert "99.9 %" in budget
+    # The allowance is rounded down (int), as the table says.
+    assert "int(0.001 * actual.size)" in source and "rounded down: below 1000 elements, all" in budget
     assert reference.GATED_TIE_WINDOW == 2.0**-20 and "2⁻²⁰" in budget
     assert "reference_for_budget" in budget and hasattr(reference, "reference_for_budget")
+    # The names the section uses for the consistent evaluations are the reference's.
+    assert "flip_gated=mask" in budget and "flip_gated" in inspect.signature(reference.gated_group_rms_norm).parameters
+    assert "`bounds`" in budget and "bounds" in inspect.signature(reference.budget_report).parameters
+    assert set(reference.reference_for_budget(*_budget_feeds(), epsilon=1e-5, group_size=8)) == {"expected", "bounds"}
+
+
+def _budget_feeds() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return (
+        rng.standard_normal((2, 16)).astype(np.float32),
+        rng.standard_normal((2, 16)).astype(np.float32),
+        np.ones(16, np.float32),
+    )
+
+
+def test_budget_exception_at_the_overflow_threshold_is_the_references() -> None:
+    """op.md: an h at float16's overflow threshold (65520) is not given the choice; a value as close to an
+    ordinary tie is."""
+    budget = _section(OP_DOC.read_text(), "Accuracy budget")
+    assert "overflow threshold (65520" in budget
+    window = reference.GATED_TIE_WINDOW
+    # Just below and above 65520 (between 65504 and Inf), and just above 65488 (between 65472 and 65504).
+    near = np.array([65520.0 * (1 - window / 4), 65520.0 * (1 + window / 4), 65488.0 * (1 + window / 4)])
+    rounded, other, distance = reference.tie_neighbours(near, np.float16)
+    assert list(distance <= window) == [False, False, True]
+    assert (rounded[2], other[2]) == (65504.0, 65472.0)
 
 
 # --- docs/forms.md ------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ import onnxruntime as ort
 import pytest
 
 import contrib_ops
-from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm
+from fusion.reference import SUPPORTED_TYPES, budget_report, gated_group_rms_norm, reference_for_budget
+from fusion.reference.gated_group_rms_norm import gated_values
 from tests._ops import (
     BFLOAT16,
     EDGE_GROUP_SIZE,
@@ -26,7 +27,9 @@ from tests._ops import (
     FLOAT16,
     GATED_TYPE_MIXES,
     GATED_TYPES,
+    TIE_TYPE_MIXES,
     TYPE_NAMES,
+    assert_one_consistent_evaluation,
     edge_value_inputs,
     feed,
     gated_type_id,
@@ -34,6 +37,7 @@ from tests._ops import (
     nonfinite_groups,
     one_node_model,
     random_inputs,
+    tie_close_inputs,
 )
 from tests._ops import check_against_reference as shared_check
 
@@ -203,6 +207,138 @@ def assert_probes_rounded_exactly(
         f"{bad.size} of {finite.sum()} h rounded differently (max error {error.max():.3g}), "
         f"e.g. h = {h[finite][bad[:5]]}"
     )
+
+
+#: (shape, group_size) of the tie cases: rows of eight 96-wide groups, and decode-width rows of 960-wide ones.
+TIE_SHAPES = [((8, 768), 96), ((4, 7680), 960)]
+
+
+@pytest.mark.parametrize(("shape", "group_size"), TIE_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("gated_type", [FLOAT16, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
+@pytest.mark.parametrize(
+    ("y_type", "z_type", "w_type", "norm_type", "out_type"), list(TIE_TYPE_MIXES.values()), ids=list(TIE_TYPE_MIXES)
+)
+def test_gated_products_at_ties(
+    y_type: int,
+    z_type: int,
+    w_type: int,
+    norm_type: int,
+    out_type: int,
+    gated_type: int,
+    shape: tuple[int, ...],
+    group_size: int,
+) -> None:
+    """Many h of each group at gated_dtype rounding ties, of both signs (tie_close_inputs): a float32 kernel
+    tips some of them and not others, and each group's nf follows the values it took. Within the budget
+    (docs/op.md: every element within the tolerance of a consistent evaluation) for half and float32
+    outputs; where norm_dtype and the output are float32, also exactly one consistent evaluation."""
+    rng = np.random.default_rng([y_type, z_type, w_type, norm_type, out_type, gated_type, group_size])
+    y, z, w = tie_close_inputs(rng, shape, group_size, y_type, z_type, w_type, gated_type)
+    actual = check_against_reference(
+        y, z, w, group_size=group_size, norm_type=norm_type, out_type=out_type, gated_type=gated_type, threads=2
+    )
+    if norm_type == FLOAT and out_type == FLOAT:
+        assert_one_consistent_evaluation(actual, y, z, w, group_size=group_size, gated_type=gated_type)
+
+
+#: Random float32 rows of issue 25 whose outputs the earlier budget rejected (it knew two references: the
+#: exact one and the one with every tie-close h flipped): (shape, group_size, weight scale, gated_dtype).
+ISSUE_25_ROWS = [((512, 7680), 960, 1.0, FLOAT16), ((7, 8192), 1024, 8.0, FLOAT16)]
+
+
+@pytest.mark.parametrize(("shape", "group_size", "w_scale", "gated_type"), ISSUE_25_ROWS, ids=lambda v: str(v))
+def test_random_rows_with_a_few_tie_close_products(
+    shape: tuple[int, ...], group_size: int, w_scale: float, gated_type: int
+) -> None:
+    """Ordinary inputs (about 0.3 % of the h within the tie window of a float16 rounding tie, a few a group):
+    float32 outputs within the budget, and one consistent evaluation."""
+    rng = np.random.default_rng(0)
+    y, z, w = random_inputs(rng, shape, FLOAT, FLOAT, FLOAT)
+    w = (w * np.float32(w_scale)).astype(np.float32)
+    actual = check_against_reference(y, z, w, group_size=group_size, gated_type=gated_type, threads=2)
+    assert_one_consistent_evaluation(actual, y, z, w, group_size=group_size, gated_type=gated_type)
+
+
+def test_budget_rejects_outputs_off_the_consistent_evaluations() -> None:
+    """The budget allows what tie-close h may do and no more: the kernel's float32 output of an issue-25 row
+    passes, and each of these changes to it is rejected: one element off by 4e-6 (twice the tolerance) where
+    its interval is narrow, a group's outputs scaled by 1 + 1e-5 (a wrong nf), the group of a NOT tie-close h
+    rounded the other way, a tie-close element between its two roundings (h not rounded), and a float16
+    output three ulps off."""
+    rng = np.random.default_rng(0)
+    y, z, w = random_inputs(rng, (7, 8192), FLOAT, FLOAT, FLOAT)
+    attrs = dict(epsilon=1e-5, group_size=1024, gated_dtype=np.float16)
+    model = one_node_model(FLOAT, FLOAT, FLOAT, shape=[7, 8192], group_size=1024, gated_dtype=FLOAT16)
+    actual = run_op(model, y, z, w)
+    reference = reference_for_budget(y, z, w, **attrs)
+    ok, message = budget_report(actual, **reference)
+    assert ok, message
+    low, high = reference["bounds"]
+    expected = reference["expected"].astype(np.float64)
+    rounded, other, close = gated_values(y, z, np.float16)
+    # A group whose elements' intervals are narrow (few tie-close h, none of them large).
+    narrow = close | (np.max(high - low, axis=0) <= 5e-7 * np.abs(expected))
+    groups = narrow.reshape(7, 8, 1024).all(axis=-1)
+    assert groups.any(), "no group with narrow intervals"
+    row, group = np.argwhere(groups)[0]
+    columns = slice(group * 1024, (group + 1) * 1024)
+
+    def rejected(changed: np.ndarray, what: str) -> None:
+        ok, message = budget_report(changed.astype(np.float32), **reference)
+        assert not ok, f"{what} passed: {message}"
+
+    element = actual.copy()
+    element[row, group * 1024 + int(np.argmin(close[row, columns]))] *= np.float32(1 + 4e-6)  # not tie-close
+    rejected(element, "one element off by 4e-6")
+    scaled = actual.copy()
+    scaled[row, columns] *= np.float32(1 + 1e-5)
+    rejected(scaled, "a group normalized with nf * (1 + 1e-5)")
+    # The largest h of a group that is not tie-close, rounded to its other float16 neighbour.
+    largest = group * 1024 + int(np.argmax(np.where(close[row, columns], 0.0, np.abs(rounded[row, columns]))))
+    flip = np.zeros(y.shape, bool)
+    flip[row, largest] = True
+    wrong = actual.copy()
+    wrong[row, columns] = gated_group_rms_norm(y, z, w, **attrs, compute_dtype=np.float64, flip_gated=flip)[
+        row, columns
+    ]
+    rejected(wrong, "a group whose h that is not tie-close was rounded the other way")
+    wrong[row, largest] = actual[row, largest]
+    rejected(wrong, "the group of that h, without the h itself")
+    # A tie-close element between its two roundings.
+    tie_row, tie_column = np.argwhere(close)[0]
+    between = actual.copy()
+    between[tie_row, tie_column] *= np.float32(
+        (rounded + other)[tie_row, tie_column] / 2 / rounded[tie_row, tie_column]
+    )
+    rejected(between, "a tie-close element between its two roundings")
+    # A float16 output: one element three ulps away (the hard limit is two).
+    half = one_node_model(
+        FLOAT, FLOAT, FLOAT, shape=[7, 8192], group_size=1024, gated_dtype=FLOAT16, output_dtype=FLOAT16
+    )
+    actual = run_op(half, y, z, w).astype(np.float16)
+    reference = reference_for_budget(y, z, w, **attrs, output_dtype=np.float16)
+    ok, message = budget_report(actual, **reference)
+    assert ok, message
+    column = group * 1024 + int(np.argmin(close[row, columns]))
+    bits = actual.view(np.uint16)
+    bits[row, column] += 3  # three float16 values further from zero
+    ok, message = budget_report(actual, **reference)
+    assert not ok, f"a float16 output three ulps off passed: {message}"
+
+
+def test_budget_accepts_every_consistent_evaluation() -> None:
+    """The other side: outputs of the reference with any choice of the tie-close h flipped (none, half of them
+    at random, all) pass, in float32 and float16."""
+    rng = np.random.default_rng(5)
+    y, z, w = tie_close_inputs(rng, (8, 768), 96, FLOAT, FLOAT, FLOAT, FLOAT16)
+    _, _, close = gated_values(y, z, np.float16)
+    for output_dtype in (np.float32, np.float16):
+        attrs = dict(epsilon=1e-5, group_size=96, gated_dtype=np.float16, output_dtype=output_dtype)
+        reference = reference_for_budget(y, z, w, **attrs)
+        for flip in (np.zeros(close.shape, bool), close & (rng.random(close.shape) < 0.5), close):
+            evaluation = gated_group_rms_norm(y, z, w, **attrs, compute_dtype=np.float64, flip_gated=flip)
+            ok, message = budget_report(evaluation, **reference)
+            assert ok, f"{flip.sum()} of {close.sum()} tie-close h flipped, {np.dtype(output_dtype)}: {message}"
 
 
 def test_default_norm_and_output_types_follow_y() -> None:
@@ -914,6 +1050,63 @@ def test_fp16_nodes_between_ops_without_fp16_cpu_kernels(level: str) -> None:
     np.testing.assert_allclose(
         got.astype(np.float32), want.astype(np.float32), rtol=2e-2, atol=2e-2 * np.abs(want).max()
     )
+
+
+def _rankless_model(output_dtype: int, z_shape: list[int | str] | None = None) -> onnx.ModelProto:
+    """float16 Y, Z (Y without a shape, Z with ``z_shape``) and W, the op's output through an Identity (or a
+    Cast to float for bfloat16) to a graph output whose type is not declared, and its Shape."""
+    out = "normed" if output_dtype != BFLOAT16 else "normed_bf16"
+    nodes = [
+        oh.make_node(
+            "GatedGroupRMSNorm",
+            ["y", "z", "w"],
+            [out],
+            domain="ai.mambafuse",
+            epsilon=1e-5,
+            group_size=8,
+            output_dtype=output_dtype,
+        ),
+        oh.make_node("Identity", [out], ["out"]) if out == "normed" else oh.make_node("Cast", [out], ["out"], to=FLOAT),
+        oh.make_node("Shape", [out], ["shape"]),
+    ]
+    graph = oh.make_graph(
+        nodes,
+        "rankless",
+        [
+            oh.make_tensor_value_info("y", FLOAT16, None),
+            oh.make_tensor_value_info("z", FLOAT16, z_shape),
+            oh.make_tensor_value_info("w", FLOAT16, [16]),
+        ],
+        [oh.make_empty_tensor_value_info("out"), oh.make_tensor_value_info("shape", onnx.TensorProto.INT64, None)],
+    )
+    return make_model(graph)
+
+
+@pytest.mark.parametrize("output_dtype", [FLOAT, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
+def test_output_type_without_a_known_rank_is_an_error_at_session_creation(output_dtype: int) -> None:
+    """Neither Y nor Z has a known rank: ONNX Runtime takes a custom op's output type only with a shape, so
+    the library cannot type the output, and ONNX Runtime types it as W's (float16). The session fails when
+    it is created, with a message that names the cause and the remedy (before: it failed at its first run,
+    "the output tensor has type float16 but output_dtype is ...")."""
+    with pytest.raises(Exception, match=r"neither Y nor Z has a known rank.*declare Y's or Z's shape"):  # noqa: PT011
+        contrib_ops.session(_rankless_model(output_dtype), use_library=True)
+
+
+@pytest.mark.parametrize("output_dtype", [FLOAT16, FLOAT, BFLOAT16], ids=lambda t: TYPE_NAMES[t])
+def test_output_type_follows_output_dtype_with_the_gate_rank_alone(output_dtype: int) -> None:
+    """Y without a shape, Z with one: the output gets output_dtype (a float output read back as float) and
+    Z's shape; with neither (and output_dtype W's type) the output is not declared a scalar (its Shape is
+    the tensor's, not []: a shape without dims would be folded as one)."""
+    rng = np.random.default_rng(13)
+    y, z, w = random_inputs(rng, (2, 3, 16), FLOAT16, FLOAT16, FLOAT16)
+    feeds = {"y": y, "z": z, "w": w}
+    expected = gated_group_rms_norm(y, z, w, epsilon=1e-5, group_size=8, output_dtype=SUPPORTED_TYPES[output_dtype])
+    for z_shape in (["b", 3, 16], None) if output_dtype == FLOAT16 else (["b", 3, 16],):
+        session = contrib_ops.session(_rankless_model(output_dtype, z_shape), use_library=True)
+        out, shape = session.run(None, feeds)
+        assert list(shape) == [2, 3, 16], f"Z's shape {z_shape}: Shape(output) = {shape}"
+        assert out.dtype == (np.float16 if output_dtype == FLOAT16 else np.float32)
+        np.testing.assert_array_equal(out.astype(np.float32), expected.astype(np.float32))
 
 
 def test_inferred_output_shape_takes_known_dims_from_the_gate() -> None:

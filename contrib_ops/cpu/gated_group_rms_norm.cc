@@ -270,7 +270,29 @@ Ort::Status ReadNode(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs) {
     return InvalidArgument("node '" + NodeName(info) + "': " +
                            status.GetErrorMessage().substr(sizeof("GatedGroupRMSNorm: ") - 1));
   }
-  return Ort::Status{};
+  return CheckOutputType(info, attrs, inputs);
+}
+
+Ort::Status CheckOutputType(const OrtKernelInfo* info, const GatedGroupRMSNormAttrs& attrs,
+                            const StaticInput (&inputs)[3]) {
+  const int64_t output_dtype = attrs.output_dtype != 0 ? attrs.output_dtype : inputs[0].elem_type;
+  OrtTypeInfo* raw = nullptr;
+  Ort::ThrowOnError(Ort::GetApi().KernelInfo_GetOutputTypeInfo(info, 0, &raw));
+  const Ort::TypeInfo type_info(raw);  // owned by us
+  if (output_dtype == 0 || type_info.GetONNXType() != ONNX_TYPE_TENSOR) return Ort::Status{};
+  const int64_t out_type = type_info.GetTensorTypeAndShapeInfo().GetElementType();
+  // Unknown, output_dtype, or float (values rounded to output_dtype, stored widened: docs/op.md) serve.
+  if (out_type == 0 || out_type == output_dtype || out_type == static_cast<int64_t>(ElemType::kFloat)) {
+    return Ort::Status{};
+  }
+  std::string message = "node '" + NodeName(info) + "': ONNX Runtime typed the output as " +
+                        ElemTypeName(out_type) + ", but output_dtype is " + ElemTypeName(output_dtype);
+  if (!inputs[0].has_shape && !inputs[1].has_shape) {
+    // See InferGatedGroupRMSNorm: without a rank the library cannot set the output's type.
+    message += ": neither Y nor Z has a known rank, and ONNX Runtime lets a custom op set its output's type only "
+               "with a shape; declare Y's or Z's shape (its rank at least) in the model";
+  }
+  return InvalidArgument(message);
 }
 
 void UseGatedGroupRMSNormInference(OrtCustomOp& op) {
@@ -411,10 +433,15 @@ OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context) {
       output_dtype = static_cast<int64_t>(ElemType::kFloat);
     }
 
+    // Rank unknown: nothing can be said. ONNX Runtime sets an output's element type only together with a
+    // shape (ShapeInferContext_SetOutputTypeShape), and a shape without dims is a scalar, which its
+    // constant folding then takes literally (Shape(output) folds to [], measured with 1.32). So the type
+    // is left to ONNX Runtime too (the last input's type, W's); where that is not the output's type,
+    // ReadNode fails the session with a message saying so.
+    if (!inputs[0].has_shape && !inputs[1].has_shape) return Ort::Status{};
     // Output: Y's shape, which is Z's (the op does not broadcast): per dim, a size either of them knows,
     // else a name either of them has. A dim neither knows gets a fresh name: ORT writes an unnamed
     // unknown dim as the value -1, which the ops downstream would then take literally.
-    if (!inputs[0].has_shape && !inputs[1].has_shape) return Ort::Status{};  // rank unknown: leave it to the graph
     const auto& y_shape = inputs[0].has_shape ? inputs[0].shape : inputs[1].shape;
     const bool z_matches = inputs[1].shape.size() == y_shape.size();
     std::vector<int64_t> dims(y_shape.size());

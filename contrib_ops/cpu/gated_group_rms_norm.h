@@ -104,15 +104,22 @@ Ort::Status CheckStaticSignature(const StaticInput (&inputs)[3], int64_t group_s
 // Reads the static input types and shapes of a node at kernel creation.
 Ort::Status ReadStaticInputs(const OrtKernelInfo* info, StaticInput (&inputs)[3]);
 
-// What every provider's kernel creation does: read the attributes and check the static signature, so a
-// bad graph fails when the session is created. The error names the node.
+// What every provider's kernel creation does: read the attributes and check the static signature and
+// the output's type, so a bad graph fails when the session is created. The error names the node.
 Ort::Status ReadNode(const OrtKernelInfo* info, GatedGroupRMSNormAttrs& attrs);
+
+// The output's element type in the graph against output_dtype (default Y's type): the same, float (the
+// widened storage of docs/op.md) or unknown serve; any other type is the error, saying why when neither Y
+// nor Z has a known rank (InferGatedGroupRMSNorm cannot type the output then).
+Ort::Status CheckOutputType(const OrtKernelInfo* info, const GatedGroupRMSNormAttrs& attrs,
+                            const StaticInput (&inputs)[3]);
 
 // Points an op's shape inference at InferGatedGroupRMSNorm (shared by the CPU and CUDA ops).
 void UseGatedGroupRMSNormInference(OrtCustomOp& op);
 
 // Type and shape inference for the op: output = Y's shape, element type = output_dtype (default Y's).
-// Leaves the output unset for inputs the op rejects (the kernel-creation check reports them).
+// Leaves the output unset for inputs the op rejects (the kernel-creation check reports them), and when
+// neither Y nor Z has a known rank (ONNX Runtime cannot take a type without a shape).
 OrtStatusPtr InferGatedGroupRMSNorm(OrtShapeInferContext* context);
 
 }  // namespace mambafuse

@@ -67,6 +67,7 @@ class GoldenCase:
     gated_type: int = FLOAT  # rounding point of h (attribute gated_dtype; FLOAT: none)
     epsilon: float = 1e-5
     edge_values: bool = False  # zeros, tiny, huge, NaN/Inf in chosen groups (see _edge_inputs)
+    ties: bool = False  # gated products at gated_type rounding ties (see tie_close_inputs)
     chunks: int = 1  # the item range is split into this many calls, on as many threads
     seed: int = 0
 
@@ -164,8 +165,36 @@ def gated_cases() -> list[GoldenCase]:
     return cases
 
 
+#: (y, z, w, norm, output) types of the tie cases: float32 outputs (where a tipped h shows most, also from
+#: half inputs, and with a bfloat16 norm_dtype), float32 inputs with a half output, and the exporters' forms.
+TIE_TYPE_MIXES: dict[str, tuple[int, int, int, int, int]] = {
+    "f32": (FLOAT,) * 5,
+    "f16-out-f32": (FLOAT16, FLOAT16, FLOAT16, FLOAT, FLOAT),
+    "f32-norm-bf16": (FLOAT, FLOAT, FLOAT, BFLOAT16, FLOAT),
+    "f32-out-f16": (FLOAT, FLOAT, FLOAT, FLOAT16, FLOAT16),
+    "B-f16": (FLOAT, FLOAT16, FLOAT, FLOAT, FLOAT16),
+    "B-bf16": (FLOAT, BFLOAT16, FLOAT, FLOAT, BFLOAT16),
+    "C-f16": (FLOAT16,) * 5,
+    "C-bf16": (BFLOAT16,) * 5,
+}
+
+
+def tie_cases() -> list[GoldenCase]:
+    """Gated products built to sit at rounding ties (tie_close_inputs), for both half gated_dtypes and every
+    mix of TIE_TYPE_MIXES: 8 rows of 8 groups of 96, and rows of 960-wide groups split over two calls."""
+    cases = [
+        GoldenCase(f"ties_{TYPE_NAMES[g]}_{mix}", (8, 768), 96, *types, gated_type=g, ties=True, seed=70 + i)
+        for i, (g, (mix, types)) in enumerate(itertools.product((FLOAT16, BFLOAT16), TIE_TYPE_MIXES.items()))
+    ]
+    cases += [
+        GoldenCase(f"ties_{TYPE_NAMES[g]}_f32_4x7680", (4, 7680), 960, gated_type=g, ties=True, chunks=2, seed=90)
+        for g in (FLOAT16, BFLOAT16)
+    ]
+    return cases
+
+
 def all_cases() -> list[GoldenCase]:
-    return type_combination_cases() + shape_cases() + special_cases() + gated_cases()
+    return type_combination_cases() + shape_cases() + special_cases() + gated_cases() + tie_cases()
 
 
 # --- data -------------------------------------------------------------------------------------------
@@ -173,16 +202,15 @@ def all_cases() -> list[GoldenCase]:
 
 @dataclasses.dataclass
 class GoldenData:
-    """A case's inputs and its float64-evaluated reference (``normed``: n at its rounding point;
-    ``alternative``: the reference with tie-close gated values rounded the other way, see budget_report)."""
+    """A case's inputs and its float64-evaluated reference (``bounds``: the intervals of the consistent
+    evaluations, see reference_for_budget)."""
 
     case: GoldenCase
     y: np.ndarray
     z: np.ndarray
     w: np.ndarray
     expected: np.ndarray
-    normed: np.ndarray
-    alternative: np.ndarray | None = None
+    bounds: tuple[np.ndarray, np.ndarray]
 
     @property
     def ulp_limit(self) -> int:
@@ -190,7 +218,7 @@ class GoldenData:
         out, norm = self.case.out_type, self.case.norm_type
         limit = 2 if out != FLOAT else 40  # rel 2e-6 is at most 34 float32 ulps
         for rounding in (norm, self.case.gated_type):
-            if _MANTISSA_BITS[rounding] < _MANTISSA_BITS[out]:
+            if _MANTISSA_BITS[rounding] <= _MANTISSA_BITS[out]:
                 # a tie-close n (or h) may round the other way: about |w| * ulp(norm, n), in output ulps
                 limit += 4 * 2 ** (_MANTISSA_BITS[out] - _MANTISSA_BITS[rounding])
         return limit
@@ -221,18 +249,93 @@ def _edge_inputs(case: GoldenCase, rng: np.random.Generator) -> tuple[np.ndarray
     return y, z
 
 
+#: Gates whose sigmoid is 1 to float32 (e^-z < 2^-25) but not to float64: there a float32 kernel computes
+#: y silu(z) as the exact product y z, while the exact h lies e^-z (< 2.1e-9) below it. Integers, so that
+#: every input type holds them; their odd parts (1 to 15) are what y = tie / z has to divide.
+TIE_GATES = np.arange(20.0, 31.0)
+
+
+def tie_close_inputs(
+    rng: np.random.Generator,
+    shape: Sequence[int],
+    group_size: int,
+    y_type: int,
+    z_type: int,
+    w_type: int,
+    gated_type: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (y, z, w), rounded to their types, whose gated products sit at ``gated_type`` rounding ties.
+
+    In every group a quarter of the elements (at least two), of both signs, get an exact product y silu(z)
+    within the tie window (GATED_TIE_WINDOW) of a tie; in the first group of each row every element does,
+    and in the second one such element (|h| ~ 16 to 64) dominates the group's sum of squares. The rest are
+    drawn as for the other cases (y ~ N(0, 1), z ~ N(0, 2)).
+
+    Two kinds of tie: with a gate in TIE_GATES and y = tie / z exactly, a float32 kernel's h is the tie itself
+    and rounds to the even neighbour, where the exact h (just below the tie) rounds toward zero: about half of
+    them tip, deterministically. Where y is float32, half of the ties instead get a gate of 0.5 to 4 in
+    magnitude and y = tie / silu(z) rounded to float32 (within 2^-24 of the tie), which the kernel's own
+    rounding error tips either way. The weight is 1 + N(0, 0.5).
+    """
+    ydt, zdt, wdt, gdt = (SUPPORTED_TYPES[t] for t in (y_type, z_type, w_type, gated_type))
+    y = rng.standard_normal(shape)
+    z = 2.0 * rng.standard_normal(shape)
+    w = (1.0 + 0.5 * rng.standard_normal(shape[-1])).astype(wdt)
+    groups = int(np.prod(shape, dtype=np.int64)) // group_size
+    per_row = shape[-1] // group_size
+    order = rng.random((groups, group_size)).argsort(axis=-1)
+    pick = order < max(2, group_size // 4)
+    scale = np.ones((groups, group_size))
+    rows_first = np.arange(0, groups, per_row)
+    pick[rows_first] = True
+    if per_row > 1:
+        pick[rows_first + 1, 0] = True
+        scale[rows_first + 1, 0] = 16.0
+    count = int(pick.sum())
+    # A tie above each of `tries` random gated_dtype values per target; the first one whose y = tie / z is a
+    # value of y's type for one of the gates.
+    tries = 64
+    magnitude = (np.exp2(rng.uniform(-2.0, 2.0, (count, tries))) * scale[pick][:, None]).astype(gdt)
+    upper = np.nextafter(magnitude, np.array(np.inf, gdt))
+    tie = (magnitude.astype(np.float64) + upper.astype(np.float64)) / 2
+    gates = TIE_GATES.astype(zdt).astype(np.float64)
+    quotient = tie[:, :, None] / gates
+    exact = (quotient.astype(ydt).astype(np.float64) == quotient) & (quotient * gates == tie[:, :, None])
+    flat = exact.reshape(count, -1)
+    assert flat.any(axis=1).all(), "no tie / gate quotient is a value of y's type"
+    first = flat.argmax(axis=1)
+    tie_y = quotient.reshape(count, -1)[np.arange(count), first]
+    tie_z = np.broadcast_to(gates, quotient.shape).reshape(count, -1)[np.arange(count), first]
+    if y_type == FLOAT:
+        # Near-ties that the kernel's rounding error decides, at ordinary gates.
+        near = rng.random(count) < 0.5
+        gate = (rng.uniform(0.5, 4.0, count) * np.where(rng.random(count) < 0.5, -1.0, 1.0)).astype(zdt)
+        gate64 = gate.astype(np.float64)
+        silu = gate64 / (1.0 + np.exp(-gate64))
+        tie_y = np.where(near, (tie[:, 0] / silu).astype(np.float32).astype(np.float64), tie_y)
+        tie_z = np.where(near, gate64, tie_z)
+    sign = np.where(rng.random(count) < 0.5, -1.0, 1.0)
+    y.reshape(groups, group_size)[pick] = sign * tie_y
+    z.reshape(groups, group_size)[pick] = tie_z
+    return y.astype(ydt), z.astype(zdt), w
+
+
 def make_data(case: GoldenCase) -> GoldenData:
     """Return the case's seeded inputs (rounded to their types) and the float64 reference."""
     rng = np.random.default_rng([case.seed, case.group_size, *case.shape])
-    if case.edge_values:
-        y, z = _edge_inputs(case, rng)
+    if case.ties:
+        types = (case.y_type, case.z_type, case.w_type, case.gated_type)
+        y, z, w = tie_close_inputs(rng, case.shape, case.group_size, *types)
     else:
-        y = rng.standard_normal(case.shape).astype(np.float32)
-        z = (2.0 * rng.standard_normal(case.shape)).astype(np.float32)
-    w = (1.0 + 0.5 * rng.standard_normal(case.channels)).astype(np.float32)
-    y = y.astype(SUPPORTED_TYPES[case.y_type])
-    z = z.astype(SUPPORTED_TYPES[case.z_type])
-    w = w.astype(SUPPORTED_TYPES[case.w_type])
+        if case.edge_values:
+            y, z = _edge_inputs(case, rng)
+        else:
+            y = rng.standard_normal(case.shape).astype(np.float32)
+            z = (2.0 * rng.standard_normal(case.shape)).astype(np.float32)
+        w = (1.0 + 0.5 * rng.standard_normal(case.channels)).astype(np.float32)
+        y = y.astype(SUPPORTED_TYPES[case.y_type])
+        z = z.astype(SUPPORTED_TYPES[case.z_type])
+        w = w.astype(SUPPORTED_TYPES[case.w_type])
     reference = reference_for_budget(
         y,
         z,
@@ -243,7 +346,7 @@ def make_data(case: GoldenCase) -> GoldenData:
         output_dtype=SUPPORTED_TYPES[case.out_type],
         gated_dtype=SUPPORTED_TYPES[case.gated_type],
     )
-    return GoldenData(case, y, z, w, reference["expected"], reference["normed"], reference["alternative"])
+    return GoldenData(case, y, z, w, reference["expected"], reference["bounds"])
 
 
 def write_cases(directory: Path, cases: Iterable[GoldenCase]) -> dict[str, GoldenData]:
@@ -302,7 +405,7 @@ def check_case(output_directory: Path, data: GoldenData, program_log: str = "") 
         stored = np.fromfile(output_directory / f"{data.case.name}.out", dtype="<f4").reshape(data.case.shape)
         if not np.array_equal(stored, actual.astype(np.float32), equal_nan=True):
             return False, "the widened float output holds values that are not rounded to output_dtype"
-    ok, message = budget_report(actual, data.expected, normed=data.normed, weight=data.w, alternative=data.alternative)
+    ok, message = budget_report(actual, data.expected, bounds=data.bounds)
     if ok and data.case.edge_values:
         finite_actual = np.isfinite(actual.astype(np.float32))
         finite_expected = np.isfinite(data.expected.astype(np.float32))
