@@ -153,7 +153,11 @@ template <int kHalf, typename F>
 MAMBAFUSE_INLINE F RoundTo(F f) {
   if constexpr (kHalf == kF16) {
 #if defined(MAMBAFUSE_HW_F16)
-    if constexpr (std::is_same_v<F, VF>) return FloatFromF16Hw(F16FromFloatHw(f));
+    if constexpr (std::is_same_v<F, VF>) {
+      return FloatFromF16Hw(F16FromFloatHw(f));
+    } else {
+      return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
 #endif
     return FromBits<F>(RoundF16Bits(f));
   } else if constexpr (kHalf == kBF16) {
@@ -202,6 +206,9 @@ MAMBAFUSE_INLINE float LoadScalar(const void* p, int64_t i) {
   } else {
     uint16_t h;
     std::memcpy(&h, static_cast<const char*>(p) + 2 * i, 2);
+#if defined(MAMBAFUSE_HW_F16)
+    if constexpr (kHalf == kF16) return _cvtsh_ss(h);
+#endif
     const uint32_t wide = h;
     return FromBits<float>(kHalf == kBF16 ? wide << 16 : F16BitsToFloatBits(wide));
   }
@@ -212,6 +219,13 @@ MAMBAFUSE_INLINE void StoreScalar(void* p, int64_t i, float f) {
   if constexpr (kHalf == kNone) {
     std::memcpy(static_cast<char*>(p) + 4 * i, &f, 4);
   } else {
+#if defined(MAMBAFUSE_HW_F16)
+    if constexpr (kHalf == kF16) {
+      const uint16_t hw = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      std::memcpy(static_cast<char*>(p) + 2 * i, &hw, 2);
+      return;
+    }
+#endif
     const uint16_t h = kHalf == kBF16 ? static_cast<uint16_t>(RoundBF16Bits(f) >> 16) : [&] {
       // float32 bits of a float16 value -> float16 bits (exact: the value is representable).
       const uint32_t b = RoundF16Bits(f);
