@@ -268,6 +268,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         prog=prog,
         description="Fuse the gated group-RMSNorm chains of an onnxruntime-genai model folder into a new folder "
         "that genai runs with mambafuse's kernels.",
+        epilog="Exit status: 0 the folder was written; 2 an error (one line; no output folder); 130/143 "
+        "interrupted (no output folder). MAMBAFUSE_PROGRESS=0 never draws the progress line on stderr, =1 "
+        "always does (default: on a terminal).",
     )
     parser.add_argument(
         "input", type=Path, help="genai model folder (genai_config.json, model.onnx, ...); never modified"

@@ -78,6 +78,13 @@ def _edited_original(source: Path, dest: Path) -> Path:
     return dest
 
 
+def _without_library(fused: Path, dest: Path) -> Path:
+    """Write ``dest`` from a fused folder with ``--no-library`` (genai's ORT then inlines the function)."""
+    status, _, err = _fuse(fused, dest, "--no-library")
+    assert status == 0, err
+    return dest
+
+
 def fusion_genai_library_name() -> str:
     import contrib_ops
 
