@@ -591,3 +591,57 @@ def test_a_number_beside_an_unproven_dim_broadcasts_to_the_number() -> None:
         assert session.run(None, {"x": np.ones((1, k, 8), np.float32)})[0].shape == (1, 3, 8)
     with pytest.raises(Exception, match="(?i)broadcast|shape"):
         session.run(None, {"x": np.ones((1, 2, 8), np.float32)})
+
+
+# --- an element no expression follows (issue 25: whole-model dynamo prefill traced at a multiple) -------
+
+
+def _padded_count_nodes(source: str, out: str) -> list[onnx.NodeProto]:
+    """out = (32 * ceil(s / 8)) // s from s = Shape(x)[1], torch's group count of a padded scan: a scalar."""
+    return [
+        helper.make_node("Shape", ["x"], ["s1"], start=1, end=2),
+        helper.make_node("Squeeze", ["s1"], ["s"]),
+        helper.make_node("Mod", ["s", "c8"], ["r"]),
+        helper.make_node("Sub", ["c8", "r"], ["pad0"]),
+        helper.make_node("Mod", ["pad0", "c8"], ["pad"]),
+        helper.make_node("Add", ["s", "pad"], ["padded"]),
+        helper.make_node("Div", ["padded", "c8"], ["chunks"]),
+        helper.make_node("Mul", ["chunks", "c32"], ["total"]),
+        helper.make_node("Div", ["total", source], [out]),
+    ]
+
+
+def test_an_element_no_expression_follows_keeps_the_targets_length() -> None:
+    """Reshape(x, [1, s, (32 * ceil(s / 8)) // s, 2]) on x [1, s, 8]: the third dim is unknown, the others are
+    the target's, and the element (a scalar the forward inference proves to be []) keeps the length."""
+    nodes = [
+        *_padded_count_nodes("s", "count"),
+        helper.make_node("Reshape", ["count", "flat"], ["count_1d"]),
+        helper.make_node("Concat", ["one", "s1", "count_1d", "two"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    inits = [_int("c8", 8), _int("c32", 32), _int("flat", [-1]), _int("one", [1]), _int("two", [2])]
+    model = _model(nodes, [_x("x", 1, "seq", 8)], "y", inits)
+    assert _proven(model, "y") == [1, "seq", None, 2]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in (8, 16):  # a multiple of 8: the element is 4, and the Reshape runs
+        assert session.run(None, {"x": np.zeros((1, seq, 8), np.float32)})[0].shape == (1, seq, 4, 2)
+    with pytest.raises(Exception, match="(?i)reshape"):  # elsewhere it is not 4: the node fails
+        session.run(None, {"x": np.zeros((1, 5, 8), np.float32)})
+
+
+def test_an_element_of_unproven_size_is_not_one_element() -> None:
+    """The same element from an Unsqueeze of x's whole shape (three elements once broadcast): Reshape(·, [-1])
+    is then three elements, and the target's length is not proven."""
+    nodes = [
+        *_padded_count_nodes("s", "count"),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Unsqueeze", ["shape", "axis0"], ["shape_2d"]),
+        helper.make_node("Add", ["count", "shape_2d"], ["wide"]),
+        helper.make_node("Reshape", ["wide", "flat"], ["wide_1d"]),
+        helper.make_node("Concat", ["one", "wide_1d"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    inits = [_int("c8", 8), _int("c32", 32), _int("flat", [-1]), _int("one", [1]), _int("axis0", [0])]
+    model = _model(nodes, [_x("x", 1, "seq", 8)], "y", inits)
+    assert _proven(model, "y") is None

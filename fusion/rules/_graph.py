@@ -202,7 +202,7 @@ def resolve_shape_tensor(
             scalar = resolve_scalar(inputs[0], aliases, depth + 1)
             if scalar is not _UNRESOLVED:
                 return [scalar]
-            one = int(target.reshape(-1)[0]) == 1 or _one_element(inputs[0], aliases, depth + 1)
+            one = int(target.reshape(-1)[0]) == 1 or _proven_one_element(inputs[0], aliases)
             return [None] if one else None
     if op == "Cast" and producer.attributes.get_int("to", 0) == ir.DataType.BOOL:
         source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
@@ -247,19 +247,32 @@ def resolve_shape_tensor(
     return None
 
 
-def _one_element(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int) -> bool:
-    """Whether a value is proven to hold exactly one element (a scalar or a tensor of shape [1]).
-
-    Proven: a constant of one element, a shape tensor of length 1, or a produced value whose dims
-    ``aliases`` proves (``ProvenAliases``: from the graph's inputs on, never a declared shape) to be all 1.
-    """
+def _proven_one_element(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]]) -> bool | None:
+    """Whether a value holds exactly one element by its constant data or by the dims ``aliases`` proves for it
+    (``ProvenAliases``: from the graph's inputs on, never a declared shape): True when every dim is 1, False
+    when one is a number other than 1, None when neither says."""
     array = constant_array(value)
     if array is not None:
         return array.size == 1
-    if value is not None and value.producer() is not None and value in aliases:
-        proven = aliases[value]
-        if proven is not None and all(isinstance(d, int) and d == 1 for d in proven):
-            return True
+    if value is None or value.producer() is None or value not in aliases:
+        return None
+    proven = aliases[value]
+    if proven is None:
+        return None
+    if any(isinstance(d, int) and d != 1 for d in proven):
+        return False
+    return True if all(d == 1 for d in proven) else None
+
+
+def _one_element(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int) -> bool:
+    """Whether a value is proven to hold exactly one element (a scalar or a tensor of shape [1]).
+
+    Proven dims decide (a constant, or ``_proven_one_element``); else a shape tensor of length 1 (where it
+    is a valid 1-D shape: an Unsqueeze of a non-scalar is not one, and its proven dims say so).
+    """
+    proven = _proven_one_element(value, aliases)
+    if proven is not None:
+        return proven
     shape = resolve_shape_tensor(value, aliases, depth)
     return shape is not None and len(shape) == 1
 
