@@ -7,9 +7,20 @@ replay, and bad inputs.
 Needs onnxruntime with the CUDA execution provider, a GPU, and the library built with -DMAMBAFUSE_CUDA=ON
 (point $MAMBAFUSE_LIBRARY at it). Every session forbids CPU fallback, so a library without the CUDA kernels
 fails instead of silently running the CPU ones.
+
+Without a GPU, test_emulated_kernels_within_budget still checks the kernels' logic (indexing, lane mapping,
+shuffles, launch choices) against the same budgets, on the host emulation of contrib_ops/cuda/tools/
+(emulate_decode.sh: g++ and the CUDA headers, no GPU).
 """
 
 from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -21,12 +32,19 @@ from fusion.reference.causal_conv1d_update import causal_conv1d_update
 from fusion.reference.selective_state_update import budget_report as ssu_budget_report
 from fusion.reference.selective_state_update import selective_state_update
 from tests._cuda import CUDA, cuda_problem, with_supported_ir
+from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
 
 ort = pytest.importorskip("onnxruntime")
-if (_problem := cuda_problem(ort)) is not None:
-    pytest.skip(_problem, allow_module_level=True)
+_problem = cuda_problem(ort)
+REPO = Path(__file__).resolve().parent.parent
 
-from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model  # noqa: E402  (after the skip)
+
+@pytest.fixture(autouse=True)
+def _needs_gpu(request: pytest.FixtureRequest) -> None:
+    """Every test but the host emulation's needs the CUDA EP."""
+    if _problem is not None and not request.node.name.startswith("test_emulated"):
+        pytest.skip(_problem)
+
 
 SSU = "SelectiveStateUpdate"
 CONV = "CausalConv1dUpdate"
@@ -330,3 +348,96 @@ def test_conv_bad_inputs_name_the_input() -> None:
     inputs = conv_inputs(rng, t=FLOAT, state_len=2, width=4)  # S < K - 1
     with pytest.raises(Exception, match="K - 1"):
         run_cuda(CONV, [(n, inputs[n]) for n in CONV_NAMES], [("y", FLOAT), ("present_state", FLOAT)])
+
+
+# --- the kernels' logic without a GPU: the host emulation --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda_fp16.h"
+    if shutil.which(os.environ.get("CXX", "g++")) is None or not include.is_file():
+        pytest.skip("the host emulation needs g++ (C++20) and the CUDA headers ($CUDA_HOME/include)")
+    out = tmp_path_factory.mktemp("emulated")
+    script = REPO / "contrib_ops" / "cuda" / "tools" / "emulate_decode.sh"
+    result = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, f"emulate_decode.sh failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    lib = ctypes.CDLL(str(out / "libmambafuse_decode_emulated.so"))
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.mambafuse_ssu_launch.argtypes = [p] * 10 + [i, i, i] + [i64] * 5 + [i, p]
+    lib.mambafuse_conv_update_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, p]
+    return lib
+
+
+ONNX_TYPE = {FLOAT: 1, FLOAT16: 10, BFLOAT16: 16}
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both kernels, emulated on the host, within the references' budgets: every (T, S) pair on both state-update
+    paths and rows 1/2/4 (odd P, G between 1 and H, N = 24 vector / 33 scalar / 256 two chunks a lane), and
+    the conv with K = 4 (unrolled) and K = 3, S = K - 1 and K, L = 1 and 3. Outputs start as NaN."""
+    rng = np.random.default_rng(11)
+    names = SSU_NAMES
+    cases = 0
+    for (t, s), (path, rows, shape) in itertools.product(
+        TYPE_COMBOS,
+        [(None, "4", (2, 6, 5, 24, 3)), ("scalar", "2", (1, 4, 3, 33, 1)), (None, "1", (1, 4, 3, 256, 4))],
+    ):
+        monkeypatch.setenv("MAMBAFUSE_SSU_ROWS", rows)
+        if path:
+            monkeypatch.setenv("MAMBAFUSE_SSU_PATH", path)
+        else:
+            monkeypatch.delenv("MAMBAFUSE_SSU_PATH", raising=False)
+        batch, heads, head_dim, state_size, groups = shape
+        inputs = ssu_inputs(
+            rng, t=t, s=s, batch=batch, heads=heads, head_dim=head_dim, state_size=state_size, groups=groups, d_type=t
+        )
+        out = np.full(inputs["x"].shape, np.nan, t)
+        present = np.full(inputs["state"].shape, np.nan, s)
+        rc = emulated.mambafuse_ssu_launch(
+            *(_ptr(inputs[n]) for n in names),
+            _ptr(out),
+            _ptr(present),
+            ONNX_TYPE[t],
+            ONNX_TYPE[s],
+            ONNX_TYPE[t],
+            batch,
+            heads,
+            head_dim,
+            state_size,
+            groups,
+            1,
+            None,
+        )
+        assert rc == 0
+        ok, msg = ssu_budget_report(out, present, *(inputs[n] for n in names))
+        assert ok, f"T={DTYPE_IDS[t]} S={DTYPE_IDS[s]} {path} rows={rows} {shape}: {msg}"
+        cases += 1
+    for t, (batch, channels, length, state_len, width) in itertools.product(
+        DTYPES, [(2, 37, 1, 3, 4), (1, 20, 3, 4, 4), (2, 9, 1, 3, 3)]
+    ):
+        inputs = conv_inputs(rng, t=t, batch=batch, channels=channels, length=length, state_len=state_len, width=width)
+        y = np.full(inputs["x"].shape, np.nan, t)
+        present = np.full(inputs["conv_state"].shape, np.nan, t)
+        rc = emulated.mambafuse_conv_update_launch(
+            *(_ptr(inputs[n]) for n in CONV_NAMES),
+            _ptr(y),
+            _ptr(present),
+            ONNX_TYPE[t],
+            batch,
+            channels,
+            length,
+            state_len,
+            width,
+            1,
+            None,
+        )
+        assert rc == 0
+        ok, msg = conv_budget_report(y, present, *(inputs[n] for n in CONV_NAMES))
+        assert ok, f"conv T={DTYPE_IDS[t]} {(batch, channels, length, state_len, width)}: {msg}"
+        cases += 1
+    assert cases == len(TYPE_COMBOS) * 3 + 9
