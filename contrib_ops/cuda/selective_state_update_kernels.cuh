@@ -15,6 +15,16 @@
 // exactly as the exported graph rounds them. Only the readout's order of summation differs from a
 // sequential sum (float32 accumulation, one rounding to T at the end).
 //
+// Block shape (ChooseSelectiveStateUpdateLaunch): a decode step moves so few bytes (8 MB at Nemotron-H-8B,
+// batch 1) that the kernel is one wave whose time is the memory latency of its loads plus their transfer, so
+// every SM must have work and every load must be issued up front. Nemotron-H-8B, f32 state, batch 1: 32 lanes
+// a row (128 floats = 32 x 16 bytes), 4 rows a lane, 16 rows a block, 4 blocks a head: 512 blocks of 4 warps,
+// 3.9 a SM on 132 SMs (15.5 warps a SM, 16 state loads of 16 bytes in flight per lane); P-blocks of 16 rows
+// rather than whole heads, because 128 heads alone would leave 4 SMs idle and put 32 KB of state behind each
+// block. Half state: 16 lanes a row, two rows a warp; rows a lane drop to 2 (1) while 4 (2) would give fewer
+// than two blocks per SM. Batch 8: 4096 blocks, 2 waves at 16 blocks a SM. MAMBAFUSE_SSU_ROWS overrides
+// rows a lane (the benchmark sweeps it).
+//
 // The scalar path (any N, any alignment): one element per lane, lanes striding N, the same math.
 #pragma once
 
