@@ -20,6 +20,8 @@ USAGE = f"""usage: {PACKAGE} [--version] [-h] COMMAND [ARGS...]
 Fuse the gated group-RMSNorm of Mamba-2 models into ai.mambafuse::GatedGroupRMSNorm.
 
 commands:
+  optimize  the whole model: onnxscript's ORT fusions, then every mambafuse fusion (python -m fusion.optimize):
+            {PACKAGE} optimize model.onnx [OUT.onnx] [--verify] ...
   rewrite   fuse a model's chains (python -m fusion.rewrite): {PACKAGE} rewrite model.onnx [--verify] ...
   report    dispatches and latency before vs after (python -m fusion.report): {PACKAGE} report before.onnx after.onnx
   genai     fuse an onnxruntime-genai model folder (python -m fusion.genai): {PACKAGE} genai IN_DIR OUT_DIR
@@ -58,6 +60,12 @@ def _report(argv: Sequence[str]) -> int:
     return report.main(list(argv), prog=f"{PACKAGE} report")
 
 
+def _optimize(argv: Sequence[str]) -> int:
+    from fusion import optimize
+
+    return optimize.main(list(argv), prog=f"{PACKAGE} optimize")
+
+
 def _genai(argv: Sequence[str]) -> int:
     from fusion import genai
 
@@ -71,6 +79,7 @@ def _olive(argv: Sequence[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "optimize": _optimize,
     "rewrite": _rewrite,
     "report": _report,
     "genai": _genai,

@@ -26,12 +26,14 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import onnx
 import onnx_ir as ir
 
+from fusion import rewrite
 from fusion.model_io import first_line
 from fusion.rewrite import Report, rewrite_model
 
@@ -67,6 +69,15 @@ class OptimizeReport:
 
     passes: list[PassResult] = dataclasses.field(default_factory=list)
     rewrite: Report = dataclasses.field(default_factory=Report)
+
+    @property
+    def verification(self) -> dict[str, Any] | None:
+        """``--verify``'s result (kept on the rewrite Report, whose summary prints it)."""
+        return self.rewrite.verification
+
+    @verification.setter
+    def verification(self, value: dict[str, Any] | None) -> None:
+        self.rewrite.verification = value
 
     @property
     def nodes_before(self) -> int:
@@ -286,13 +297,15 @@ def model_problem(model: ir.Model) -> str | None:
     return None
 
 
-def optimize_model(model: ModelT, *, ort_fusions: bool = True, function: bool = True) -> tuple[ModelT, OptimizeReport]:
+def optimize_model(
+    model: ModelT, *, ort_fusions: bool = True, function: bool = True, assume_equal_widths: bool = False
+) -> tuple[ModelT, OptimizeReport]:
     """Return ``model`` optimized for ONNX Runtime, and an OptimizeReport.
 
-    Passes, in order: onnxscript's ``optimize_for_ort`` (skipped with ``ort_fusions=False``, or with its reason
-    when it fails on the model), then every mambafuse fusion (``rewrite_model``). A ModelProto is left untouched
-    (a new one is returned); an ``ir.Model`` is optimized in place and returned. With ``function``, fused nodes
-    carry their model-local functions, so the result runs on stock ONNX Runtime.
+    Passes, in order: onnxscript's ORT fusions (``optimize_for_ort``'s, one at a time, each undone with its
+    reason when it leaves a graph ONNX Runtime would refuse; skipped with ``ort_fusions=False``), then every
+    mambafuse fusion (``rewrite_model``, with ``function`` and ``assume_equal_widths`` as there). A ModelProto is
+    left untouched (a new one is returned); an ``ir.Model`` is optimized in place and returned.
     """
     if not isinstance(model, (onnx.ModelProto, ir.Model)):
         raise TypeError(f"optimize_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
@@ -301,7 +314,9 @@ def optimize_model(model: ModelT, *, ort_fusions: bool = True, function: bool = 
         # nodes of the caller's ModelProto removed): work on a copy, so the caller's model stays as it was.
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
-        ir_model, report = optimize_model(ir.from_proto(copy), ort_fusions=ort_fusions, function=function)
+        ir_model, report = optimize_model(
+            ir.from_proto(copy), ort_fusions=ort_fusions, function=function, assume_equal_widths=assume_equal_widths
+        )
         return ir.to_proto(ir_model), report
     report = OptimizeReport()
     if ort_fusions:
@@ -311,9 +326,47 @@ def optimize_model(model: ModelT, *, ort_fusions: bool = True, function: bool = 
         result = PassResult("onnxscript ORT fusions", nodes_before=count, nodes_after=count, skipped="--no-ort-fusions")
     report.passes.append(result)
     before = _node_count(model)
-    model, report.rewrite = rewrite_model(model, function=function)
+    model, report.rewrite = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
     fused = {"GatedGroupRMSNorm": report.rewrite.fused}
     fused.update({op_type: op["fused"] for op_type, op in report.rewrite.decode.items()})
     fused = {op_type: count for op_type, count in fused.items() if count}
     report.passes.append(PassResult("mambafuse", fused=fused, nodes_before=before, nodes_after=_node_count(model)))
     return model, report
+
+
+# --- command line -----------------------------------------------------------------------------------
+
+
+def _add_arguments(parser) -> None:
+    parser.add_argument(
+        "--no-ort-fusions", action="store_true", help="skip onnxscript's ORT fusions: only mambafuse's fusions run"
+    )
+
+
+def _transform(model: ir.Model, args) -> tuple[ir.Model, OptimizeReport]:
+    return optimize_model(
+        model,
+        ort_fusions=not args.no_ort_fusions,
+        function=not args.no_function,
+        assume_equal_widths=args.assume_equal_widths,
+    )
+
+
+OPTIMIZE = rewrite.Command(
+    name="optimize",
+    description="Optimize a Mamba-2-family model for ONNX Runtime: onnxscript's ORT fusions (RMSNorm, "
+    "residual + RMSNorm, rotary embedding, attention where its rules match), each checked and undone if it "
+    "breaks the graph, then every mambafuse fusion (gated group-RMSNorm, conv and state updates).",
+    suffix="optimized",
+    transform=_transform,
+    add_arguments=_add_arguments,
+)
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.optimize") -> int:
+    """Run the command line (``mambafuse optimize``); exit statuses as ``mambafuse rewrite``'s."""
+    return rewrite.main(argv, prog=prog, command=OPTIMIZE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

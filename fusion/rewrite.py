@@ -327,6 +327,34 @@ def _fuse_decode_steps(model: ir.Model, opset: int, report: Report) -> None:
 # --- command line -----------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """One command line built on this module's: its name, what it does to the model, and its output's suffix.
+
+    ``transform(model, args)`` returns the model and a report with ``summary()``, ``to_dict()`` and a settable
+    ``verification`` (``rewrite`` and ``fusion.optimize``'s ``optimize``).
+    """
+
+    name: str
+    description: str
+    suffix: str
+    transform: Any
+    add_arguments: Any = None
+
+
+def _rewrite_transform(model: ir.Model, args: argparse.Namespace) -> tuple[ir.Model, Report]:
+    return rewrite_model(model, function=not args.no_function, assume_equal_widths=args.assume_equal_widths)
+
+
+REWRITE = Command(
+    name="rewrite",
+    description="Fuse the Mamba-2 chains of a model (gated group-RMSNorm, conv and state updates) into "
+    "ai.mambafuse ops.",
+    suffix="fused",
+    transform=_rewrite_transform,
+)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         # One line, no usage block: bad arguments are reported like every other error.
@@ -351,15 +379,20 @@ environment:
 """
 
 
-def _parser(prog: str = "python -m fusion.rewrite") -> argparse.ArgumentParser:
+def _parser(prog: str = "python -m fusion.rewrite", command: Command = REWRITE) -> argparse.ArgumentParser:
     parser = _Parser(
         prog=prog,
-        description="Fuse the gated group-RMSNorm chains of a Mamba-2 model into ai.mambafuse::GatedGroupRMSNorm.",
+        description=command.description,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("input", type=Path, help="the ONNX model to rewrite (never modified)")
-    parser.add_argument("-o", "--output", type=Path, help="where to write (default: IN.fused.onnx beside IN)")
+    parser.add_argument("input", type=Path, help="the ONNX model (never modified)")
+    parser.add_argument(
+        "output_path", type=Path, nargs="?", metavar="OUT", help=f"where to write (default: IN.{command.suffix}.onnx)"
+    )
+    parser.add_argument("-o", "--output", type=Path, help="where to write (the same as OUT)")
+    if command.add_arguments is not None:
+        command.add_arguments(parser)
     parser.add_argument("--no-function", action="store_true", help="omit the model-local function")
     parser.add_argument(
         "--assume-equal-widths",
@@ -441,22 +474,24 @@ def _run_report(args: argparse.Namespace, original: Path, fused: Path) -> None:
         raise RewriteError(f"report: {error}") from None
 
 
-def default_output(input_path: Path) -> Path:
-    """Return IN.fused.onnx beside IN (``model.onnx`` -> ``model.fused.onnx``)."""
+def default_output(input_path: Path, suffix: str = "fused") -> Path:
+    """Return IN.<suffix>.onnx beside IN (``model.onnx`` -> ``model.fused.onnx``)."""
     stem = input_path.name[: -len(".onnx")] if input_path.name.endswith(".onnx") else input_path.name
-    return input_path.with_name(f"{stem}.fused.onnx")
+    return input_path.with_name(f"{stem}.{suffix}.onnx")
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.rewrite") -> int:
+def main(
+    argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.rewrite", command: Command = REWRITE
+) -> int:
     """Run the command line; return the exit status (0 ok, 1 verification failed, 2 error, 130/143 signal,
     141 stdout closed by its reader).
 
     ``prog`` is how errors name the command (``mambafuse rewrite`` from the console command).
     """
-    args = _parser(prog).parse_args(argv)
+    args = _parser(prog, command).parse_args(argv)
     try:
         with interruptible():
-            return _run(args)
+            return _run(args, command)
     except BrokenPipeError:  # `mambafuse rewrite … | head`: the reader left; the output is complete
         return stdout_closed()
     except Interrupted as interrupted:
@@ -466,14 +501,16 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.rew
         return _report_error(prog, error, args.debug)
 
 
-def _run(args: argparse.Namespace) -> int:
-    output = args.output if args.output is not None else default_output(args.input)
+def _run(args: argparse.Namespace, command: Command = REWRITE) -> int:
+    if args.output is not None and args.output_path is not None and args.output != args.output_path:
+        raise RewriteError(f"two outputs given ({args.output_path} and -o {args.output}): name one")
+    output = args.output or args.output_path or default_output(args.input, command.suffix)
     if not output.parent.is_dir():
         raise RewriteError(f"{output.parent}: output directory does not exist")
     if output.is_dir():
         raise RewriteError(f"{output}: is a directory; -o names the output file")
     # One status line on a terminal (nothing in a log) while loading, fusing, writing and verifying.
-    with progress("mambafuse rewrite") as bar:
+    with progress(f"mambafuse {command.name}") as bar:
         bar.step("loading and checking the model")
         model = load(args.input)
         check_output(args.input, model, output)
@@ -485,10 +522,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.verify:
             bar.step("verifying: running the original model")
             original_run = run_original(args.input, dims, inputs)
-        bar.step("fusing")
-        fused_model, report = rewrite_model(
-            model, function=not args.no_function, assume_equal_widths=args.assume_equal_widths
-        )
+        bar.step("fusing" if command is REWRITE else f"{command.name}: running its passes")
+        fused_model, report = command.transform(model, args)
         written = [output]
         if writes_own_data(fused_model, output):
             written.append(output.parent / data_file_name(output))
@@ -512,7 +547,7 @@ def _run(args: argparse.Namespace) -> int:
         print(report.summary())
         print(last_line)
     if args.debug:
-        print(_debug_text(report), file=sys.stderr)
+        print(_debug_text(getattr(report, "rewrite", report)), file=sys.stderr)
     if not kept:
         return 1
     sys.stdout.flush()

@@ -8,8 +8,13 @@ tokens. The counts each pass reports are checked against the graph itself.
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
 from collections import Counter
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -147,3 +152,72 @@ def test_fp16_skip_norm_with_mixed_types_is_undone() -> None:
     optimized, report = _optimized("nemotron_h-dynamo-fp16-decode")
     assert any("SkipSimplifiedLayerNormalization" in reason for reason in report.passes[0].undone), report.summary()
     ort.InferenceSession(optimized.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+# --- the command line, as a user runs it --------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _mambafuse(*args: str) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).parent / "mambafuse"
+    return subprocess.run([str(script), *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_optimize_writes_a_verified_model(tmp_path: Path) -> None:
+    source = FIXTURE_DIR / FIXTURES["zamba2-dynamo-fp16-prefill"]["file"]
+    before = source.read_bytes()
+    output = tmp_path / "out.onnx"
+    result = _mambafuse("optimize", str(source), str(output), "--verify")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == f"wrote {output}" and "verify (mambafuse library): PASS" in result.stdout
+    assert any(line.startswith("  onnxscript ORT fusions: ") and "skip_rms_normalization 3" in line for line in lines)
+    assert any(line.startswith("  mambafuse: GatedGroupRMSNorm 3") for line in lines), result.stdout
+    optimized = onnx.load(output)
+    assert sum(node.op_type == "GatedGroupRMSNorm" for node in optimized.graph.node) == 3
+    assert sum(node.op_type == "SkipSimplifiedLayerNormalization" for node in optimized.graph.node) == 3
+    assert source.read_bytes() == before  # the input model is never modified
+
+
+def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
+    source = tmp_path / "model.onnx"
+    shutil.copy(FIXTURE_DIR / FIXTURES["nemotron_h-dynamo-fp16-decode"]["file"], source)
+    result = _mambafuse("optimize", str(source), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    output = tmp_path / "model.optimized.onnx"
+    assert data["output"] == str(output) and output.is_file()
+    ort_pass, mambafuse_pass = data["passes"]
+    assert any(reason.startswith("skip_rms_normalization") for reason in ort_pass["undone"])
+    assert mambafuse_pass["fused"]["GatedGroupRMSNorm"] == 2
+    assert data["nodes_after"] == len(onnx.load(output).graph.node)
+
+
+def test_cli_optimize_without_ort_fusions_is_the_rewrite(tmp_path: Path) -> None:
+    source = FIXTURE_DIR / FIXTURES["nemotron_h-dynamo-fp32-decode"]["file"]
+    result = _mambafuse("optimize", str(source), str(tmp_path / "a.onnx"), "--no-ort-fusions")
+    assert result.returncode == 0, result.stderr
+    assert "onnxscript ORT fusions: skipped (--no-ort-fusions)" in result.stdout
+    assert _mambafuse("rewrite", str(source), str(tmp_path / "b.onnx")).returncode == 0
+    a, b = onnx.load(tmp_path / "a.onnx"), onnx.load(tmp_path / "b.onnx")
+    assert [(n.op_type, list(n.input)) for n in a.graph.node] == [(n.op_type, list(n.input)) for n in b.graph.node]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{tmp}/missing.onnx"], "no such file"),
+        (["{fixture}", "{tmp}/a.onnx", "-o", "{tmp}/b.onnx"], "two outputs given"),
+        (["{fixture}", "{tmp}/no-dir/a.onnx"], "output directory does not exist"),
+        (["{fixture}", "--dim", "nosuchdim=3", "--verify"], "nosuchdim"),
+    ],
+)
+def test_cli_optimize_errors_are_one_line_and_write_nothing(tmp_path: Path, args: list[str], message: str) -> None:
+    fixture = FIXTURE_DIR / FIXTURES["zamba2-dynamo-fp32-prefill"]["file"]
+    argv = [arg.format(tmp=tmp_path, fixture=fixture) for arg in args]
+    result = _mambafuse("optimize", *argv)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("mambafuse optimize: error:") and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []

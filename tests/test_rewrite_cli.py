@@ -206,7 +206,7 @@ def test_missing_output_directory_is_one_line(tmp_path: Path, capsys: pytest.Cap
     assert "does not exist" in _error_line(capsys)
 
 
-@pytest.mark.parametrize("argv", [[], ["--frobnicate", "x.onnx"], ["a.onnx", "b.onnx"]])
+@pytest.mark.parametrize("argv", [[], ["--frobnicate", "x.onnx"], ["a.onnx", "b.onnx", "c.onnx"]])
 def test_bad_arguments_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
