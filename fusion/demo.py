@@ -1,4 +1,4 @@
-"""``make demo``: fuse the bundled tiny Nemotron-H decode model, verify it, and report before vs after.
+"""``make demo``: optimize the bundled tiny Nemotron-H decode model, verify it, and report before vs after.
 
     python -m fusion.demo [--model FIXTURE_STEM] [--runs 200] [--out build/demo]
 
@@ -6,7 +6,7 @@ The model is one of the committed exports in tests/fixtures/models (made by ``py
 from a random-weight transformers config; no download), fed with the decode-step inputs recorded next
 to it (a real cache, not made-up shapes). What runs is the product's own command line::
 
-    python -m fusion.rewrite MODEL --verify --inputs INPUTS.npz --report ...
+    mambafuse optimize MODEL OUT --verify --inputs INPUTS.npz --report ...
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fusion import rewrite
+from fusion import optimize
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "models"
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     inputs_file = args.out / f"{args.model}.inputs.npz"
     np.savez(inputs_file, **inputs)
 
-    fused = args.out / f"{args.model}.fused.onnx"
-    command = [str(model), "-o", str(fused), "--verify", "--inputs", str(inputs_file), "--report"]
+    fused = args.out / f"{args.model}.optimized.onnx"
+    command = [str(model), str(fused), "--verify", "--inputs", str(inputs_file), "--report"]
     command += ["--runs", str(args.runs), "--report-json", str(args.out / "report.json")]
     try:
         import matplotlib  # noqa: F401
@@ -55,16 +55,19 @@ def main(argv: list[str] | None = None) -> int:
         command += ["--report-plot", str(args.out / "report.png")]
     except ImportError:
         pass
-    print(f"mambafuse demo: {source.relative_to(REPO)} (bundled tiny export, random weights)")
-    print(
-        "$ python -m fusion.rewrite "
-        + " ".join(str(Path(c).relative_to(REPO)) if c.startswith("/") else c for c in command)
-    )
+    print(f"mambafuse demo: {_shown(source)} (bundled tiny export, random weights)")
+    print("$ mambafuse optimize " + " ".join(_shown(Path(c)) if c.startswith("/") else c for c in command))
     print(flush=True)
-    code = rewrite.main(command)
+    code = optimize.main(command, prog="mambafuse optimize")
     if code == 0:
-        print(f"\nresults in {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}/")
+        print(f"\nresults in {_shown(args.out)}/")
     return code
+
+
+def _shown(path: Path) -> str:
+    """Return ``path`` relative to the repository when it is inside it (shorter lines), else as it is."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 if __name__ == "__main__":

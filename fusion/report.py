@@ -67,8 +67,17 @@ def count_nodes(model: onnx.ModelProto) -> int:
 
 
 def count_fused(model: onnx.ModelProto) -> int:
-    """Return the number of ai.mambafuse::GatedGroupRMSNorm nodes in the main graph."""
-    return sum(1 for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE)
+    """Return the number of ai.mambafuse nodes (every fused op) in the main graph."""
+    return sum(fused_by_op(model).values())
+
+
+def fused_by_op(model: onnx.ModelProto) -> dict[str, int]:
+    """Return the main graph's ai.mambafuse nodes by op type (GatedGroupRMSNorm first, as the rewrite runs)."""
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        if node.domain == DOMAIN:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: (item[0] != OP_TYPE, item[0])))
 
 
 def _load(path_or_model: str | os.PathLike[str] | onnx.ModelProto, what: str) -> onnx.ModelProto:
@@ -129,6 +138,12 @@ class Report:
     runs: int
     dims: dict[str, int]
     environment: dict[str, Any]
+    #: The fused model's ai.mambafuse nodes by op type, less the original's.
+    fused_by_op: dict[str, int] = field(default_factory=dict)
+
+    def _fused_text(self) -> str:
+        by_op = ", ".join(f"{count} {op_type}" for op_type, count in self.fused_by_op.items() if count)
+        return f"{self.fused_nodes} ai.mambafuse nodes ({by_op or 'none'})"
 
     def to_json(self) -> dict[str, Any]:
         def side(nodes: int, results: dict[str, ProviderResult]) -> dict[str, Any]:
@@ -145,6 +160,7 @@ class Report:
             "before": side(self.before_nodes, self.before),
             "after": side(self.after_nodes, self.after),
             "fused_nodes": self.fused_nodes,
+            "fused_by_op": dict(self.fused_by_op),
             "chain_nodes": self.chain_nodes,
             "max_abs_error": self.max_abs_error,
             "max_abs_error_by_output": self.max_abs_error_by_output,
@@ -177,6 +193,14 @@ class Report:
             rows.append((f"[{short}]", "", "", "", ""))
             add("  nodes after ORT optimization", b.optimized_nodes, a.optimized_nodes, "")
             add("  kernel dispatches per Run", b.kernels_per_run, a.kernels_per_run, "")
+            # by op type, the ones whose count changed (most removed first): where the dispatches went
+            changed = {
+                op: (b.kernels_by_op.get(op, 0), a.kernels_by_op.get(op, 0))
+                for op in {*b.kernels_by_op, *a.kernels_by_op}
+                if b.kernels_by_op.get(op, 0) != a.kernels_by_op.get(op, 0)
+            }
+            for op, (before_count, after_count) in sorted(changed.items(), key=lambda kv: (kv[1][1] - kv[1][0], kv[0])):
+                add(f"    {op}", before_count, after_count, "")
             add("  provider partitions", b.partitions, a.partitions, "")
             add("  memcpy nodes", b.memcpy_nodes, a.memcpy_nodes, "")
             add("  latency median", b.latency_us["median"], a.latency_us["median"], " us", "{:.1f}")
@@ -193,8 +217,8 @@ class Report:
                 )
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [
-            f"fused {self.fused_nodes} gated-norm chains ({self.chain_nodes} nodes) into {self.fused_nodes} "
-            f"{OP_TYPE} nodes; max |after - before| over outputs = {self.max_abs_error:.3g}"
+            f"{self._fused_text()}; the fusions replaced {self.chain_nodes} nodes; "
+            f"max |after - before| over outputs = {self.max_abs_error:.3g}"
         ]
         for r in rows:
             cells = [f"{r[0]:<{widths[0]}}"] + [
@@ -403,7 +427,9 @@ def measure(
     feeds = make_inputs(protos["before"], provided=inputs, resolved=used_dims)
 
     before_nodes, after_nodes = count_nodes(protos["before"]), count_nodes(protos["after"])
-    fused = count_fused(protos["after"]) - count_fused(protos["before"])
+    before_ops, after_ops = fused_by_op(protos["before"]), fused_by_op(protos["after"])
+    fused_ops = {op_type: count - before_ops.get(op_type, 0) for op_type, count in after_ops.items()}
+    fused = sum(fused_ops.values())
     chain_nodes = before_nodes - after_nodes + fused if fused > 0 else 0
 
     results: dict[str, dict[str, ProviderResult]] = {"before": {}, "after": {}}
@@ -491,6 +517,7 @@ def measure(
         after_nodes=after_nodes,
         chain_nodes=chain_nodes,
         fused_nodes=fused,
+        fused_by_op=fused_ops,
         providers=list(providers),
         before=results["before"],
         after=results["after"],
@@ -529,7 +556,7 @@ def plot(report: Report, path: str | os.PathLike[str]) -> None:
             ax.annotate(f"{bv:.0f}" if bv >= 10 else f"{bv:.1f}", (xi - 0.2, bv), ha="center", va="bottom", fontsize=8)
             ax.annotate(f"{av:.0f}" if av >= 10 else f"{av:.1f}", (xi + 0.2, av), ha="center", va="bottom", fontsize=8)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{report.fused_nodes} gated-norm chains fused; max |error| {report.max_abs_error:.2g}", fontsize=10)
+    fig.suptitle(f"{report._fused_text()}; max |error| {report.max_abs_error:.2g}", fontsize=10)
     fig.tight_layout()
     tmp = Path(path).with_name(f".{Path(path).name}.tmp")
     fig.savefig(tmp, format="png", dpi=120)
