@@ -38,11 +38,11 @@ KNOWN_GAPS = {
 #: Through the functions the decode ops are bit-identical with the exported ops (the function bodies use
 #: them, in the same types and spellings): the fused model's outputs equal those of the model with only
 #: the gated norm fused, bit for bit. Against the original, the whole-model difference relative to the
-#: largest |output| (tests/test_models_fusion.py's budget, which the gated norm's function needs); with the
-#: library's kernels, which round the float32 state update their own way (measured up to 6.6e-3 of the
-#: scale of an fp16 present state: bamba / falcon_h1 / granite transformers fp16 exports), wider.
+#: largest |output| (tests/test_models_fusion.py's budget, which the gated norm's function needs), plus one
+#: step of the output's type at the bottom of its range: these tiny models' fp16 recurrent states are ~1e-5,
+#: near the subnormals, where the library's kernels round the float32 state update one step (6e-8) away
+#: from the graph in a few elements (bamba / granite transformers fp16 exports: 6.6e-3 of the state's scale).
 TOLERANCE = {"fp32": 1e-5, "fp16": 4e-3}
-LIBRARY_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2}
 
 
 @cache
@@ -113,12 +113,13 @@ def _compare(name: str, stem: str, library: bool) -> None:
     expected = _run(_original(name, stem), inputs)
     actual = _run(_fused(name, stem)[0], inputs, library)
     names = [o.name for o in _original(name, stem).graph.output]
-    tolerance = (LIBRARY_TOLERANCE if library else TOLERANCE)[record["dtype"]]
+    tolerance = TOLERANCE[record["dtype"]]
     for output, a, e in zip(names, actual, expected, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype, output
         scale = max(float(np.abs(e.astype(np.float64)).max()), 1e-30)
         error = float(np.abs(a.astype(np.float64) - e.astype(np.float64)).max()) / scale
-        assert error <= tolerance, f"{output}: max error {error:.3g} of the output's scale"
+        floor = float(np.finfo(a.dtype).smallest_subnormal) / scale
+        assert error <= tolerance + floor, f"{output}: max error {error:.3g} of the output's scale"
     if library:
         return
     for output, a, e in zip(names, actual, _run(_norm_only(name, stem), inputs), strict=True):
