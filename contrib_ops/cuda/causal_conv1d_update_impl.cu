@@ -4,9 +4,10 @@
 // window), writes the S columns of present_state from the window (conv_state is never shifted in place),
 // and computes the L outputs from the last K window columns each. At decode (L = 1, K = 4, S = 3 or 4) a
 // thread moves ~20 bytes; Nemotron-H-8B's 10240 channels are 80 blocks at batch 1 and the kernel is one
-// dependent load-compute-store chain, so the K = 4 kernel has its taps unrolled, every window load issued
-// before the first multiply. The taps are summed in k order as float32 multiplies and adds (no FMA), the
-// bias last, then one rounding to T, as the exported Conv; SiLU is Sigmoid then Mul, each rounded to T.
+// dependent load-compute-store chain, so the K = 4 kernel has its taps unrolled and, at L = 1, loads each
+// window column once, all before the first store (present_state's columns are among the taps' columns).
+// The taps are summed in k order as float32 multiplies and adds (no FMA), the bias last, then one rounding
+// to T, as the exported Conv; SiLU is Sigmoid then Mul, each rounded to T.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -88,10 +89,33 @@ __global__ void __launch_bounds__(kBlock) ConvUpdateKernel(const Params p) {
   const auto window = [&](int i) -> T { return i < s_len ? state[i] : x[i - s_len]; };
 
   T* present = static_cast<T*>(p.present) + row * s_len;
-  for (int j = 0; j < s_len; ++j) present[j] = window(length + j);
-
   const float bias = p.bias != nullptr ? Widen(static_cast<const T*>(p.bias)[channel]) : 0.f;
   T* y = static_cast<T*>(p.y) + row * length;
+  if constexpr (kK > 0) {
+    if (length == 1 && s_len <= kK) {
+      // Decode: the K taps' window columns S - K + 1 .. S hold every column of present_state (window[1 .. S],
+      // since S >= K - 1), so each column is loaded once, all before the first store or multiply.
+      T raw[kK];
+      float taps[kK];
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        raw[k] = window(s_len - kK + 1 + k);
+        taps[k] = Widen(w[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kK; ++k) {
+        const int j = k - (kK - s_len);  // present column j is window column 1 + j, tap k
+        if (j >= 0) present[j] = raw[k];
+      }
+      float acc = 0.f;
+#pragma unroll
+      for (int k = 0; k < kK; ++k) acc = __fadd_rn(acc, __fmul_rn(taps[k], Widen(raw[k])));
+      if (p.bias != nullptr) acc = __fadd_rn(acc, bias);
+      y[0] = Activate<T>(RoundTo<T>(acc), p.silu);
+      return;
+    }
+  }
+  for (int j = 0; j < s_len; ++j) present[j] = window(length + j);
   for (int t = 0; t < length; ++t) {
     const int first = s_len - k_size + 1 + t;
     float acc = 0.f;

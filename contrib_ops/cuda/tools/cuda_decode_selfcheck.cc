@@ -436,7 +436,8 @@ int main(int argc, char** argv) {
     int64_t batch, channels, length, state_len, kernel_size;
   };
   const ConvShape conv_shapes[] = {{1, 10240, 1, 3, 4}, {8, 300, 1, 4, 4}, {2, 129, 1, 3, 4}, {3, 70, 5, 3, 4},
-                                   {2, 64, 1, 2, 3},    {1, 33, 4, 5, 2},  {2, 17, 1, 7, 6},  {1, 5, 2, 0, 1}};
+                                   {2, 64, 1, 2, 3},    {1, 33, 4, 5, 2},  {2, 17, 1, 7, 6},  {1, 5, 2, 0, 1},
+                                   {2, 40, 1, 6, 4}};
   turn = 0;
   for (ElemType t : kTypes) {
     for (const ConvShape& sh : conv_shapes) {
