@@ -287,6 +287,21 @@ MAMBAFUSE_INLINE void StoreVector(void* p, int64_t i, VF v) {
   }
 }
 
+// Stores v rounded to kHalf and returns the stored value widened back (one conversion for both).
+template <int kHalf>
+MAMBAFUSE_INLINE VF StoreRounded(void* p, int64_t i, VF v) {
+#if defined(MAMBAFUSE_HW_F16)
+  if constexpr (kHalf == kF16) {
+    const VH h = F16FromFloatHw(v);
+    std::memcpy(static_cast<char*>(p) + 2 * i, &h, sizeof h);
+    return FloatFromF16Hw(h);
+  }
+#endif
+  const VF rounded = RoundTo<kHalf>(v);
+  StoreVector<kHalf>(p, i, rounded);
+  return rounded;
+}
+
 // The lanes' sum as a tree of halves (4 dependent adds for 16 lanes, where a lane-by-lane sum has 15: a
 // decode row of N = 64 is only 4 vectors).
 MAMBAFUSE_INLINE float SumLanes(VF v) {

@@ -53,8 +53,7 @@ void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t 
       int64_t n = 0;
       for (; n + kWidth <= n_state; n += kWidth) {
         const VF dbx = RoundTo<kT>(LoadVector<kNone>(dB, n) * xp);
-        const VF s = RoundTo<kS>(LoadVector<kS>(a.state, base + n) * dA_v + dbx);
-        StoreVector<kS>(a.present_state, base + n, s);
+        const VF s = StoreRounded<kS>(a.present_state, base + n, LoadVector<kS>(a.state, base + n) * dA_v + dbx);
         acc += (kS == kT ? s : RoundTo<kT>(s)) * LoadVector<kNone>(c, n);  // s is in T already if S is T
       }
       float tail = 0.f;
