@@ -379,7 +379,8 @@ def _ptr(a: np.ndarray | None) -> int | None:
 def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both kernels, emulated on the host, within the references' budgets: every (T, S) pair on both state-update
     paths and rows 1/2/4 (odd P, G between 1 and H, N = 24 vector / 33 scalar / 256 two chunks a lane), and
-    the conv with K = 4 (unrolled) and K = 3, S = K - 1 and K, L = 1 and 3. Outputs start as NaN."""
+    the conv with K = 4 (unrolled; S = K - 1 and K at L = 1, its decode path; L = 3) and K = 3. Outputs start as
+    NaN."""
     rng = np.random.default_rng(11)
     names = SSU_NAMES
     cases = 0
@@ -418,7 +419,7 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
         assert ok, f"T={DTYPE_IDS[t]} S={DTYPE_IDS[s]} {path} rows={rows} {shape}: {msg}"
         cases += 1
     for t, (batch, channels, length, state_len, width) in itertools.product(
-        DTYPES, [(2, 37, 1, 3, 4), (1, 20, 3, 4, 4), (2, 9, 1, 3, 3)]
+        DTYPES, [(2, 37, 1, 3, 4), (2, 21, 1, 4, 4), (1, 20, 3, 4, 4), (2, 9, 1, 3, 3)]
     ):
         inputs = conv_inputs(rng, t=t, batch=batch, channels=channels, length=length, state_len=state_len, width=width)
         y = np.full(inputs["x"].shape, np.nan, t)
@@ -440,4 +441,4 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
         ok, msg = conv_budget_report(y, present, *(inputs[n] for n in CONV_NAMES))
         assert ok, f"conv T={DTYPE_IDS[t]} {(batch, channels, length, state_len, width)}: {msg}"
         cases += 1
-    assert cases == len(TYPE_COMBOS) * 3 + 9
+    assert cases == len(TYPE_COMBOS) * 3 + 12
