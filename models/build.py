@@ -425,8 +425,14 @@ def sizes(family: str) -> tuple[str, ...]:
     return tuple(CONFIGS[family])
 
 
-def make_config(family: str, size: str = "tiny") -> Any:
-    """Return the transformers config object of ``CONFIGS[family][size]``."""
+def chunk_size_key(family: str) -> str:
+    """Return the name of the SSD chunk size in ``family``'s config (``chunk_size`` or ``mamba_chunk_size``)."""
+    kwargs = CONFIGS[family]["tiny"]
+    return "chunk_size" if "chunk_size" in kwargs else "mamba_chunk_size"
+
+
+def make_config(family: str, size: str = "tiny", chunk_size: int | None = None) -> Any:
+    """Return the transformers config object of ``CONFIGS[family][size]`` (with another SSD chunk size)."""
     import transformers
 
     if family not in CONFIGS:
@@ -434,6 +440,10 @@ def make_config(family: str, size: str = "tiny") -> Any:
     if size not in CONFIGS[family]:
         raise ValueError(f"unknown size {size!r} for {family}; choose one of {', '.join(sizes(family))}")
     kwargs = copy.deepcopy(CONFIGS[family][size])
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk size {chunk_size} is not positive")
+        kwargs[chunk_size_key(family)] = chunk_size
     config = getattr(transformers, FAMILY_SPECS[family].config_class)(**kwargs)
     # The pure-PyTorch path is the one exporters trace; eager attention keeps SDPA's
     # version-specific lowering out of the graph.
@@ -489,13 +499,18 @@ def perturb_mixer_weights(model: torch.nn.Module, generator: torch.Generator) ->
         mixer.dt_bias.copy_(0.5 * torch.randn(mixer.dt_bias.shape, generator=generator))
 
 
-def build_model(family: str, size: str = "tiny", dtype: str = "fp32", seed: int = 0) -> torch.nn.Module:
-    """Return a seeded random-weight causal LM of ``family`` in eval mode, cast to ``dtype``."""
+def build_model(
+    family: str, size: str = "tiny", dtype: str = "fp32", seed: int = 0, chunk_size: int | None = None
+) -> torch.nn.Module:
+    """Return a seeded random-weight causal LM of ``family`` in eval mode, cast to ``dtype``.
+
+    ``chunk_size`` replaces the config's SSD chunk size (the weights do not depend on it).
+    """
     import transformers
 
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    config = make_config(family, size)
+    config = make_config(family, size, chunk_size)
     model_class = getattr(transformers, FAMILY_SPECS[family].model_class)
     # Initialise in fp32 under a fixed seed, then cast: the same seed gives the same weights
     # (up to rounding) in every dtype, so fp16 and fp32 exports can be compared.

@@ -13,6 +13,11 @@ Exporters (``EXPORTERS``):
                     decode components captured from ``generate()``).
 - ``transformers-ort`` the same with ``OnnxConfig(ort_fusions="cpu")`` (form F).
 
+Options: ``chunk_size`` replaces the config's SSD chunk size and ``prompt_len`` the traced length (a prefill's
+ids, a decode cache's prompt). A dynamo prefill traced at a multiple of the chunk size runs only at multiples
+of it (the chunked scan's ``[:, :seq_len]`` is not traced; see ``models.fixtures.PADDED_FIXTURES``), and
+writes its group count from the padded length.
+
 Modes: ``prefill`` (token ids in, logits out, no cache) and ``decode`` (one token plus the cache in,
 logits plus the updated cache out). Decode graphs name their cache ``past.<i>`` / ``present.<i>`` (our
 dynamo exports) or ``input.cache.*`` / ``output.cache.*`` (transformers' exporter); ``ExportRecord.cache_map``
@@ -100,6 +105,9 @@ class ExportRecord:
     norm_order: str = "gate_before_norm"
     expected_fused: int | None = None
     expected_refusal: str | None = None
+    #: The SSD chunk size where it is not the config's, and the traced length (None in older manifests).
+    chunk_size: int | None = None
+    prompt_len: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Return the record as a JSON-ready dict."""
@@ -225,7 +233,9 @@ def _decode_wrapper(model: Any) -> Any:
     return DecodeStep(model).eval()
 
 
-def _export_dynamo(model: Any, mode: str, opset: int, optimize: bool) -> tuple[onnx.ModelProto, dict[str, str]]:
+def _export_dynamo(
+    model: Any, mode: str, opset: int, optimize: bool, prompt_len: int = PROMPT_LEN
+) -> tuple[onnx.ModelProto, dict[str, str]]:
     import torch
     from transformers.exporters.exporter_dynamo import (
         get_auto_dynamic_shapes,
@@ -235,7 +245,7 @@ def _export_dynamo(model: Any, mode: str, opset: int, optimize: bool) -> tuple[o
     if mode == "prefill":
         # Dynamic sequence axis, batch fixed at 1: a dynamic batch as well fails in torch.export
         # (see models.fixtures.PROBES).
-        inputs = prefill_inputs(model)
+        inputs = prefill_inputs(model, prompt_len)
         program = torch.onnx.export(
             _prefill_wrapper(model),
             (inputs["input_ids"],),
@@ -249,7 +259,7 @@ def _export_dynamo(model: Any, mode: str, opset: int, optimize: bool) -> tuple[o
         )
         return program.model_proto, {}
 
-    inputs = decode_inputs(model)
+    inputs = decode_inputs(model, prompt_len)
     register_cache_pytrees_for_model(model)
     cache = inputs["cache"]
     leaf_names = cache_leaf_names(cache)
@@ -279,7 +289,7 @@ def _export_dynamo(model: Any, mode: str, opset: int, optimize: bool) -> tuple[o
     return program.model_proto, dict(zip(names_out, names_in, strict=True))
 
 
-def _export_torchscript(model: Any, mode: str, opset: int) -> onnx.ModelProto:
+def _export_torchscript(model: Any, mode: str, opset: int, prompt_len: int = PROMPT_LEN) -> onnx.ModelProto:
     import torch
 
     if mode != "prefill":
@@ -299,7 +309,7 @@ def _export_torchscript(model: Any, mode: str, opset: int) -> onnx.ModelProto:
     mixer = mamba_mixers(model)[0]
     dtype = next(mixer.parameters()).dtype
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(1, PROMPT_LEN, model.config.hidden_size, generator=generator).to(dtype)
+    hidden = torch.randn(1, prompt_len, model.config.hidden_size, generator=generator).to(dtype)
     buffer = io.BytesIO()
     torch.onnx.export(
         MixerPrefill(mixer).eval(),
@@ -314,7 +324,7 @@ def _export_torchscript(model: Any, mode: str, opset: int) -> onnx.ModelProto:
     return onnx.load_from_string(buffer.getvalue())
 
 
-def _export_torchscript_model(model: Any, mode: str, opset: int) -> onnx.ModelProto:
+def _export_torchscript_model(model: Any, mode: str, opset: int, prompt_len: int = PROMPT_LEN) -> onnx.ModelProto:
     """TorchScript export of the whole causal LM's prefill (token ids -> logits; no cache crosses)."""
     import torch
 
@@ -326,7 +336,7 @@ def _export_torchscript_model(model: Any, mode: str, opset: int) -> onnx.ModelPr
     buffer = io.BytesIO()
     torch.onnx.export(
         _prefill_wrapper(model),
-        (prefill_inputs(model)["input_ids"],),
+        (prefill_inputs(model, prompt_len)["input_ids"],),
         buffer,
         dynamo=False,
         opset_version=opset,
@@ -338,14 +348,14 @@ def _export_torchscript_model(model: Any, mode: str, opset: int) -> onnx.ModelPr
 
 
 def _export_transformers(
-    model: Any, mode: str, opset: int | None, ort_fusions: str | None
+    model: Any, mode: str, opset: int | None, ort_fusions: str | None, prompt_len: int = PROMPT_LEN
 ) -> tuple[onnx.ModelProto, dict[str, str]]:
     import onnx_ir
     import torch
     from transformers.exporters import OnnxConfig, OnnxExporter
     from transformers.exporters.utils import decompose_for_generation
 
-    ids = sample_input_ids(model.config, PROMPT_LEN)
+    ids = sample_input_ids(model.config, prompt_len)
     stages = decompose_for_generation(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     submodel, inputs = stages[mode]
     config = OnnxConfig(dynamic=True, opset_version=opset, ort_fusions=ort_fusions)
@@ -372,9 +382,12 @@ def export_model(
     out: str | os.PathLike = "model.onnx",
     strip_metadata: bool = False,
     seed: int = 0,
+    chunk_size: int | None = None,
+    prompt_len: int = PROMPT_LEN,
 ) -> ExportRecord:
     """Export one (family, exporter, dtype, mode) combination to ``out``; return its ``ExportRecord``.
 
+    ``chunk_size`` replaces the config's SSD chunk size, ``prompt_len`` the traced length.
     Raises ``ExportUnsupported`` when the exporter cannot produce the combination.
     """
     for name, value, choices in (
@@ -388,23 +401,25 @@ def export_model(
             raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
     if opset is None:
         opset = DEFAULT_OPSET[exporter]
+    if prompt_len < 1:
+        raise ValueError(f"prompt length {prompt_len} is not positive")
 
     import torch
 
-    model = build_model(family, size, dtype, seed=seed)
+    model = build_model(family, size, dtype, seed=seed, chunk_size=chunk_size)
     cache_map: dict[str, str] = {}
     scope = "model"
     with torch.no_grad():
         if exporter in ("dynamo", "dynamo-noopt"):
-            proto, cache_map = _export_dynamo(model, mode, opset, optimize=exporter == "dynamo")
+            proto, cache_map = _export_dynamo(model, mode, opset, exporter == "dynamo", prompt_len)
         elif exporter == "torchscript":
-            proto = _export_torchscript(model, mode, opset)
+            proto = _export_torchscript(model, mode, opset, prompt_len)
             scope = "mixer"
         elif exporter == "torchscript-model":
-            proto = _export_torchscript_model(model, mode, opset)
+            proto = _export_torchscript_model(model, mode, opset, prompt_len)
         else:
             fusions = "cpu" if exporter == "transformers-ort" else None
-            proto, cache_map = _export_transformers(model, mode, opset, fusions)
+            proto, cache_map = _export_transformers(model, mode, opset, fusions, prompt_len)
 
     repairs = repair_negative_transpose_perm(proto)
     if strip_metadata:
@@ -436,6 +451,8 @@ def export_model(
         norm_order=norm_order,
         expected_fused=expected_fused(family, layers),
         expected_refusal=None if norm_order == "gate_before_norm" else norm_order,
+        chunk_size=chunk_size,
+        prompt_len=prompt_len,
     )
 
 
@@ -453,9 +470,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=MODES, default="prefill")
     parser.add_argument("--opset", type=int, default=None, help="default: 18 dynamo, 17 torchscript, exporter's own")
     parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--chunk-size", type=int, default=None, help="the SSD chunk size (default: the config's)")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="the traced length (default: %(default)s)")
     parser.add_argument("--strip-metadata", action="store_true", help="drop exporter stack traces (smaller file)")
     parser.add_argument("-o", "--output", required=True)
     args = parser.parse_args(argv)
+    for name, value in (("--chunk-size", args.chunk_size), ("--prompt-len", args.prompt_len)):
+        if value is not None and value < 1:
+            parser.error(f"{name} must be positive, not {value}")
     try:
         record = export_model(
             args.family,
@@ -466,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
             args.size,
             args.output,
             strip_metadata=args.strip_metadata,
+            chunk_size=args.chunk_size,
+            prompt_len=args.prompt_len,
         )
     except ExportUnsupported as e:
         print(f"error: {e}", file=sys.stderr)

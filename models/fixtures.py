@@ -1,15 +1,19 @@
 """Regenerate the tiny exported models under ``tests/fixtures/models/`` with their manifest and references.
 
-Two fixture sets, each a directory with its own ``manifest.json`` and ``references.npz``:
+Three fixture sets, each a directory with its own ``manifest.json`` and ``references.npz``:
 
 - ``models`` (``tests/fixtures/models/``): Nemotron-H and Zamba2, ``FIXTURE_MATRIX`` (family × exporter ×
   dtype × mode, every combination);
 - ``families`` (``tests/fixtures/models/families/``): Mamba2, Bamba, GraniteMoeHybrid and Falcon-H1 in both
   norm orders, ``FAMILY_FIXTURES`` (a representative subset per family, not every combination). Its
   records also say how many chains must be fused (``expected_fused``) and why the others must be
-  refused (``expected_refusal``), and its probes record the whole-model TorchScript export of each family.
+  refused (``expected_refusal``), and its probes record the whole-model TorchScript export of each family;
+- ``padded`` (``tests/fixtures/models/padded/``): whole-model dynamo prefill exports of every gate-before-norm
+  family at other SSD chunk sizes, traced at a multiple of the chunk size (torch then writes the group count
+  from the padded length, ``(G * c * ceil(L / c)) // L``, and the export runs only at multiples of c) and at
+  a length past one chunk that is not a multiple (``PADDED_FIXTURES``); references at two chunks.
 
-``python -m models.fixtures [--set models|families]`` exports every combination of the set in a
+``python -m models.fixtures [--set models|families|padded]`` exports every combination of the set in a
 subprocess each (an exporter crash or leak stays in its own process; two run at a time),
 then writes, atomically:
 
@@ -125,7 +129,29 @@ FAMILY_FIXTURES: dict[str, list[tuple[str, int | None, str, str]]] = {
         ("transformers", None, "decode", "fp32"),
     ],
 }
-FIXTURE_SETS = ("models", "families")
+
+#: The padded set: (family, exporter, opset, dtype, SSD chunk size c, traced length L). Traced at a multiple of
+#: c, the chunked scan's ``if pad_size > 0`` branch is not taken: torch drops the ``[:, :L]`` slice, writes the
+#: norm's group count from the padded length, ``(G * c * ceil(L / c)) // L``, and the export runs only at
+#: multiples of c. Traced past one chunk at a length that is not a multiple, the slice stays (``Min(L, padded)``,
+#: which the arithmetic follows) and the export runs at every length. Every gate-before-norm family traced at
+#: two chunks; Nemotron-H and Zamba2 also at chunk 4 and in fp16 (Nemotron-H without optimize), and once at a
+#: non-multiple.
+PADDED_FIXTURE_DIR = FIXTURE_DIR / "padded"
+PADDED_FIXTURES: list[tuple[str, str, int, str, int, int]] = [
+    ("nemotron_h", "dynamo", 18, "fp32", 4, 8),
+    ("nemotron_h", "dynamo", 18, "fp32", 8, 16),
+    ("nemotron_h", "dynamo-noopt", 18, "fp16", 8, 16),
+    ("nemotron_h", "dynamo", 18, "fp32", 8, 12),
+    ("zamba2", "dynamo", 18, "fp32", 4, 8),
+    ("zamba2", "dynamo", 18, "fp16", 8, 16),
+    ("zamba2", "dynamo", 18, "fp32", 4, 6),
+    ("mamba2", "dynamo", 18, "fp32", 8, 16),
+    ("bamba", "dynamo", 18, "fp32", 8, 16),
+    ("granitemoehybrid", "dynamo", 18, "fp32", 8, 16),
+    ("falcon_h1", "dynamo", 18, "fp32", 8, 16),
+]
+FIXTURE_SETS = ("models", "families", "padded")
 
 
 def family_fixture_jobs() -> list[dict[str, Any]]:
@@ -138,14 +164,36 @@ def family_fixture_jobs() -> list[dict[str, Any]]:
     return jobs
 
 
+def padded_fixture_jobs() -> list[dict[str, Any]]:
+    """Return every combination of the padded set as a job dict (with chunk_size, prompt_len, reference_len)."""
+    jobs = []
+    for family, exporter, opset, dtype, chunk, traced in PADDED_FIXTURES:
+        tag = f"-chunk{chunk}-len{traced}-prefill"
+        stem = fixture_stem(family, exporter, opset, dtype, "prefill").replace("-prefill", tag)
+        jobs.append(
+            dict(
+                stem=stem,
+                family=family,
+                exporter=exporter,
+                opset=opset,
+                dtype=dtype,
+                mode="prefill",
+                chunk_size=chunk,
+                prompt_len=traced,
+                reference_len=2 * chunk,
+            )
+        )
+    return jobs
+
+
 def set_jobs(fixture_set: str) -> list[dict[str, Any]]:
-    """Return every job of a fixture set ("models" or "families")."""
-    return fixture_jobs() if fixture_set == "models" else family_fixture_jobs()
+    """Return every job of a fixture set ("models", "families" or "padded")."""
+    return {"models": fixture_jobs, "families": family_fixture_jobs, "padded": padded_fixture_jobs}[fixture_set]()
 
 
 def set_dir(fixture_set: str) -> Path:
     """Return the directory of a fixture set."""
-    return FIXTURE_DIR if fixture_set == "models" else FAMILY_FIXTURE_DIR
+    return {"models": FIXTURE_DIR, "families": FAMILY_FIXTURE_DIR, "padded": PADDED_FIXTURE_DIR}[fixture_set]
 
 
 def _to_numpy(tensor: Any) -> np.ndarray:
@@ -167,7 +215,7 @@ def _references(job: dict[str, Any], record: Any) -> dict[str, np.ndarray]:
     from models import export
     from models.build import build_model, mamba_mixers
 
-    model = build_model(job["family"], "tiny", job["dtype"])
+    model = build_model(job["family"], "tiny", job["dtype"], chunk_size=job.get("chunk_size"))
     refs: dict[str, np.ndarray] = {}
     input_names = [i["name"] for i in record.inputs]
     with torch.no_grad():
@@ -180,7 +228,7 @@ def _references(job: dict[str, Any], record: Any) -> dict[str, np.ndarray]:
             refs["input/hidden_states"] = _to_numpy(hidden)
             refs["output/mixer_out"] = _to_numpy(mixer(hidden))
         elif job["mode"] == "prefill":
-            ids = export.prefill_inputs(model)["input_ids"]
+            ids = export.prefill_inputs(model, job.get("reference_len", export.PROMPT_LEN))["input_ids"]
             refs["input/input_ids"] = ids.numpy()
             if "position_ids" in input_names:
                 refs["input/position_ids"] = torch.arange(ids.shape[1])[None].numpy()
@@ -249,12 +297,16 @@ def _run_one(job: dict[str, Any], workdir: Path) -> None:
             "tiny",
             workdir / f"{stem}.onnx",
             strip_metadata=True,
+            chunk_size=job.get("chunk_size"),
+            prompt_len=job.get("prompt_len", export.PROMPT_LEN),
         )
         refs = _references(job, record)
         np.savez(workdir / f"{stem}.npz", **refs)
         entry = record.to_json()
         entry["file"] = f"{stem}.onnx"
         del entry["path"]
+        if "reference_len" in job:
+            entry["reference_len"] = job["reference_len"]
         result["record"] = entry
     except Exception as e:
         result["error"] = _exact_error(e)

@@ -180,10 +180,14 @@ def test_bad_verify_arguments_fail_before_writing(
 MANIFEST = load_manifest()
 FAMILIES_DIR = FIXTURE_DIR / "families"
 FAMILIES = load_manifest(FAMILIES_DIR)
-#: Every committed export: (directory, record), the new families' norm-before-gate ones included.
+PADDED_DIR = FIXTURE_DIR / "padded"
+PADDED = load_manifest(PADDED_DIR)
+#: Every committed export: (directory, record), the new families' norm-before-gate ones and the whole-model
+#: exports traced past one chunk (issue 25: every chain refused before) included.
 EXPORTS = {
     **{stem: (FIXTURE_DIR, record) for stem, record in MANIFEST["fixtures"].items()},
     **{f"families/{stem}": (FAMILIES_DIR, record) for stem, record in FAMILIES["fixtures"].items()},
+    **{f"padded/{stem}": (PADDED_DIR, record) for stem, record in PADDED["fixtures"].items()},
 }
 
 
