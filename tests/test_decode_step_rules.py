@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 import contrib_ops
 from fusion import rewrite
@@ -260,6 +260,44 @@ def _initializer_or_none(model, name):
     return numpy_helper.to_array(found[0]).reshape(-1) if found else []
 
 
+def _extra_rounding(model, consumer_op: str, producer_op: str, to: int, feeds: str | None = None):
+    """Insert Cast(to) -> Cast(back) on the first value a ``producer_op`` gives a ``consumer_op`` (one that
+    feeds a ``feeds`` node, if given)."""
+    for node in model.graph.node:
+        if node.op_type != consumer_op:
+            continue
+        if feeds is not None and not any(n.op_type == feeds for n in _consumers(model, node.output[0])):
+            continue
+        for index, name in enumerate(node.input):
+            source = next((n for n in model.graph.node if name in n.output), None)
+            if source is None or source.op_type != producer_op:
+                continue
+            back = _value_type(model, name)
+            node.input[index] = f"{name}_twice"
+            position = list(model.graph.node).index(node)
+            model.graph.node.insert(position, helper.make_node("Cast", [f"{name}_narrow"], [f"{name}_twice"], to=back))
+            model.graph.node.insert(position, helper.make_node("Cast", [name], [f"{name}_narrow"], to=to))
+            return
+    raise AssertionError(f"no {producer_op} -> {consumer_op}")
+
+
+def _value_type(model, name: str) -> int:
+    inferred = onnx.shape_inference.infer_shapes(model)
+    for info in [*inferred.graph.value_info, *inferred.graph.output]:
+        if info.name == name:
+            return info.type.tensor_type.elem_type
+    raise AssertionError(f"no type for {name}")
+
+
+def _dbx_rounded_to_bfloat16(model):
+    # dBx (fp16) -> Cast(bf16) -> Cast(fp16) before its widening Cast: a rounding point the op does not have
+    _extra_rounding(model, "Cast", "Mul", onnx.TensorProto.BFLOAT16, feeds="Add")
+
+
+def _conv_output_rounded_to_bfloat16(model):
+    _extra_rounding(model, "Slice", "Conv", onnx.TensorProto.BFLOAT16)
+
+
 REFUSALS = [
     ("SelectiveStateUpdate", "nemotron_h-dynamo-fp32-decode", "models", _a_not_constant_along_n, "A is not constant"),
     ("SelectiveStateUpdate", "nemotron_h-dynamo-fp32-decode", "models", _a_graph_input, "A is not a constant"),
@@ -271,6 +309,20 @@ REFUSALS = [
         "dt_bias is not constant",
     ),
     ("SelectiveStateUpdate", "mamba2-dynamo-fp16-decode", "families", _groups_tiled, "repeat_interleave"),
+    (
+        "SelectiveStateUpdate",
+        "nemotron_h-dynamo-fp16-decode",
+        "models",
+        _dbx_rounded_to_bfloat16,
+        "dBx is rounded through bfloat16",
+    ),
+    (
+        "CausalConv1dUpdate",
+        "nemotron_h-dynamo-fp16-decode",
+        "models",
+        _conv_output_rounded_to_bfloat16,
+        "does not match",
+    ),
     ("CausalConv1dUpdate", "nemotron_h-dynamo-fp32-decode", "models", _conv_padded, "pads"),
     ("CausalConv1dUpdate", "nemotron_h-dynamo-fp32-decode", "models", _conv_slice_wrong_start, "last L columns"),
 ]

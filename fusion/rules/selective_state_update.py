@@ -438,6 +438,16 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         if cast is not None:
             dbx = cast.inputs[0]
         mul = _producer(dbx, "Mul")
+        if mul is None and producer_op(dbx) in ("Cast", "CastLike"):
+            types, value = [], dbx
+            while producer_op(value) in ("Cast", "CastLike"):
+                value = value.producer().inputs[0]
+                types.append(dtype_name(value.dtype))
+            raise Refusal(
+                f"dBx is rounded through {' and '.join(types[:-1]) or types[-1]} before the state update: a "
+                "rounding point the op does not have",
+                dbx,
+            )
         if mul is None:
             raise Refusal("the state update's addend is not dB * x", dbx32)
         columns = [p for p in mul.inputs if producer_op(p) != "Mul"]
