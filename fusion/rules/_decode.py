@@ -12,7 +12,6 @@ original graph does not run there.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -229,11 +228,6 @@ def per_head(
     return source, None
 
 
-def sole_user(value: ir.Value) -> ir.Node | None:
-    uses = list(value.uses())
-    return uses[0][0] if len(uses) == 1 and not value.is_graph_output() else None
-
-
 def outside_readers(values: Sequence[ir.Value], chain: set[ir.Node]) -> list[ir.Value]:
     """Return the values among ``values`` that a node outside ``chain`` (or the graph's outputs) reads."""
     return [v for v in values if v.is_graph_output() or any(user not in chain for user, _ in v.uses())]
@@ -256,7 +250,3 @@ def replace_graph_output(old: ir.Value, new: ir.Value) -> None:
 def negative_zeros(name: str, count: int, dtype: ir.DataType) -> ir.Value:
     """Return an initializer-ready value of ``count`` -0.0s (adding -0.0 is the identity, even for -0.0)."""
     return ir.Value(name=name, const_value=ir.tensor(np.full(count, -0.0, dtype=dtype.numpy()), name=name))
-
-
-def describe(**attributes: Any) -> dict[str, Any]:
-    return {k: (dtype_name(v) if isinstance(v, ir.DataType) else v) for k, v in attributes.items()}
