@@ -17,8 +17,8 @@ types, so that the function's values are the original graph's bit for bit::
     out = y + CastLike(f32(x) * f32(D), x)             # round_T(x * D); D of type T or float
 
 Head h reads group h // (H / G) (repeat_interleave): Unsqueeze, Expand and Reshape of B and C. Every input
-is required: a rule that finds no dt_bias writes a -0.0 bias (x + -0.0 is x exactly) and refuses a chain
-without D.
+is required (a body cannot test for a missing one): the rules refuse a chain without dt_bias or D (no
+export has one); a caller without dt_bias can pass -0.0s (x + -0.0 is x exactly).
 """
 
 from __future__ import annotations
