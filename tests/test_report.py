@@ -148,7 +148,7 @@ def test_rewrite_cli_report_and_verify(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert (
-        "fused nodes vs float64 reference on their real inputs: 3 of 3 within the op's accuracy budget" in proc.stdout
+        "fused nodes vs float64 reference on their real inputs: 3 of 3 within their op's accuracy budget" in proc.stdout
     )
     assert "kernel dispatches per Run" in proc.stdout
     data = json.loads(out_json.read_text())

@@ -305,4 +305,4 @@ def test_verify_checks_a_node_behind_the_broadcast_guard(tmp_path: Path, capsys:
     source = tmp_path / "model.onnx"
     onnx.save(onnx.shape_inference.infer_shapes(model), source)
     assert main([str(source), "--verify", "--dim", "width=64"]) == 0
-    assert "1 of 1 within the op's accuracy budget" in capsys.readouterr().out
+    assert "1 of 1 within their op's accuracy budget" in capsys.readouterr().out
