@@ -31,10 +31,7 @@ DECODE = sorted(
     if record["mode"] == "decode"
 )
 #: Layers the rules refuse, with the reason (strict: the test fails once the gap is closed).
-KNOWN_GAPS = {
-    "zamba2-transformers-ort-fp16-decode": "one layer: x's and dt's shapes are not proven (ORT-fused graph)",
-    "zamba2-transformers-ort-fp32-decode": "one layer: x's and dt's shapes are not proven (ORT-fused graph)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 #: Through the functions the decode ops are bit-identical with the exported ops (the function bodies use
 #: them, in the same types and spellings): the fused model's outputs equal those of the model with only
 #: the gated norm fused, bit for bit. Against the original, the whole-model difference relative to the

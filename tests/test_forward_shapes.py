@@ -463,6 +463,55 @@ def test_group_query_attention_of_a_width_the_heads_do_not_divide_is_not_proven(
     assert _proven(_group_query_attention(True, 60), "y") is None
 
 
+def _multi_head_attention(bnsh: bool) -> onnx.ModelProto:
+    """ORT's MultiHeadAttention as transformers-ort's Zamba2 decode uses it: query [1, seq, 32], 2 heads of 16;
+    key and value [1, kv, 32], or in BNSH [1, 2, kv, 16] with a symbolic head size (as that graph's cache)."""
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v"], ["y"], domain="com.microsoft", num_heads=2)
+    kv_shape = [1, 2, "kv", "head"] if bnsh else [1, "kv", 32]
+    inputs = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, "seq", 32])]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in ("k", "v")]
+    model = _model([node], inputs, "y")
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+@pytest.mark.parametrize("bnsh", [False, True], ids=["BSH", "BNSH"])
+def test_multi_head_attention_output_dims_are_what_onnxruntime_produces(bnsh: bool) -> None:
+    """Zamba2's transformers-ort decode export runs its attention as ORT's MultiHeadAttention: the output's rank
+    and leading dims (and its width where the value's head size is a number) are proven, as ORT produces them."""
+    model = _multi_head_attention(bnsh)
+    proven = _proven(model, "y")
+    assert proven is not None and len(proven) == 3
+    assert proven[2] is None if bnsh else proven[2] == 32  # BNSH: the cache's head size is symbolic
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in LENGTHS:
+        kv = seq + 3
+        kv_shape = (1, 2, kv, 16) if bnsh else (1, kv, 32)
+        feeds = {"q": np.ones((1, seq, 32), np.float32)}
+        feeds |= {n: np.ones(kv_shape, np.float32) for n in ("k", "v")}
+        got = session.run(["y"], feeds)[0].shape
+        expected = [_evaluate(d, seq) if d is not None else got[i] for i, d in enumerate(proven)]
+        assert expected == list(got), f"seq = {seq}: {proven} vs {got}"
+
+
+def test_rotary_embedding_output_dims_are_its_input_dims() -> None:
+    node = helper.make_node("RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"], domain="com.microsoft", interleaved=0)
+    inputs = [
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", 32]),
+        helper.make_tensor_value_info("pos", TensorProto.INT64, [1, "seq"]),
+    ]
+    tables = [onnx.numpy_helper.from_array(np.ones((64, 8), np.float32), name) for name in ("cos", "sin")]
+    model = _model([node], inputs, "y", tables)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    proven = _proven(model, "y")
+    assert proven is not None
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in LENGTHS:
+        feeds = {"x": np.ones((1, seq, 32), np.float32), "pos": np.arange(seq, dtype=np.int64)[None]}
+        got = session.run(["y"], feeds)[0].shape
+        assert [_evaluate(d, seq) for d in proven] == list(got), f"seq = {seq}: {proven} vs {got}"
+
+
 def test_arithmetic_that_broadcasts_is_not_one_shape_element() -> None:
     """[seq] + [1, 2] has two elements: an Expand to Concat([1], that) is rank 3, so no dims are proven (a
     one-element result claimed here would make it rank 2)."""

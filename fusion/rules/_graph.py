@@ -470,6 +470,7 @@ _CONTRIB_SAME_SHAPE = {
     "BiasGelu": (0,),
     "QuickGelu": (0,),
     "Gelu": (0,),
+    "RotaryEmbedding": (0,),
 }
 
 
@@ -642,6 +643,8 @@ def _infer_dims(
     if node.domain == "com.microsoft":
         if node.op_type == "GroupQueryAttention":
             return _group_query_attention_dims(node, index, dims_of)
+        if node.op_type == "MultiHeadAttention":
+            return _multi_head_attention_dims(node, index, dims_of)
         same = _CONTRIB_SAME_SHAPE.get(node.op_type, ())
         return dims_of(node.inputs[0]) if index in same and node.inputs else None
     if node.domain not in ("", "ai.onnx") or not node.outputs:
@@ -796,6 +799,26 @@ def _group_query_attention_dims(
     if heads < 1 or kv_heads < 1 or not isinstance(width, int) or width % packed != 0:
         return None
     return [query[0], query[1], heads * (width // packed)]
+
+
+def _multi_head_attention_dims(
+    node: ir.Node, index: int, dims_of: Callable[[ir.Value | None], list[Dim] | None]
+) -> list[Dim] | None:
+    """ORT's MultiHeadAttention, its output (not the present key and value): [batch, sequence, v_hidden_size],
+    for a 3-D query [batch, sequence, hidden] and a value [batch, kv_sequence, v_hidden_size] or, in BNSH,
+    [batch, num_heads, kv_sequence, v_head_size] (v_hidden_size = num_heads * v_head_size). Packed query, key
+    and value (no value input) are not followed."""
+    query = dims_of(node.inputs[0]) if index == 0 and node.inputs else None
+    value = dims_of(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+    if query is None or len(query) != 3 or value is None:
+        return None
+    if len(value) == 3:
+        return [query[0], query[1], value[2]]
+    heads = node.attributes.get_int("num_heads", 0)
+    if len(value) == 4 and heads > 0:
+        # a symbolic head size leaves the width unknown; the rank and the leading dims are still the query's
+        return [query[0], query[1], heads * value[3] if isinstance(value[3], int) else None]
+    return None
 
 
 def _sequence_at_dims(node: ir.Node, dims_of: Callable[[ir.Value | None], list[Dim] | None]) -> list[Dim] | None:
