@@ -140,8 +140,9 @@ def kernels_per_run(path: Path, threads: int, feeds: dict[str, np.ndarray], runs
     session = _session(path, threads, profile=True)
     for _ in range(runs):
         session.run(None, feeds)
-    events = json.loads(Path(session.end_profiling()).read_text())
-    Path(session.end_profiling()).unlink(missing_ok=True)
+    profile = Path(session.end_profiling())
+    events = json.loads(profile.read_text())
+    profile.unlink(missing_ok=True)
     kernels = sum(1 for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"))
     return kernels // runs
 
