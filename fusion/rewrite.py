@@ -584,14 +584,21 @@ def _report_error(prog: str, error: Exception, debug: bool) -> int:
 
 
 def _debug_text(report: Report) -> str:
-    lines = ["debug: chains not fused and why:"]
-    lines += [f"  {where}: {reason}" for where, reason in report.refused] or ["  (none)"]
-    lines.append("debug: fused chains:")
-    lines += [
+    """Return --debug's lines: every chain not fused with its reason, and every fused chain's attributes (the
+    gated norm's, then each decode-step op's)."""
+    refused = [f"  {where}: {reason}" for where, reason in report.refused]
+    fused = [
         "  {location} [form {form}]: epsilon={epsilon:g} group_size={group_size} "
         "norm_dtype={norm_dtype} output_dtype={output_dtype} gated_dtype={gated_dtype}".format(**chain)
         for chain in report.fused_chains
-    ] or ["  (none)"]
+    ]
+    for op_type, op in report.decode.items():
+        refused += [f"  {where} [{op_type}]: {reason}" for where, reason in op["refused"]]
+        for chain in op["fused_chains"]:
+            attributes = " ".join(f"{name}={value}" for name, value in chain.items() if name != "location")
+            fused.append(f"  {chain['location']} [{op_type}]: {attributes}".rstrip())
+    lines = ["debug: chains not fused and why:", *(refused or ["  (none)"])]
+    lines += ["debug: fused chains:", *(fused or ["  (none)"])]
     return "\n".join(lines)
 
 

@@ -72,3 +72,13 @@ def test_the_node_check_rejects_a_kernel_output_off_its_budget(op_type: str, tmp
     bad = [a.copy() if isinstance(a, np.ndarray) else a for a in arrays]
     bad[-2] = bad[-2] * np.float32(1 + 1e-4) + np.float32(1e-6)  # y / out, off by far more than the budget
     assert not check(bad, attrs)[0]
+
+
+def test_debug_lists_the_decode_step_ops(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = FIXTURE_DIR / MANIFEST["fixtures"]["nemotron_h-dynamo-fp32-decode"]["file"]
+    assert rewrite.main([str(source), str(tmp_path / "fused.onnx"), "--debug"]) == 0
+    debug = capsys.readouterr().err
+    fused = debug.split("debug: fused chains:")[1].splitlines()
+    assert sum("[CausalConv1dUpdate]: channels=128 width=4" in line for line in fused) == 2, debug
+    assert sum("[SelectiveStateUpdate]: heads=4" in line for line in fused) == 2, debug
+    assert sum("[form A]" in line for line in fused) == 2, debug

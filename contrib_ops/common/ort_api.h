@@ -23,7 +23,7 @@ OrtStatusPtr GuardStatus(Body&& body) noexcept {
   } catch (const std::exception& e) {
     return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
   } catch (...) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, "GatedGroupRMSNorm: unknown error");
+    return Ort::GetApi().CreateStatus(ORT_FAIL, "mambafuse: unknown error (an exception of no standard type)");
   }
 }
 

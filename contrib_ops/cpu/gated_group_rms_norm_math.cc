@@ -28,7 +28,7 @@
 // e^x: x = n ln2 + r (|r| <= ln2/2), e^r by a degree-5 minimax polynomial (relative error 1.9e-7 evaluated
 // in float32), 2^n applied so that results down to the float subnormals are right. Then one division.
 // Together h is within ~5e-7 (relative) of the exact product, inside the float32 budget of 2e-6 and inside
-// the window that budget_report allows a gated_dtype rounding to fall either way (fusion/reference.py,
+// the window that budget_report allows a gated_dtype rounding to fall either way (fusion/reference/,
 // GATED_TIE_WINDOW, 9.5e-7).
 //
 // Cost (AVX-512, per 16 elements): 7 multiply/FMA instructions in the gate pass and 2 in the norm pass,
