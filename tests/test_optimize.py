@@ -221,3 +221,22 @@ def test_cli_optimize_errors_are_one_line_and_write_nothing(tmp_path: Path, args
     assert result.stderr.startswith("mambafuse optimize: error:") and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("build", ["nemotron_h-g4-f16-default-cpu", "zamba2-g2-f32-default-cpu"])
+def test_optimize_keeps_a_builders_contrib_op_functions(build: str, tmp_path: Path) -> None:
+    """mobius ships ORT's contrib ops (CausalConvWithState, LinearAttention, ...) with function bodies; inlined, they
+    would run as their decomposition (seen: 116 -> 162 kernels a Run). optimize keeps them as ORT's ops, and its
+    model has no more kernels than the original nor more nodes than mambafuse's rewrite alone."""
+    from models.mobius import extract_builds
+
+    source = extract_builds(tmp_path / "builds") / build / "model.onnx"
+    original = onnx.load(source)
+    optimized, report = optimize_model(original)
+    _, rewritten = rewrite.rewrite_model(original)
+    assert {f.name for f in original.functions} <= {f.name for f in optimized.functions}
+    for name in ("CausalConvWithState", "LinearAttention"):
+        count = sum(n.op_type == name for n in original.graph.node)
+        assert count > 0 and sum(n.op_type == name for n in optimized.graph.node) == count
+    assert report.rewrite.fused == rewritten.fused > 0
+    assert len(optimized.graph.node) <= rewritten.nodes_after
