@@ -141,3 +141,25 @@ def check_within(
         f"widest interval {float(width.max()) if width.size else 0.0:.3g}){worst}"
     )
     return count, msg
+
+
+def report_within(
+    bounds: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+    actuals: dict[str, tuple[np.ndarray, np.dtype]],
+) -> tuple[bool, str]:
+    """Return (within budget, message) for outputs ``{name: (actual, expected dtype)}`` against their
+    ``bounds[name]`` = (reference, lo, hi), a ``budget_bounds`` result.
+
+    An output whose shape or dtype is not the expected one fails at once, with one line naming it;
+    otherwise every element must pass ``check_within``, and the message joins its lines, one an output.
+    """
+    lines, total = [], 0
+    for name, (actual, dtype) in actuals.items():
+        actual = np.asarray(actual)
+        point, lo, hi = bounds[name]
+        if actual.shape != point.shape or actual.dtype != dtype:
+            return False, f"{name}: shape/dtype {actual.shape} {actual.dtype} != expected {point.shape} {dtype}"
+        count, line = check_within(name, actual, point, lo, hi)
+        total += count
+        lines.append(line)
+    return total == 0, "; ".join(lines)

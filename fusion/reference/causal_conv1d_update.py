@@ -19,23 +19,20 @@ rounding points. ``budget_report`` checks a result against the accuracy budget (
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-from onnx.reference.op_run import OpRun
 
 from fusion.reference._bounds import (
     TINY32,
     TRANSCENDENTAL_ERROR,
     U32,
     check_dtype,
-    check_within,
     mul_interval,
+    report_within,
     round_interval,
     round_to,
 )
+from fusion.reference._common import DOMAIN, reference_op
 
-DOMAIN = "ai.mambafuse"
 OP_TYPE = "CausalConv1dUpdate"
 ACTIVATIONS = ("silu", "none")
 
@@ -204,31 +201,22 @@ def budget_report(
         transcendental_error=transcendental_error,
         sigmoid_abs_error=sigmoid_abs_error,
     )
-    lines, total = [], 0
-    for name, actual in (("y", y), ("present_state", present_state)):
-        actual = np.asarray(actual)
-        point, lo, hi = bounds[name]
-        if actual.shape != point.shape or actual.dtype != np.asarray(x).dtype:
-            return False, f"{name}: shape/dtype {actual.shape} {actual.dtype} != expected {point.shape} {x.dtype}"
-        count, line = check_within(name, actual, point, lo, hi)
-        total += count
-        lines.append(line)
-    return total == 0, "; ".join(lines)
+    t = np.asarray(x).dtype
+    return report_within(bounds, {"y": (y, t), "present_state": (present_state, t)})
 
 
-class CausalConv1dUpdate(OpRun):
-    """``onnx.reference`` implementation, so ``ReferenceEvaluator`` runs fused models."""
+def _evaluate_node(
+    x: np.ndarray,
+    conv_state: np.ndarray,
+    weight: np.ndarray,
+    bias: np.ndarray | None = None,
+    activation: str | bytes | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``causal_conv1d_update`` of a node's inputs and attributes (a string attribute may come as bytes)."""
+    if isinstance(activation, bytes):
+        activation = activation.decode()
+    return causal_conv1d_update(x, conv_state, weight, bias, activation=activation or "silu")
 
-    op_domain = DOMAIN
 
-    def _run(  # type: ignore[override]
-        self,
-        x: np.ndarray,
-        conv_state: np.ndarray,
-        weight: np.ndarray,
-        bias: np.ndarray | None = None,
-        activation: str | bytes | None = None,
-    ) -> tuple[Any, Any]:
-        if isinstance(activation, bytes):
-            activation = activation.decode()
-        return causal_conv1d_update(x, conv_state, weight, bias, activation=activation or "silu")
+#: ``onnx.reference`` implementation, so ``ReferenceEvaluator`` runs fused models.
+CausalConv1dUpdate = reference_op(DOMAIN, OP_TYPE, _evaluate_node)

@@ -25,9 +25,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx.reference.op_run import OpRun
 
-DOMAIN = "ai.mambafuse"
+from fusion.reference._common import DOMAIN, reference_op
+
 OP_TYPE = "GatedGroupRMSNorm"
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
@@ -154,35 +154,34 @@ def tie_neighbours(x: np.ndarray, dtype: np.dtype | type) -> tuple[np.ndarray, n
     return rounded, np.where(usable, other, rounded), np.where(usable, distance, np.inf)
 
 
-class GatedGroupRMSNorm(OpRun):
-    """``onnx.reference`` implementation, so ``ReferenceEvaluator`` runs fused models."""
+def _evaluate_node(
+    y: np.ndarray,
+    z: np.ndarray,
+    w: np.ndarray,
+    epsilon: float | None = None,
+    group_size: int | None = None,
+    norm_dtype: int | None = None,
+    output_dtype: int | None = None,
+    gated_dtype: int | None = None,
+) -> tuple[np.ndarray]:
+    """Return ``(gated_group_rms_norm(...),)`` of a node's inputs and attributes (dtypes as TensorProto types)."""
+    if epsilon is None or group_size is None:
+        raise ValueError("GatedGroupRMSNorm needs the attributes epsilon and group_size")
+    out = gated_group_rms_norm(
+        y,
+        z,
+        w,
+        epsilon=float(epsilon),
+        group_size=int(group_size),
+        norm_dtype=None if norm_dtype is None else onnx_type_to_dtype(norm_dtype),
+        output_dtype=None if output_dtype is None else onnx_type_to_dtype(output_dtype),
+        gated_dtype=None if not gated_dtype else onnx_type_to_dtype(gated_dtype),
+    )
+    return (out,)
 
-    op_domain = DOMAIN
 
-    def _run(  # type: ignore[override]
-        self,
-        y: np.ndarray,
-        z: np.ndarray,
-        w: np.ndarray,
-        epsilon: float | None = None,
-        group_size: int | None = None,
-        norm_dtype: int | None = None,
-        output_dtype: int | None = None,
-        gated_dtype: int | None = None,
-    ) -> tuple[Any]:
-        if epsilon is None or group_size is None:
-            raise ValueError("GatedGroupRMSNorm needs the attributes epsilon and group_size")
-        out = gated_group_rms_norm(
-            y,
-            z,
-            w,
-            epsilon=float(epsilon),
-            group_size=int(group_size),
-            norm_dtype=None if norm_dtype is None else onnx_type_to_dtype(norm_dtype),
-            output_dtype=None if output_dtype is None else onnx_type_to_dtype(output_dtype),
-            gated_dtype=None if not gated_dtype else onnx_type_to_dtype(gated_dtype),
-        )
-        return (out,)
+#: ``onnx.reference`` implementation, so ``ReferenceEvaluator`` runs fused models.
+GatedGroupRMSNorm = reference_op(DOMAIN, OP_TYPE, _evaluate_node)
 
 
 def reference_evaluator(model: onnx.ModelProto, **kwargs: Any):

@@ -24,23 +24,20 @@ see ``budget_bounds``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
-from onnx.reference.op_run import OpRun
 
 from fusion.reference._bounds import (
     TINY32,
     TRANSCENDENTAL_ERROR,
     U32,
     check_dtype,
-    check_within,
     mul_interval,
+    report_within,
     round_interval,
     round_to,
 )
+from fusion.reference._common import DOMAIN, reference_op
 
-DOMAIN = "ai.mambafuse"
 OP_TYPE = "SelectiveStateUpdate"
 #: torch's softplus threshold: above it, softplus(v) is v.
 SOFTPLUS_THRESHOLD = 20.0
@@ -261,37 +258,29 @@ def budget_report(
     bounds = budget_bounds(
         state, x, dt, dt_bias, A, B, C, D, dt_softplus=dt_softplus, transcendental_error=transcendental_error
     )
-    lines, total = [], 0
-    for name, actual, dtype in (("out", out, np.asarray(x).dtype), ("present_state", present_state, state.dtype)):
-        actual = np.asarray(actual)
-        point, lo, hi = bounds[name]
-        if actual.shape != point.shape or actual.dtype != dtype:
-            return False, f"{name}: shape/dtype {actual.shape} {actual.dtype} != expected {point.shape} {dtype}"
-        count, line = check_within(name, actual, point, lo, hi)
-        total += count
-        lines.append(line)
-    return total == 0, "; ".join(lines)
+    return report_within(
+        bounds, {"out": (out, np.asarray(x).dtype), "present_state": (present_state, np.asarray(state).dtype)}
+    )
 
 
-class SelectiveStateUpdate(OpRun):
-    """``onnx.reference`` implementation, so ``ReferenceEvaluator`` runs fused models."""
+def _evaluate_node(
+    state: np.ndarray,
+    x: np.ndarray,
+    dt: np.ndarray,
+    dt_bias: np.ndarray | None = None,
+    A: np.ndarray | None = None,
+    B: np.ndarray | None = None,
+    C: np.ndarray | None = None,
+    D: np.ndarray | None = None,
+    dt_softplus: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``selective_state_update`` of a node's inputs and attributes."""
+    if A is None or B is None or C is None:
+        raise ValueError(f"{OP_TYPE} needs the inputs A, B and C")
+    return selective_state_update(
+        state, x, dt, dt_bias, A, B, C, D, dt_softplus=1 if dt_softplus is None else int(dt_softplus)
+    )
 
-    op_domain = DOMAIN
 
-    def _run(  # type: ignore[override]
-        self,
-        state: np.ndarray,
-        x: np.ndarray,
-        dt: np.ndarray,
-        dt_bias: np.ndarray | None = None,
-        A: np.ndarray | None = None,
-        B: np.ndarray | None = None,
-        C: np.ndarray | None = None,
-        D: np.ndarray | None = None,
-        dt_softplus: int | None = None,
-    ) -> tuple[Any, Any]:
-        if A is None or B is None or C is None:
-            raise ValueError(f"{OP_TYPE} needs the inputs A, B and C")
-        return selective_state_update(
-            state, x, dt, dt_bias, A, B, C, D, dt_softplus=1 if dt_softplus is None else int(dt_softplus)
-        )
+#: ``onnx.reference`` implementation, so ``ReferenceEvaluator`` runs fused models.
+SelectiveStateUpdate = reference_op(DOMAIN, OP_TYPE, _evaluate_node)
