@@ -306,9 +306,20 @@ def _fuse_decode_steps(model: ir.Model, opset: int, report: Report) -> None:
     """Run the decode-step fusions (after the gated norm) and fill ``report.decode`` for ops with chains."""
     from fusion import fusions
 
+    # Rounds until one fuses nothing: a layer's chain may be proven only through the previous layer's fused
+    # ops (a symbolic batch reaches the next layer through their outputs, not through the unfused chains).
+    logs = {fusion.op_type: FusionLog() for fusion in fusions.DECODE_FUSIONS}
+    counts = dict.fromkeys(logs, 0)
+    while True:
+        progress = 0
+        for fusion in fusions.DECODE_FUSIONS:
+            fused = fusion.fuse(model, logs[fusion.op_type])
+            counts[fusion.op_type] += fused
+            progress += fused
+        if not progress or not any(fusion.find_anchors(model.graph) for fusion in fusions.DECODE_FUSIONS):
+            break
     for fusion in fusions.DECODE_FUSIONS:
-        log = FusionLog()
-        fused = fusion.fuse(model, log)
+        log, fused = logs[fusion.op_type], counts[fusion.op_type]
         refused = []
         for anchor in fusion.find_anchors(model.graph):
             record = log.chains.get(anchor)

@@ -7,22 +7,45 @@ The result says, element by element, which leaf element the value holds, so a ru
 the op's own indexing (repeat_interleave of groups, the (B, H) rows of a batched MatMul, ...). An op that
 would fail on those shapes (a Reshape whose element count does not match) fails the emulation too: the
 original graph does not run there.
+
+A symbolic batch (``Batch``): a value whose leading non-1 dim is the batch symbol is emulated at batch
+sizes 1, 2 and 3, each time with the symbol bound to that size in every shape tensor (a Reshape target
+from ``Shape(x)[0]``, or a -1 that the element count pins). Only the symbol itself or ``c * symbol`` is
+bound, so every dim on the way is ``c`` or ``c * batch``, a monomial of the batch: its values at 1, 2 and 3
+say which. ``batch_blocked`` then requires, at every step, exactly one dim ``c * batch`` with only 1s
+before it: such a value is ``batch`` blocks of the same length one after another, and a layout op between
+two of them (row-major Reshape, a Transpose that keeps the batch axis, an Expand along the other axes,
+Unsqueeze / Squeeze of other axes) maps block ``b`` to block ``b`` by the same map for every batch size. The
+emulation at the three sizes then proves the layout for every batch size.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
+from onnxscript.rewriter import pattern
 
-from fusion.rules._graph import Dim, ForwardShapes, constant_array, resolve_shape_tensor
+from fusion.rules import _arith, _graph
+from fusion.rules._graph import Dim, ForwardShapes, constant_array, resolve_shape_tensor, value_info_preserved
+
+if TYPE_CHECKING:
+    from fusion.rules.gated_group_rms_norm import FusionLog
 
 _ONNX_DOMAINS = ("", "ai.onnx")
 #: Ops that move elements without computing: the layout proof follows them.
 LAYOUT_OPS = frozenset({"Reshape", "Expand", "Unsqueeze", "Squeeze", "Transpose", "Identity"})
 _MAX_DEPTH = 16
 _MAX_ELEMENTS = 1 << 22
+#: The batch sizes a symbolic batch is emulated at (a monomial of the batch is known from two of them).
+BATCH_SAMPLES = (1, 2, 3)
+#: The log the decode rules record into while ``apply_with_log`` runs them (None: nothing is recorded).
+ACTIVE_LOG: contextvars.ContextVar[FusionLog | None] = contextvars.ContextVar("mambafuse_decode_log", default=None)
+_OWN_DOMAIN = "ai.mambafuse"
 
 
 class Refusal(Exception):
@@ -47,23 +70,57 @@ def producer_op(value: ir.Value | None) -> str | None:
     return producer.op_type
 
 
-def int_dims(value: ir.Value, shapes: ForwardShapes, what: str) -> list[int]:
-    """Return the proven dims of ``value``, all ints, or refuse naming ``what``."""
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """A symbolic batch dim (a named or opaque symbol of the graph) bound to one size for an emulation."""
+
+    symbol: Any
+    size: int
+
+    def bind(self, dim: Dim) -> int | None:
+        """Return ``dim`` at this size: an int as it is, the symbol or ``c * symbol`` (c >= 1) bound; else None."""
+        if isinstance(dim, int):
+            return dim
+        if isinstance(dim, _arith.QuasiAffine):
+            if dim.symbol == self.symbol and dim.period == 1 and len(dim.pieces) == 1:
+                slope, offset = dim.pieces[0]
+                return slope * self.size if slope >= 1 and offset == 0 else None
+            return None
+        return self.size if dim is not None and dim == self.symbol else None
+
+    def label(self) -> str:
+        name = self.symbol if isinstance(self.symbol, str) else "?"
+        return f"batch {name} = {self.size}"
+
+
+def is_batch_symbol(dim: Dim) -> bool:
+    """Whether ``dim`` can be a symbolic batch: a named or opaque symbol (not an int, not an expression)."""
+    return isinstance(dim, str | tuple)
+
+
+def int_dims(value: ir.Value, shapes: ForwardShapes, what: str, batch: Batch | None = None) -> list[int]:
+    """Return the proven dims of ``value``, all ints (``batch`` bound), or refuse naming ``what``."""
     dims = shapes(value)
-    if dims is None or not all(isinstance(d, int) for d in dims):
+    bound = None if dims is None else [batch.bind(d) if batch is not None else d for d in dims]
+    if bound is None or not all(isinstance(d, int) for d in bound):
         shown = (
             "unknown" if dims is None else "[" + ", ".join(str(d) if isinstance(d, int) else "?" for d in dims) + "]"
         )
         raise Refusal(f"{what}'s shape is not proven static by the graph ({shown})", value)
-    return [int(d) for d in dims]  # type: ignore[arg-type]
+    return [int(d) for d in bound]  # type: ignore[arg-type]
 
 
-def shape_ints(value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]]) -> list[int] | None:
-    """Return a shape tensor's elements when every one is a proven int, else None."""
+def shape_ints(
+    value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], batch: Batch | None = None
+) -> list[int] | None:
+    """Return a shape tensor's elements when every one is a proven int (``batch`` bound), else None."""
     dims = resolve_shape_tensor(value, aliases)
-    if dims is None or not all(isinstance(d, int) for d in dims):
+    if dims is None:
         return None
-    return [int(d) for d in dims]  # type: ignore[arg-type]
+    bound = [batch.bind(d) if batch is not None else d for d in dims]
+    if not all(isinstance(d, int) for d in bound):
+        return None
+    return [int(d) for d in bound]  # type: ignore[arg-type]
 
 
 def _attribute_ints(node: ir.Node, name: str) -> list[int] | None:
@@ -72,18 +129,37 @@ def _attribute_ints(node: ir.Node, name: str) -> list[int] | None:
 
 
 def emulate(
-    value: ir.Value, leaves: Mapping[ir.Value, np.ndarray], aliases: Mapping[ir.Value, Sequence[Dim]], depth: int = 0
+    value: ir.Value,
+    leaves: Mapping[ir.Value, np.ndarray],
+    aliases: Mapping[ir.Value, Sequence[Dim]],
+    depth: int = 0,
+    *,
+    batch: Batch | None = None,
+    trace: list[tuple[object, tuple[int, ...]]] | None = None,
 ) -> np.ndarray | None:
-    """Return the index array that ``value`` holds, following layout ops back to ``leaves``; None if not."""
+    """Return the index array that ``value`` holds, following layout ops back to ``leaves``; None if not.
+
+    ``batch`` binds a symbolic batch in the shape tensors; ``trace`` receives each leaf's and each step's
+    shape (for ``batch_blocked``).
+    """
     if value in leaves:
+        if trace is not None:
+            trace.append((value, leaves[value].shape))
         return leaves[value]
     producer = value.producer()
     if depth > _MAX_DEPTH or producer is None or producer.domain not in _ONNX_DOMAINS:
         return None
+    result = _emulate_step(producer, leaves, aliases, depth, batch, trace)
+    if result is not None and trace is not None:
+        trace.append((producer, result.shape))
+    return result
+
+
+def _emulate_step(producer, leaves, aliases, depth, batch, trace) -> np.ndarray | None:
     op = producer.op_type
     if op not in LAYOUT_OPS or not producer.inputs or producer.inputs[0] is None:
         return None
-    source = emulate(producer.inputs[0], leaves, aliases, depth + 1)
+    source = emulate(producer.inputs[0], leaves, aliases, depth + 1, batch=batch, trace=trace)
     if source is None:
         return None
     second = producer.inputs[1] if len(producer.inputs) > 1 else None
@@ -94,7 +170,7 @@ def emulate(
             perm = _attribute_ints(producer, "perm")
             return np.transpose(source, perm) if perm is not None else np.transpose(source)
         if op == "Reshape":
-            target = shape_ints(second, aliases)
+            target = shape_ints(second, aliases, batch)
             if target is None:
                 return None
             allowzero = producer.attributes.get_int("allowzero", 0)
@@ -104,7 +180,7 @@ def emulate(
                 return None
             return source.reshape(target)
         if op == "Expand":
-            target = shape_ints(second, aliases)
+            target = shape_ints(second, aliases, batch)
             if target is None:
                 return None
             shape = np.broadcast_shapes(source.shape, tuple(target))
@@ -127,6 +203,8 @@ def emulate(
                     result = np.expand_dims(result, axis)
                 return result
             if axes is None:
+                # every axis of size 1: with a symbolic batch that is the batch axis at size 1 only, which the
+                # traced shapes show (another rank at size 1)
                 return np.squeeze(source)
             axes = [a % source.ndim for a in axes]
             if any(source.shape[a] != 1 for a in axes):
@@ -134,6 +212,34 @@ def emulate(
             return np.squeeze(source, axis=tuple(axes))
     except (ValueError, IndexError):
         return None  # the op fails on these shapes: the original does not run there
+    return None
+
+
+def batch_blocked(traces: Sequence[Sequence[tuple[object, tuple[int, ...]]]], sizes: Sequence[int]) -> str | None:
+    """Return why emulations at batch ``sizes`` (one trace each) are not batch-blocked, or None when they are.
+
+    Every traced step must have the same nodes and rank at every size and exactly one dim ``c * size``
+    (the others the same at every size), with only 1s before it (module docstring).
+    """
+    first = traces[0]
+    if any(len(t) != len(first) or any(a[0] is not b[0] for a, b in zip(t, first, strict=True)) for t in traces):
+        return "the layout takes other steps at other batch sizes"
+    for step in zip(*traces, strict=True):
+        shapes = [shape for _, shape in step]
+        if len({len(shape) for shape in shapes}) != 1:
+            return f"a layout step has another rank at another batch size ({[list(s) for s in shapes]})"
+        batch_axes = []
+        for axis, column in enumerate(zip(*shapes, strict=True)):
+            if len(set(column)) == 1:
+                continue
+            slope = column[0] // sizes[0]
+            if slope < 1 or any(d != slope * n for d, n in zip(column, sizes, strict=True)):
+                return f"a layout step's dim {axis} is not a multiple of the batch ({list(column)} at {list(sizes)})"
+            batch_axes.append(axis)
+        if len(batch_axes) != 1:
+            return f"a layout step does not keep one batch axis ({[list(s) for s in shapes]})"
+        if any(d != 1 for shape in shapes for d in shape[: batch_axes[0]]):
+            return f"a layout step moves the batch behind another axis ({[list(s) for s in shapes]})"
     return None
 
 
@@ -250,3 +356,50 @@ def replace_graph_output(old: ir.Value, new: ir.Value) -> None:
 def negative_zeros(name: str, count: int, dtype: ir.DataType) -> ir.Value:
     """Return an initializer-ready value of ``count`` -0.0s (adding -0.0 is the identity, even for -0.0)."""
     return ir.Value(name=name, const_value=ir.tensor(np.full(count, -0.0, dtype=dtype.numpy()), name=name))
+
+
+class DecodeShapes(ForwardShapes):
+    """``ForwardShapes`` that also knows the decode ops' outputs: out has x's dims, present the state's.
+
+    A rewrite pass's fused CausalConv1dUpdate / SelectiveStateUpdate nodes (each rejects at run time an x
+    or a state of another shape than it writes) then prove the dims of what follows them, so that a later
+    pass can prove the next layer's chain (a symbolic batch is carried through them).
+    """
+
+    #: op type -> (the input whose dims output 0 has, the input whose dims output 1 has)
+    _OUTPUT_DIMS = {"CausalConv1dUpdate": (0, 1), "SelectiveStateUpdate": (1, 0)}
+
+    def _infer_all(self) -> dict[ir.Value, list[Dim] | None]:
+        dims: dict[ir.Value, list[Dim] | None] = {}
+        if self._graph is None:
+            return dims
+        aliases = _graph.ProvenAliases(dims.get)
+        for value in [*self._graph.inputs, *self._graph.initializers.values()]:
+            dims[value] = _graph.value_dims(value, {})
+
+        def dims_of(value: ir.Value | None) -> list[Dim] | None:
+            if value is None:
+                return None
+            if value in dims:
+                return dims[value]
+            return _graph.value_dims(value, {}) if value.producer() is None and value.const_value is not None else None
+
+        for node in self._graph:
+            own = self._OUTPUT_DIMS.get(node.op_type) if node.domain == _OWN_DOMAIN else None
+            for index, output in enumerate(node.outputs):
+                if own is not None:
+                    source = own[index] if index < 2 else None
+                    dims[output] = dims_of(node.inputs[source]) if source is not None else None
+                else:
+                    dims[output] = _graph._infer_dims(node, index, dims_of, aliases)
+        return dims
+
+
+def apply_with_log(rules: pattern.RewriteRuleSet, model: ir.Model, log: FusionLog | None) -> int:
+    """Apply a decode rule set to ``model`` in place with ``log`` as ``ACTIVE_LOG``; return how many fused."""
+    token = ACTIVE_LOG.set(log)
+    try:
+        with value_info_preserved(model):
+            return rules.apply_to_model(model)
+    finally:
+        ACTIVE_LOG.reset(token)

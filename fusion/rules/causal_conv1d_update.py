@@ -25,14 +25,24 @@ from onnxscript.rewriter import pattern
 
 from fusion.reference.causal_conv1d_update import DOMAIN
 from fusion.rules import _arith
-from fusion.rules._decode import Refusal, dtype_name, int_dims, negative_zeros, producer_op, replace_graph_output
+from fusion.rules._decode import (
+    ACTIVE_LOG,
+    DecodeShapes,
+    Refusal,
+    apply_with_log,
+    dtype_name,
+    int_dims,
+    negative_zeros,
+    producer_op,
+    replace_graph_output,
+)
 from fusion.rules._graph import (
     ForwardShapes,
     as_expression,
     constant_array,
+    format_dims,
     remove_dead_producers,
     resolve_shape_tensor,
-    value_info_preserved,
 )
 from fusion.rules.gated_group_rms_norm import FusionLog
 
@@ -146,14 +156,15 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
             self._plan = self._make_plan(anchor, conv_state, x, weight, starts, window, conv, v, widened)
             self._plan.leftovers.append(y)
         except Refusal as refusal:
-            if _ACTIVE_LOG is not None and refusal.logged:
-                _ACTIVE_LOG.record(anchor, FORM, reason=refusal.reason)
+            log = ACTIVE_LOG.get()
+            if log is not None and refusal.logged:
+                log.record(anchor, FORM, reason=refusal.reason)
             return result.fail(refusal.reason, refusal.culprit)
         return result
 
     def _make_plan(self, anchor, conv_state, x, weight, starts, window, conv, v, widened) -> _Plan:
         if self._shapes is None:
-            self._shapes = ForwardShapes(window.graph)
+            self._shapes = DecodeShapes(window.graph)
         shapes = self._shapes
         t = x.dtype
         if t not in SUPPORTED_DTYPES:
@@ -202,8 +213,12 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
             raise Refusal(f"the conv bias is {dtype_name(bias.dtype)}, x is {dtype_name(t)}", bias)
         if bias is not None and int_dims(bias, shapes, "the conv bias") != [channels]:
             raise Refusal(f"the conv bias is not ({channels},)", bias)
-        x_dims = int_dims(x, shapes, "x")
-        if len(x_dims) != 3 or x_dims[1] != channels:
+        # x's batch may be symbolic (or unproven): no layout op touches it, and the Concat with the state
+        # proves the state's batch to be x's (the op checks it too)
+        x_dims = shapes(x)
+        if x_dims is None or len(x_dims) != 3 or not all(isinstance(d, int) for d in x_dims[1:]):
+            raise Refusal(f"x's (C, L) are not proven static by the graph ({format_dims(x_dims)})", x)
+        if x_dims[1] != channels:
             raise Refusal(f"x is {x_dims}, not (B, {channels}, L)", x)
         new = x_dims[2]
         state_dims = shapes(conv_state)
@@ -296,8 +311,9 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
     def rewrite(self, op, **_: Any):
         plan = self._plan
         assert plan is not None
-        if _ACTIVE_LOG is not None:
-            _ACTIVE_LOG.record(plan.anchor, FORM, **plan.attributes)
+        log = ACTIVE_LOG.get()
+        if log is not None:
+            log.record(plan.anchor, FORM, **plan.attributes)
         self._leftovers.extend(plan.leftovers)
         bias, weight = plan.bias, plan.weight
         if plan.weight_data is not None:
@@ -325,8 +341,6 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
         self._leftovers = []
 
 
-_ACTIVE_LOG: FusionLog | None = None
-
 causal_conv1d_update_rules = pattern.RewriteRuleSet(
     [
         CausalConv1dUpdateFusion.rule(
@@ -343,13 +357,7 @@ causal_conv1d_update_rules.remove_unused_nodes = False
 
 def fuse_causal_conv1d_update(model: ir.Model, log: FusionLog | None = None) -> int:
     """Fuse every decode conv update of ``model`` in place; return how many were fused."""
-    global _ACTIVE_LOG
-    previous, _ACTIVE_LOG = _ACTIVE_LOG, log
-    try:
-        with value_info_preserved(model):
-            return causal_conv1d_update_rules.apply_to_model(model)
-    finally:
-        _ACTIVE_LOG = previous
+    return apply_with_log(causal_conv1d_update_rules, model, log)
 
 
 def find_anchors(graph: ir.Graph) -> list[ir.Node]:

@@ -34,11 +34,18 @@ from onnxscript.rewriter import pattern
 
 from fusion.reference.selective_state_update import DOMAIN, SOFTPLUS_THRESHOLD
 from fusion.rules._decode import (
+    ACTIVE_LOG,
+    BATCH_SAMPLES,
     LAYOUT_OPS,
+    Batch,
+    DecodeShapes,
     Refusal,
+    apply_with_log,
+    batch_blocked,
     dtype_name,
     emulate,
     int_dims,
+    is_batch_symbol,
     layout_source,
     leaf_indices,
     outside_readers,
@@ -46,7 +53,7 @@ from fusion.rules._decode import (
     producer_op,
     replace_graph_output,
 )
-from fusion.rules._graph import ForwardShapes, constant_scalar, remove_dead_producers, value_info_preserved
+from fusion.rules._graph import ForwardShapes, constant_scalar, remove_dead_producers
 from fusion.rules.gated_group_rms_norm import FusionLog, location
 
 FORM = "decode"
@@ -73,6 +80,14 @@ class _Plan:
     present: ir.Value
     leftovers: list[ir.Value]
     attributes: dict[str, Any]
+
+
+class _SymbolicBatch(Exception):
+    """x's batch is a symbol: the proof is run at ``BATCH_SAMPLES`` with it bound."""
+
+    def __init__(self, symbol: object) -> None:
+        super().__init__(symbol)
+        self.symbol = symbol
 
 
 def _producer(value: ir.Value | None, *ops: str) -> ir.Node | None:
@@ -132,6 +147,9 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         self._plan: _Plan | None = None
         self._leftovers: list[ir.Value] = []
         self._shapes: ForwardShapes | None = None
+        #: while a symbolic batch is proven: its size in this run, and the layout steps emulated
+        self._batch: Batch | None = None
+        self._trace: list[tuple[object, tuple[int, ...]]] | None = None
 
     def pattern(self, op, s_rows, c_rows, y_shape, skip):
         y = op.Reshape(op.MatMul(s_rows, c_rows, _outputs=["bmm"]), y_shape, _outputs=["y"])
@@ -139,7 +157,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
 
     def check(self, context, s_rows, c_rows, skip, bmm, y, **_: Any) -> pattern.MatchResult:
         result = pattern.MatchResult()
-        log = _ACTIVE_LOG
+        log = ACTIVE_LOG.get()
         try:
             self._plan = self._make_plan(s_rows, c_rows, skip, bmm, y)
         except Refusal as refusal:
@@ -154,7 +172,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
     def _make_plan(self, s_rows, c_rows, skip, bmm, y) -> _Plan:
         graph = y.graph
         if self._shapes is None:
-            self._shapes = ForwardShapes(graph)
+            self._shapes = DecodeShapes(graph)
         shapes = self._shapes
         # Find the state update behind the readout: the float32 Add of the decayed state and dBx.
         s_t = layout_source(s_rows)
@@ -179,7 +197,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
             )
         anchor = add
         try:
-            return self._prove(
+            return self._prove_every_batch(
                 anchor,
                 graph,
                 shapes,
@@ -200,6 +218,33 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         except Refusal as refusal:
             refusal.anchor = anchor  # type: ignore[attr-defined]
             raise
+
+    def _prove_every_batch(self, anchor, *args) -> _Plan:
+        """``_prove`` for x's batch; a symbolic batch at each of ``BATCH_SAMPLES``, with the emulated layouts
+        batch-blocked (``_decode.batch_blocked``): then they hold for every batch size."""
+        self._batch, self._trace = None, None
+        try:
+            return self._prove(anchor, *args)
+        except _SymbolicBatch as symbolic:
+            symbol = symbolic.symbol
+        traces, plan = [], None
+        try:
+            for size in BATCH_SAMPLES:
+                self._batch, self._trace = Batch(symbol, size), []
+                try:
+                    plan = self._prove(anchor, *args)
+                except Refusal as refusal:
+                    raise Refusal(
+                        f"{refusal.reason} (at {self._batch.label()})", refusal.culprit, logged=refusal.logged
+                    ) from None
+                traces.append(self._trace)
+        finally:
+            self._batch, self._trace = None, None
+        why = batch_blocked(traces, BATCH_SAMPLES)
+        if why is not None:
+            raise Refusal(f"the layout is not proven for every batch size: {why}", anchor)
+        assert plan is not None
+        return plan
 
     def _prove(
         self,
@@ -258,7 +303,16 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         x = next((c for c in mul_d.inputs if c is x_u or c in _layout_ancestors(x_u)), None)
         if x is None:
             raise Refusal("the skip's x * D and dBx read different x", mul_d)
-        x_dims = int_dims(x, shapes, "x")
+        x_shape = shapes(x)
+        if (
+            self._batch is None
+            and x_shape is not None
+            and len(x_shape) == 3
+            and is_batch_symbol(x_shape[0])
+            and all(isinstance(d, int) for d in x_shape[1:])
+        ):
+            raise _SymbolicBatch(x_shape[0])
+        x_dims = int_dims(x, shapes, "x", self._batch)
         if len(x_dims) != 3 or x.dtype != t:
             raise Refusal(f"x is not (B, H, P) of the readout's type (proven shape {x_dims})", x)
         batch, heads, head_dim = x_dims
@@ -301,7 +355,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         if d.dtype != t:
             raise Refusal(f"softplus(dt) is {dtype_name(d.dtype)}, the op rounds it to {dtype_name(t)}", d)
         # softplus(dt)'s dims: proven, or (B, H, P) as dt's broadcast and dt_bias (H, P) prove below
-        d_dims = shapes(d)
+        d_dims = self._bound(shapes(d))
         if d_dims is None or not all(isinstance(dim, int) for dim in d_dims):
             d_dims = [batch, heads, head_dim]
         if d_dims != [batch, heads, head_dim]:
@@ -321,8 +375,8 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
                 break
         if dt_e is None:
             raise Refusal("dt + dt_bias: no broadcast of dt found", v_node)
-        dt_src = _proven_leaf(dt_e, shapes)
-        dt_dims = int_dims(dt_src, shapes, "dt")
+        dt_src = _proven_leaf(dt_e, shapes, self._batch)
+        dt_dims = int_dims(dt_src, shapes, "dt", self._batch)
         if int(np.prod(dt_dims)) != batch * heads or dt_src.dtype != t:
             raise Refusal(f"dt ({dt_dims}, {dtype_name(dt_src.dtype)}) is not B * H values of x's type", dt_src)
         expected_dt = np.broadcast_to(
@@ -348,12 +402,12 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         b_h = next((p for p in mul_db.inputs if p is not dt_u), None)
         if b_h is None or dt_u not in mul_db.inputs:
             raise Refusal("dB does not multiply the same rounded dt as dA", mul_db)
-        b_src = _proven_leaf(b_h, shapes)
+        b_src = _proven_leaf(b_h, shapes, self._batch)
         groups = self._groups(b_h, b_src, batch, heads, head_dim, state_size, aliases, shapes, t, "B", 2)
         # readout: rows of s_t and of C_h, MatMul, Reshape back to (B, H, P)
-        c_src = _proven_leaf(c_rows, shapes)
+        c_src = _proven_leaf(c_rows, shapes, self._batch)
         s_leaf = leaf_indices(full)
-        rows_s = emulate(s_rows, {s_t: s_leaf}, aliases)
+        rows_s = self._emulate(s_rows, {s_t: s_leaf}, aliases)
         if rows_s is None or rows_s.shape[-2:] != (head_dim, state_size) or rows_s.size != s_leaf.size:
             raise Refusal("the readout's state rows are not (.., P, N) of the state", s_rows)
         if not np.array_equal(rows_s.reshape(-1, head_dim, state_size), s_leaf.reshape(-1, head_dim, state_size)):
@@ -368,8 +422,11 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         self._expect(y, {bmm: bmm_idx}, aliases, bmm_idx.reshape(batch, heads, head_dim), "the readout's Reshape")
         if bmm.dtype != t or s_rows.dtype != t or c_rows.dtype != t:
             raise Refusal(f"the readout MatMul is not in {dtype_name(t)}", bmm)
-        # state batch: a state of another batch than x's must make the original fail
-        if state_dims[0] != batch:
+        # state batch: a symbolic batch must be x's symbol; another batch than x's must make the original fail
+        if self._batch is not None:
+            if state_dims[0] != self._batch.symbol:
+                raise Refusal("the state's batch is not proven to be x's", state)
+        elif state_dims[0] != batch:
             wider = leaf_indices((batch + 1, heads, head_dim, state_size))
             if emulate(s_rows, {s_t: wider}, aliases) is not None:
                 raise Refusal("the state's batch is not proven to be x's", state)
@@ -473,7 +530,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         return v
 
     def _groups(self, value, source, batch, heads, head_dim, state_size, aliases, shapes, t, name, axis, rows=None):
-        dims = int_dims(source, shapes, name)
+        dims = int_dims(source, shapes, name, self._batch)
         if source.dtype != t:
             raise Refusal(f"{name} is {dtype_name(source.dtype)}, not x's type", source)
         per_batch = int(np.prod(dims)) // max(batch, 1)
@@ -489,7 +546,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
             + (h // rep)[None, :, None] * state_size
             + np.arange(state_size)[None, None, :]
         )  # (B, H, N): head h reads group h // (H / G) (repeat_interleave)
-        got = emulate(value, {source: leaf_indices(dims)}, aliases)
+        got = self._emulate(value, {source: leaf_indices(dims)}, aliases)
         if got is None:
             raise Refusal(f"{name}'s heads are not a layout of {name} that the graph proves", value)
         if rows is None:  # B_h, broadcast against (B, H, P, N) with a P axis of 1
@@ -512,9 +569,17 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
             )
         return groups
 
-    @staticmethod
-    def _expect(value, leaves, aliases, expected, what, broadcast_to=None):
-        got = emulate(value, leaves, aliases)
+    def _emulate(self, value, leaves, aliases):
+        return emulate(value, leaves, aliases, batch=self._batch, trace=self._trace)
+
+    def _bound(self, dims):
+        """Return dims with the symbolic batch bound (unchanged when none is)."""
+        if dims is None or self._batch is None:
+            return dims
+        return [self._batch.bind(d) for d in dims]
+
+    def _expect(self, value, leaves, aliases, expected, what, broadcast_to=None):
+        got = self._emulate(value, leaves, aliases)
         if got is None:
             raise Refusal(f"{what} is not a layout that the graph proves", value)
         if broadcast_to is not None:
@@ -530,7 +595,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
     def rewrite(self, op, **_: Any):
         plan = self._plan
         assert plan is not None
-        log = _ACTIVE_LOG
+        log = ACTIVE_LOG.get()
         if log is not None:
             log.record(plan.anchor, FORM, **plan.attributes)
         self._leftovers.extend(plan.leftovers)
@@ -566,17 +631,21 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
     def setup(self) -> None:
         self._leftovers = []
         self._shapes = None
+        self._batch, self._trace = None, None
 
     def cleanup(self) -> None:
         remove_dead_producers(self._leftovers)
         self._leftovers = []
 
 
-def _proven_leaf(value: ir.Value, shapes: ForwardShapes) -> ir.Value:
-    """Return the farthest value ``value`` is made from by layout ops whose shape the graph proves static."""
+def _proven_leaf(value: ir.Value, shapes: ForwardShapes, batch: Batch | None = None) -> ir.Value:
+    """Return the farthest value ``value`` is made from by layout ops whose shape the graph proves static
+    (but for a symbolic ``batch``)."""
     best = value
     for ancestor in _layout_ancestors(value):
         dims = shapes(ancestor)
+        if dims is not None and batch is not None:
+            dims = [batch.bind(d) for d in dims]
         if dims is not None and all(isinstance(d, int) for d in dims):
             best = ancestor
     return best
@@ -636,9 +705,6 @@ def _data_nodes(root: ir.Node, leaves: set[ir.Value]) -> set[ir.Node]:
     return {node for node, hit in memo.items() if hit}
 
 
-_ACTIVE_LOG: FusionLog | None = None
-
-
 def _rules() -> list[pattern.RewriteRule]:
     return [
         SelectiveStateUpdateFusion.rule(
@@ -654,13 +720,7 @@ selective_state_update_rules.remove_unused_nodes = False
 
 def fuse_selective_state_update(model: ir.Model, log: FusionLog | None = None) -> int:
     """Fuse every decode state update of ``model`` in place; return how many were fused."""
-    global _ACTIVE_LOG
-    previous, _ACTIVE_LOG = _ACTIVE_LOG, log
-    try:
-        with value_info_preserved(model):
-            return selective_state_update_rules.apply_to_model(model)
-    finally:
-        _ACTIVE_LOG = previous
+    return apply_with_log(selective_state_update_rules, model, log)
 
 
 def find_anchors(graph: ir.Graph) -> list[ir.Node]:
