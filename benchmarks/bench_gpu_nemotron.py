@@ -36,6 +36,22 @@ fused nodes after, per Run. GPU time is CUPTI's (torch.profiler): the chains' as
 after) + (fused kernels), each total the sum over a Run's kernels of each one's median duration over the Runs
 (every Run launches the same sequence), so that a few slow outliers do not move a difference of two totals.
 ``run --device cpu [--prefill-tokens N]`` is a smoke test of the script.
+
+The decode step's variants, side by side (``step``): ``export`` also writes the decode graph with the gated
+norm alone fused ("norm"; ``rewrite_model(decode_steps=False)``) and as ``mambafuse optimize`` writes it
+("optimize"), beside the unfused one and ``mambafuse rewrite``'s ("after": the norm, CausalConv1dUpdate and
+SelectiveStateUpdate). ``step`` runs the four in one process with the library registered, interleaved, with
+and without ORT's CUDA graph; counts the kernels of a Run and sums their GPU time by kernel family (CUPTI;
+families by kernel name); puts the Run beside the weight-streaming floor (the bytes of weights a step reads /
+the device's copy bandwidth, measured in the same process); and prints each variant's largest logit
+difference from the unfused step, so that a variant computing something else shows:
+
+    python benchmarks/bench_gpu_nemotron.py step --graphs .bench-vendor/nemotron \\
+        --library build/cuda/libmambafuse_ops.so
+
+Only the projections' and the embedding's weights are random on the GPU machine: a tensor the fused graph
+bakes into its nodes (Mamba's A, folded to (H, P, N) by the exporter, and read per head by the rewrite) keeps
+its values, or the unfused and the fused step would compute different things.
 """
 
 from __future__ import annotations
@@ -81,10 +97,31 @@ FLOAT_TYPES = {
 # --- export (CPU, here) ------------------------------------------------------------------------------------
 
 
+#: The ops whose weights ``run`` may replace with random values: the projections and the embedding. A step
+#: with random projection weights does the same work; a random A, dt bias or conv weight would not be what
+#: the fused graph reads (the rewrite bakes those into its nodes' inputs, and it proved them from the values).
+RANDOM_OK = {"MatMul", "Gemm", "Gather"}
+
+
+def _row_constant(array: np.ndarray) -> np.ndarray | None:
+    """Return one value per leading index if `array` is constant along its other axes (Mamba's A folded to
+    (H, P, N), D to (H, P)), else None."""
+    if array.ndim < 2:
+        return None
+    rows = array.reshape(array.shape[0], -1)
+    return rows[:, 0].copy() if bool(np.all(rows == rows[:, :1])) else None
+
+
 def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], location: str) -> list[dict]:
-    """Point every floating-point initializer over KEEP_BYTES at `location` (offsets from `layout`, shared by
-    name); return the manifest of those tensors. Integer tensors stay in the graph: random values would
-    break them."""
+    """Point the floating-point initializers over KEEP_BYTES at `location` (offsets from `layout`, shared by
+    name); return the manifest of those tensors. Those that only projections and the embedding read are
+    written as random values on the GPU machine; those constant along all but their first axis carry their
+    values in the manifest ("fill": one per row) and are written exactly; any other stays in the graph, as
+    does every integer tensor (random values would change what the graph computes)."""
+    consumers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for index, name in enumerate(node.input):
+            consumers.setdefault(name, set()).add(node.op_type if node.op_type != "Gather" or index == 0 else "?")
     manifest = []
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -92,6 +129,12 @@ def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], loc
         size = len(tensor.raw_data)
         if size <= KEEP_BYTES or tensor.data_type not in FLOAT_TYPES:
             continue
+        entry_fill = None
+        if not consumers.get(tensor.name, {"?"}) <= RANDOM_OK:
+            fill = _row_constant(onnx.numpy_helper.to_array(tensor))
+            if fill is None:
+                continue  # stays in the graph
+            entry_fill = [float(v) for v in fill.astype(np.float32)]
         if tensor.name not in layout:
             end = max((o + n for o, n in layout.values()), default=0)
             layout[tensor.name] = ((end + 4095) // 4096 * 4096, size)  # 4 KiB aligned
@@ -104,7 +147,10 @@ def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], loc
         for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
-        manifest.append({"name": tensor.name, "dims": list(tensor.dims), "type": tensor.data_type})
+        record = {"name": tensor.name, "dims": list(tensor.dims), "type": tensor.data_type}
+        if entry_fill is not None:
+            record["fill"] = entry_fill
+        manifest.append(record)
     return manifest
 
 
@@ -112,8 +158,10 @@ def _write_meta(out: Path, dtype: str, builder: str, layout: dict, location: str
     """Write ``<dtype>.json``: the builder, the data file's layout (and each tensor's element type, for
     ``write_weights``) and the graphs by ``<mode>-<before|after>``."""
     types = {w["name"]: w["type"] for entry in graphs.values() for w in entry["weights"]}
+    fills = {w["name"]: w["fill"] for entry in graphs.values() for w in entry["weights"] if "fill" in w}
     size = max(o + n for o, n in layout.values())
     meta = {"builder": builder, "location": location, "bytes": size, "layout": layout, "types": types}
+    meta["fill"] = fills
     (out / f"{dtype}.json").write_text(json.dumps({**meta, "graphs": graphs}, indent=1))
 
 
@@ -130,6 +178,28 @@ def fuse(source: Path, fused: Path, label: str) -> int:
     if rewrite.main([str(source), "-o", str(fused)]) != 0:
         raise SystemExit(f"{label}: the rewrite failed")
     return fused_count(fused)
+
+
+def step_variant(source: Path, folder: Path, name: str) -> Path:
+    """Write the ``name`` variant of the decode step at `source` into `folder` and return its path: "norm" is
+    the gated norm alone fused (``rewrite_model(decode_steps=False)``), "optimize" is ``mambafuse optimize``
+    (onnxscript's ORT fusions, then every mambafuse fusion). ("after" is ``mambafuse rewrite``'s default:
+    every mambafuse fusion.)"""
+    import onnx_ir as ir
+
+    from fusion.optimize import optimize_model
+    from fusion.rewrite import rewrite_model
+
+    if name == "norm":
+        model, report = rewrite_model(ir.load(source), decode_steps=False)
+    elif name == "optimize":
+        model, report = optimize_model(ir.load(source))
+    else:
+        raise ValueError(f"unknown step variant {name!r}")
+    target = folder / f"model.{name}.onnx"
+    ir.save(model, target, external_data=f"model.{name}.onnx.data")
+    print(f"  {name}: {report.summary().splitlines()[0]}", flush=True)
+    return target
 
 
 def save_stripped(source: Path, target: Path, layout: dict[str, tuple[int, int]], location: str) -> list[dict]:
@@ -169,7 +239,10 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
                 )
                 fused = Path(tmp) / "model.fused.onnx"
                 count = fuse(source, fused, f"{dtype} {key}")
-                for name, path in (("before", source), ("after", fused)):
+                variants = [("before", source), ("after", fused)]
+                if mode == "decode":  # the step's variants (``step``): norm only, and optimize
+                    variants += [(name, step_variant(source, Path(tmp), name)) for name in ("norm", "optimize")]
+                for name, path in variants:
                     target = out / f"{dtype}-{key}-{name}.onnx"
                     manifest = save_stripped(path, target, layout, location)
                     entries[f"{key}-{name}"] = {"graph": target.name, "weights": manifest}
@@ -319,7 +392,8 @@ def print_sizes(folder: Path) -> None:
 
 def write_weights(folder: Path, dtype: str) -> None:
     """Write the external data file of `dtype` with seeded N(0, 0.02) values, one seed per tensor name, in each
-    tensor's element type (json "types"; older folders: `dtype`)."""
+    tensor's element type (json "types"; older folders: `dtype`); a tensor with a "fill" gets its exact
+    values."""
     meta = json.loads((folder / f"{dtype}.json").read_text())
     target = folder / meta["location"]
     if target.is_file() and target.stat().st_size == meta["bytes"]:
@@ -334,7 +408,11 @@ def write_weights(folder: Path, dtype: str) -> None:
             numpy_type = numpy_types[FLOAT_TYPES[meta.get("types", {}).get(name, default_type)]]
             seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
             count = length // np.dtype(numpy_type).itemsize
-            values = np.random.default_rng(seed).standard_normal(count, dtype=np.float32) * 0.02
+            if name in meta.get("fill", {}):  # exact: one value per row (_externalize)
+                fill = np.asarray(meta["fill"][name], np.float32)
+                values = np.repeat(fill, count // len(fill))
+            else:
+                values = np.random.default_rng(seed).standard_normal(count, dtype=np.float32) * 0.02
             f.seek(offset)
             f.write(values.astype(numpy_type).tobytes())
 
@@ -457,6 +535,201 @@ def run(args: argparse.Namespace) -> None:
         args.markdown.write_text("\n".join(lines) + "\n")
 
 
+#: The decode step's variants (``export`` writes them, ``step`` measures them side by side).
+STEP_VARIANTS = {
+    "before": "unfused",
+    "norm": "gated norm fused",
+    "after": "mambafuse rewrite",
+    "optimize": "mambafuse optimize",
+}
+#: Kernel families by CUPTI kernel name (first match wins): our three ops by their kernels' names, then what
+#: ONNX Runtime's CUDA EP and the libraries it calls name their kernels.
+KERNEL_FAMILIES = (
+    ("GatedGroupRMSNorm", ("cuda_kernels::WarpPathKernel", "cuda_kernels::VectorPathKernel")),
+    ("SelectiveStateUpdate", ("ssu_kernels::",)),
+    ("CausalConv1dUpdate", ("ConvUpdateKernel",)),
+    ("MatMul (GEMM/GEMV)", ("gemm", "gemv", "xmma", "cutlass", "cublas", "splitk", "splitK")),
+    ("copies and memsets", ("memcpy", "memset", "Memcpy", "Memset")),
+    ("norms (ORT)", ("LayerNorm", "layer_norm", "SkipLayerNorm", "RMSNorm")),
+    ("attention / softmax", ("Softmax", "softmax", "Attention", "attention", "flash", "mha", "MHA")),
+    ("reductions", ("reduce", "Reduce")),
+    ("transpose / concat / slice / gather", ("Transpose", "transpose", "Concat", "Slice", "Gather", "Expand", "Split")),
+    ("elementwise", ("ElementWise", "Elementwise", "elementwise", "Unary", "Binary", "Cast", "Impl", "Where", "Pow")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """Return the family of a kernel by its CUPTI name (KERNEL_FAMILIES), "other" if none matches."""
+    for family, keys in KERNEL_FAMILIES:
+        if any(key in name for key in keys):
+            return family
+    return "other"
+
+
+def weight_bytes_per_step(model: onnx.ModelProto) -> int:
+    """Return the bytes of weights one decode step reads: every initializer (external ones by their dims and
+    type), one row of each Gather table (the embedding: one row per token)."""
+    gathered = {node.input[0] for node in model.graph.node if node.op_type == "Gather"}
+    total = 0
+    for tensor in model.graph.initializer:
+        count = int(np.prod(tensor.dims)) if tensor.dims else 1
+        size = count * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+        total += size // tensor.dims[0] if tensor.name in gathered and len(tensor.dims) == 2 else size
+    return total
+
+
+def copy_bandwidth(torch, megabytes: int = 1024, repeats: int = 20) -> float:
+    """Return the device's copy bandwidth in bytes per second (read + written) from CUDA events around a
+    device-to-device copy of `megabytes` (far larger than L2): the median of `repeats`."""
+    if DEVICE == "cpu":  # the smoke test: numpy's copy rate
+        source = np.ones(megabytes << 20, np.uint8)
+        t0 = time.perf_counter()
+        source.copy()
+        return 2 * source.nbytes / (time.perf_counter() - t0)
+    source = torch.empty(megabytes << 20, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del source, target
+    return 2 * (megabytes << 20) / statistics.median(times[3:])
+
+
+def gemv_read_rate(torch, dtype: str, repeats: int = 20) -> float:
+    """Return the rate (bytes of weight per second) at which torch's cuBLAS streams a 4096 x 21504 weight
+    (176 MB in 16-bit, larger than L2) in a 1 x 4096 product: the MLP's up projection at batch 1."""
+    if DEVICE == "cpu":  # the smoke test
+        return float("nan")
+    torch_type = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
+    weight = torch.randn(4096, 21504, device="cuda").to(torch_type)
+    x = torch.randn(1, 4096, device="cuda").to(torch_type)
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(x, weight)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    size = weight.numel() * weight.element_size()
+    del weight, x
+    return size / statistics.median(times[3:])
+
+
+def cpu_outputs(ort, torch, path, feeds, dims, library, runs, with_outputs=True):
+    """The smoke test's stand-in for ``gpu_kernels``: no GPU figures, the outputs of one Run on the CPU."""
+    session = session_for(ort, path, dims, library, False)
+    binding, keep = bind(ort, torch, session, feeds)
+    session.run_with_iobinding(binding)
+    outputs = [t.float().numpy() if t.is_floating_point() else t.numpy() for t in keep[len(feeds) :]]
+    return {"launches": float("nan"), "robust": {}, "robust_total": float("nan")}, outputs
+
+
+def run_step(args: argparse.Namespace) -> None:
+    """The decode step's variants side by side (STEP_VARIANTS): Run time with and without ORT's CUDA graph,
+    kernels and GPU time per Run by kernel family (CUPTI), and the weight-streaming floor."""
+    import onnxruntime as ort
+    import torch
+
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        ort.preload_dlls()
+    lines: list[str] = []
+
+    def emit(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    copy_rate = copy_bandwidth(torch, 1024 if DEVICE == "cuda" else 64)
+    device_name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "CPU (smoke test)"
+    emit(
+        f"Environment: {device_name}, onnxruntime {ort.__version__}, torch "
+        f"{torch.__version__}; CUDA EP, IO binding, the mambafuse library registered in every session; "
+        f"{len(LAYERS)} layers (4 Mamba-2, 3 MLP, 1 attention), vocabulary {VOCAB}, random weights; batch 1, one "
+        f"token after a past of {PAST}. Run times: medians (min-max) of 7 interleaved repeats of {args.runs} Runs. "
+        f"Device copy bandwidth (1 GiB device-to-device, read + written): {copy_rate / 1e12:.2f} TB/s."
+    )
+    families = [family for family, _ in KERNEL_FAMILIES] + ["other"]
+    family_rows = []
+    unknown: set[str] = set()
+    for folder, dtype in [(f, d) for f in args.graphs for d in args.dtypes.split(",")]:
+        write_weights(folder, dtype)
+        meta = json.loads((folder / f"{dtype}.json").read_text())
+        builder = meta.get("builder", "dynamo")
+        names = [v for v in STEP_VARIANTS if f"decode-{v}" in meta["graphs"]]
+        paths = {v: folder / meta["graphs"][f"decode-{v}"]["graph"] for v in names}
+        graphs = {v: onnx.load(str(path), load_external_data=False) for v, path in paths.items()}
+        feeds, dims = (mobius_step_inputs if builder == "mobius" else step_inputs)(graphs["before"], "decode")
+        weights = weight_bytes_per_step(graphs["before"])
+        floor_us = weights / copy_rate * 1e6
+        gemv = gemv_read_rate(torch, dtype)
+        emit()
+        emit(
+            f"### {builder} {dtype}: weights read per step {weights / 1e9:.3f} GB; weight-streaming floor "
+            f"{floor_us:.0f} µs at the copy bandwidth (torch's cuBLAS GEMV streams a 4096 x 21504 weight at "
+            f"{gemv / 1e12:.2f} TB/s: {weights / gemv * 1e6:.0f} µs)"
+        )
+        emit()
+        gpu, outputs = {}, {}
+        for v, path in paths.items():
+            gpu[v], outputs[v] = (gpu_kernels if DEVICE == "cuda" else cpu_outputs)(
+                ort, torch, path, feeds, dims, args.library, 200, with_outputs=True
+            )
+            unknown.update(n for n in gpu[v]["robust"] if kernel_family(n) == "other")
+        timing = {}
+        for graph in (False, True):
+            try:
+                timing[graph] = measure(ort, torch, paths, feeds, dims, args.library, graph, args.runs)
+            except Exception as error:  # noqa: BLE001 - reported in the table (e.g. capture refused)
+                timing[graph] = {v: {"error": str(error).splitlines()[0][:200]} for v in paths}
+        emit(
+            "| variant | nodes | kernels per Run | GPU time per Run (µs) | Run, CUDA graph (µs) | speed-up "
+            "| x floor | Run, no CUDA graph (µs) | speed-up | logits vs unfused (max abs diff) |"
+        )
+        emit("|---|---|---|---|---|---|---|---|---|---|")
+        for v in names:
+            cells = []
+            for graph in (True, False):
+                stats, base = timing[graph][v], timing[graph]["before"]
+                if "error" in stats or "error" in base:
+                    cells += [stats.get("error", ""), "", ""] if graph else [stats.get("error", ""), ""]
+                    continue
+                cells += [fmt(stats), f"{base['median'] / stats['median']:.2f}x"]
+                if graph:
+                    cells.append(f"{stats['median'] / floor_us:.2f}x")
+            diff = max(
+                float(np.max(np.abs(a.astype(np.float32) - b.astype(np.float32)))) if a.size else 0.0
+                for a, b in zip(outputs[v][:1], outputs["before"][:1], strict=True)
+            )
+            emit(
+                f"| {STEP_VARIANTS[v]} | {len(graphs[v].graph.node)} | {gpu[v]['launches']:.0f} | "
+                f"{gpu[v]['robust_total']:.0f} | " + " | ".join(cells) + f" | {diff:.2e} |"
+            )
+            by_family = dict.fromkeys(families, 0.0)
+            for name, us in gpu[v]["robust"].items():
+                by_family[kernel_family(name)] += us
+            family_rows.append((f"{builder} {dtype} {STEP_VARIANTS[v]}", by_family))
+    emit()
+    emit("GPU time per Run by kernel family (µs; CUPTI, no CUDA graph; families by kernel name):")
+    emit()
+    shown = [f for f in families if any(row[f] >= 0.5 for _, row in family_rows)]
+    emit("| step | " + " | ".join(shown) + " |")
+    emit("|---" * (len(shown) + 1) + "|")
+    for label, row in family_rows:
+        emit(f"| {label} | " + " | ".join(f"{row[f]:.0f}" for f in shown) + " |")
+    if unknown:
+        emit()
+        emit("Kernels counted as other: " + "; ".join(n[:80] for n in sorted(unknown)[:12]))
+    if args.markdown:
+        args.markdown.write_text("\n".join(lines) + "\n")
+
+
 def fmt(stats: dict) -> str:
     return f"{stats['median']:.0f} ({stats['min']:.0f}–{stats['max']:.0f})"
 
@@ -499,7 +772,7 @@ def step_inputs(model: onnx.ModelProto, mode: str) -> tuple[dict[str, tuple[np.n
             array = (
                 np.full(shape, PAST, np.int64)
                 if value.name == "position_ids"
-                else rng.integers(3, 1024, shape).astype(np.int64)
+                else rng.integers(3, VOCAB, shape).astype(np.int64)
             )
         else:
             array = (rng.standard_normal(shape) * 0.5).astype(np.float32)
@@ -630,9 +903,10 @@ def measure(ort, torch, paths: dict[str, Path], feeds, dims, library, graph: boo
     }
 
 
-def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10) -> dict:
+def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10, with_outputs: bool = False):
     """GPU time per Run from CUPTI (torch.profiler sees every kernel and copy of the process, ORT's too): all of
-    it, the fused kernels' (mambafuse::), and the largest kernels by name."""
+    it, the fused kernels' (mambafuse::), and the largest kernels by name; with `with_outputs`, also the Run's
+    outputs (numpy, in the session's output order)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -652,8 +926,10 @@ def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10) -> dict:
             device_us = getattr(event, "self_cuda_time_total", 0.0)
         if device_us > 0:
             launches.append((event.time_range.start, event.name, device_us))
+    outputs = [t.float().cpu().numpy() if t.is_floating_point() else t.cpu().numpy() for t in keep[len(feeds) :]]
     del keep, session
-    return kernel_stats(launches, runs)
+    stats = kernel_stats(launches, runs)
+    return (stats, outputs) if with_outputs else stats
 
 
 def kernel_stats(launches: list[tuple[float, str, float]], runs: int) -> dict:
@@ -689,6 +965,8 @@ def kernel_stats(launches: list[tuple[float, str, float]], runs: int) -> dict:
     # are the copy engines', not a kernel's).
     kernels = {k: totals[k] * runs / calls[k] for k in totals if not k.lower().startswith(("memcpy", "memset"))}
     return {
+        "launches": len(launches) / runs,
+        "robust": robust,
         "total": sum(totals.values()),
         "fused": fused,
         "robust_total": sum(robust.values()),
@@ -763,7 +1041,17 @@ def main() -> int:
     r.add_argument("--markdown", type=Path, default=None)
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of this script")
     r.add_argument("--graph-modes", default="no,yes", help="ORT CUDA graph off/on (cpu: no)")
+    t = sub.add_parser("step", help="the decode step's variants side by side, with the weight-streaming floor")
+    t.add_argument("--graphs", type=Path, nargs="+", default=[REPO / ".bench-vendor" / "nemotron"])
+    t.add_argument("--library", type=Path, required=True)
+    t.add_argument("--dtypes", default=",".join(DTYPES))
+    t.add_argument("--runs", type=int, default=50)
+    t.add_argument("--markdown", type=Path, default=None)
+    t.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of this script")
     args = parser.parse_args()
+    if args.command == "step":
+        run_step(args)
+        return 0
     if args.command == "export":
         out = args.out or REPO / ".bench-vendor" / ("nemotron" if args.builder == "dynamo" else "nemotron-mobius")
         dtypes = args.dtypes.split(",")

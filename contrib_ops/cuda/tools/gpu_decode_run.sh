@@ -2,12 +2,14 @@
 # The decode-step ops' GPU checks and benchmark, unattended, on a GPU machine: build the library with the CUDA
 # kernels and tools (CMake + nvcc), the self-check, the pytest suite on the CUDA EP, compute-sanitizer
 # (memcheck, racecheck, synccheck) and the benchmark. One log per step in $OUT (default ./gpu-out): build.log,
-# selfcheck.log, pytest.log, sanitize.log, bench.log and bench_cuda_decode_ops.md; a summary on stdout. Each
+# selfcheck.log, pytest.log, sanitize.log, bench.log and bench_cuda_decode_ops.md, step.log and
+# bench_gpu_step.md; a summary on stdout. Each
 # step runs even when an earlier one failed (except that nothing runs without a build); the exit status is
 # non-zero when any failed.
 #
 #   STEPS="build selfcheck pytest sanitize" bash contrib_ops/cuda/tools/gpu_decode_run.sh
 #   STEPS="build bench" bash contrib_ops/cuda/tools/gpu_decode_run.sh
+#   STEPS="build step" bash contrib_ops/cuda/tools/gpu_decode_run.sh   # the whole decode step, before vs after
 #
 # Needs: nvcc and CMake; ONNX Runtime's headers in $ONNXRUNTIME_ROOT (default ./.ort-headers); for pytest and the
 # ORT rows of the benchmark onnxruntime-gpu importable (e.g. PYTHONPATH=/root/ortgpu); torch with CUDA; for
@@ -68,5 +70,9 @@ sanitize() {  # the three tools' logs, one after the other, in sanitize.log
 step sanitize sanitize
 step bench "$py" benchmarks/bench_cuda_decode_ops.py --build "$build" \
   --mamba-ssm "${MAMBA_SSM_TRITON:-.bench-vendor/mamba_ssm_triton}" --markdown "$out/bench_cuda_decode_ops.md" ${BENCH_ARGS:-}
+# The whole decode step of the Nemotron-H-8B-shaped model, its variants side by side (graphs from
+# `python benchmarks/bench_gpu_nemotron.py export --modes decode`, in $STEP_GRAPHS).
+step step "$py" benchmarks/bench_gpu_nemotron.py step --graphs ${STEP_GRAPHS:-.bench-vendor/nemotron} \
+  --library "$build/libmambafuse_ops.so" --markdown "$out/bench_gpu_step.md" ${STEP_ARGS:-}
 echo "=== failed steps: ${failed[*]:-none}"
 [[ ${#failed[@]} -eq 0 ]]
