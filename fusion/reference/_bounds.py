@@ -9,18 +9,9 @@ sum whose order is free) widen the interval, by a bound on the magnitudes of the
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
-import onnx
 
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
-
-#: ONNX TensorProto element types the decode-step ops accept, and their numpy dtypes.
-SUPPORTED_TYPES: dict[int, np.dtype] = {
-    onnx.TensorProto.FLOAT: np.dtype(np.float32),
-    onnx.TensorProto.FLOAT16: np.dtype(np.float16),
-    onnx.TensorProto.BFLOAT16: bfloat16,
-}
+from fusion.reference._common import MANTISSA_BITS, MIN_EXPONENT, SUPPORTED_TYPES, bfloat16
 
 #: Unit roundoff of float32 (half its ulp at 1).
 U32 = 2.0**-24
@@ -29,8 +20,6 @@ TINY32 = 2.0**-150
 #: Relative error allowed for a float32 exp, log1p or sigmoid (16 unit roundoffs, about 8 ulps).
 TRANSCENDENTAL_ERROR = 16 * U32
 
-_MANTISSA_BITS = {np.dtype(np.float32): 23, np.dtype(np.float16): 10, bfloat16: 7}
-_MIN_EXPONENT = {np.dtype(np.float32): -126, np.dtype(np.float16): -14, bfloat16: -126}
 _MAX = {
     np.dtype(np.float32): float(np.finfo(np.float32).max),
     np.dtype(np.float16): 65504.0,
@@ -43,14 +32,6 @@ def check_dtype(name: str, arr: np.ndarray, op_type: str) -> np.dtype:
     if arr.dtype not in SUPPORTED_TYPES.values():
         raise ValueError(f"{op_type}: {name} must be float, float16 or bfloat16, got {arr.dtype}")
     return arr.dtype
-
-
-def onnx_type_to_dtype(elem_type: int, op_type: str) -> np.dtype:
-    """Return the numpy dtype of a supported TensorProto element type, or raise ValueError."""
-    try:
-        return SUPPORTED_TYPES[elem_type]
-    except KeyError:
-        raise ValueError(f"{op_type} supports float, float16 and bfloat16; got element type {elem_type}") from None
 
 
 def round_to(v: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
@@ -80,8 +61,8 @@ def _ulp(v: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Return the spacing of ``dtype`` in the binade of |v| (subnormal range included)."""
     mag = np.abs(np.asarray(v, np.float64))
     _, exp2 = np.frexp(np.where(mag > 0, mag, 1.0))
-    exponent = np.maximum(np.where(mag > 0, exp2 - 1, _MIN_EXPONENT[dtype]), _MIN_EXPONENT[dtype])
-    return np.ldexp(1.0, (exponent - _MANTISSA_BITS[dtype]).astype(np.int64))
+    exponent = np.maximum(np.where(mag > 0, exp2 - 1, MIN_EXPONENT[dtype]), MIN_EXPONENT[dtype])
+    return np.ldexp(1.0, (exponent - MANTISSA_BITS[dtype]).astype(np.int64))
 
 
 def round_interval(lo: np.ndarray, hi: np.ndarray, *dtypes: np.dtype | type) -> tuple[np.ndarray, np.ndarray]:

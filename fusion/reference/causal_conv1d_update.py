@@ -31,7 +31,7 @@ from fusion.reference._bounds import (
     round_interval,
     round_to,
 )
-from fusion.reference._common import DOMAIN, reference_op
+from fusion.reference._common import DOMAIN, as_arrays, reference_op, sigmoid
 
 OP_TYPE = "CausalConv1dUpdate"
 ACTIVATIONS = ("silu", "none")
@@ -87,11 +87,6 @@ def _windows(window: np.ndarray, state_len: int, width: int, new: int) -> np.nda
     return np.stack([window[:, :, start + t : start + t + width] for t in range(new)], axis=2)
 
 
-def _sigmoid(v: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(v))  # never overflows
-    return np.where(v >= 0, 1 / (1 + e), e / (1 + e)).astype(v.dtype)
-
-
 def causal_conv1d_update(
     x: np.ndarray,
     conv_state: np.ndarray,
@@ -105,8 +100,7 @@ def causal_conv1d_update(
 
     Raises ValueError for any input the op rejects (``check_inputs``). NaN and Inf propagate.
     """
-    x, conv_state, weight = np.asarray(x), np.asarray(conv_state), np.asarray(weight)
-    bias = None if bias is None else np.asarray(bias)
+    x, conv_state, weight, bias = as_arrays(x, conv_state, weight, bias)
     _, channels, new, state_len, width = check_inputs(x, conv_state, weight, bias, activation)
     t, cd = x.dtype, np.dtype(compute_dtype)
     if cd not in (_F32, _F64):
@@ -122,7 +116,7 @@ def causal_conv1d_update(
         if bias is not None:
             acc = acc + bias.astype(cd)[None, :, None]
         v = r_t(acc)
-        y = r_t(v * r_t(_sigmoid(v))) if activation == "silu" else v
+        y = r_t(v * r_t(sigmoid(v))) if activation == "silu" else v
     return y.astype(t), window[:, :, new:].copy()
 
 
@@ -144,8 +138,7 @@ def budget_bounds(
     only in absolute terms states its own). Roundings to T map the interval's ends, so values near a tie
     may land on either neighbour. present_state is a copy: lo = hi = the reference.
     """
-    x, conv_state, weight = np.asarray(x), np.asarray(conv_state), np.asarray(weight)
-    bias = None if bias is None else np.asarray(bias)
+    x, conv_state, weight, bias = as_arrays(x, conv_state, weight, bias)
     _, channels, new, state_len, width = check_inputs(x, conv_state, weight, bias, activation)
     point_y, present = causal_conv1d_update(
         x, conv_state, weight, bias, activation=activation, compute_dtype=np.float64
@@ -164,8 +157,8 @@ def budget_bounds(
         v_lo, v_hi = round_interval(acc - slack, acc + slack, _F32, t)
         if activation == "silu":
             e, abs_e = transcendental_error, sigmoid_abs_error + 4 * TINY32
-            sg_lo = np.maximum(_sigmoid(v_lo) * (1 - e) - abs_e, 0.0)
-            sg_hi = np.minimum(_sigmoid(v_hi) * (1 + e) + abs_e, 1.0)
+            sg_lo = np.maximum(sigmoid(v_lo) * (1 - e) - abs_e, 0.0)
+            sg_hi = np.minimum(sigmoid(v_hi) * (1 + e) + abs_e, 1.0)
             sg_lo, sg_hi = round_interval(sg_lo, sg_hi, _F32, t)
             y_lo, y_hi = round_interval(*mul_interval(v_lo, v_hi, sg_lo, sg_hi), _F32, t)
         else:

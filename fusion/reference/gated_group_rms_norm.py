@@ -22,22 +22,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import onnx
 
-from fusion.reference._common import DOMAIN, reference_op
+from fusion.reference._common import (
+    DOMAIN,
+    MANTISSA_BITS,
+    MIN_EXPONENT,
+    SUPPORTED_TYPES,
+    reference_op,
+    sigmoid,
+)
 
 OP_TYPE = "GatedGroupRMSNorm"
-
-bfloat16 = np.dtype(ml_dtypes.bfloat16)
-
-#: ONNX TensorProto element types the op accepts, and their numpy dtypes.
-SUPPORTED_TYPES: dict[int, np.dtype] = {
-    onnx.TensorProto.FLOAT: np.dtype(np.float32),
-    onnx.TensorProto.FLOAT16: np.dtype(np.float16),
-    onnx.TensorProto.BFLOAT16: bfloat16,
-}
 
 
 def onnx_type_to_dtype(elem_type: int) -> np.dtype:
@@ -58,12 +55,6 @@ def dtype_to_onnx_type(dtype: np.dtype | type) -> int:
         if candidate == dtype:
             return elem_type
     raise ValueError(f"GatedGroupRMSNorm supports float32, float16 and bfloat16; got {dtype}")
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    # exp of a non-positive argument never overflows; both branches are exact formulations.
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(x.dtype)
 
 
 def gated_group_rms_norm(
@@ -120,7 +111,7 @@ def gated_group_rms_norm(
     groups = y.reshape(-1, channels // group_size, group_size)
     gate = z.reshape(groups.shape).astype(cd)
     with np.errstate(over="ignore", invalid="ignore"):  # NaN/Inf inputs propagate, as in the kernels
-        h = groups.astype(cd) * (gate * _sigmoid(gate))
+        h = groups.astype(cd) * (gate * sigmoid(gate))
         if gated_dtype != np.float32:  # rounding point 0 (float32: none, whatever compute_dtype is)
             if flip_gated is None:
                 h = h.astype(gated_dtype).astype(cd)
@@ -217,18 +208,14 @@ def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(nan_a ^ nan_b, np.iinfo(np.int64).max, dist)
 
 
-_MANTISSA_BITS = {np.dtype(np.float32): 23, np.dtype(np.float16): 10, bfloat16: 7}
-_MIN_EXPONENT = {np.dtype(np.float32): -126, np.dtype(np.float16): -14, bfloat16: -126}
-
-
 def ulp_of(x: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
     """Return the spacing of ``dtype`` at |x| (float64), subnormal range included."""
     dtype = np.dtype(dtype)
     mag = np.abs(np.asarray(x, np.float64))
     with np.errstate(divide="ignore", invalid="ignore"):
         exponent = np.floor(np.log2(np.where(mag > 0, mag, 1.0)))
-    exponent = np.maximum(np.where(mag > 0, exponent, _MIN_EXPONENT[dtype]), _MIN_EXPONENT[dtype])
-    return np.exp2(exponent - _MANTISSA_BITS[dtype])
+    exponent = np.maximum(np.where(mag > 0, exponent, MIN_EXPONENT[dtype]), MIN_EXPONENT[dtype])
+    return np.exp2(exponent - MANTISSA_BITS[dtype])
 
 
 #: Relative distance from a half-precision rounding tie within which a float32 kernel's value may round to
@@ -291,7 +278,7 @@ def budget_report(
         tight = ulp_of(nearest, actual.dtype)
         strict = 2 * tight
     extra = np.zeros_like(e64)
-    coarser_norm = normed is not None and _MANTISSA_BITS[np.asarray(normed).dtype] < _MANTISSA_BITS[actual.dtype]
+    coarser_norm = normed is not None and MANTISSA_BITS[np.asarray(normed).dtype] < MANTISSA_BITS[actual.dtype]
     if coarser_norm:
         n = np.asarray(normed)
         w = np.broadcast_to(np.abs(np.asarray(weight, np.float64)), e64.shape)
@@ -322,7 +309,7 @@ def gated_values(
     gated_dtype = np.dtype(np.float32 if gated_dtype is None else gated_dtype)
     gate = z.astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
-        h = y.astype(np.float64) * (gate * _sigmoid(gate))  # as gated_group_rms_norm computes it
+        h = y.astype(np.float64) * (gate * sigmoid(gate))  # as gated_group_rms_norm computes it
     if gated_dtype == np.float32:
         return h, h, np.zeros(h.shape, bool)
     rounded, other, distance = tie_neighbours(h, gated_dtype)

@@ -36,7 +36,7 @@ from fusion.reference._bounds import (
     round_interval,
     round_to,
 )
-from fusion.reference._common import DOMAIN, reference_op
+from fusion.reference._common import DOMAIN, as_arrays, reference_op
 
 OP_TYPE = "SelectiveStateUpdate"
 #: torch's softplus threshold: above it, softplus(v) is v.
@@ -123,9 +123,7 @@ def selective_state_update(
 
     Raises ValueError for any input the op rejects (``check_inputs``). NaN and Inf propagate.
     """
-    state, x, dt, A, B, C = (np.asarray(a) for a in (state, x, dt, A, B, C))
-    dt_bias = None if dt_bias is None else np.asarray(dt_bias)
-    D = None if D is None else np.asarray(D)
+    state, x, dt, dt_bias, A, B, C, D = as_arrays(state, x, dt, dt_bias, A, B, C, D)
     _, heads, _, _, _ = check_inputs(state, x, dt, dt_bias, A, B, C, D, dt_softplus)
     t, s_type, cd = x.dtype, state.dtype, np.dtype(compute_dtype)
     if cd not in (_F32, _F64):
@@ -175,9 +173,7 @@ def budget_bounds(
     interval's ends, so values near a rounding tie may land on either neighbour. ``reference`` is the
     float64 evaluation (``compute_dtype=np.float64``), which decides where NaN and Inf must be.
     """
-    state, x, dt, A, B, C = (np.asarray(a) for a in (state, x, dt, A, B, C))
-    dt_bias = None if dt_bias is None else np.asarray(dt_bias)
-    D = None if D is None else np.asarray(D)
+    state, x, dt, dt_bias, A, B, C, D = as_arrays(state, x, dt, dt_bias, A, B, C, D)
     _, heads, _, state_size, _ = check_inputs(state, x, dt, dt_bias, A, B, C, D, dt_softplus)
     point_out, point_state = selective_state_update(
         state, x, dt, dt_bias, A, B, C, D, dt_softplus=dt_softplus, compute_dtype=np.float64
