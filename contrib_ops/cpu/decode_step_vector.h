@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
@@ -302,16 +303,23 @@ MAMBAFUSE_INLINE VF StoreRounded(void* p, int64_t i, VF v) {
   return rounded;
 }
 
-// The lanes' sum as a tree of halves (4 dependent adds for 16 lanes, where a lane-by-lane sum has 15: a
-// decode row of N = 64 is only 4 vectors).
-MAMBAFUSE_INLINE float SumLanes(VF v) {
-  float lanes[kWidth];
-  std::memcpy(lanes, &v, sizeof v);
-  for (int half = kWidth / 2; half >= 1; half /= 2) {
-    for (int i = 0; i < half; ++i) lanes[i] += lanes[i + half];
+// The lanes' sum as a tree of halves: the upper half of the lanes added to the lower, down to one lane
+// (4 dependent adds for 16 lanes, where a lane-by-lane sum has 15: a decode row of N = 64 is only 4
+// vectors). Each step adds lane i + half to lane i, in registers: shuffles, not a copy to memory, which
+// would keep the vector being summed in memory for the whole loop that produces it.
+template <typename V, size_t... kLo>
+MAMBAFUSE_INLINE float SumHalves(V v, std::index_sequence<kLo...>) {
+  constexpr size_t kHalf = sizeof...(kLo);
+  if constexpr (kHalf == 1) {
+    return v[0] + v[1];
+  } else {
+    const auto lo = __builtin_shufflevector(v, v, kLo...);
+    const auto hi = __builtin_shufflevector(v, v, (kLo + kHalf)...);
+    return SumHalves(lo + hi, std::make_index_sequence<kHalf / 2>{});
   }
-  return lanes[0];
 }
+
+MAMBAFUSE_INLINE float SumLanes(VF v) { return SumHalves(v, std::make_index_sequence<kWidth / 2>{}); }
 
 // The HalfKind of an ONNX element type number (1 float, 10 float16, 16 bfloat16).
 constexpr int HalfOf(int32_t onnx_type) { return onnx_type == 10 ? kF16 : onnx_type == 16 ? kBF16 : kNone; }

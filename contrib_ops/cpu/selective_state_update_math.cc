@@ -9,8 +9,10 @@
 //
 // The state update is bandwidth-bound (Nemotron-H-8B: 128 x 64 x 128 float32 = 4 MB read and 4 MB written
 // per layer and token), so the loop over n streams the state once, in vectors of the level's width, and
-// everything per head is computed before it. The vector FMA the AVX2/AVX-512 builds contract
-// state * dA + dBx into is one rounding instead of two: inside the budget, which allows both.
+// everything per head is computed before it. This file is compiled with -ffp-contract=off at every level
+// (CMakeLists.txt), so state * dA + dBx is two roundings everywhere and present_state has the same bits at
+// every level. Per row (b, h, p) only the readout's lane sum and the output's scalar work remain: at
+// Zamba2-1.2B width (N = 64) a row is 4 AVX-512 vectors, so that sum runs in registers (SumLanes).
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -28,10 +30,20 @@ template <int kT, int kS, int kD>
 void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t last_item) {
   const int64_t heads = a.heads, head_dim = a.head_dim, n_state = a.state_size;
   const int64_t heads_per_group = heads / a.groups;
-  // dB (rounded to T) and C widened to float, per head: read N times each in the loop over p.
+  // The pointers in locals: the stores through present_state may alias `a` as far as the compiler knows,
+  // which would reload them for every vector.
+  const void* const state = a.state;
+  const void* const x = a.x;
+  const void* const B = a.B;
+  const void* const C = a.C;
+  const void* const D = a.D;
+  void* const present_state = a.present_state;
+  void* const out = a.out;
+  // dB (rounded to T) and C widened to float, per head: read P times each in the loop over p.
   std::vector<float> scratch(2 * static_cast<size_t>(n_state));
-  float* dB = scratch.data();
-  float* c = dB + n_state;
+  float* const dB = scratch.data();
+  float* const c = dB + n_state;
+  const int64_t n_vector_end = n_state - n_state % kWidth;
   for (int64_t item = first_item; item < last_item; ++item) {
     const int64_t b = item / heads, h = item % heads, g = h / heads_per_group;
     float d = LoadScalar<kT>(a.dt, item);
@@ -40,32 +52,32 @@ void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t 
     const float dA = std::exp(d * a.A[h]);
     const int64_t group_base = (b * a.groups + g) * n_state;
     for (int64_t n = 0; n < n_state; ++n) {
-      dB[n] = RoundTo<kT>(d * LoadScalar<kT>(a.B, group_base + n));
-      c[n] = LoadScalar<kT>(a.C, group_base + n);
+      dB[n] = RoundTo<kT>(d * LoadScalar<kT>(B, group_base + n));
+      c[n] = LoadScalar<kT>(C, group_base + n);
     }
-    const float d_skip = a.D != nullptr ? LoadScalar<kD>(a.D, h) : 0.f;
+    const float d_skip = D != nullptr ? LoadScalar<kD>(D, h) : 0.f;
     const VF dA_v = VF{} + dA;
     for (int64_t p = 0; p < head_dim; ++p) {
       const int64_t row = item * head_dim + p;
       const int64_t base = row * n_state;
-      const float xp = LoadScalar<kT>(a.x, row);
+      const float xp = LoadScalar<kT>(x, row);
+      const VF x_v = VF{} + xp;
       VF acc = VF{};
-      int64_t n = 0;
-      for (; n + kWidth <= n_state; n += kWidth) {
-        const VF dbx = RoundTo<kT>(LoadVector<kNone>(dB, n) * xp);
-        const VF s = StoreRounded<kS>(a.present_state, base + n, LoadVector<kS>(a.state, base + n) * dA_v + dbx);
+      for (int64_t n = 0; n < n_vector_end; n += kWidth) {
+        const VF dbx = RoundTo<kT>(LoadVector<kNone>(dB, n) * x_v);
+        const VF s = StoreRounded<kS>(present_state, base + n, LoadVector<kS>(state, base + n) * dA_v + dbx);
         acc += (kS == kT ? s : RoundTo<kT>(s)) * LoadVector<kNone>(c, n);  // s is in T already if S is T
       }
       float tail = 0.f;
-      for (; n < n_state; ++n) {
+      for (int64_t n = n_vector_end; n < n_state; ++n) {
         const float dbx = RoundTo<kT>(dB[n] * xp);
-        const float s = RoundTo<kS>(LoadScalar<kS>(a.state, base + n) * dA + dbx);
-        StoreScalar<kS>(a.present_state, base + n, s);
+        const float s = RoundTo<kS>(LoadScalar<kS>(state, base + n) * dA + dbx);
+        StoreScalar<kS>(present_state, base + n, s);
         tail += RoundTo<kT>(s) * c[n];
       }
       float y = RoundTo<kT>(SumLanes(acc) + tail);
-      if (a.D != nullptr) y = RoundTo<kT>(y + RoundTo<kT>(xp * d_skip));
-      StoreScalar<kT>(a.out, row, y);
+      if (D != nullptr) y = RoundTo<kT>(y + RoundTo<kT>(xp * d_skip));
+      StoreScalar<kT>(out, row, y);
     }
   }
 }
