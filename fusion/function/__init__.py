@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import onnx
 
+from fusion.function._common import OPSET_VERSION, import_domain, model_onnx_opset, put_function
 from fusion.function.gated_group_rms_norm import (
     ATTRIBUTES,
     MIN_OPSET,
-    OPSET_VERSION,
     OPTIONAL_ATTRIBUTES,
     attach_function,
     make_function,
@@ -31,20 +31,14 @@ def attach_functions(model: onnx.ModelProto) -> onnx.ModelProto:
     used = {node.op_type for node in model.graph.node if node.domain == DOMAIN}
     if not used:
         return model
-    onnx_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if onnx_opset is None:
-        raise ValueError("the model imports no ONNX opset")
+    onnx_opset = model_onnx_opset(model)
     for fusion in fusions.FUSIONS:
         if fusion.op_type not in used:
             continue
-        kept = [f for f in model.functions if (f.domain, f.name) != (DOMAIN, fusion.op_type)]
-        del model.functions[:]
-        model.functions.extend([*kept, fusion.make_function(onnx_opset)])
+        put_function(model, fusion.make_function(onnx_opset))
         for domain, version in fusion.function_domains:
-            if not any(o.domain == domain for o in model.opset_import):
-                model.opset_import.append(onnx.helper.make_opsetid(domain, version))
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
+            import_domain(model, domain, version)
+    import_domain(model, DOMAIN, OPSET_VERSION)
     return model
 
 

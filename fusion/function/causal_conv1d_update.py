@@ -21,10 +21,9 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from fusion.reference.causal_conv1d_update import DOMAIN, OP_TYPE
+from fusion.function._common import int64_scalar, int64s, node_with_refs, op_function, require_opset
+from fusion.reference.causal_conv1d_update import OP_TYPE
 
-#: The op's opset version in the ``ai.mambafuse`` domain.
-OPSET_VERSION = 1
 INPUTS = ("x", "conv_state", "weight", "bias")
 OUTPUTS = ("y", "present_state")
 #: Optional attributes and the defaults the function declares.
@@ -34,36 +33,21 @@ MIN_OPSET = 13
 #: The ai.onnx.ml opset the body imports (LabelEncoder with string keys and int64 values: version 2).
 ML_OPSET = 2
 
-_INT64 = onnx.TensorProto.INT64
-
-
-def _ints(name: str, values: list[int]) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, _INT64, [len(values)], values))
-
-
-def _scalar(name: str, value: int) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, _INT64, [], [value]))
-
 
 def make_function(onnx_opset: int) -> onnx.FunctionProto:
     """Return the FunctionProto of CausalConv1dUpdate for a model whose ONNX opset is ``onnx_opset``."""
-    if onnx_opset < MIN_OPSET:
-        raise ValueError(f"{OP_TYPE}'s function needs ONNX opset >= {MIN_OPSET}, got {onnx_opset}")
+    require_opset(OP_TYPE, onnx_opset, MIN_OPSET)
     node = helper.make_node
-    activation = onnx.AttributeProto()
-    activation.name, activation.ref_attr_name, activation.type = "value_string", "activation", 3
-    activation_node = node("Constant", [], ["activation_name"])
-    activation_node.attribute.append(activation)
     nodes = [
-        _ints("zero", [0]),
-        _ints("one", [1]),
-        _ints("two", [2]),
-        _ints("three", [3]),
-        _ints("minus_one", [-1]),
-        _ints("end", [2**62]),
-        _ints("weight_column", [0, -1, 1]),
-        _scalar("zero_scalar", 0),
-        _scalar("one_scalar", 1),
+        int64s("zero", [0]),
+        int64s("one", [1]),
+        int64s("two", [2]),
+        int64s("three", [3]),
+        int64s("minus_one", [-1]),
+        int64s("end", [2**62]),
+        int64s("weight_column", [0, -1, 1]),
+        int64_scalar("zero_scalar", 0),
+        int64_scalar("one_scalar", 1),
         node("Concat", ["conv_state", "x"], ["window"], axis=-1),
         # present_state: the window less its first L columns
         node("Shape", ["x"], ["x_shape"]),
@@ -93,7 +77,9 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         # y = silu(v) = v * Sigmoid(v) in T, or v
         node("Sigmoid", ["v"], ["gate"]),
         node("Mul", ["v", "gate"], ["silu"]),
-        activation_node,
+        node_with_refs(
+            "Constant", [], ["activation_name"], {"value_string": ("activation", onnx.AttributeProto.STRING)}
+        ),
         node(
             "LabelEncoder",
             ["activation_name"],
@@ -106,15 +92,11 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("Cast", ["is_silu_int"], ["is_silu"], to=onnx.TensorProto.BOOL),
         node("Where", ["is_silu", "silu", "v"], ["y"]),
     ]
-    return helper.make_function(
-        DOMAIN,
+    return op_function(
         OP_TYPE,
-        inputs=list(INPUTS),
-        outputs=list(OUTPUTS),
+        inputs=INPUTS,
+        outputs=OUTPUTS,
         nodes=nodes,
-        opset_imports=[helper.make_opsetid("", onnx_opset), helper.make_opsetid("ai.onnx.ml", ML_OPSET)],
-        attributes=[],
-        attribute_protos=[helper.make_attribute(name, value) for name, value in OPTIONAL_ATTRIBUTES.items()],
-        doc_string="CausalConv1dUpdate in stock ONNX ops; ONNX Runtime inlines it when the mambafuse "
-        "library is not registered.",
+        opset_imports={"": onnx_opset, "ai.onnx.ml": ML_OPSET},
+        optional_attributes=OPTIONAL_ATTRIBUTES,
     )

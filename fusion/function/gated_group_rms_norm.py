@@ -22,10 +22,18 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
+from fusion.function._common import (
+    OPSET_VERSION,
+    import_domain,
+    int64s,
+    model_onnx_opset,
+    node_with_refs,
+    op_function,
+    put_function,
+    require_opset,
+)
 from fusion.reference.gated_group_rms_norm import DOMAIN, OP_TYPE
 
-#: The op's opset version in the ``ai.mambafuse`` domain (docs/op.md).
-OPSET_VERSION = 1
 #: Attributes every call node sets explicitly.
 ATTRIBUTES = ("epsilon", "group_size", "norm_dtype", "output_dtype")
 #: Optional attributes and the defaults the function declares for them (FLOAT: h is not rounded).
@@ -34,25 +42,12 @@ OPTIONAL_ATTRIBUTES = {"gated_dtype": onnx.TensorProto.FLOAT}
 MIN_OPSET = 13
 
 
-def _ref(name: str, attr_name: str, attr_type: int) -> onnx.AttributeProto:
-    """Return an attribute that refers to the function attribute ``attr_name``."""
-    attr = onnx.AttributeProto()
-    attr.name = name
-    attr.ref_attr_name = attr_name
-    attr.type = attr_type
-    return attr
+_INT_ATTR = onnx.AttributeProto.INT
+_FLOAT_ATTR = onnx.AttributeProto.FLOAT
 
 
 def _node(op_type: str, inputs: list[str], outputs: list[str], **attrs: object) -> onnx.NodeProto:
     return helper.make_node(op_type, inputs, outputs, **attrs)
-
-
-def _node_with_refs(
-    op_type: str, inputs: list[str], outputs: list[str], refs: list[onnx.AttributeProto]
-) -> onnx.NodeProto:
-    node = helper.make_node(op_type, inputs, outputs)
-    node.attribute.extend(refs)
-    return node
 
 
 def make_function(onnx_opset: int) -> onnx.FunctionProto:
@@ -62,10 +57,8 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
     model to agree on it); only ``ReduceMean`` changes shape across versions (axes became an input in
     opset 18).
     """
-    if onnx_opset < MIN_OPSET:
-        raise ValueError(f"GatedGroupRMSNorm's function needs ONNX opset >= {MIN_OPSET}, got {onnx_opset}")
+    require_opset(OP_TYPE, onnx_opset, MIN_OPSET)
     FLOAT = onnx.TensorProto.FLOAT
-    ints = helper.make_tensor
     nodes = [
         # Widening to float32 is exact for float16/bfloat16 and a no-op for float32.
         _node("Cast", ["Y"], ["y32"], to=FLOAT),
@@ -85,16 +78,16 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         # y * silu(z) in this multiplication order, as the contract and the HF module do.
         _node("Mul", ["y32", "silu"], ["gated_exact"]),
         # Third rounding point: h in gated_dtype (default FLOAT: two no-op Casts), widened back.
-        _node_with_refs("Cast", ["gated_exact"], ["gated_rounded"], [_ref("to", "gated_dtype", 2)]),
+        node_with_refs("Cast", ["gated_exact"], ["gated_rounded"], {"to": ("gated_dtype", _INT_ATTR)}),
         _node("Cast", ["gated_rounded"], ["gated"], to=FLOAT),
         # [..., C] -> [..., C / group_size, group_size], keeping every leading dim of the input.
         _node("Shape", ["gated"], ["shape"]),
-        _node("Constant", [], ["zero"], value=ints("zero", onnx.TensorProto.INT64, [1], [0])),
-        _node("Constant", [], ["minus_one"], value=ints("minus_one", onnx.TensorProto.INT64, [1], [-1])),
+        int64s("zero", [0]),
+        int64s("minus_one", [-1]),
         _node("Slice", ["shape", "zero", "minus_one"], ["leading"]),
-        _node("Constant", [], ["end"], value=ints("end", onnx.TensorProto.INT64, [1], [2**62])),
+        int64s("end", [2**62]),
         _node("Slice", ["shape", "minus_one", "end"], ["channels"]),
-        _node_with_refs("Constant", [], ["group_size_scalar"], [_ref("value_int", "group_size", 2)]),
+        node_with_refs("Constant", [], ["group_size_scalar"], {"value_int": ("group_size", _INT_ATTR)}),
         _node("Unsqueeze", ["group_size_scalar", "zero"], ["group_size_1d"]),
         # C / group_size spelled out instead of -1: CoreML's Reshape builder refuses -1 in a target.
         _node("Div", ["channels", "group_size_1d"], ["groups_1d"]),
@@ -107,30 +100,28 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
     else:
         nodes.append(_node("ReduceMean", ["square"], ["mean_square"], axes=[-1], keepdims=1))
     nodes += [
-        _node_with_refs("Constant", [], ["epsilon_value"], [_ref("value_float", "epsilon", 1)]),
+        node_with_refs("Constant", [], ["epsilon_value"], {"value_float": ("epsilon", _FLOAT_ATTR)}),
         _node("Add", ["mean_square", "epsilon_value"], ["variance"]),
         _node("Sqrt", ["variance"], ["rms"]),
         _node("Div", ["one", "rms"], ["inv_rms"]),
         _node("Mul", ["groups", "inv_rms"], ["normed_groups"]),
         _node("Reshape", ["normed_groups", "shape"], ["normed32"]),
         # First rounding point: the normalized value in norm_dtype, before the weight multiply.
-        _node_with_refs("Cast", ["normed32"], ["normed"], [_ref("to", "norm_dtype", 2)]),
+        node_with_refs("Cast", ["normed32"], ["normed"], {"to": ("norm_dtype", _INT_ATTR)}),
         _node("Cast", ["normed"], ["normed_wide"], to=FLOAT),
         _node("Mul", ["w32", "normed_wide"], ["weighted"]),
         # Second rounding point: the product in output_dtype.
-        _node_with_refs("Cast", ["weighted"], ["O"], [_ref("to", "output_dtype", 2)]),
+        node_with_refs("Cast", ["weighted"], ["O"], {"to": ("output_dtype", _INT_ATTR)}),
     ]
-    return helper.make_function(
-        DOMAIN,
+    return op_function(
         OP_TYPE,
         inputs=["Y", "Z", "W"],
         outputs=["O"],
         nodes=nodes,
-        opset_imports=[helper.make_opsetid("", onnx_opset)],
-        attributes=list(ATTRIBUTES),
-        attribute_protos=[helper.make_attribute(name, value) for name, value in OPTIONAL_ATTRIBUTES.items()],
-        doc_string="GatedGroupRMSNorm (docs/op.md) in stock ONNX ops; ONNX Runtime inlines it "
-        "when the mambafuse library is not registered.",
+        opset_imports={"": onnx_opset},
+        attributes=ATTRIBUTES,
+        optional_attributes=OPTIONAL_ATTRIBUTES,
+        contract="docs/op.md",
     )
 
 
@@ -139,12 +130,6 @@ def attach_function(model: onnx.ModelProto) -> onnx.ModelProto:
 
     Also makes sure the model imports the ``ai.mambafuse`` domain at OPSET_VERSION.
     """
-    onnx_opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if onnx_opset is None:
-        raise ValueError("the model imports no ONNX opset")
-    kept = [f for f in model.functions if (f.domain, f.name) != (DOMAIN, OP_TYPE)]
-    del model.functions[:]
-    model.functions.extend([*kept, make_function(onnx_opset)])
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    put_function(model, make_function(model_onnx_opset(model)))
+    import_domain(model, DOMAIN, OPSET_VERSION)
     return model

@@ -26,10 +26,9 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from fusion.reference.selective_state_update import DOMAIN, OP_TYPE, SOFTPLUS_THRESHOLD
+from fusion.function._common import int64s, node_with_refs, op_function, require_opset
+from fusion.reference.selective_state_update import OP_TYPE, SOFTPLUS_THRESHOLD
 
-#: The op's opset version in the ``ai.mambafuse`` domain.
-OPSET_VERSION = 1
 INPUTS = ("state", "x", "dt", "dt_bias", "A", "B", "C", "D")
 OUTPUTS = ("out", "present_state")
 #: Optional attributes and the defaults the function declares.
@@ -38,34 +37,24 @@ OPTIONAL_ATTRIBUTES = {"dt_softplus": 1}
 MIN_OPSET = 15
 
 _FLOAT = onnx.TensorProto.FLOAT
-_INT64 = onnx.TensorProto.INT64
-
-
-def _ints(name: str, values: list[int]) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, _INT64, [len(values)], values))
 
 
 def make_function(onnx_opset: int) -> onnx.FunctionProto:
     """Return the FunctionProto of SelectiveStateUpdate for a model whose ONNX opset is ``onnx_opset``."""
-    if onnx_opset < MIN_OPSET:
-        raise ValueError(f"{OP_TYPE}'s function needs ONNX opset >= {MIN_OPSET}, got {onnx_opset}")
+    require_opset(OP_TYPE, onnx_opset, MIN_OPSET)
     node = helper.make_node
-    softplus_flag = onnx.AttributeProto()
-    softplus_flag.name, softplus_flag.ref_attr_name, softplus_flag.type = "value_int", "dt_softplus", 2
-    flag_node = node("Constant", [], ["softplus_flag"])
-    flag_node.attribute.append(softplus_flag)
     nodes = [
-        _ints("axis1", [1]),
-        _ints("axis2", [2]),
-        _ints("axis3", [3]),
-        _ints("axes23", [2, 3]),
-        _ints("axes12", [1, 2]),
-        _ints("zero", [0]),
-        _ints("one", [1]),
-        _ints("two", [2]),
-        _ints("three", [3]),
-        _ints("four", [4]),
-        _ints("minus_one", [-1]),
+        int64s("axis1", [1]),
+        int64s("axis2", [2]),
+        int64s("axis3", [3]),
+        int64s("axes23", [2, 3]),
+        int64s("axes12", [1, 2]),
+        int64s("zero", [0]),
+        int64s("one", [1]),
+        int64s("two", [2]),
+        int64s("three", [3]),
+        int64s("four", [4]),
+        int64s("minus_one", [-1]),
         # d: dt + dt_bias in T, then torch's softplus (threshold 20) in T, as the graph spells it.
         node("Add", ["dt", "dt_bias"], ["d1"]),
         node("Softplus", ["d1"], ["d1_softplus"]),
@@ -73,7 +62,7 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("CastLike", ["threshold_f", "d1"], ["threshold"]),
         node("Greater", ["d1", "threshold"], ["above"]),
         node("Where", ["above", "d1", "d1_softplus"], ["d_softplus"]),
-        flag_node,
+        node_with_refs("Constant", [], ["softplus_flag"], {"value_int": ("dt_softplus", onnx.AttributeProto.INT)}),
         node("Cast", ["softplus_flag"], ["softplus_on"], to=onnx.TensorProto.BOOL),
         node("Where", ["softplus_on", "d_softplus", "d1"], ["d"]),
         node("Unsqueeze", ["d", "axes23"], ["d4"]),  # (B, H, 1, 1)
@@ -130,15 +119,11 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("CastLike", ["xD_f32", "x"], ["xD"]),
         node("Add", ["y", "xD"], ["out"]),
     ]
-    return helper.make_function(
-        DOMAIN,
+    return op_function(
         OP_TYPE,
-        inputs=list(INPUTS),
-        outputs=list(OUTPUTS),
+        inputs=INPUTS,
+        outputs=OUTPUTS,
         nodes=nodes,
-        opset_imports=[helper.make_opsetid("", onnx_opset)],
-        attributes=[],
-        attribute_protos=[helper.make_attribute(name, value) for name, value in OPTIONAL_ATTRIBUTES.items()],
-        doc_string="SelectiveStateUpdate in stock ONNX ops; ONNX Runtime inlines it when the mambafuse "
-        "library is not registered.",
+        opset_imports={"": onnx_opset},
+        optional_attributes=OPTIONAL_ATTRIBUTES,
     )
