@@ -51,16 +51,20 @@ void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t 
     if (a.dt_softplus && !(d > kSoftplusThreshold)) d = RoundTo<kT>(std::log1p(std::exp(d)));
     const float dA = std::exp(d * a.A[h]);
     const int64_t group_base = (b * a.groups + g) * n_state;
-    for (int64_t n = 0; n < n_state; ++n) {
+    const VF d_v = VF{} + d;
+    for (int64_t n = 0; n < n_vector_end; n += kWidth) {
+      StoreVector<kNone>(dB, n, RoundTo<kT>(d_v * LoadVector<kT>(B, group_base + n)));
+      StoreVector<kNone>(c, n, LoadVector<kT>(C, group_base + n));
+    }
+    for (int64_t n = n_vector_end; n < n_state; ++n) {
       dB[n] = RoundTo<kT>(d * LoadScalar<kT>(B, group_base + n));
       c[n] = LoadScalar<kT>(C, group_base + n);
     }
     const float d_skip = D != nullptr ? LoadScalar<kD>(D, h) : 0.f;
     const VF dA_v = VF{} + dA;
-    for (int64_t p = 0; p < head_dim; ++p) {
-      const int64_t row = item * head_dim + p;
+    // Row p's state update and its readout's sum over n, before the rounding to T.
+    const auto row_sum = [&](int64_t row, float xp) {
       const int64_t base = row * n_state;
-      const float xp = LoadScalar<kT>(x, row);
       const VF x_v = VF{} + xp;
       VF acc = VF{};
       for (int64_t n = 0; n < n_vector_end; n += kWidth) {
@@ -75,9 +79,25 @@ void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t 
         StoreScalar<kS>(present_state, base + n, s);
         tail += RoundTo<kT>(s) * c[n];
       }
-      float y = RoundTo<kT>(SumLanes(acc) + tail);
+      return SumLanes(acc) + tail;
+    };
+    // The output's roundings and skip for kWidth rows at once: per row they were as many scalar
+    // conversions as a short row (N = 64) has vector ones.
+    const int64_t first_row = item * head_dim;
+    int64_t p = 0;
+    for (; p + kWidth <= head_dim; p += kWidth) {
+      const VF x_v = LoadVector<kT>(x, first_row + p);
+      VF sums;
+      for (int r = 0; r < kWidth; ++r) sums[r] = row_sum(first_row + p + r, x_v[r]);
+      VF y = RoundTo<kT>(sums);
+      if (D != nullptr) y = RoundTo<kT>(y + RoundTo<kT>(x_v * d_skip));
+      StoreVector<kT>(out, first_row + p, y);
+    }
+    for (; p < head_dim; ++p) {
+      const float xp = LoadScalar<kT>(x, first_row + p);
+      float y = RoundTo<kT>(row_sum(first_row + p, xp));
       if (D != nullptr) y = RoundTo<kT>(y + RoundTo<kT>(xp * d_skip));
-      StoreScalar<kT>(out, row, y);
+      StoreScalar<kT>(out, first_row + p, y);
     }
   }
 }
