@@ -14,9 +14,11 @@ Exporters (``EXPORTERS``):
 - ``transformers-ort`` the same with ``OnnxConfig(ort_fusions="cpu")`` (form F).
 
 Options: ``chunk_size`` replaces the config's SSD chunk size and ``prompt_len`` the traced length (a prefill's
-ids, a decode cache's prompt). A dynamo prefill traced at a multiple of the chunk size runs only at multiples
-of it (the chunked scan's ``[:, :seq_len]`` is not traced; see ``models.fixtures.PADDED_FIXTURES``), and
-writes its group count from the padded length.
+ids, a decode cache's prompt). ``batch`` (decode only) traces the step at that many rows; above 1 the graph's
+batch axis is symbolic (dynamo: ``Dim("batch")`` on the token ids, which torch.export carries to the cache;
+transformers' exporter: its own dynamic axes). A dynamo prefill traced at a multiple of the chunk size runs
+only at multiples of it (the chunked scan's ``[:, :seq_len]`` is not traced; see
+``models.fixtures.PADDED_FIXTURES``), and writes its group count from the padded length.
 
 Modes: ``prefill`` (token ids in, logits out, no cache) and ``decode`` (one token plus the cache in,
 logits plus the updated cache out). Decode graphs name their cache ``past.<i>`` / ``present.<i>`` (our
@@ -147,7 +149,7 @@ def prefill_inputs(model: Any, seq_len: int = PROMPT_LEN) -> dict[str, Any]:
     return {"input_ids": sample_input_ids(model.config, seq_len)}
 
 
-def decode_inputs(model: Any, prompt_len: int = PROMPT_LEN) -> dict[str, Any]:
+def decode_inputs(model: Any, prompt_len: int = PROMPT_LEN, batch: int = 1) -> dict[str, Any]:
     """Return decode-step inputs captured from ``generate()``: the next token, its position, the filled cache.
 
     transformers' own capture (``decompose_for_generation``) is used for every exporter, so dynamo and
@@ -156,7 +158,7 @@ def decode_inputs(model: Any, prompt_len: int = PROMPT_LEN) -> dict[str, Any]:
     import torch
     from transformers.exporters.utils import decompose_for_generation
 
-    ids = sample_input_ids(model.config, prompt_len)
+    ids = sample_input_ids(model.config, prompt_len, batch=batch)
     stages = decompose_for_generation(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     _, inputs = stages["decode"]
     return dict(inputs)
@@ -234,7 +236,7 @@ def _decode_wrapper(model: Any) -> Any:
 
 
 def _export_dynamo(
-    model: Any, mode: str, opset: int, optimize: bool, prompt_len: int = PROMPT_LEN
+    model: Any, mode: str, opset: int, optimize: bool, prompt_len: int = PROMPT_LEN, batch: int = 1
 ) -> tuple[onnx.ModelProto, dict[str, str]]:
     import torch
     from transformers.exporters.exporter_dynamo import (
@@ -259,7 +261,7 @@ def _export_dynamo(
         )
         return program.model_proto, {}
 
-    inputs = decode_inputs(model, prompt_len)
+    inputs = decode_inputs(model, prompt_len, batch)
     register_cache_pytrees_for_model(model)
     cache = inputs["cache"]
     leaf_names = cache_leaf_names(cache)
@@ -273,6 +275,10 @@ def _export_dynamo(
         kwargs["position_ids"] = inputs["position_ids"]
     kwargs["cache"] = cache
     dynamic_shapes = {name: None for name in kwargs} | {"cache": get_auto_dynamic_shapes(cache)}
+    if batch > 1:
+        # A symbolic batch: the step's rows; torch.export finds the cache's batch axes equal to it.
+        rows = torch.export.Dim("batch", min=1, max=4096)
+        dynamic_shapes |= {name: {0: rows} for name in kwargs if name != "cache"}
     step_names = [name for name in kwargs if name != "cache"]
     program = torch.onnx.export(
         _decode_wrapper(model),
@@ -348,14 +354,14 @@ def _export_torchscript_model(model: Any, mode: str, opset: int, prompt_len: int
 
 
 def _export_transformers(
-    model: Any, mode: str, opset: int | None, ort_fusions: str | None, prompt_len: int = PROMPT_LEN
+    model: Any, mode: str, opset: int | None, ort_fusions: str | None, prompt_len: int = PROMPT_LEN, batch: int = 1
 ) -> tuple[onnx.ModelProto, dict[str, str]]:
     import onnx_ir
     import torch
     from transformers.exporters import OnnxConfig, OnnxExporter
     from transformers.exporters.utils import decompose_for_generation
 
-    ids = sample_input_ids(model.config, prompt_len)
+    ids = sample_input_ids(model.config, prompt_len, batch=batch)
     stages = decompose_for_generation(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     submodel, inputs = stages[mode]
     config = OnnxConfig(dynamic=True, opset_version=opset, ort_fusions=ort_fusions)
@@ -384,10 +390,12 @@ def export_model(
     seed: int = 0,
     chunk_size: int | None = None,
     prompt_len: int = PROMPT_LEN,
+    batch: int = 1,
 ) -> ExportRecord:
     """Export one (family, exporter, dtype, mode) combination to ``out``; return its ``ExportRecord``.
 
-    ``chunk_size`` replaces the config's SSD chunk size, ``prompt_len`` the traced length.
+    ``chunk_size`` replaces the config's SSD chunk size, ``prompt_len`` the traced length, ``batch`` the
+    decode step's traced rows (above 1: a symbolic batch axis).
     Raises ``ExportUnsupported`` when the exporter cannot produce the combination.
     """
     for name, value, choices in (
@@ -403,6 +411,8 @@ def export_model(
         opset = DEFAULT_OPSET[exporter]
     if prompt_len < 1:
         raise ValueError(f"prompt length {prompt_len} is not positive")
+    if batch < 1 or (batch > 1 and (mode != "decode" or exporter not in ("dynamo", "dynamo-noopt", "transformers"))):
+        raise ValueError(f"batch {batch}: a traced batch above 1 is for dynamo or transformers decode exports")
 
     import torch
 
@@ -411,7 +421,7 @@ def export_model(
     scope = "model"
     with torch.no_grad():
         if exporter in ("dynamo", "dynamo-noopt"):
-            proto, cache_map = _export_dynamo(model, mode, opset, exporter == "dynamo", prompt_len)
+            proto, cache_map = _export_dynamo(model, mode, opset, exporter == "dynamo", prompt_len, batch)
         elif exporter == "torchscript":
             proto = _export_torchscript(model, mode, opset, prompt_len)
             scope = "mixer"
@@ -419,7 +429,7 @@ def export_model(
             proto = _export_torchscript_model(model, mode, opset, prompt_len)
         else:
             fusions = "cpu" if exporter == "transformers-ort" else None
-            proto, cache_map = _export_transformers(model, mode, opset, fusions, prompt_len)
+            proto, cache_map = _export_transformers(model, mode, opset, fusions, prompt_len, batch)
 
     repairs = repair_negative_transpose_perm(proto)
     if strip_metadata:
@@ -472,10 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--chunk-size", type=int, default=None, help="the SSD chunk size (default: the config's)")
     parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="the traced length (default: %(default)s)")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="decode: the traced rows; above 1 a symbolic batch (default: 1)"
+    )
     parser.add_argument("--strip-metadata", action="store_true", help="drop exporter stack traces (smaller file)")
     parser.add_argument("-o", "--output", required=True)
     args = parser.parse_args(argv)
-    for name, value in (("--chunk-size", args.chunk_size), ("--prompt-len", args.prompt_len)):
+    for name, value in (("--chunk-size", args.chunk_size), ("--prompt-len", args.prompt_len), ("--batch", args.batch)):
         if value is not None and value < 1:
             parser.error(f"{name} must be positive, not {value}")
     try:
@@ -490,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             strip_metadata=args.strip_metadata,
             chunk_size=args.chunk_size,
             prompt_len=args.prompt_len,
+            batch=args.batch,
         )
     except ExportUnsupported as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Regenerate the tiny exported models under ``tests/fixtures/models/`` with their manifest and references.
 
-Three fixture sets, each a directory with its own ``manifest.json`` and ``references.npz``:
+Four fixture sets, each a directory with its own ``manifest.json`` and ``references.npz``:
 
 - ``models`` (``tests/fixtures/models/``): Nemotron-H and Zamba2, ``FIXTURE_MATRIX`` (family × exporter ×
   dtype × mode, every combination);
@@ -11,9 +11,11 @@ Three fixture sets, each a directory with its own ``manifest.json`` and ``refere
 - ``padded`` (``tests/fixtures/models/padded/``): whole-model dynamo prefill exports of every gate-before-norm
   family at other SSD chunk sizes, traced at a multiple of the chunk size (torch then writes the group count
   from the padded length, ``(G * c * ceil(L / c)) // L``, and the export runs only at multiples of c) and at
-  a length past one chunk that is not a multiple (``PADDED_FIXTURES``); references at two chunks.
+  a length past one chunk that is not a multiple (``PADDED_FIXTURES``); references at two chunks;
+- ``batch`` (``tests/fixtures/models/batch/``): decode steps with a symbolic batch axis, traced at
+  ``TRACED_BATCH`` rows (``BATCH_FIXTURES``); references at that batch.
 
-``python -m models.fixtures [--set models|families|padded]`` exports every combination of the set in a
+``python -m models.fixtures [--set models|families|padded|batch]`` exports every combination of the set in a
 subprocess each (an exporter crash or leak stays in its own process; two run at a time),
 then writes, atomically:
 
@@ -151,7 +153,25 @@ PADDED_FIXTURES: list[tuple[str, str, int, str, int, int]] = [
     ("granitemoehybrid", "dynamo", 18, "fp32", 8, 16),
     ("falcon_h1", "dynamo", 18, "fp32", 8, 16),
 ]
-FIXTURE_SETS = ("models", "families", "padded")
+#: The batch set: decode steps exported with a symbolic batch axis (dynamo: ``Dim("batch")`` on the token
+#: ids, which torch.export carries to every cache tensor), traced at ``TRACED_BATCH`` rows: (family,
+#: exporter, opset or None, dtype). Nemotron-H and Zamba2 (a Mamba-2 layer after an attention layer, whose
+#: dims reach it only through the fused ops before it) and Mamba2 (Mamba-2 layers only), dynamo in fp32 and
+#: fp16; transformers' exporter, whose dynamic axes make the batch symbolic too, once.
+BATCH_FIXTURE_DIR = FIXTURE_DIR / "batch"
+TRACED_BATCH = 2
+BATCH_FIXTURES: list[tuple[str, str, int | None, str]] = [
+    ("nemotron_h", "dynamo", 18, "fp32"),
+    ("nemotron_h", "dynamo", 18, "fp16"),
+    ("zamba2", "dynamo", 18, "fp32"),
+    ("zamba2", "dynamo", 18, "fp16"),
+    ("mamba2", "dynamo", 18, "fp32"),
+    ("mamba2", "dynamo", 18, "fp16"),
+    ("nemotron_h", "transformers", None, "fp32"),
+]
+FIXTURE_SETS = ("models", "families", "padded", "batch")
+#: The sets of the families table (the batch set repeats families and exporters that the others cover).
+_TABLE_SETS = ("models", "families", "padded")
 
 
 def family_fixture_jobs() -> list[dict[str, Any]]:
@@ -186,14 +206,37 @@ def padded_fixture_jobs() -> list[dict[str, Any]]:
     return jobs
 
 
+def batch_fixture_jobs() -> list[dict[str, Any]]:
+    """Return every combination of the batch set as a job dict (with batch, the traced rows)."""
+    jobs = []
+    for family, exporter, opset, dtype in BATCH_FIXTURES:
+        stem = fixture_stem(family, exporter, opset, dtype, "decode").replace("-decode", "-batch-decode")
+        jobs.append(
+            dict(
+                stem=stem, family=family, exporter=exporter, opset=opset, dtype=dtype, mode="decode", batch=TRACED_BATCH
+            )
+        )
+    return jobs
+
+
 def set_jobs(fixture_set: str) -> list[dict[str, Any]]:
-    """Return every job of a fixture set ("models", "families" or "padded")."""
-    return {"models": fixture_jobs, "families": family_fixture_jobs, "padded": padded_fixture_jobs}[fixture_set]()
+    """Return every job of a fixture set ("models", "families", "padded" or "batch")."""
+    return {
+        "models": fixture_jobs,
+        "families": family_fixture_jobs,
+        "padded": padded_fixture_jobs,
+        "batch": batch_fixture_jobs,
+    }[fixture_set]()
 
 
 def set_dir(fixture_set: str) -> Path:
     """Return the directory of a fixture set."""
-    return {"models": FIXTURE_DIR, "families": FAMILY_FIXTURE_DIR, "padded": PADDED_FIXTURE_DIR}[fixture_set]
+    return {
+        "models": FIXTURE_DIR,
+        "families": FAMILY_FIXTURE_DIR,
+        "padded": PADDED_FIXTURE_DIR,
+        "batch": BATCH_FIXTURE_DIR,
+    }[fixture_set]
 
 
 def _to_numpy(tensor: Any) -> np.ndarray:
@@ -234,7 +277,8 @@ def _references(job: dict[str, Any], record: Any) -> dict[str, np.ndarray]:
                 refs["input/position_ids"] = torch.arange(ids.shape[1])[None].numpy()
             refs["output/logits"] = _to_numpy(model(input_ids=ids, use_cache=False).logits)
         else:
-            inputs = export.decode_inputs(model)
+            batch = job.get("batch", 1)
+            inputs = export.decode_inputs(model, batch=batch)
             leaves, _ = torch.utils._pytree.tree_flatten(inputs["cache"])
             cache_names = [n for n in input_names if n not in ("input_ids", "position_ids")]
             if len(cache_names) != len(leaves):
@@ -260,7 +304,7 @@ def _references(job: dict[str, Any], record: Any) -> dict[str, np.ndarray]:
                 token = out.logits[:, -1:].float().argmax(-1)
                 if has_positions:
                     step = {"position_ids": step["position_ids"] + 1}
-                tokens.append(int(token))
+                tokens.append(token.reshape(-1).tolist() if batch > 1 else int(token))
             refs["greedy_tokens"] = np.array(tokens, dtype=np.int64)
     return refs
 
@@ -299,6 +343,7 @@ def _run_one(job: dict[str, Any], workdir: Path) -> None:
             strip_metadata=True,
             chunk_size=job.get("chunk_size"),
             prompt_len=job.get("prompt_len", export.PROMPT_LEN),
+            batch=job.get("batch", 1),
         )
         refs = _references(job, record)
         np.savez(workdir / f"{stem}.npz", **refs)
@@ -307,6 +352,8 @@ def _run_one(job: dict[str, Any], workdir: Path) -> None:
         del entry["path"]
         if "reference_len" in job:
             entry["reference_len"] = job["reference_len"]
+        if "batch" in job:
+            entry["batch"] = job["batch"]
         result["record"] = entry
     except Exception as e:
         result["error"] = _exact_error(e)
@@ -567,7 +614,7 @@ def families_table(manifests: list[dict[str, Any]] | None = None) -> str:
     from models.build import FAMILY_SPECS
 
     if manifests is None:
-        manifests = [json.loads((set_dir(name) / "manifest.json").read_text()) for name in FIXTURE_SETS]
+        manifests = [json.loads((set_dir(name) / "manifest.json").read_text()) for name in _TABLE_SETS]
     records = [r for m in manifests for r in m["fixtures"].values()]
     failures = [f for m in manifests for f in m["failures"].values()]
     lines = [

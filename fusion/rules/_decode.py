@@ -89,8 +89,8 @@ class Batch:
         return self.size if dim is not None and dim == self.symbol else None
 
     def label(self) -> str:
-        name = self.symbol if isinstance(self.symbol, str) else "?"
-        return f"batch {name} = {self.size}"
+        name = repr(self.symbol) if isinstance(self.symbol, str) else "the symbolic batch"
+        return f"batch size {self.size} of {name}"
 
 
 def is_batch_symbol(dim: Dim) -> bool:

@@ -681,13 +681,19 @@ def _root(skip: ir.Value, y: ir.Value) -> ir.Node:
 
 
 def _data_nodes(root: ir.Node, leaves: set[ir.Value]) -> set[ir.Node]:
-    """Return the nodes on a path from ``leaves`` to ``root`` (those that read the chain's inputs)."""
+    """Return the nodes on a path from ``leaves`` to ``root`` (those that read the chain's inputs).
+
+    A ``Shape`` of a leaf reads no data (with a symbolic batch, exporters take the batch from the state's
+    shape for other layers too): it and the shape arithmetic on it stay, and are not the chain's.
+    """
     memo: dict[ir.Node, bool] = {}
 
     def reads_leaves(node: ir.Node) -> bool:
         if node in memo:
             return memo[node]
         memo[node] = False
+        if node.op_type == "Shape" and node.domain in ("", "ai.onnx") and node.inputs and node.inputs[0] in leaves:
+            return False
         hit = False
         for value in node.inputs:
             if value is None:
