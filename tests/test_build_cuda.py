@@ -1,9 +1,11 @@
-"""The CUDA variant of the custom-op library compiles here whenever nvcc is present (no GPU needed), and the
-library it produces still loads and runs its CPU kernel in a CPU-only onnxruntime (static cudart, libcuda
-opened only at the first CUDA call)."""
+"""The CUDA variant of the custom-op library compiles here whenever nvcc is present (no GPU needed), with every
+tool that -DMAMBAFUSE_CUDA_TOOLS=ON adds (the self-checks and the benchmarks' launchers); the library it
+produces still loads and runs its CPU kernel in a CPU-only onnxruntime (static cudart, libcuda opened only at
+the first CUDA call), and the tools start there too."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +16,30 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+
+#: The targets of the CUDA build with -DMAMBAFUSE_CUDA_TOOLS=ON and the file each builds (relative to the
+#: build directory): the library, and the tools that the GPU scripts (contrib_ops/cuda/tools/*.sh,
+#: benchmarks/gpu_session.sh) and the CUDA benchmarks run.
+CUDA_TARGETS = {
+    "mambafuse_ops": "libmambafuse_ops.so",
+    "mambafuse_cuda_kernels": "cuda/libmambafuse_cuda_kernels.a",
+    "mambafuse_cuda_selfcheck": "cuda/mambafuse_cuda_selfcheck",
+    "mambafuse_cuda_bench": "cuda/libmambafuse_cuda_bench.so",
+    "mambafuse_cuda_decode_selfcheck": "cuda/mambafuse_cuda_decode_selfcheck",
+    "mambafuse_cuda_decode_bench": "cuda/libmambafuse_cuda_decode_bench.so",
+}
+#: The C entry points each launcher library exports, as benchmarks/bench_cuda.py, ncu_cuda.py and
+#: bench_cuda_decode_ops.py call them through ctypes.
+LAUNCHER_ENTRY_POINTS = {
+    "cuda/libmambafuse_cuda_bench.so": ("mambafuse_cuda_launch", "mambafuse_cuda_choose"),
+    "cuda/libmambafuse_cuda_decode_bench.so": (
+        "mambafuse_ssu_launch",
+        "mambafuse_ssu_describe",
+        "mambafuse_conv_update_launch",
+    ),
+}
+#: The self-checks' exit status and message when the machine has no CUDA device (tools/cuda_*selfcheck.cc).
+NO_DEVICE = 77
 
 
 def _nvcc() -> str | None:
@@ -38,6 +64,9 @@ def cuda_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if nvcc is None:
         pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): the CUDA variant is not compiled here")
     build = tmp_path_factory.mktemp("cuda-build")
+    # CMake's file API: configure writes every target it declares, with the files it builds, to .cmake/api.
+    (build / ".cmake" / "api" / "v1" / "query").mkdir(parents=True)
+    (build / ".cmake" / "api" / "v1" / "query" / "codemodel-v2").touch()
     cmake = shutil.which("cmake", path=str(Path(sys.executable).parent)) or shutil.which("cmake")
     ninja = shutil.which("ninja", path=str(Path(sys.executable).parent)) or shutil.which("ninja")
     assert cmake, "cmake not found"
@@ -70,14 +99,72 @@ def cuda_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build
 
 
+def _declared_targets(build: Path) -> dict[str, list[str]]:
+    """Return {target: the files it builds, relative to ``build``} as configure wrote them (CMake's file API)."""
+    reply = build / ".cmake" / "api" / "v1" / "reply"
+    index = json.loads(max(reply.glob("index-*.json")).read_text())
+    codemodel = next(entry for entry in index["objects"] if entry["kind"] == "codemodel")
+    configuration = json.loads((reply / codemodel["jsonFile"]).read_text())["configurations"][0]
+    targets = {}
+    for entry in configuration["targets"]:
+        target = json.loads((reply / entry["jsonFile"]).read_text())
+        targets[target["name"]] = [artifact["path"] for artifact in target.get("artifacts", [])]
+    return targets
+
+
 def test_cuda_variant_compiles_without_warnings(cuda_build: Path) -> None:
     # Warnings are not errors for the whole build (the CPU sources have their own -Werror CI job); the CUDA
     # sources, host and device, must compile without any.
     log = (cuda_build / "build.log").read_text()
     cuda_warnings = [line for line in log.splitlines() if "contrib_ops/cuda/" in line and "warning" in line.lower()]
     assert not cuda_warnings, "\n".join(cuda_warnings[:20])
-    for name in ("libmambafuse_ops.so", "cuda/libmambafuse_cuda_bench.so", "cuda/mambafuse_cuda_selfcheck"):
-        assert (cuda_build / name).is_file(), f"{name} was not built"
+
+
+def test_every_cuda_target_is_declared_and_built(cuda_build: Path) -> None:
+    """The CUDA targets (tools included) are declared with their files, and every target configure declares
+    (the CPU ones too) left its files: a target dropped from the build, renamed or not built fails here."""
+    declared = _declared_targets(cuda_build)
+    missing = sorted(set(CUDA_TARGETS) - set(declared))
+    assert not missing, f"targets the CUDA tools build does not declare: {missing} (declared: {sorted(declared)})"
+    moved = {name: declared[name] for name, path in CUDA_TARGETS.items() if declared[name] != [path]}
+    assert not moved, f"targets that build other files than {CUDA_TARGETS}: {moved}"
+    unbuilt = [
+        f"{name}: {path}" for name, paths in declared.items() for path in paths if not (cuda_build / path).is_file()
+    ]
+    assert not unbuilt, f"declared but not built: {unbuilt}"
+
+
+@pytest.mark.parametrize("tool", ["cuda/mambafuse_cuda_selfcheck", "cuda/mambafuse_cuda_decode_selfcheck"])
+def test_self_check_runs_or_reports_no_device(cuda_build: Path, tool: str) -> None:
+    """The self-check links and starts on any machine: without a CUDA device (here) it says so and exits 77,
+    the automake code for a skip; with one, its quick list must pass."""
+    result = subprocess.run(
+        [str(cuda_build / tool), "--quick"], capture_output=True, text=True, timeout=600, check=False
+    )
+    output = f"{tool} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    if result.returncode == NO_DEVICE:
+        assert result.stderr.strip() == "no CUDA device", output
+    else:
+        assert result.returncode == 0, output
+
+
+def test_launchers_load_and_export_their_entry_points(cuda_build: Path) -> None:
+    """The benchmarks' launcher libraries load without a GPU (libcuda is opened at the first CUDA call) and
+    export the entry points the benchmarks call. A subprocess, so that the rest of the session loads nothing."""
+    code = """
+import ctypes, json, sys
+missing = []
+for path, names in json.loads(sys.argv[1]).items():
+    library = ctypes.CDLL(path)
+    missing += [f"{path}: {name}" for name in names if not hasattr(library, name)]
+print(json.dumps(missing))
+"""
+    libraries = {str(cuda_build / path): names for path, names in LAUNCHER_ENTRY_POINTS.items()}
+    result = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(libraries)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert json.loads(result.stdout) == [], f"entry points not exported: {result.stdout}"
 
 
 def test_cuda_library_has_no_cuda_runtime_dependency(cuda_build: Path) -> None:
