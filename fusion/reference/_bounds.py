@@ -20,6 +20,9 @@ TINY32 = 2.0**-150
 #: Relative error allowed for a float32 exp, log1p or sigmoid (16 unit roundoffs, about 8 ulps).
 TRANSCENDENTAL_ERROR = 16 * U32
 
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+
 _MAX = {
     np.dtype(np.float32): float(np.finfo(np.float32).max),
     np.dtype(np.float16): 65504.0,
@@ -55,6 +58,21 @@ def round_to(v: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
         overflow = np.abs(safe) >= biggest + _ulp(np.float64(biggest), dtype) / 2
         r = np.where(overflow, np.copysign(np.inf, safe), r)
         return np.where(finite, r, v)
+
+
+def compute_dtype_of(compute_dtype: np.dtype | type) -> np.dtype:
+    """Return ``compute_dtype`` as a dtype if a reference evaluates in it (float32 or float64), else raise."""
+    cd = np.dtype(compute_dtype)
+    if cd not in (F32, F64):
+        raise ValueError(f"compute_dtype must be float32 or float64, got {cd}")
+    return cd
+
+
+def round_in(v: np.ndarray, dtype: np.dtype, compute_dtype: np.dtype) -> np.ndarray:
+    """Return ``v`` (an evaluation's value in ``compute_dtype``) rounded to ``dtype``, back in ``compute_dtype``:
+    the float64 evaluation rounds once, directly (``round_to``); the float32 one through numpy's conversion,
+    as the kernels do."""
+    return round_to(v, dtype) if compute_dtype == F64 else v.astype(dtype).astype(compute_dtype)
 
 
 def _ulp(v: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -19,25 +19,26 @@ rounding points. ``budget_report`` checks a result against the accuracy budget (
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from fusion.reference._bounds import (
+    F32,
     TINY32,
     TRANSCENDENTAL_ERROR,
     U32,
     check_dtype,
+    compute_dtype_of,
     mul_interval,
     report_within,
+    round_in,
     round_interval,
-    round_to,
 )
 from fusion.reference._common import DOMAIN, as_arrays, reference_op, sigmoid
 
 OP_TYPE = "CausalConv1dUpdate"
 ACTIVATIONS = ("silu", "none")
-
-_F32 = np.dtype(np.float32)
-_F64 = np.dtype(np.float64)
 
 
 def check_inputs(
@@ -102,12 +103,8 @@ def causal_conv1d_update(
     """
     x, conv_state, weight, bias = as_arrays(x, conv_state, weight, bias)
     _, channels, new, state_len, width = check_inputs(x, conv_state, weight, bias, activation)
-    t, cd = x.dtype, np.dtype(compute_dtype)
-    if cd not in (_F32, _F64):
-        raise ValueError(f"compute_dtype must be float32 or float64, got {cd}")
-
-    def r_t(v: np.ndarray) -> np.ndarray:
-        return round_to(v, t) if cd == _F64 else v.astype(t).astype(cd)
+    t, cd = x.dtype, compute_dtype_of(compute_dtype)
+    r_t = functools.partial(round_in, dtype=t, compute_dtype=cd)  # round_T, back in the compute type
 
     window = np.concatenate([conv_state, x], axis=-1)
     w = weight.reshape(channels, width).astype(cd)
@@ -154,13 +151,13 @@ def budget_bounds(
             b = bias.astype(np.float64)[None, :, None]
             acc, magnitude = acc + b, magnitude + np.abs(b)
         slack = (width + 1) * (U32 * magnitude + 2 * TINY32)
-        v_lo, v_hi = round_interval(acc - slack, acc + slack, _F32, t)
+        v_lo, v_hi = round_interval(acc - slack, acc + slack, F32, t)
         if activation == "silu":
             e, abs_e = transcendental_error, sigmoid_abs_error + 4 * TINY32
             sg_lo = np.maximum(sigmoid(v_lo) * (1 - e) - abs_e, 0.0)
             sg_hi = np.minimum(sigmoid(v_hi) * (1 + e) + abs_e, 1.0)
-            sg_lo, sg_hi = round_interval(sg_lo, sg_hi, _F32, t)
-            y_lo, y_hi = round_interval(*mul_interval(v_lo, v_hi, sg_lo, sg_hi), _F32, t)
+            sg_lo, sg_hi = round_interval(sg_lo, sg_hi, F32, t)
+            y_lo, y_hi = round_interval(*mul_interval(v_lo, v_hi, sg_lo, sg_hi), F32, t)
         else:
             y_lo, y_hi = v_lo, v_hi
     state64 = present.astype(np.float64)

@@ -24,26 +24,27 @@ see ``budget_bounds``).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from fusion.reference._bounds import (
+    F32,
     TINY32,
     TRANSCENDENTAL_ERROR,
     U32,
     check_dtype,
+    compute_dtype_of,
     mul_interval,
     report_within,
+    round_in,
     round_interval,
-    round_to,
 )
 from fusion.reference._common import DOMAIN, as_arrays, reference_op
 
 OP_TYPE = "SelectiveStateUpdate"
 #: torch's softplus threshold: above it, softplus(v) is v.
 SOFTPLUS_THRESHOLD = 20.0
-
-_F32 = np.dtype(np.float32)
-_F64 = np.dtype(np.float64)
 
 
 def check_inputs(
@@ -90,11 +91,11 @@ def check_inputs(
         if arr is not None and arr.dtype != t:
             raise ValueError(f"{OP_TYPE}: {name} must have x's type {t}, got {arr.dtype}")
     s = check_dtype("state", state, OP_TYPE)
-    if s not in (_F32, t):
+    if s not in (F32, t):
         raise ValueError(f"{OP_TYPE}: state must be float or x's type {t}, got {s}")
-    if A.dtype != _F32:
+    if A.dtype != F32:
         raise ValueError(f"{OP_TYPE}: A must be float, got {A.dtype}")
-    if D is not None and D.dtype not in (_F32, t):
+    if D is not None and D.dtype not in (F32, t):
         raise ValueError(f"{OP_TYPE}: D must be float or x's type {t}, got {D.dtype}")
     if dt_softplus not in (0, 1):
         raise ValueError(f"{OP_TYPE}: dt_softplus must be 0 or 1, got {dt_softplus}")
@@ -125,12 +126,8 @@ def selective_state_update(
     """
     state, x, dt, dt_bias, A, B, C, D = as_arrays(state, x, dt, dt_bias, A, B, C, D)
     _, heads, _, _, _ = check_inputs(state, x, dt, dt_bias, A, B, C, D, dt_softplus)
-    t, s_type, cd = x.dtype, state.dtype, np.dtype(compute_dtype)
-    if cd not in (_F32, _F64):
-        raise ValueError(f"compute_dtype must be float32 or float64, got {cd}")
-
-    def r_t(v: np.ndarray) -> np.ndarray:  # round_T, back in the compute type
-        return round_to(v, t) if cd == _F64 else v.astype(t).astype(cd)
+    t, s_type, cd = x.dtype, state.dtype, compute_dtype_of(compute_dtype)
+    r_t = functools.partial(round_in, dtype=t, compute_dtype=cd)  # round_T, back in the compute type
 
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         d = dt.astype(cd)
@@ -143,7 +140,7 @@ def selective_state_update(
         dB = r_t(d[..., None] * b_h)
         dBx = r_t(dB[:, :, None, :] * x.astype(cd)[..., None])  # (B, H, P, N)
         s = state.astype(cd) * dA[..., None, None] + dBx  # two roundings in float32, as the graph does
-        s = round_to(s, s_type) if cd == _F64 else s.astype(s_type).astype(cd)
+        s = round_in(s, s_type, cd)
         y = r_t(np.sum(r_t(s) * c_h[:, :, None, :], axis=-1, dtype=cd))
         if D is not None:
             y = r_t(y + r_t(x.astype(cd) * D.astype(cd)[:, None]))
@@ -187,30 +184,30 @@ def budget_bounds(
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         d_lo = d_hi = f64(dt)
         if dt_bias is not None:
-            d_lo, d_hi = round_interval(d_lo + f64(dt_bias), d_hi + f64(dt_bias), _F32, t)
+            d_lo, d_hi = round_interval(d_lo + f64(dt_bias), d_hi + f64(dt_bias), F32, t)
         if dt_softplus:
             # softplus is increasing; the kernel's float32 exp and log1p each err by up to e (relative).
             def softplus(v: np.ndarray, sign: float) -> np.ndarray:
                 sp = np.log1p(np.exp(v)) * (1 + sign * 2 * e) + sign * abs_e
-                return np.where(v > SOFTPLUS_THRESHOLD, v, round_interval(sp, sp, _F32, t)[0])
+                return np.where(v > SOFTPLUS_THRESHOLD, v, round_interval(sp, sp, F32, t)[0])
 
             d_lo, d_hi = softplus(d_lo, -1.0), softplus(d_hi, 1.0)
         a = f64(A)
-        p_lo, p_hi = round_interval(*mul_interval(d_lo, d_hi, a, a), _F32)
+        p_lo, p_hi = round_interval(*mul_interval(d_lo, d_hi, a, a), F32)
         dA_lo = np.maximum(np.exp(p_lo) * (1 - e) - abs_e, 0.0)
         dA_hi = np.exp(p_hi) * (1 + e) + abs_e
-        dA_lo, dA_hi = round_interval(dA_lo, dA_hi, _F32)
+        dA_lo, dA_hi = round_interval(dA_lo, dA_hi, F32)
 
         b_h, c_h = f64(_by_head(B, heads)), f64(_by_head(C, heads))
-        dB = round_interval(*mul_interval(d_lo[..., None], d_hi[..., None], b_h, b_h), _F32, t)
+        dB = round_interval(*mul_interval(d_lo[..., None], d_hi[..., None], b_h, b_h), F32, t)
         xv = f64(x)[..., None]
-        dBx_lo, dBx_hi = round_interval(*mul_interval(dB[0][:, :, None, :], dB[1][:, :, None, :], xv, xv), _F32, t)
+        dBx_lo, dBx_hi = round_interval(*mul_interval(dB[0][:, :, None, :], dB[1][:, :, None, :], xv, xv), F32, t)
         sv = f64(state)
         prod_lo, prod_hi = mul_interval(sv, sv, dA_lo[..., None, None], dA_hi[..., None, None])
         # Mul then Add (two float32 roundings, the graph's) or one FMA: the budget accepts both.
-        q_lo, q_hi = round_interval(prod_lo, prod_hi, _F32)
-        two_lo, two_hi = round_interval(q_lo + dBx_lo, q_hi + dBx_hi, _F32)
-        one_lo, one_hi = round_interval(prod_lo + dBx_lo, prod_hi + dBx_hi, _F32)
+        q_lo, q_hi = round_interval(prod_lo, prod_hi, F32)
+        two_lo, two_hi = round_interval(q_lo + dBx_lo, q_hi + dBx_hi, F32)
+        one_lo, one_hi = round_interval(prod_lo + dBx_lo, prod_hi + dBx_hi, F32)
         s_lo, s_hi = round_interval(np.minimum(two_lo, one_lo), np.maximum(two_hi, one_hi), s_type)
 
         st_lo, st_hi = round_interval(s_lo, s_hi, t)
@@ -218,13 +215,13 @@ def budget_bounds(
         term_lo, term_hi = mul_interval(st_lo, st_hi, cv, cv)
         magnitude = np.sum(np.maximum(np.abs(term_lo), np.abs(term_hi)), axis=-1)
         slack = (state_size + 1) * (U32 * magnitude + 2 * TINY32)
-        y_lo, y_hi = round_interval(np.sum(term_lo, axis=-1) - slack, np.sum(term_hi, axis=-1) + slack, _F32, t)
+        y_lo, y_hi = round_interval(np.sum(term_lo, axis=-1) - slack, np.sum(term_hi, axis=-1) + slack, F32, t)
         if D is not None:
             xd_exact = f64(x) * f64(D)[:, None]
-            xd = round_interval(xd_exact, xd_exact, _F32, t)[0]
-            out_lo, out_hi = round_interval(y_lo + xd, y_hi + xd, _F32, t)
-            if t == _F32:  # a float32 kernel may fuse y + x * D into one FMA
-                fma_lo, fma_hi = round_interval(y_lo + xd_exact, y_hi + xd_exact, _F32)
+            xd = round_interval(xd_exact, xd_exact, F32, t)[0]
+            out_lo, out_hi = round_interval(y_lo + xd, y_hi + xd, F32, t)
+            if t == F32:  # a float32 kernel may fuse y + x * D into one FMA
+                fma_lo, fma_hi = round_interval(y_lo + xd_exact, y_hi + xd_exact, F32)
                 out_lo, out_hi = np.minimum(out_lo, fma_lo), np.maximum(out_hi, fma_hi)
         else:
             out_lo, out_hi = y_lo, y_hi
