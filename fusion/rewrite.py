@@ -101,9 +101,13 @@ class Report:
             f"nodes: {self.nodes_before} -> {self.nodes_after}",
         ]
         for op_type, op in self.decode.items():
+            builder = ", ".join(f"{name} ({count})" for name, count in op.get("builder_fused", {}).items())
+            if not op["found"]:
+                lines.append(f"{op['counts']}: already fused by the builder as {builder}")
+                continue
             lines.append(
                 f"{op['counts']} found: {op['found']} (ai.mambafuse::{op_type}), fused: {op['fused']}, "
-                f"refused: {len(op['refused'])}"
+                f"refused: {len(op['refused'])}" + (f"; already fused by the builder as {builder}" if builder else "")
             )
             lines += [f"  refused {where}: {reason}" for where, reason in op["refused"]]
         if self.fused or self.decode_fused:
@@ -302,8 +306,33 @@ def attach_function(model: ir.Model, onnx_opset: int | None = None) -> None:
     fusions.attach_functions(model, opset)
 
 
+#: ONNX Runtime's contrib ops that builders (mobius) already run the decode step as, per mambafuse op: the op's
+#: domain::type and the attributes it must have. Such a layer has no chain to fuse; the report says so once.
+BUILDER_FUSED = {
+    "CausalConv1dUpdate": ("com.microsoft", "CausalConvWithState", {}),
+    "SelectiveStateUpdate": ("com.microsoft", "LinearAttention", {"update_rule": "gated"}),
+}
+
+
+def _builder_fused(graph: ir.Graph, op_type: str) -> dict[str, int]:
+    """Return ``{"domain::type": count}`` of the builder's contrib-op nodes that do ``op_type``'s step."""
+    domain, contrib, attributes = BUILDER_FUSED[op_type]
+    count = sum(
+        1
+        for node in ir.traversal.RecursiveGraphIterator(graph)
+        if node.domain == domain
+        and node.op_type == contrib
+        and all(
+            node.attributes.get(name) is not None and node.attributes[name].value == value
+            for name, value in attributes.items()
+        )
+    )
+    return {f"{domain}::{contrib}": count} if count else {}
+
+
 def _fuse_decode_steps(model: ir.Model, opset: int, report: Report) -> None:
-    """Run the decode-step fusions (after the gated norm) and fill ``report.decode`` for ops with chains."""
+    """Run the decode-step fusions (after the gated norm) and fill ``report.decode`` for ops with chains (or
+    with layers a builder already runs as ORT's contrib op, ``BUILDER_FUSED``: counted apart, not as found)."""
     from fusion import fusions
 
     # Rounds until one fuses nothing: a layer's chain may be proven only through the previous layer's fused
@@ -325,13 +354,15 @@ def _fuse_decode_steps(model: ir.Model, opset: int, report: Report) -> None:
             record = log.chains.get(anchor)
             reason = record.reason if record is not None and record.reason else "does not match the op's chain"
             refused.append((record.location if record is not None else location(anchor), reason))
-        if fused or refused:
+        builder = _builder_fused(model.graph, fusion.op_type)
+        if fused or refused or builder:
             report.decode[fusion.op_type] = {
                 "counts": fusion.counts,
                 "found": fused + len(refused),
                 "fused": fused,
                 "refused": refused,
                 "fused_chains": [{"location": r.location, **r.attributes} for r in log.chains.values() if r.fused],
+                "builder_fused": builder,
             }
 
 
