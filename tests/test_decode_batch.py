@@ -146,6 +146,23 @@ def test_fused_with_library_matches_original(stem: str, batch: int) -> None:
     _compare(stem, batch, library=True)
 
 
+#: Fused model against torch's logits (tests/test_families.py's budget).
+TORCH_TOLERANCE = {"fp32": 1e-5, "fp16": 5e-3}
+
+
+@pytest.mark.parametrize("stem", CPU_STEMS)
+def test_fused_matches_torch_at_the_traced_batch(stem: str) -> None:
+    """On the traced step (two rows, the cache generate() built), the fused model gives torch's logits."""
+    record, refs = FIXTURES[stem], _references()[stem]
+    inputs = {s["name"]: refs[f"input/{s['name']}"].astype(_NP[s["dtype"]]) for s in record["inputs"]}
+    assert inputs["input_ids"].shape[0] == record["batch"] > 1
+    logits = decode_rules._run(_fused(stem)[0], inputs)[0].astype(np.float64)
+    expected = refs["output/logits"].astype(np.float64)
+    scale = float(np.abs(expected).max())
+    error = float(np.abs(logits - expected).max())
+    assert error <= TORCH_TOLERANCE[record["dtype"]] * scale, f"max |fused - torch| {error:.3g} of {scale:.3g}"
+
+
 def test_rows_differ_within_a_batch() -> None:
     """The comparison feeds distinct rows: a kernel that read row 0 for every row would be caught."""
     feeds = _batch_feeds(MUTATED, 3)
