@@ -157,7 +157,8 @@ PADDED_FIXTURES: list[tuple[str, str, int, str, int, int]] = [
 #: ids, which torch.export carries to every cache tensor), traced at ``TRACED_BATCH`` rows: (family,
 #: exporter, opset or None, dtype). Nemotron-H and Zamba2 (a Mamba-2 layer after an attention layer, whose
 #: dims reach it only through the fused ops before it) and Mamba2 (Mamba-2 layers only), dynamo in fp32 and
-#: fp16; transformers' exporter, whose dynamic axes make the batch symbolic too, once.
+#: fp16; Bamba, GraniteMoeHybrid and Falcon-H1 dynamo fp16; transformers' exporter, whose dynamic axes make
+#: the batch symbolic too, once.
 BATCH_FIXTURE_DIR = FIXTURE_DIR / "batch"
 TRACED_BATCH = 2
 BATCH_FIXTURES: list[tuple[str, str, int | None, str]] = [
@@ -167,6 +168,9 @@ BATCH_FIXTURES: list[tuple[str, str, int | None, str]] = [
     ("zamba2", "dynamo", 18, "fp16"),
     ("mamba2", "dynamo", 18, "fp32"),
     ("mamba2", "dynamo", 18, "fp16"),
+    ("bamba", "dynamo", 18, "fp16"),
+    ("granitemoehybrid", "dynamo", 18, "fp16"),
+    ("falcon_h1", "dynamo", 18, "fp16"),
     ("nemotron_h", "transformers", None, "fp32"),
 ]
 FIXTURE_SETS = ("models", "families", "padded", "batch")
