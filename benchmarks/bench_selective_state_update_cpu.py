@@ -17,12 +17,19 @@ Outputs are bound to preallocated buffers (IO binding), so no variant pays for a
 Targets (issue 27; reported, never asserted): state update >= 85 % of the copy's bandwidth; mixer work
 >= 3x faster than unfused and no slower than ORT's two contrib ops.
 
-    python -m benchmarks.bench_selective_state_update_cpu [--record] [--repeats 200]
+Where the bytes come from decides the copy's speed: interleaved (the default), each call finds what the
+other variants' calls left of its buffers in the last-level cache, a mix that the host's other jobs shift;
+``--cold`` reads a buffer of twice the last-level cache before every timed call, so every variant and the
+copy start from memory: a real decode step's regime, whose layers' states together are far larger than the
+cache (Nemotron-H-8B: 52 Mamba layers of 4 MB in fp32).
+
+    python -m benchmarks.bench_selective_state_update_cpu [--record] [--repeats 200] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +73,10 @@ WIDTHS = (
     # Zyphra Zamba2-1.2B: hidden 2048, expand 2 (64 heads of 64), 1 group, d_state 64, conv 4.
     Width("Zamba2-1.2B", heads=64, head_dim=64, state_size=64, groups=1),
 )
+
+
+#: The state-update row of the same op on a one-element state: a Run's cost besides the kernel's work.
+FIXED_COST = "fused, one element (a Run's fixed cost)"
 
 
 def _vi(name: str, elem: int, shape: list[int]) -> onnx.ValueInfoProto:
@@ -247,26 +258,40 @@ def _feeds(model: onnx.ModelProto, rng: np.random.Generator) -> dict[str, np.nda
     return feeds
 
 
+def aligned(a: np.ndarray, alignment: int = 64) -> np.ndarray:
+    """Return a copy of ``a`` whose data starts at a multiple of ``alignment`` bytes, as ONNX Runtime's CPU
+    allocator places its tensors (numpy's large arrays start 16 to 48 bytes past one: every 64-byte vector
+    access then spans two cache lines)."""
+    raw = np.empty(a.nbytes + alignment, dtype=np.uint8)
+    offset = -raw.ctypes.data % alignment
+    out = raw[offset : offset + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out
+
+
 def bound_runner(
-    model: onnx.ModelProto, threads: int, library: bool, feeds: dict[str, np.ndarray]
+    model: onnx.ModelProto, threads: int, library: bool, feeds: dict[str, np.ndarray], *, align: bool = False
 ) -> Callable[[], None]:
-    """Return a function that runs ``model`` once on ``feeds`` with inputs and outputs bound to fixed buffers."""
+    """Return a function that runs ``model`` once on ``feeds`` with inputs and outputs bound to fixed buffers
+    (at 64-byte boundaries with ``align``, else where numpy puts them)."""
+    place = aligned if align else (lambda a: a)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     sess = contrib_ops.session(model, session_options=options, use_library=library)
     binding = sess.io_binding()
     for name, value in feeds.items():
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(value))
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(place(value)))
     first = sess.run(None, feeds)
     for meta, value in zip(sess.get_outputs(), first, strict=True):
-        binding.bind_ortvalue_output(meta.name, ort.OrtValue.ortvalue_from_numpy(np.empty_like(value)))
+        binding.bind_ortvalue_output(meta.name, ort.OrtValue.ortvalue_from_numpy(place(np.empty_like(value))))
     return lambda: sess.run_with_iobinding(binding)
 
 
-def copy_runners(nbytes: int, threads: int) -> dict[str, Callable[[], None]]:
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    t_src, t_dst = torch.from_numpy(src.copy()), torch.empty(nbytes, dtype=torch.uint8)
+def copy_runners(nbytes: int, threads: int, *, align: bool = False) -> dict[str, Callable[[], None]]:
+    place = aligned if align else (lambda a: a)
+    src = place(np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8))
+    dst = place(np.empty_like(src))
+    t_src, t_dst = torch.from_numpy(place(src.copy())), torch.from_numpy(place(np.empty_like(src)))
 
     def torch_copy() -> None:
         torch.set_num_threads(threads)
@@ -275,14 +300,30 @@ def copy_runners(nbytes: int, threads: int) -> dict[str, Callable[[], None]]:
     return {"copy (torch)": torch_copy, "copy (numpy)": lambda: np.copyto(dst, src)}
 
 
-def measure(runners: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """Interleave the runners ``repeats`` times (after a warm-up); return each one's times in microseconds."""
+def cache_evictor() -> Callable[[], None]:
+    """Return a function that reads twice the last-level cache's size (32 MiB where the OS does not say), which
+    leaves none of the caller's earlier data in the caches."""
+    try:
+        llc = os.sysconf("SC_LEVEL3_CACHE_SIZE") or os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError):
+        llc = 0
+    buffer = np.ones(2 * max(llc, 32 << 20) // 8, dtype=np.float64)
+    return lambda: float(buffer.sum())
+
+
+def measure(
+    runners: dict[str, Callable[[], None]], repeats: int, evict: Callable[[], None] | None = None
+) -> dict[str, list[float]]:
+    """Interleave the runners ``repeats`` times (after a warm-up); return each one's times in microseconds.
+    ``evict`` (untimed) runs before every timed call."""
     for run in runners.values():
         for _ in range(5):
             run()
     times: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(repeats):
         for name, run in runners.items():
+            if evict is not None:
+                evict()
             start = time.perf_counter()
             run()
             times[name].append((time.perf_counter() - start) * 1e6)
@@ -294,11 +335,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cold", action="store_true", help="evict the caches before every timed call")
+    parser.add_argument(
+        "--numpy-buffers",
+        action="store_true",
+        help="bind numpy's own arrays (16 to 48 bytes past a 64-byte boundary), not 64-byte aligned copies",
+    )
+    parser.add_argument("--state-update-only", action="store_true", help="leave out the mixer's decode work")
+    parser.add_argument("--note", action="append", default=[], help="a line for the recorded section (repeatable)")
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
-    lines = [f"- {environment_line(t)}" for t in args.threads[:1]]
+    evict = cache_evictor() if args.cold else None
+    align = not args.numpy_buffers
+    lines = [*args.note, *([""] if args.note else [])]
+    lines += [f"- {environment_line(t)}" for t in args.threads[:1]]
+    regime = (
+        "caches evicted before every timed call (--cold)"
+        if args.cold
+        else "interleaved, caches as the other calls leave them"
+    )
     lines.append(
-        f"- torch {torch.__version__}, numpy {np.__version__}, batch {args.batch}, {args.repeats} interleaved repeats; "
+        f"- torch {torch.__version__}, numpy {np.__version__}, batch {args.batch}, {args.repeats} interleaved repeats, "
+        f"{regime}, {'numpy' if args.numpy_buffers else '64-byte aligned'} buffers; "
         "us = microseconds per call (min / median)"
     )
     lines += [
@@ -314,29 +372,36 @@ def main() -> None:
             mixer = mixer_models(w, t, args.batch)
             ssu_feeds = _feeds(ssu["fused"], rng)
             mixer_feeds = _feeds(mixer["fused"], rng)
+            # The same op on one element: what a Run costs besides the kernel's work (ORT's and Python's).
+            one = state_update_models(Width("one element", 1, 1, 1, 1), t, 1)["fused"]
+            one_feeds = _feeds(one, rng)
             state_bytes = ssu_feeds["state"].nbytes
             for threads in args.threads:
                 runners = {
-                    "fused": bound_runner(ssu["fused"], threads, True, ssu_feeds),
-                    "unfused": bound_runner(ssu["unfused"], threads, False, ssu_feeds),
+                    "fused": bound_runner(ssu["fused"], threads, True, ssu_feeds, align=align),
+                    FIXED_COST: bound_runner(one, threads, True, one_feeds, align=align),
+                    "unfused": bound_runner(ssu["unfused"], threads, False, ssu_feeds, align=align),
                 }
                 if "ort" in ssu:
                     la_feeds = {k: v for k, v in ssu_feeds.items() if k != "state"}
                     la_feeds["state_t"] = np.ascontiguousarray(ssu_feeds["state"].transpose(0, 1, 3, 2))
-                    runners["ORT LinearAttention"] = bound_runner(ssu["ort"], threads, False, la_feeds)
-                runners.update(copy_runners(state_bytes, threads))
-                times = measure(runners, args.repeats)
+                    runners["ORT LinearAttention"] = bound_runner(ssu["ort"], threads, False, la_feeds, align=align)
+                runners.update(copy_runners(state_bytes, threads, align=align))
+                times = measure(runners, args.repeats, evict)
                 fused_median = float(np.median(times["fused"]))
                 copy_median = min(float(np.median(times[k])) for k in ("copy (torch)", "copy (numpy)"))
                 copy_min = min(min(times[k]) for k in ("copy (torch)", "copy (numpy)"))
+                fixed_min = min(times[FIXED_COST])
                 for name, ts in times.items():
                     note = ""
                     if name == "fused":
                         gbps = 2 * state_bytes / (fused_median * 1e-6) / 1e9
                         share, share_min = copy_median / fused_median, copy_min / min(ts)
+                        net = copy_min / max(min(ts) - fixed_min, 1e-9)
                         note = (
                             f"{share_min:.0%} / {share:.0%} (min / median) of the faster copy's bandwidth "
-                            f"({gbps:.1f} GB/s read+write at the median)"
+                            f"({gbps:.1f} GB/s read+write at the median); {net:.0%} at the min less a Run's "
+                            "fixed cost"
                         )
                     elif name.startswith("copy"):
                         note = f"{2 * state_bytes / 1e6:.1f} MB moved"
@@ -346,16 +411,18 @@ def main() -> None:
                     )
                     print(row, flush=True)
                     lines.append(row)
+                if args.state_update_only:
+                    continue
                 runners = {
-                    "fused": bound_runner(mixer["fused"], threads, True, mixer_feeds),
-                    "unfused": bound_runner(mixer["unfused"], threads, False, mixer_feeds),
+                    "fused": bound_runner(mixer["fused"], threads, True, mixer_feeds, align=align),
+                    "unfused": bound_runner(mixer["unfused"], threads, False, mixer_feeds, align=align),
                 }
                 if "ort" in mixer:
                     ort_feeds = {k: v for k, v in mixer_feeds.items() if k != "ssm_state"}
                     ort_feeds["ssm_state_t"] = np.ascontiguousarray(mixer_feeds["ssm_state"].transpose(0, 1, 3, 2))
                     ort_feeds["conv_state"] = np.ascontiguousarray(mixer_feeds["conv_state"][:, :, 1:])
-                    runners["ORT contrib ops"] = bound_runner(mixer["ort"], threads, False, ort_feeds)
-                times = measure(runners, args.repeats)
+                    runners["ORT contrib ops"] = bound_runner(mixer["ort"], threads, False, ort_feeds, align=align)
+                times = measure(runners, args.repeats, evict)
                 fused_median = float(np.median(times["fused"]))
                 for name, ts in times.items():
                     row = (
