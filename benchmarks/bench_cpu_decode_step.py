@@ -20,7 +20,9 @@ token is read), the rate from a 1 x 4096 @ 4096 x 16384 float32 MatMul (256 MB, 
 timed in the same process at the same thread count, and numpy's copy rate beside it for reference.
 
     python -m benchmarks.bench_cpu_decode_step [--dtypes fp32,fp16] [--threads 1,2] [--runs 20] [--rounds 7]
-        [--no-save]
+        [--no-save] [--by-op]
+
+``--by-op`` adds each variant's kernel time by op type from ORT's profiler (where a step's time goes).
 
 Needs the models extra (torch, transformers); writes ~1.6 GB of temporary model files per dtype.
 """
@@ -147,6 +149,27 @@ def kernels_per_run(path: Path, threads: int, feeds: dict[str, np.ndarray], runs
     return kernels // runs
 
 
+def time_by_op_type(path: Path, threads: int, feeds: dict[str, np.ndarray], runs: int = 5) -> dict[str, float]:
+    """Return the kernel time of one Run by op type in seconds, from ORT's profiler (``runs`` Runs after 2
+    warm-up Runs; the node events' durations, which include the profiler's own cost per node)."""
+    import json
+
+    session = _session(path, threads, profile=True)
+    for _ in range(2 + runs):
+        session.run(None, feeds)
+    profile = Path(session.end_profiling())
+    events = json.loads(profile.read_text())
+    profile.unlink(missing_ok=True)
+    model_runs = sorted((e for e in events if e.get("name") == "model_run"), key=lambda e: e["ts"])[-runs:]
+    start = model_runs[0]["ts"]
+    by_op: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
+            op = e.get("args", {}).get("op_name", "?")
+            by_op[op] = by_op.get(op, 0.0) + e["dur"] * 1e-6 / runs
+    return dict(sorted(by_op.items(), key=lambda kv: -kv[1]))
+
+
 def time_variants(
     paths: dict[str, Path], threads: int, feeds: dict[str, np.ndarray], runs: int, rounds: int
 ) -> dict[str, float]:
@@ -174,6 +197,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-save", action="store_true")
+    parser.add_argument("--by-op", action="store_true", help="also each variant's kernel time by op type (profiler)")
     args = parser.parse_args()
     from models import export
 
@@ -206,6 +230,15 @@ def main() -> None:
                 )
                 print(notes[-1], flush=True)
                 kernels = {name: kernels_per_run(path, threads, feeds) for name, path in paths.items()}
+                if args.by_op:
+                    for name, path in paths.items():
+                        by_op = time_by_op_type(path, threads, feeds)
+                        shown = ", ".join(f"{op} {t * 1e3:.2f}" for op, t in list(by_op.items())[:8])
+                        notes.append(
+                            f"- {dtype}, {threads} thread(s), {name}: kernel time by op type (ms per Run, ORT's "
+                            f"profiler): all {sum(by_op.values()) * 1e3:.2f}; {shown}"
+                        )
+                        print(notes[-1], flush=True)
                 times = time_variants(paths, threads, feeds, args.runs, args.rounds)
                 for name in VARIANTS:
                     rows.append(
