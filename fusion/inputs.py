@@ -5,9 +5,12 @@ builders write for sizes derived from others (mobius names the attention mask's 
 ``past_seq_len + seq_len``). ``resolve_dims`` binds every one:
 
 1. ``--dim NAME=SIZE`` (the user's bindings), then the sizes of arrays given with ``--inputs``;
-2. otherwise a default by name, for one decode step: 8 for a past / cache length, 1 for batch, sequence
+2. otherwise the size the graph pins it to (``graph_dims``: a cache concatenated with the new step's
+   values, a state multiplied with a value of known shape; torch dynamo names its cache dims ``s26``,
+   ``s35``, ... and nothing else tells their sizes);
+3. otherwise a default by name, for one decode step: 8 for a past / cache length, 1 for batch, sequence
    and anything else, ``past + sequence`` for a ``total`` length;
-3. an expression is evaluated from the sizes of its names (parsed here, never ``eval``'d: integers,
+4. an expression is evaluated from the sizes of its names (parsed here, never ``eval``'d: integers,
    names, ``+ - * / // %`` and parentheses). A name used in an expression that is not itself a dim of the
    model stands for the dim whose name is the same once ``sequence`` is read as ``seq`` and ``length`` as
    ``len`` (mobius' ``past_seq_len`` is the model's ``past_sequence_len``), so a binding of one is a
@@ -37,7 +40,9 @@ UNKNOWN_DIM = 1
 #: The rules above, for the commands' --help (rewrite --verify/--report, report).
 HELP = f"""\
   --inputs FILE.npz gives real arrays; every other input is generated (seeded) with its symbolic dims
-  bound by --dim NAME=SIZE, else by name for one decode step: {DEFAULT_CACHE_LENGTH} for a past/cache length,
+  bound by --dim NAME=SIZE, else to the size the graph pins them to (a cache concatenated with a new
+  step's values, a state multiplied with a value of known shape), else by name for one decode step:
+  {DEFAULT_CACHE_LENGTH} for a past/cache length,
   past + 1 for a total length, 1 for batch, sequence and anything else. A dim named by an expression
   of other dims (mobius: 'past_seq_len + seq_len') is evaluated from them (+ - * / // % and
   parentheses; past_seq_len there is the model's past_sequence_len). The dims used are printed. A --dim
@@ -202,6 +207,112 @@ def dim_params(model: onnx.ModelProto) -> list[str]:
     return list(names)
 
 
+#: Ops whose inputs broadcast against each other (numpy rules): a symbolic dim against a known size > 1.
+_BROADCASTING = frozenset(
+    {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Mod", "Equal", "Less", "LessOrEqual", "Greater"}
+    | {"GreaterOrEqual", "And", "Or", "Xor", "PRelu", "BitShift"}
+)
+
+
+def graph_dims(model: onnx.ModelProto) -> dict[str, int]:
+    """Return the sizes the graph pins symbolic input dims to, read from the shapes it declares.
+
+    Exporters declare each intermediate value's shape; where a graph input's symbolic dim meets a fixed
+    size — the non-concatenated axes of a ``Concat`` (a cache and the new step's values), an axis of a
+    broadcasting op against a size above 1 (a state times a value of the layer's shape), a ``MatMul``'s
+    inner axes — the model only runs with the dim at that size. Symbols that meet each other are one
+    dim. A symbol pinned to two sizes is left out (then its default applies, and the model's own error
+    says why). These sizes only choose test inputs: both models of ``--verify`` get the same arrays.
+    """
+    graph = model.graph
+    symbols = set(dim_params(model))
+    shapes: dict[str, list[int | str | None]] = {}
+    for value in [*graph.input, *graph.value_info, *graph.output]:
+        if value.type.HasField("tensor_type") and value.type.tensor_type.HasField("shape"):
+            shapes[value.name] = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                for d in value.type.tensor_type.shape.dim
+            ]
+    for tensor in graph.initializer:
+        shapes[tensor.name] = list(tensor.dims)
+    parent: dict[str, str] = {s: s for s in symbols}
+    sizes: dict[str, set[int]] = {}
+
+    def find(symbol: str) -> str:
+        while parent[symbol] != symbol:
+            parent[symbol] = parent[parent[symbol]]
+            symbol = parent[symbol]
+        return symbol
+
+    def meet(a: int | str | None, b: int | str | None, broadcast: bool = False) -> None:
+        if isinstance(a, str) and a not in symbols or isinstance(b, str) and b not in symbols:
+            return  # an expression or an intermediate's own symbol: not followed
+        if isinstance(a, str) and isinstance(b, str):
+            parent[find(a)] = find(b)
+        elif isinstance(a, str) and isinstance(b, int) and (b > 1 or not broadcast):
+            sizes.setdefault(a, set()).add(b)
+        elif isinstance(b, str) and isinstance(a, int) and (a > 1 or not broadcast):
+            sizes.setdefault(b, set()).add(a)
+
+    for node in graph.node:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        inputs = [shapes.get(name) for name in node.input if name]
+        if node.op_type == "Concat" and all(shape is not None for shape in inputs):
+            rank = len(inputs[0])  # type: ignore[arg-type]
+            axis = next((a.i for a in node.attribute if a.name == "axis"), 0) % max(rank, 1)
+            for shape in inputs[1:]:
+                if len(shape) == rank:  # type: ignore[arg-type]
+                    for i in range(rank):
+                        if i != axis:
+                            meet(inputs[0][i], shape[i])  # type: ignore[index]
+        elif node.op_type in _BROADCASTING and len(inputs) >= 2 and all(shape is not None for shape in inputs):
+            for i, first in enumerate(inputs):
+                for second in inputs[i + 1 :]:
+                    for a, b in zip(reversed(first), reversed(second), strict=False):  # type: ignore[arg-type]
+                        meet(a, b, broadcast=True)
+        elif node.op_type == "MatMul" and len(inputs) == 2 and all(s is not None and len(s) >= 2 for s in inputs):
+            meet(inputs[0][-1], inputs[1][-2])  # type: ignore[index]
+    pinned: dict[str, set[int]] = {}
+    for symbol, values in sizes.items():
+        pinned.setdefault(find(symbol), set()).update(values)
+    result = {}
+    for symbol in symbols:
+        values = pinned.get(find(symbol), set())
+        if len(values) == 1:
+            result[symbol] = next(iter(values))
+    return result
+
+
+def graph_minimums(model: onnx.ModelProto) -> dict[str, int]:
+    """Return the least size of a symbolic input dim at which every declared shape expression of it alone is
+    a size (at least 1), where that is more than 1: a dynamo export declares a convolution's output over
+    the cache and the new step as ``s84 - 2``, so the cache must hold 3 (the kernel less one) or more."""
+    symbols = set(dim_params(model))
+    expressions: dict[str, list[_Expression]] = {}
+    graph = model.graph
+    for value in [*graph.value_info, *graph.output]:
+        for dim in value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else []:
+            if dim.HasField("dim_value") or not dim.dim_param:
+                continue
+            expression = parse_expression(dim.dim_param)
+            if expression is not None and len(set(expression.names)) == 1 and expression.names[0] in symbols:
+                expressions.setdefault(expression.names[0], []).append(expression)
+    result = {}
+    for symbol, found in expressions.items():
+        for size in range(1, 65):
+            try:
+                if all(e.evaluate({symbol: size}) >= 1 for e in found):
+                    break
+            except (ArithmeticError, ZeroDivisionError):
+                continue
+        else:
+            continue
+        if size > 1:
+            result[symbol] = size
+    return result
+
+
 def _format(dims: dict[str, int]) -> str:
     return ", ".join(f"{name}={size}" for name, size in dims.items())
 
@@ -257,11 +368,16 @@ def resolve_dims(
         if term in bound:
             bound.setdefault(name, bound[term])
     sizes: dict[str, int | None] = {name: bound.get(name) for name in dict.fromkeys([*plain, *variables])}
+    # Sizes the graph pins (a dynamo export's s26, s35, ...), before any default by name.
+    for name, size in graph_dims(model).items():
+        if name in sizes and sizes[name] is None and name not in alias:
+            sizes[name] = size
     # Defaults; a total length is past + sequence where the model has one of each.
     pasts = [n for n in plain if _is_past(n)]
     sequences = [n for n in plain if _is_sequence(n)]
+    minimums = graph_minimums(model)
     for name in [n for n in sizes if sizes[n] is None and "total" not in n.lower() and n not in alias]:
-        sizes[name] = default_dim(name)
+        sizes[name] = max(default_dim(name), minimums.get(name, 1))
     for name in [n for n in sizes if sizes[n] is None and n not in alias]:
         if len(pasts) == 1 and len(sequences) == 1:
             sizes[name] = sizes[pasts[0]] + sizes[sequences[0]]  # type: ignore[operator]

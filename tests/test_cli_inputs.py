@@ -304,17 +304,119 @@ def test_report_default_inputs_on_other_builds(stem: str, builds: Path) -> None:
     assert "dims batch=1, sequence_len=1" in result.stdout
 
 
-DECODE = FIXTURES / "nemotron_h-dynamo-fp32-decode.onnx"  # every cache dim its own name: defaults disagree
+DECODE = FIXTURES / "nemotron_h-dynamo-fp32-decode.onnx"  # every cache dim its own name: s26, s35, ...
+
+
+def _reshaped(path: Path) -> Path:
+    """Write a model whose input must hold 6 elements (Reshape to [2, 3]) and whose graph says so nowhere
+    else: at the default size 1 ONNX Runtime rejects it."""
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [2, 3])
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [shape],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return path
 
 
 def test_inputs_the_model_rejects_are_one_line_with_the_dims(tmp_path: Path) -> None:
-    result = _cli("report", str(DECODE), str(DECODE), "--runs", "2")
+    model = _reshaped(tmp_path / "reshape.onnx")
+    result = _cli("report", str(model), str(model), "--runs", "2")
     assert result.returncode == 2
     line = _one_line_error(result, "mambafuse report")
-    assert "the before model rejects its inputs" in line and "dims used: s" in line and "--inputs" in line
-    output = tmp_path / "fused.onnx"
-    result = _cli("rewrite", str(DECODE), "-o", str(output), "--verify")
+    assert "the before model rejects its inputs" in line and "dims used: n=1" in line and "--inputs" in line
+    output = tmp_path / "out" / "fused.onnx"
+    output.parent.mkdir()
+    result = _cli("rewrite", str(model), "-o", str(output), "--verify")
     assert result.returncode == 2
     line = _one_line_error(result, "mambafuse rewrite")
-    assert "the original model rejects its inputs" in line and "dims used: s" in line
-    assert list(tmp_path.iterdir()) == []
+    assert "the original model rejects its inputs" in line and "dims used: n=1" in line
+    assert list(output.parent.iterdir()) == []
+
+
+# --- sizes the graph pins ----------------------------------------------------------------------------------
+
+
+def _graph_model(nodes, inputs_, value_info, initializers=()) -> onnx.ModelProto:
+    outputs = [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.FLOAT, None)]
+    graph = helper.make_graph(nodes, "g", inputs_, outputs, list(initializers), value_info=value_info)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_graph_dims_from_concat_broadcast_and_matmul() -> None:
+    f = TensorProto.FLOAT
+    model = _graph_model(
+        [
+            helper.make_node("Concat", ["cache", "new"], ["cat"], axis=2),  # cache (a, b, c) ++ (1, 128, 1)
+            helper.make_node("Mul", ["state", "decay"], ["decayed"]),  # (d, e, g) * (1, 4, 1): e = 4 only
+            helper.make_node("MatMul", ["row", "w"], ["proj"]),  # (1, k) @ (16, 8): k = 16
+            helper.make_node("Add", ["p", "q"], ["sum"]),  # (h) + (i): one dim, no size
+            helper.make_node("Concat", ["u", "v"], ["both"], axis=0),  # (2, j) ++ (3, 5) and (1, j) ++ (1, 6)
+            helper.make_node("Concat", ["u2", "v2"], ["both2"], axis=0),
+        ],
+        [
+            helper.make_tensor_value_info("cache", f, ["a", "b", "c"]),
+            helper.make_tensor_value_info("state", f, ["d", "e", "g"]),
+            helper.make_tensor_value_info("row", f, [1, "k"]),
+            helper.make_tensor_value_info("p", f, ["h"]),
+            helper.make_tensor_value_info("q", f, ["i"]),
+            helper.make_tensor_value_info("u", f, [2, "j"]),
+            helper.make_tensor_value_info("u2", f, [1, "j"]),
+        ],
+        [
+            helper.make_tensor_value_info("new", f, [1, 128, 1]),
+            helper.make_tensor_value_info("decay", f, [1, 4, 1]),
+            helper.make_tensor_value_info("v", f, [3, 5]),
+            helper.make_tensor_value_info("v2", f, [1, 6]),
+        ],
+        [helper.make_tensor("w", TensorProto.FLOAT, [16, 8], [0.0] * 128)],
+    )
+    # j meets 5 and 6: pinned to neither; c (the concatenated axis), d and g (broadcast against 1) stay free
+    assert inputs.graph_dims(model) == {"a": 1, "b": 128, "e": 4, "k": 16}
+    dims = inputs.resolve_dims(model)
+    assert (dims["a"], dims["b"], dims["e"], dims["k"]) == (1, 128, 4, 16)
+    assert (dims["c"], dims["d"], dims["j"]) == (1, 1, 1)
+    # the user's binding wins over the graph's
+    assert inputs.resolve_dims(model, {"b": 7})["b"] == 7
+    # one symbol is one dim: h and i meet, so a size for one is a size for both
+    linked = _graph_model(
+        [helper.make_node("Add", ["p", "q"], ["sum"]), helper.make_node("Mul", ["q", "r"], ["prod"])],
+        [
+            helper.make_tensor_value_info("p", f, ["h"]),
+            helper.make_tensor_value_info("q", f, ["i"]),
+            helper.make_tensor_value_info("r", f, [9]),
+        ],
+        [],
+    )
+    assert inputs.graph_dims(linked) == {"h": 9, "i": 9}
+
+
+def test_graph_minimums_from_declared_expressions() -> None:
+    f = TensorProto.FLOAT
+    model = _graph_model(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", f, [1, "s84"])],
+        [helper.make_tensor_value_info("conv", f, [1, "s84 - 2"]), helper.make_tensor_value_info("z", f, ["s84 + 1"])],
+    )
+    assert inputs.graph_minimums(model) == {"s84": 3}
+    assert inputs.resolve_dims(model)["s84"] == 3
+    assert inputs.resolve_dims(model, {"s84": 5})["s84"] == 5
+
+
+def test_verify_a_dynamo_decode_export_with_default_dims(tmp_path: Path) -> None:
+    """torch dynamo names every cache dim on its own (s26, s35, ...): the graph pins them (the conv state's
+    channels by its Concat with the new step, the SSM state's by the decay it is multiplied with, the
+    conv cache's length by the convolution over it), so --verify runs without --dim."""
+    output = tmp_path / "fused.onnx"
+    result = _cli("rewrite", str(DECODE), "-o", str(output), "--verify")
+    assert result.returncode == 0, result.stderr
+    assert output.is_file()
+    dims = _dims_line(result.stdout)
+    original = onnx.load(str(DECODE), load_external_data=False)
+    state = next(v for v in original.graph.input if v.name == "past.layers.0.recurrent_states.0")
+    conv = next(v for v in original.graph.input if v.name == "past.layers.0.conv_states.0")
+    assert [dims[d.dim_param] for d in state.type.tensor_type.shape.dim] == [1, 4, 16, 8]  # (B, H, P, N)
+    assert [dims[d.dim_param] for d in conv.type.tensor_type.shape.dim] == [1, 128, 3]  # (B, C, K - 1)
