@@ -1,18 +1,25 @@
-// SelectiveStateUpdate's CPU math core alone (no ONNX Runtime): one thread, every head of one batch row,
-// against a memcpy of the state's bytes, interleaved, at the real widths of
-// benchmarks/bench_selective_state_update_cpu.py. With --pipes (x86-64 with AVX-512 only): the throughput of
-// the instructions a float16 state element needs, which bounds what the float16 update can reach.
+// SelectiveStateUpdate's CPU math core alone (no ONNX Runtime): every head of one batch row against a memcpy
+// of the state's bytes, interleaved, at the real widths of benchmarks/bench_selective_state_update_cpu.py.
+// --threads N splits both over N threads as the ONNX Runtime kernel splits its heads (contiguous ranges of
+// whole heads; the copy in as many contiguous parts), on threads that spin between calls, so that a call
+// does not pay for waking them (on a host whose CPUs are taken by other jobs, spinning makes it worse).
+// With --pipes (x86-64 with AVX-512 only): the throughput of the instructions a float16 state element
+// needs, which bounds what the float16 update can reach.
 //
 //   cmake -S contrib_ops -B build/core -G Ninja -DMAMBAFUSE_CUDA=OFF && cmake --build build/core
-//   g++ -O2 -std=c++17 -Icontrib_ops/cpu -o build/core/ssu_core_cpu benchmarks/ssu_core_cpu.cc
+//   g++ -O2 -std=c++17 -pthread -Icontrib_ops/cpu -o build/core/ssu_core_cpu benchmarks/ssu_core_cpu.cc
 //       build/core/libmambafuse_cpu_core.a   (one command)
-//   MAMBAFUSE_CPU_ISA=avx512 build/core/ssu_core_cpu [--cold] [--repeats 500] [--pipes]
+//   MAMBAFUSE_CPU_ISA=avx512 build/core/ssu_core_cpu [--cold] [--repeats 500] [--threads 1] [--pipes]
 //
 // --cold reads a 96 MiB buffer before every timed call (the kernel's and the copy's), so both start from
-// memory. Cycles are core cycles, from a chain of dependent integer adds (one cycle each on every x86-64
-// core) timed in the same process; on a shared host take the mins of several runs.
+// memory. Cycles are core cycles, from a chain of dependent integer adds (one cycle each on x86-64 cores)
+// timed in the same process: wrong where a virtual machine's clock or the core does otherwise (check the
+// printed clock); on a shared host take the mins of several runs.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <functional>
+#include <thread>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -81,12 +88,58 @@ double NsPerCycle() {
 double NsPerCycle() { return 0.0; }
 #endif
 
+// Threads 1 .. n-1 spin on a generation counter; Run(f) calls f(0) here and f(t) on thread t, and returns
+// when all are done.
+class SpinPool {
+ public:
+  explicit SpinPool(int n) : n_(n) {
+    for (int t = 1; t < n; ++t) {
+      workers_.emplace_back([this, t] {
+        uint64_t seen = 0;
+        for (;;) {
+          uint64_t g;
+          while ((g = generation_.load(std::memory_order_acquire)) == seen) {
+          }
+          seen = g;
+          if (stop_.load(std::memory_order_acquire)) return;
+          (*task_)(t);
+          done_.fetch_add(1, std::memory_order_acq_rel);
+        }
+      });
+    }
+  }
+  ~SpinPool() {
+    stop_.store(true, std::memory_order_release);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+    for (std::thread& w : workers_) w.join();
+  }
+  SpinPool(const SpinPool&) = delete;
+  SpinPool& operator=(const SpinPool&) = delete;
+  int size() const { return n_; }
+  void Run(const std::function<void(int)>& f) {
+    task_ = &f;
+    done_.store(0, std::memory_order_release);
+    generation_.fetch_add(1, std::memory_order_acq_rel);
+    f(0);
+    while (done_.load(std::memory_order_acquire) != n_ - 1) {
+    }
+  }
+
+ private:
+  int n_;
+  std::vector<std::thread> workers_;
+  const std::function<void(int)>* task_ = nullptr;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int> done_{0};
+  std::atomic<bool> stop_{false};
+};
+
 struct Shape {
   const char* name;
   int64_t heads, head_dim, state_size, groups;
 };
 
-void RunShape(const Shape& s, bool half, bool cold, int repeats, double ns_per_cycle) {
+void RunShape(const Shape& s, bool half, bool cold, int repeats, double ns_per_cycle, SpinPool& pool) {
   using mambafuse::ElemType;
   const size_t es = half ? 2 : 4;
   const size_t elements = static_cast<size_t>(s.heads * s.head_dim * s.state_size);
@@ -129,15 +182,23 @@ void RunShape(const Shape& s, bool half, bool cold, int repeats, double ns_per_c
     for (size_t i = 0; i < evict.size; i += 64) sum += static_cast<unsigned char>(evict.data[i]);
     sink = sink + sum;
   };
+  const int64_t threads = pool.size();
+  const std::function<void(int)> update = [&](int t) {
+    mambafuse::SelectiveStateUpdateCpu(a, s.heads * t / threads, s.heads * (t + 1) / threads);
+  };
+  const std::function<void(int)> copy_part = [&](int t) {
+    const size_t lines = state.size / 64, first = lines * t / threads * 64, last = lines * (t + 1) / threads * 64;
+    std::memcpy(copy.data + first, state.data + first, (t + 1 == threads ? state.size : last) - first);
+  };
   std::vector<double> kernel, memcpy_us;
   for (int r = 0; r < repeats + 5; ++r) {
     flush();
     const auto t0 = Clock::now();
-    mambafuse::SelectiveStateUpdateCpu(a, 0, s.heads);
+    pool.Run(update);
     const auto t1 = Clock::now();
     flush();
     const auto t2 = Clock::now();
-    std::memcpy(copy.data, state.data, state.size);
+    pool.Run(copy_part);
     const auto t3 = Clock::now();
     if (r < 5) continue;  // warm-up
     kernel.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
@@ -147,8 +208,8 @@ void RunShape(const Shape& s, bool half, bool cold, int repeats, double ns_per_c
   std::sort(memcpy_us.begin(), memcpy_us.end());
   const double vectors = static_cast<double>(elements) / 16.0;
   const auto cycles = [&](double us) { return ns_per_cycle > 0 ? us * 1e3 / ns_per_cycle / vectors : 0.0; };
-  std::printf("| %s | %s | %s | %.1f | %.1f | %.1f | %.1f | %.0f%% | %.2f | %.2f |\n", s.name, half ? "fp16" : "fp32",
-              cold ? "cold" : "warm", kernel[0], kernel[kernel.size() / 2], memcpy_us[0], memcpy_us[memcpy_us.size() / 2],
+  std::printf("| %s | %s | %lld | %s | %.1f | %.1f | %.1f | %.1f | %.0f%% | %.2f | %.2f |\n", s.name, half ? "fp16" : "fp32",
+              static_cast<long long>(threads), cold ? "cold" : "warm", kernel[0], kernel[kernel.size() / 2], memcpy_us[0], memcpy_us[memcpy_us.size() / 2],
               100 * memcpy_us[0] / kernel[0], cycles(kernel[0]), cycles(memcpy_us[0]));
 }
 
@@ -209,16 +270,18 @@ void Pipes(double ns_per_cycle) {
 
 int main(int argc, char** argv) {
   bool cold = false, pipes = false;
-  int repeats = 500;
+  int repeats = 500, threads = 1;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--cold") == 0) {
       cold = true;
     } else if (std::strcmp(argv[i], "--pipes") == 0) {
       pipes = true;
+    } else if (std::strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+      threads = std::max(1, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--repeats") == 0 && i + 1 < argc) {
       repeats = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: %s [--cold] [--repeats N] [--pipes]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--cold] [--repeats N] [--threads N] [--pipes]\n", argv[0]);
       return 2;
     }
   }
@@ -228,11 +291,12 @@ int main(int argc, char** argv) {
 #if defined(__x86_64__)
   if (pipes) Pipes(ns_per_cycle);
 #endif
-  std::printf("\n| width | type | caches | kernel min | median | memcpy min | median | share (min) | kernel cycles / 16 "
-              "elements | memcpy cycles / 16 elements |\n|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("\n| width | type | threads | caches | kernel min | median | memcpy min | median | share (min) | kernel cycles / 16 "
+              "elements | memcpy cycles / 16 elements |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+  SpinPool pool(threads);
   const Shape shapes[] = {{"Nemotron-H-8B", 128, 64, 128, 8}, {"Zamba2-1.2B", 64, 64, 64, 1}};
   for (const Shape& s : shapes) {
-    for (bool half : {false, true}) RunShape(s, half, cold, repeats, ns_per_cycle);
+    for (bool half : {false, true}) RunShape(s, half, cold, repeats, ns_per_cycle, pool);
   }
   return 0;
 }
