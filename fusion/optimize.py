@@ -11,7 +11,10 @@ guarantees of ``mambafuse rewrite`` (atomic write, external data, ``--verify``, 
 The order is the one that fuses the most. onnxscript's ``optimize_for_ort`` first: it folds constants and fuses
 the model's own RMSNorms (with the residual Add before them: ``SkipSimplifiedLayerNormalization``), rotary
 embeddings and attention where its rules match. Then mambafuse's fusions, which also see through what
-``optimize_for_ort`` leaves (its constant folding only makes shape arithmetic simpler). Run the other way round,
+``optimize_for_ort`` leaves (its constant folding only makes shape arithmetic simpler). Between the two, mambafuse's
+decode attention fusion (fusion/rules/attention.py): the half-precision decode attentions without rotary that
+onnxscript's rules miss, onto ONNX Runtime's GroupQueryAttention (``optimize`` only: that op has no model-local
+function, so ``mambafuse rewrite`` never writes it). Run the other way round,
 ``optimize_for_ort`` inlines every model-local function, so it would undo the mambafuse nodes; this command never
 does that, and ``mambafuse rewrite`` re-fuses an inlined model.
 
@@ -53,6 +56,8 @@ class PassResult:
     skipped: str | None = None
     #: Steps undone because they left a graph ONNX Runtime would refuse, each with the reason.
     undone: list[str] = dataclasses.field(default_factory=list)
+    #: Chains the pass matched but did not fuse, each with where and why.
+    refused: list[str] = dataclasses.field(default_factory=list)
 
     def line(self) -> str:
         """Return the pass's summary line."""
@@ -60,7 +65,8 @@ class PassResult:
             return f"{self.name}: skipped ({self.skipped})"
         fused = ", ".join(f"{name} {count}" for name, count in self.fused.items()) or "nothing fused"
         line = f"{self.name}: {fused}; nodes {self.nodes_before} -> {self.nodes_after}"
-        return "\n    ".join([line, *(f"undone: {reason}" for reason in self.undone)])
+        notes = [*(f"undone: {reason}" for reason in self.undone), *(f"refused: {why}" for why in self.refused)]
+        return "\n    ".join([line, *notes])
 
 
 @dataclasses.dataclass
@@ -312,15 +318,35 @@ def model_problem(model: ir.Model) -> str | None:
     return None
 
 
+def _attention(model: ir.Model) -> PassResult:
+    """Fuse the decode attentions onnxscript's rules miss into GroupQueryAttention (fusion/rules/attention.py)."""
+    from fusion.rules.attention import FORM, fuse_group_query_attention
+    from fusion.rules.gated_group_rms_norm import FusionLog
+
+    result = PassResult("mambafuse attention", nodes_before=_node_count(model))
+    log = FusionLog()
+    count = fuse_group_query_attention(model, log)
+    if count:
+        result.fused["GroupQueryAttention"] = count
+    result.refused = [
+        f"{record.location}: {record.reason}"
+        for record in log.chains.values()
+        if record.form == FORM and not record.fused
+    ]
+    result.nodes_after = _node_count(model)
+    return result
+
+
 def optimize_model(
     model: ModelT, *, ort_fusions: bool = True, function: bool = True, assume_equal_widths: bool = False
 ) -> tuple[ModelT, OptimizeReport]:
     """Return ``model`` optimized for ONNX Runtime, and an OptimizeReport.
 
     Passes, in order: onnxscript's ORT fusions (``optimize_for_ort``'s, one at a time, each undone with its
-    reason when it leaves a graph ONNX Runtime would refuse; skipped with ``ort_fusions=False``), then every
-    mambafuse fusion (``rewrite_model``, with ``function`` and ``assume_equal_widths`` as there). A ModelProto is
-    left untouched (a new one is returned); an ``ir.Model`` is optimized in place and returned.
+    reason when it leaves a graph ONNX Runtime would refuse; skipped with ``ort_fusions=False``), mambafuse's
+    decode attention fusion (GroupQueryAttention, with the chains it refused and why), then every mambafuse
+    fusion (``rewrite_model``, with ``function`` and ``assume_equal_widths`` as there). A ModelProto is left untouched
+    (a new one is returned); an ``ir.Model`` is optimized in place and returned.
     """
     if not isinstance(model, (onnx.ModelProto, ir.Model)):
         raise TypeError(f"optimize_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
@@ -340,6 +366,7 @@ def optimize_model(
         count = _node_count(model)
         result = PassResult("onnxscript ORT fusions", nodes_before=count, nodes_after=count, skipped="--no-ort-fusions")
     report.passes.append(result)
+    report.passes.append(_attention(model))
     before = _node_count(model)
     model, report.rewrite = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
     fused = {"GatedGroupRMSNorm": report.rewrite.fused}
@@ -371,7 +398,9 @@ OPTIMIZE = rewrite.Command(
     name="optimize",
     description="Optimize a Mamba-2-family model for ONNX Runtime: onnxscript's ORT fusions (RMSNorm, "
     "residual + RMSNorm, rotary embedding, attention where its rules match), each checked and undone if it "
-    "breaks the graph, then every mambafuse fusion (gated group-RMSNorm, conv and state updates).",
+    "breaks the graph, then mambafuse's decode attention fusion (float16/bfloat16 attention without rotary "
+    "onto ONNX Runtime's GroupQueryAttention) and every mambafuse fusion (gated group-RMSNorm, conv and state "
+    "updates).",
     suffix="optimized",
     transform=_transform,
     add_arguments=_add_arguments,

@@ -188,8 +188,9 @@ def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     output = tmp_path / "model.optimized.onnx"
     assert data["output"] == str(output) and output.is_file()
-    ort_pass, mambafuse_pass = data["passes"]
+    ort_pass, attention_pass, mambafuse_pass = data["passes"]
     assert any(reason.startswith("skip_rms_normalization") for reason in ort_pass["undone"])
+    assert attention_pass["name"] == "mambafuse attention" and attention_pass["fused"] == {"GroupQueryAttention": 1}
     assert mambafuse_pass["fused"]["GatedGroupRMSNorm"] == 2
     assert data["nodes_after"] == len(onnx.load(output).graph.node)
 
