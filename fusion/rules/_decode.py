@@ -155,16 +155,25 @@ def emulate(
     return result
 
 
+def is_identity_cast(node: ir.Node) -> bool:
+    """Whether ``node`` is a Cast / CastLike to the type its input already has (the op's own body casts a
+    float32 A and D to float32): it moves nothing and rounds nothing."""
+    if node.op_type not in ("Cast", "CastLike") or node.domain not in _ONNX_DOMAINS or not node.inputs:
+        return False
+    source = node.inputs[0]
+    return source is not None and source.dtype is not None and node.outputs[0].dtype == source.dtype
+
+
 def _emulate_step(producer, leaves, aliases, depth, batch, trace) -> np.ndarray | None:
     op = producer.op_type
-    if op not in LAYOUT_OPS or not producer.inputs or producer.inputs[0] is None:
+    if (op not in LAYOUT_OPS and not is_identity_cast(producer)) or not producer.inputs or producer.inputs[0] is None:
         return None
     source = emulate(producer.inputs[0], leaves, aliases, depth + 1, batch=batch, trace=trace)
     if source is None:
         return None
     second = producer.inputs[1] if len(producer.inputs) > 1 else None
     try:
-        if op == "Identity":
+        if op in ("Identity", "Cast", "CastLike"):  # a Cast here is an identity (is_identity_cast)
             return source
         if op == "Transpose":
             perm = _attribute_ints(producer, "perm")
@@ -249,12 +258,12 @@ def leaf_indices(dims: Sequence[int]) -> np.ndarray:
 
 
 def layout_source(value: ir.Value, depth: int = 0) -> ir.Value:
-    """Return the value ``value`` is made from through layout ops only (itself when not a layout op)."""
+    """Return the value ``value`` is made from through layout ops (and identity Casts) only (itself when none)."""
     producer = value.producer()
     while (
         producer is not None
         and producer.domain in _ONNX_DOMAINS
-        and producer.op_type in LAYOUT_OPS
+        and (producer.op_type in LAYOUT_OPS or is_identity_cast(producer))
         and producer.inputs
         and producer.inputs[0] is not None
         and depth < _MAX_DEPTH
@@ -393,6 +402,68 @@ class DecodeShapes(ForwardShapes):
                 else:
                     dims[output] = _graph._infer_dims(node, index, dims_of, aliases)
         return dims
+
+
+#: Ops whose output 0 has the type of one input (by their ONNX schemas): op -> that input's index.
+_SAME_TYPE_AS = {
+    **dict.fromkeys(
+        (
+            "Add",
+            "Sub",
+            "Mul",
+            "Div",
+            "Neg",
+            "Exp",
+            "Softplus",
+            "Sigmoid",
+            "MatMul",
+            "Identity",
+            "Reshape",
+            "Expand",
+            "Unsqueeze",
+            "Squeeze",
+            "Transpose",
+            "Gather",
+            "Slice",
+            "Concat",
+            "Range",
+        ),
+        0,
+    ),
+    "Where": 1,
+    "CastLike": 1,
+}
+_BOOL_OPS = frozenset({"Greater", "Less", "GreaterOrEqual", "LessOrEqual", "Equal", "Not", "And", "Or"})
+
+
+def type_untyped_values(graph: ir.Graph) -> None:
+    """Give the values that ONNX inference left untyped the type their producer's schema gives them.
+
+    ONNX's inference stops at an op it cannot type, and an inliner does not type the inlined bodies' values;
+    the decode rules read the rounding points from the types. Each type here follows from the op's schema
+    and its typed inputs (a Cast's ``to``, a Mul's operand type, ...); the rules run inside
+    ``value_info_preserved``, which takes the annotations back.
+    """
+    for node in graph:
+        if node.domain not in _ONNX_DOMAINS:
+            continue
+        output = node.outputs[0] if node.outputs else None
+        if output is None or output.dtype is not None:
+            continue
+        dtype = None
+        if node.op_type == "Cast":
+            to = node.attributes.get("to")
+            dtype = None if to is None else ir.DataType(to.as_int())
+        elif node.op_type in _BOOL_OPS:
+            dtype = ir.DataType.BOOL
+        elif node.op_type == "Shape":
+            dtype = ir.DataType.INT64
+        elif node.op_type in _SAME_TYPE_AS:
+            index = _SAME_TYPE_AS[node.op_type]
+            source = node.inputs[index] if len(node.inputs) > index else None
+            dtype = None if source is None else source.dtype
+        if dtype is not None:
+            output.type = ir.TensorType(dtype)
 
 
 def apply_with_log(rules: pattern.RewriteRuleSet, model: ir.Model, log: FusionLog | None) -> int:

@@ -31,10 +31,14 @@ from fusion.rules._decode import (
     Refusal,
     apply_with_log,
     dtype_name,
+    emulate,
     int_dims,
+    layout_source,
+    leaf_indices,
     negative_zeros,
     producer_op,
     replace_graph_output,
+    type_untyped_values,
 )
 from fusion.rules._graph import (
     ForwardShapes,
@@ -66,6 +70,7 @@ class _Plan:
     bias_data: np.ndarray | None
     leftovers: list[ir.Value]
     attributes: dict[str, Any]
+    activation: str = "silu"
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:
@@ -316,18 +321,20 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
             log.record(plan.anchor, FORM, **plan.attributes)
         self._leftovers.extend(plan.leftovers)
         bias, weight = plan.bias, plan.weight
+        # a float32 constant narrowed to T, or (the op's inlined body, folded by an optimizer) the constant
+        # laid out back as the op's input
         if plan.weight_data is not None:
-            name = f"{plan.weight.name}_{plan.x.dtype.name.lower()}"
+            name = f"{plan.weight.name if plan.weight else plan.present.name + '_weight'}_{plan.x.dtype.name.lower()}"
             weight = op.initializer(ir.tensor(plan.weight_data, name=name), name=name)
         if plan.bias_data is not None:
-            name = f"{plan.bias.name}_{plan.x.dtype.name.lower()}"
+            name = f"{plan.bias.name if plan.bias else plan.present.name + '_bias'}_{plan.x.dtype.name.lower()}"
             bias = op.initializer(ir.tensor(plan.bias_data, name=name), name=name)
-        if bias is None:
+        if bias is None and plan.bias_data is None:
             name = f"{plan.present.name}_bias"
             zeros = negative_zeros(name, plan.channels, plan.x.dtype)
             bias = op.initializer(zeros.const_value, name=name)
         y, present = op.CausalConv1dUpdate(
-            plan.x, plan.conv_state, weight, bias, _domain=DOMAIN, _version=1, _outputs=2, activation="silu"
+            plan.x, plan.conv_state, weight, bias, _domain=DOMAIN, _version=1, _outputs=2, activation=plan.activation
         )
         replace_graph_output(plan.present, present)
         return y
@@ -341,6 +348,239 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
         self._leftovers = []
 
 
+def _prove_columns(indices, conv_state, state_len, new, width, shapes, aliases) -> None:
+    """Prove ``indices`` = (S - K + 1) + t + k (t < L, k < K): the window's last L + K - 1 columns."""
+    want = np.arange(new)[:, None] + np.arange(width)[None, :]
+    data = _int_array(indices, shapes)
+    if data is not None:
+        if (
+            not isinstance(state_len, int)
+            or data.shape != want.shape
+            or not (data == want + state_len - width + 1).all()
+        ):
+            raise Refusal("the body's Gather does not read the window's last L + K - 1 columns", indices)
+        return
+    add = indices.producer() if producer_op(indices) == "Add" else None
+    for offsets, first in ((add.inputs[0], add.inputs[1]), (add.inputs[1], add.inputs[0])) if add else ():
+        grid = _int_array(offsets, shapes)
+        start = resolve_shape_tensor(first, aliases)
+        if grid is None or start is None or len(start) != 1 or grid.shape != want.shape:
+            continue
+        shift = grid - want
+        expr, state = as_expression(start[0]), as_expression(state_len)
+        if (shift == shift.flat[0]).all() and expr is not None and state is not None:
+            total = _arith.add(
+                _arith.add(expr, state, sign=-1), _arith.QuasiAffine.constant(int(shift.flat[0]) + width - 1)
+            )
+            if total is not None and total.as_constant() == 0:
+                return
+    raise Refusal("the body's Gather is not proven to read the window's last L + K - 1 columns", indices)
+
+
+def _int_array(value: ir.Value | None, shapes: ForwardShapes, depth: int = 0) -> np.ndarray | None:
+    """Return the ints ``value`` holds, evaluated through the index arithmetic of the op's own body (Shape of a
+    proven dim, Slice, Squeeze, Unsqueeze, Range, Add, Sub); None where a dim it reads is not a proven int."""
+    data = constant_array(value)
+    if data is not None and value is not None and value.producer() is not None and value.const_value is None:
+        data = None if producer_op(value) != "Constant" else data  # constant_array flattens through Casts
+    if data is not None:
+        return data if data.dtype.kind in "iu" else None
+    op = producer_op(value)
+    if op is None or depth > 24:
+        return None
+    node = value.producer()
+    if op == "Shape":
+        dims = shapes(node.inputs[0])
+        if dims is None:
+            return None
+        start = node.attributes.get_int("start", 0)
+        end_attr = node.attributes.get("end")
+        picked = dims[start : None if end_attr is None else end_attr.as_int()]
+        if not all(isinstance(d, int) for d in picked):
+            return None
+        return np.array(picked, dtype=np.int64)
+    args = [_int_array(v, shapes, depth + 1) if v is not None else None for v in node.inputs]
+    if not args or any(a is None for a in args):
+        return None
+    try:
+        if op == "Add":
+            return args[0] + args[1]
+        if op == "Sub":
+            return args[0] - args[1]
+        if op == "Unsqueeze" and len(args) == 2:
+            result = args[0]
+            rank = result.ndim + args[1].size
+            for axis in sorted(int(a) % rank for a in args[1].reshape(-1)):
+                result = np.expand_dims(result, axis)
+            return result
+        if op == "Squeeze" and len(args) == 2:
+            return np.squeeze(args[0], axis=tuple(int(a) for a in args[1].reshape(-1)))
+        if op == "Range" and len(args) == 3 and all(a.size == 1 for a in args):
+            start, limit, delta = (int(a.reshape(-1)[0]) for a in args)
+            return np.arange(start, limit, delta, dtype=np.int64) if delta != 0 else None
+        if op == "Slice" and len(args) in (3, 4, 5) and args[0].ndim == 1:
+            starts, ends = args[1].reshape(-1), args[2].reshape(-1)
+            axes = args[3].reshape(-1) if len(args) > 3 else [0]
+            steps = args[4].reshape(-1) if len(args) > 4 else [1]
+            if len(starts) != 1 or list(axes) not in ([0], [-1]):
+                return None
+            return args[0][slice(int(starts[0]), int(ends[0]), int(steps[0]))]
+    except (ValueError, IndexError, TypeError):
+        return None
+    return None
+
+
+def _label_encoded(value: ir.Value) -> np.ndarray | None:
+    """Return the body's activation condition Cast(LabelEncoder(Constant(name)), BOOL) as a bool, else None."""
+    cast = value.producer() if producer_op(value) == "Cast" else None
+    if cast is None or cast.attributes.get_int("to", 0) != ir.DataType.BOOL:
+        return None
+    encoder = cast.inputs[0].producer()
+    if encoder is None or encoder.op_type != "LabelEncoder" or encoder.domain != "ai.onnx.ml":
+        return None
+    source = encoder.inputs[0]
+    name = source.producer() if source is not None else None
+    if name is not None and name.op_type == "Constant" and name.attributes.get("value_string") is not None:
+        activation = name.attributes["value_string"].as_string()
+    elif name is None and source is not None and source.const_value is not None and source.const_value.size == 1:
+        activation = source.const_value.numpy().reshape(-1)[0]  # an optimizer made the Constant an initializer
+        activation = activation.decode() if isinstance(activation, bytes) else str(activation)
+    else:
+        return None
+    keys, values = encoder.attributes.get("keys_strings"), encoder.attributes.get("values_int64s")
+    if keys is None or values is None or len(encoder.attributes) != 3:
+        return None
+    default = encoder.attributes.get_int("default_int64", -1)
+    table = dict(zip(keys.as_strings(), values.as_ints(), strict=True))
+    return np.array([table.get(activation, default) != 0])
+
+
+class CausalConv1dUpdateBodyFusion(CausalConv1dUpdateFusion):
+    """Fuses the op's own model-local body (docs/forms.md), which an optimizer left inlined::
+
+        window  = Concat(conv_state, x, axis=-1);  present = Slice(window, L, end, axes=2)
+        windows = Gather(window, (S - K + 1) + t + k for t < L, k < K, axis=2)          # (B, C, L, K)
+        v       = Squeeze(MatMul(windows, Reshape(weight, (C, K, 1))), 3) + Unsqueeze(bias, 1)
+        y       = Where(activation == "silu", v * Sigmoid(v), v)
+
+    ``check`` proves the gathered columns (the index arithmetic evaluated, S symbolic where the state's
+    length is), the weight's and the bias' layouts, the types, and reads the activation from the inlined
+    condition: the fused node is the one the body was.
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, sigmoid_first=False, widened=False)
+
+    def pattern(self, op, conv_state, x, w, bias_column, indices, squeeze_axes, is_silu):
+        window = op.Concat(conv_state, x, _outputs=["window"])
+        windows = op.Gather(window, indices, _outputs=["windows"])
+        dot = op.MatMul(windows, w, _outputs=["dot"])
+        v = op.Add(op.Squeeze(dot, squeeze_axes, _outputs=["dot3"]), bias_column, _outputs=["v"])
+        silu = op.Mul(v, op.Sigmoid(v, _outputs=["gate"]), _outputs=["silu"])
+        return op.Where(is_silu, silu, v, _outputs=["y"])
+
+    def check(self, context, conv_state, x, indices, squeeze_axes, is_silu, window, y, **b: Any):
+        result = pattern.MatchResult()
+        anchor = window.producer()
+        try:
+            self._plan = self._body_plan(anchor, conv_state, x, indices, squeeze_axes, is_silu, window, y, b)
+            self._plan.leftovers.append(y)
+        except Refusal as refusal:
+            log = ACTIVE_LOG.get()
+            if log is not None and refusal.logged:
+                log.record(anchor, FORM, reason=refusal.reason)
+            return result.fail(refusal.reason, refusal.culprit)
+        return result
+
+    @staticmethod
+    def _operand(value: ir.Value, dims: list[int], want: np.ndarray, t: ir.DataType, what: str, aliases):
+        """Return (the graph value, None) or (None, its data) that ``value`` is a layout of, proven to hold its
+        elements as ``want`` (indices into ``dims``); an optimizer may have folded the layout into a constant."""
+        source = layout_source(value)
+        if source.dtype != t or value.dtype not in (t, None):
+            raise Refusal(f"the {what} is {dtype_name(source.dtype)}, x is {dtype_name(t)}", source)
+        if source is value:
+            data = constant_array(value) if value.const_value is not None else None
+            if data is None or data.shape != want.shape:
+                raise Refusal(f"the {what} is not a layout of a ({', '.join(map(str, dims))}) tensor", value)
+            return None, data.reshape(-1)[np.argsort(want.reshape(-1))].reshape(dims)
+        got = emulate(value, {source: leaf_indices(dims)}, aliases)
+        if got is None or got.shape != want.shape or not np.array_equal(got, want):
+            raise Refusal(f"the {what} is not laid out as the op's body reads it", value)
+        return source, None
+
+    def _body_plan(self, anchor, conv_state, x, indices, squeeze_axes, is_silu, window, y, b) -> _Plan:
+        if self._shapes is None:
+            type_untyped_values(window.graph)
+            self._shapes = DecodeShapes(window.graph)
+        shapes = self._shapes
+        t = x.dtype
+        if t not in SUPPORTED_DTYPES:
+            raise Refusal(f"the conv runs in {dtype_name(t)}, not float/float16/bfloat16", x)
+        if conv_state.dtype != t:
+            raise Refusal(f"conv_state is {dtype_name(conv_state.dtype)}, x is {dtype_name(t)}", conv_state)
+        if anchor.attributes.get_int("axis", 0) not in (-1, 2) or len(anchor.inputs) != 2:
+            raise Refusal("the window is not Concat(state, x) along the last axis", anchor)
+        gather = b["windows"].producer()
+        if gather.attributes.get_int("axis", 0) not in (2, -1):
+            raise Refusal("the body's Gather is not along the window's columns", gather)
+        # the weight (C, K, 1) and the bias column (C, 1): their dims from the proven MatMul operand
+        w_dims = shapes(b["w"])
+        if w_dims is None or len(w_dims) != 3 or w_dims[2] != 1 or not all(isinstance(d, int) for d in w_dims):
+            raise Refusal(f"the MatMul's weight is not proven (C, K, 1) ({format_dims(w_dims)})", b["w"])
+        channels, width = int(w_dims[0]), int(w_dims[1])
+        aliases = shapes.aliases({})
+        weight_want = leaf_indices([channels, width]).reshape(channels, width, 1)
+        weight, weight_data = self._operand(b["w"], [channels, 1, width], weight_want, t, "conv weight", aliases)
+        bias_want = leaf_indices([channels]).reshape(channels, 1)
+        bias, bias_data = self._operand(b["bias_column"], [channels], bias_want, t, "conv bias", aliases)
+        x_dims = shapes(x)
+        if x_dims is None or len(x_dims) != 3 or not all(isinstance(d, int) for d in x_dims[1:]):
+            raise Refusal(f"x's (C, L) are not proven static by the graph ({format_dims(x_dims)})", x)
+        if x_dims[1] != channels:
+            raise Refusal(f"x is {x_dims}, not (B, {channels}, L)", x)
+        new = x_dims[2]
+        state_dims = shapes(conv_state)
+        if state_dims is None or len(state_dims) != 3:
+            raise Refusal("the conv state is not proven 3-D (B, C, S)", conv_state)
+        if (_ints(squeeze_axes) or []) not in ([3], [-1]):
+            raise Refusal("the MatMul's output is not squeezed along its last axis", squeeze_axes)
+        _prove_columns(indices, conv_state, state_dims[2], new, width, shapes, aliases)
+        flag = constant_array(is_silu)
+        if flag is None or flag.dtype != np.bool_ or flag.size != 1:
+            flag = _label_encoded(is_silu)
+        if flag is None:
+            raise Refusal("the activation's condition is not a constant", is_silu)
+        activation = "silu" if bool(np.asarray(flag).reshape(-1)[0]) else "none"
+        present, present_slice = self._present(window, conv_state, state_dims[2], new, shapes)
+        chain = {anchor, present_slice, y.producer()}
+        chain |= {b[name].producer() for name in ("windows", "dot", "dot3", "v", "gate", "silu")}
+        if present is not present_slice.outputs[0]:
+            chain.add(present.producer())
+        for node in chain:
+            for value in node.outputs:
+                if value is present or value is y:
+                    continue
+                if value.is_graph_output() or any(user not in chain for user, _ in value.uses()):
+                    raise Refusal(f"{value.name!r} is also read outside the chain", value)
+        if any(user not in chain for user, _ in present.uses()):
+            raise Refusal("the present conv state is read by other nodes too", present)
+        return _Plan(
+            anchor=anchor,
+            x=x,
+            conv_state=conv_state,
+            weight=weight,
+            bias=bias,
+            channels=channels,
+            present=present,
+            weight_data=weight_data,
+            bias_data=bias_data,
+            leftovers=[present, window, b["dot"], b["w"], b["bias_column"]],
+            attributes={"channels": channels, "width": width, "new": new, "dtype": dtype_name(t), "bias": True},
+            activation=activation,
+        )
+
+
 causal_conv1d_update_rules = pattern.RewriteRuleSet(
     [
         CausalConv1dUpdateFusion.rule(
@@ -351,6 +591,7 @@ causal_conv1d_update_rules = pattern.RewriteRuleSet(
         for wide in (False, True)
         for first in (False, True)
     ]
+    + [CausalConv1dUpdateBodyFusion.rule("CausalConv1dUpdate[the op's own body]")]
 )
 causal_conv1d_update_rules.remove_unused_nodes = False
 

@@ -52,8 +52,9 @@ from fusion.rules._decode import (
     per_head,
     producer_op,
     replace_graph_output,
+    type_untyped_values,
 )
-from fusion.rules._graph import ForwardShapes, constant_scalar, remove_dead_producers
+from fusion.rules._graph import ForwardShapes, constant_array, constant_scalar, remove_dead_producers
 from fusion.rules.gated_group_rms_norm import FusionLog, location
 
 FORM = "decode"
@@ -74,6 +75,9 @@ class _Plan:
     B_src: ir.Value
     C_src: ir.Value
     D: tuple[ir.Value | None, np.ndarray | None]
+    #: D's type: x's, or float32 where the op's own body reads a float D widened
+    D_type: ir.DataType
+    dt_softplus: int
     heads: int
     groups: int
     state_size: int
@@ -172,6 +176,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
     def _make_plan(self, s_rows, c_rows, skip, bmm, y) -> _Plan:
         graph = y.graph
         if self._shapes is None:
+            type_untyped_values(graph)
             self._shapes = DecodeShapes(graph)
         shapes = self._shapes
         # Find the state update behind the readout: the float32 Add of the decayed state and dBx.
@@ -297,10 +302,11 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
                 raise Refusal(f"the readout rounds the state to {dtype_name(cast.outputs[0].dtype)}", cast)
         # x: the value the skip multiplies by D, whose column (B, H, P, 1) dBx reads
         x_u = self._x_column(dbx32)
-        mul_d = _producer(skip, "Mul")
+        mul_d, widened_skip = _skip_product(skip, t)
         if mul_d is None or skip.dtype != t or mul_d.inputs[0] is mul_d.inputs[1]:
             raise Refusal("the skip is not x * D in x's type", skip)
-        x = next((c for c in mul_d.inputs if c is x_u or c in _layout_ancestors(x_u)), None)
+        skip_operands = [_widened_source(c) for c in mul_d.inputs] if widened_skip else list(mul_d.inputs)
+        x = next((c for c in skip_operands if c is x_u or c in _layout_ancestors(x_u)), None)
         if x is None:
             raise Refusal("the skip's x * D and dBx read different x", mul_d)
         x_shape = shapes(x)
@@ -322,7 +328,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         state_dims = shapes(state)
         if state_dims is None or len(state_dims) != 4:
             raise Refusal("the state is not proven to be 4-D (B, H, P, N)", state)
-        state_size = self._state_size(exp_node, state_dims, heads, head_dim, shapes)
+        state_size = self._state_size(exp_node, state_dims, heads, head_dim, shapes, dbx32)
         if not state.is_graph_input() and state_dims[1:] != [heads, head_dim, state_size]:
             raise Refusal(f"the state is not proven (B, {heads}, {head_dim}, {state_size})", state)
         for index, (dim, want) in enumerate(zip(state_dims[1:], (heads, head_dim, state_size), strict=False), start=1):
@@ -346,24 +352,26 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         dt_u = dt32
         if dt32.dtype != _F32:
             raise Refusal(f"dt * A runs in {dtype_name(dt32.dtype)}, the op in float32", dt32)
-        if t != _F32:
-            cast = _producer(dt32, "Cast")
-            if cast is None:
-                raise Refusal("dt is not widened to float32 before dt * A", dt32)
+        cast = _producer(dt32, "Cast")
+        if t != _F32 and cast is None:
+            raise Refusal("dt is not widened to float32 before dt * A", dt32)
+        if cast is not None and cast.inputs[0].dtype == t:  # in float32 the op's body's Cast is the identity
             dt_u = cast.inputs[0]
         d = layout_source(dt_u)
         if d.dtype != t:
             raise Refusal(f"softplus(dt) is {dtype_name(d.dtype)}, the op rounds it to {dtype_name(t)}", d)
         # softplus(dt)'s dims: proven, or (B, H, P) as dt's broadcast and dt_bias (H, P) prove below
+        # (the op's own body keeps it (B, H), one per row, and broadcasts it over P with dA and dB)
         d_dims = self._bound(shapes(d))
         if d_dims is None or not all(isinstance(dim, int) for dim in d_dims):
             d_dims = [batch, heads, head_dim]
-        if d_dims != [batch, heads, head_dim]:
-            raise Refusal(f"softplus(dt) is not (B, H, P) = {[batch, heads, head_dim]}", d)
+        per_row = d_dims == [batch, heads]
+        if d_dims != [batch, heads, head_dim] and not per_row:
+            raise Refusal(f"softplus(dt) ({d_dims}) is not (B, H, P) = {[batch, heads, head_dim]} nor (B, H)", d)
         d_idx = leaf_indices(d_dims)
-        d_full = np.broadcast_to(d_idx[..., None], full)
+        d_full = np.broadcast_to(d_idx[..., None, None] if per_row else d_idx[..., None], full)
         self._expect(dt_u, {d: d_idx}, aliases, d_full, "dt's column", broadcast_to=full)
-        v = self._softplus_input(d)
+        v, dt_softplus = self._softplus_input(d)
         v_node = _producer(v, "Add")
         if v_node is None:
             raise Refusal("softplus reads no dt + dt_bias", v)
@@ -373,24 +381,29 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
             if src.producer() is not None and src is not p and not _is_constant_like(src):
                 dt_e, bias_b = p, q
                 break
+        if dt_e is None and per_row:  # the body's Add(dt, dt_bias): dt is the operand read from the graph
+            for p, q in (_operands(v_node), _operands(v_node)[::-1]):
+                if not _is_constant_like(layout_source(p)) and _is_constant_like(layout_source(q)):
+                    dt_e, bias_b = p, q
+                    break
         if dt_e is None:
             raise Refusal("dt + dt_bias: no broadcast of dt found", v_node)
         dt_src = _proven_leaf(dt_e, shapes, self._batch)
         dt_dims = int_dims(dt_src, shapes, "dt", self._batch)
         if int(np.prod(dt_dims)) != batch * heads or dt_src.dtype != t:
             raise Refusal(f"dt ({dt_dims}, {dtype_name(dt_src.dtype)}) is not B * H values of x's type", dt_src)
-        expected_dt = np.broadcast_to(
-            (np.arange(batch)[:, None] * heads + np.arange(heads))[..., None], (batch, heads, head_dim)
-        )
+        dt_rows = np.arange(batch)[:, None] * heads + np.arange(heads)
+        expected_dt = dt_rows if per_row else np.broadcast_to(dt_rows[..., None], (batch, heads, head_dim))
         self._expect(dt_e, {dt_src: leaf_indices(dt_dims)}, aliases, expected_dt, "dt's broadcast over P")
-        dt_bias = per_head(bias_b, heads, (heads, head_dim), aliases, graph, "dt_bias", t)
+        bias_dims = (heads,) if per_row else (heads, head_dim)
+        dt_bias = per_head(bias_b, heads, bias_dims, aliases, graph, "dt_bias", t)
         a = per_head(a_b, heads, (heads, head_dim, state_size), aliases, graph, "A", _F32)
         # dBx = (dt_u * B_h) * x_u in T, then widened
         dbx = dbx32
-        if t != _F32:
-            cast = _producer(dbx32, "Cast")
-            if cast is None or dbx32.dtype != _F32:
-                raise Refusal("dBx is not widened to float32 before the state update", dbx32)
+        cast = _producer(dbx32, "Cast")
+        if t != _F32 and (cast is None or dbx32.dtype != _F32):
+            raise Refusal("dBx is not widened to float32 before the state update", dbx32)
+        if cast is not None and cast.inputs[0].dtype == t:  # in float32 the op's body's Cast is the identity
             dbx = cast.inputs[0]
         if dbx.dtype != t:
             raise Refusal(f"dBx is {dtype_name(dbx.dtype)}: the op rounds dt * B and dBx to {dtype_name(t)}", dbx)
@@ -427,12 +440,24 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
             if state_dims[0] != self._batch.symbol:
                 raise Refusal("the state's batch is not proven to be x's", state)
         elif state_dims[0] != batch:
-            wider = leaf_indices((batch + 1, heads, head_dim, state_size))
-            if emulate(s_rows, {s_t: wider}, aliases) is not None:
+            # the original fails with another batch: the state's rows, or (the op's body) the readout's
+            # Reshape of their products to x's shape
+            wider = emulate(s_rows, {s_t: leaf_indices((batch + 1, heads, head_dim, state_size))}, aliases)
+            if wider is not None and (
+                emulate(y, {bmm: leaf_indices((*wider.shape[:-2], head_dim, 1))}, aliases) is not None
+            ):
                 raise Refusal("the state's batch is not proven to be x's", state)
         # D skip: out = y + x * D in T
-        d_b = next(p for p in mul_d.inputs if p is not x)
-        d_skip = per_head(d_b, heads, (heads, head_dim), aliases, graph, "D", t)
+        d_b = next(p for p, source in zip(mul_d.inputs, skip_operands, strict=True) if source is not x)
+        d_type = t
+        if widened_skip:  # round_T(f32(x) * D32): the op's round_T(x * D) for D32 = D of type T or float
+            d_type = _F32
+            d_skip = per_head(d_b, heads, (heads, head_dim), aliases, graph, "D", _F32)
+            data = d_skip[1]
+            if data is not None and np.array_equal(data.astype(t.numpy()).astype(np.float32), data, equal_nan=True):
+                d_type = t  # D's values are T's: the op's D in x's type, as the rewriter writes it
+        else:
+            d_skip = per_head(d_b, heads, (heads, head_dim), aliases, graph, "D", t)
         # nothing between the inputs and the output may be read elsewhere
         leaves = {state, x, dt_src, b_src, c_src}
         chain_nodes = _data_nodes(_root(skip, y), leaves)
@@ -455,6 +480,8 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
             B_src=b_src,
             C_src=c_src,
             D=d_skip,
+            D_type=d_type,
+            dt_softplus=dt_softplus,
             heads=heads,
             groups=groups,
             state_size=state_size,
@@ -467,15 +494,26 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
                 "groups": groups,
                 "x_dtype": dtype_name(t),
                 "state_dtype": dtype_name(s),
-                "dt_softplus": 1,
+                "dt_softplus": dt_softplus,
             },
         )
 
     @staticmethod
-    def _state_size(exp_node: ir.Node, state_dims, heads: int, head_dim: int, shapes: ForwardShapes) -> int:
-        """Return N: the state's last dim where proven, else dA's (the decay covers (B, H, P, N))."""
+    def _state_size(
+        exp_node: ir.Node, state_dims, heads: int, head_dim: int, shapes: ForwardShapes, dbx32: ir.Value
+    ) -> int:
+        """Return N: the state's last dim where proven, else dBx's or dA's (each covers (B, H, P, N); the
+        op's own body keeps dA (B, H, 1, 1))."""
         if isinstance(state_dims[3], int):
             return state_dims[3]
+        dbx_dims = shapes(dbx32)
+        if (
+            dbx_dims is not None
+            and len(dbx_dims) == 4
+            and dbx_dims[1:3] == [heads, head_dim]
+            and isinstance(dbx_dims[3], int)
+        ):
+            return dbx_dims[3]
         da_dims = shapes(exp_node.outputs[0])
         if da_dims is None or not isinstance(da_dims[-1], int):
             mul = exp_node.inputs[0].producer()
@@ -512,8 +550,21 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
             raise Refusal("dBx is not dB * (a column of x)", mul)
         return columns[0]
 
+    @classmethod
+    def _softplus_input(cls, d: ir.Value) -> tuple[ir.Value, int]:
+        """Return (v, dt_softplus): d = softplus(v), or the op's body's Where(flag, softplus(v), v) with a
+        constant flag (the inlined dt_softplus attribute)."""
+        where = _producer(d, "Where")
+        flag = constant_array(where.inputs[0]) if where is not None and len(where.inputs) == 3 else None
+        if flag is not None and flag.dtype == np.bool_ and flag.size == 1:
+            _, softplus, plain = where.inputs
+            if cls._softplus_of(softplus) is not plain:
+                raise Refusal("dt_softplus picks between the softplus of one value and another value", where)
+            return plain, int(bool(flag.reshape(-1)[0]))
+        return cls._softplus_of(d), 1
+
     @staticmethod
-    def _softplus_input(d: ir.Value) -> ir.Value:
+    def _softplus_of(d: ir.Value) -> ir.Value:
         where = _producer(d, "Where")
         if where is None or len(where.inputs) != 3:
             raise Refusal("dt is not softplus(dt + dt_bias) spelled Where(v > 20, v, Softplus(v))", d)
@@ -619,11 +670,11 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
             per_head_input(plan.A, f"{base}_A", _F32),
             op.Reshape(plan.B_src, rows),
             op.Reshape(plan.C_src, rows),
-            per_head_input(plan.D, f"{base}_D", t),
+            per_head_input(plan.D, f"{base}_D", plan.D_type),
             _domain=DOMAIN,
             _version=1,
             _outputs=2,
-            dt_softplus=1,
+            dt_softplus=plan.dt_softplus,
         )
         replace_graph_output(plan.present, present)
         return out
@@ -660,6 +711,27 @@ def _layout_ancestors(value: ir.Value) -> list[ir.Value]:
             return found
         value = producer.inputs[0]
         found.append(value)
+
+
+def _skip_product(skip: ir.Value, t: ir.DataType) -> tuple[ir.Node | None, bool]:
+    """Return the skip's product x * D and whether it is the op's body's round_T(f32(x) * f32(D))."""
+    mul = _producer(skip, "Mul")
+    if mul is not None:
+        return mul, False
+    cast = _producer(skip, "Cast", "CastLike")
+    product = cast.inputs[0] if cast is not None else None
+    mul = _producer(product, "Mul")
+    if mul is None or product.dtype != _F32 or any(p.dtype != _F32 for p in mul.inputs):
+        return None, False
+    return mul, True
+
+
+def _widened_source(value: ir.Value) -> ir.Value:
+    """Return what a Cast to float32 widens (exactly, from float32 or a half type), else ``value``."""
+    cast = _producer(value, "Cast")
+    if cast is not None and value.dtype == _F32 and cast.inputs[0].dtype in SUPPORTED_DTYPES:
+        return cast.inputs[0]
+    return value
 
 
 def _is_constant_like(value: ir.Value) -> bool:
