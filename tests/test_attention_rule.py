@@ -3,9 +3,10 @@
 On every fp16 decode fixture whose attention has the dynamo spelling without rotary (Nemotron-H,
 GraniteMoeHybrid; single and symbolic-batch exports) each attention layer fuses, the graph's inputs and
 outputs stay as they were, and ONNX Runtime CPU gives the original's outputs (logits and every cache within
-the fp16 tolerance of tests/test_optimize.py, the attention caches exactly) at past lengths 1, 8 and 33, at
-batch 1 and (batch fixtures) 2 and 3, from seeded inputs. A mask that does mask, a tile head mapping and
-float32 stay refused, with the reason.
+the fp16 tolerance of tests/test_optimize.py, the past part of the attention caches exactly) at past
+lengths 0, 1, 8 and 33, at batch 1 and (batch fixtures) 2 and 3, from seeded inputs; on a GPU machine the
+same on ORT's CUDA provider, the node placed on CUDA. A mask that does mask, a tile head mapping and float32
+stay refused, with the reason.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ FUSED = {
     "nemotron_h-dynamo-fp16-batch-decode": (BATCH_FIXTURE_DIR, 1, (1, 2, 3)),
     "granitemoehybrid-dynamo-fp16-batch-decode": (BATCH_FIXTURE_DIR, 1, (1, 2, 3)),
 }
-PAST_LENGTHS = (1, 8, 33)
+#: 0: an empty cache (GroupQueryAttention with seqlens_k 0) on the CPU; CUDA runs the others.
+PAST_LENGTHS = (0, 1, 8, 33)
 _NP = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16, ir.DataType.INT64: np.int64}
 
 
@@ -206,3 +208,51 @@ def test_a_tile_head_mapping_is_refused() -> None:
 def test_float32_is_refused() -> None:
     reasons = _refusals(_prepared("nemotron_h-dynamo-fp32-decode"))
     assert any("float32" in reason and "CUDA" in reason for reason in reasons), reasons
+
+
+# --- CUDA (GPU machine only: skipped where onnxruntime has no working CUDA provider) --------------------
+
+
+def _cuda_session(model: onnx.ModelProto, profile: Path | None = None) -> ort.InferenceSession:
+    from tests._cuda import CUDA, with_supported_ir
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if profile is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(profile)
+    copy = with_supported_ir(onnx.ModelProto.FromString(model.SerializeToString()))
+    return ort.InferenceSession(copy.SerializeToString(), options, providers=[CUDA, "CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("stem", sorted(FUSED))
+def test_the_fused_model_on_cuda(stem: str, tmp_path: Path) -> None:
+    """On ORT's CUDA provider the node runs on CUDA (float16 has a CUDA kernel) and gives the original's outputs
+    (through the model-local functions, so the custom-op library need not be built for CUDA)."""
+    import json
+
+    from tests._cuda import CUDA, cuda_problem
+
+    problem = cuda_problem(ort)
+    if problem is not None:
+        pytest.skip(problem)
+    optimized, _ = optimize_model(_original(stem), function=True)
+    original = _cuda_session(_original(stem))
+    fused = _cuda_session(optimized, tmp_path / "profile")
+    names = [output.name for output in original.get_outputs()]
+    for past in PAST_LENGTHS[1:]:
+        for batch in FUSED[stem][2]:
+            feeds = _feeds(stem, batch, past, seed=1000 * batch + past)
+            for name, a, e in zip(names, fused.run(None, feeds), original.run(None, feeds), strict=True):
+                what = f"{stem} {name} (CUDA, batch {batch}, past {past})"
+                assert a.shape == e.shape and a.dtype == e.dtype, what
+                scale = max(float(np.abs(e.astype(np.float64)).max()), np.finfo(np.float32).tiny)
+                error = float(np.abs(a.astype(np.float64) - e.astype(np.float64)).max())
+                assert error <= TOLERANCE * scale, f"{what}: max error {error / scale:.3g} of max"
+    events = json.loads(Path(fused.end_profiling()).read_text())
+    providers = {
+        event["args"].get("provider")
+        for event in events
+        if event.get("cat") == "Node" and event.get("args", {}).get("op_name") == "GroupQueryAttention"
+    }
+    assert providers == {CUDA}, providers
