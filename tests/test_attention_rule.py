@@ -256,3 +256,18 @@ def test_the_fused_model_on_cuda(stem: str, tmp_path: Path) -> None:
         if event.get("cat") == "Node" and event.get("args", {}).get("op_name") == "GroupQueryAttention"
     }
     assert providers == {CUDA}, providers
+
+
+def test_without_ort_fusions_the_matmul_spelling_fuses() -> None:
+    """``--no-ort-fusions``: scores as MatMul(q, Transpose(k_rep)) (onnxscript writes FusedMatMul), same outputs."""
+    stem = "nemotron_h-dynamo-fp16-decode"
+    optimized, report = optimize_model(_original(stem), ort_fusions=False)
+    assert report.passes[1].fused == {"GroupQueryAttention": 1}, report.summary()
+    assert not any(node.op_type == "FusedMatMul" for node in optimized.graph.node)
+    original = ort.InferenceSession(_original(stem).SerializeToString(), providers=["CPUExecutionProvider"])
+    fused = contrib_ops.session(optimized, use_library=True)
+    for past in PAST_LENGTHS:
+        feeds = _feeds(stem, 1, past, seed=past)
+        for a, e in zip(fused.run(None, feeds), original.run(None, feeds), strict=True):
+            scale = max(float(np.abs(e.astype(np.float64)).max()), np.finfo(np.float32).tiny)
+            assert a.shape == e.shape and float(np.abs(a.astype(np.float64) - e).max()) <= TOLERANCE * scale
