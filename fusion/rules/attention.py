@@ -44,11 +44,11 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from fusion.rules import _arith
 from fusion.rules._decode import ACTIVE_LOG, Refusal, apply_with_log, dtype_name, layout_source, replace_graph_output
 from fusion.rules._graph import (
     Dim,
     ForwardShapes,
-    _arith,
     as_expression,
     constant_array,
     dims_equal,
@@ -103,7 +103,7 @@ def _axes(node: ir.Node) -> list[int] | None:
 
 
 def _constant_equal(value: ir.Value | None, number: float) -> bool:
-    """Whether ``value`` is a constant of at most one element... or any size, every element ``number``."""
+    """Whether ``value`` is a constant (of any size but 0) whose every element is ``number``."""
     array = constant_array(value)
     return array is not None and array.size >= 1 and bool(np.all(array == number))
 
@@ -349,9 +349,10 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
         unsqueeze = _op(expand.inputs[0], "Unsqueeze") if expand is not None else None
         if unsqueeze is None or unsqueeze.inputs[0] is not present:
             raise Refusal(f"{what}'s heads are not Reshape(Expand(Unsqueeze(present)))", rep)
-        if (_axes(unsqueeze) or [None])[0] not in (2, -3) or len(_axes(unsqueeze)) != 1:
+        axes = _axes(unsqueeze)
+        if axes not in ([2], [-3]):
             raise Refusal(
-                f"{what}'s heads are repeated by Unsqueeze at {_axes(unsqueeze)}, not at axis 2: query head h would "
+                f"{what}'s heads are repeated by Unsqueeze at {axes}, not at axis 2: query head h would "
                 "not read kv head h // n (repeat_interleave), GroupQueryAttention's mapping",
                 unsqueeze,
             )
