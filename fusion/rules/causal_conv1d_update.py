@@ -395,13 +395,19 @@ def _int_array(value: ir.Value | None, shapes: ForwardShapes, depth: int = 0) ->
             return None
         start = node.attributes.get_int("start", 0)
         end_attr = node.attributes.get("end")
+        # a dim that is not a proven int is None: the arithmetic on it fails (TypeError), a Slice may drop it
         picked = dims[start : None if end_attr is None else end_attr.as_int()]
-        if not all(isinstance(d, int) for d in picked):
-            return None
-        return np.array(picked, dtype=np.int64)
+        return np.array([d if isinstance(d, int) else None for d in picked], dtype=object)
     args = [_int_array(v, shapes, depth + 1) if v is not None else None for v in node.inputs]
     if not args or any(a is None for a in args):
         return None
+    result = _int_step(op, args)
+    if result is None or result.dtype != object:
+        return result
+    return None if any(not isinstance(v, int | np.integer) for v in result.reshape(-1)) else result.astype(np.int64)
+
+
+def _int_step(op: str, args: list[np.ndarray]) -> np.ndarray | None:
     try:
         if op == "Add":
             return args[0] + args[1]
@@ -493,7 +499,7 @@ class CausalConv1dUpdateBodyFusion(CausalConv1dUpdateFusion):
         return result
 
     @staticmethod
-    def _operand(value: ir.Value, dims: list[int], want: np.ndarray, t: ir.DataType, what: str, aliases):
+    def _operand(value: ir.Value, dims: list[int], want: np.ndarray, t: ir.DataType, what: str, shapes, aliases):
         """Return (the graph value, None) or (None, its data) that ``value`` is a layout of, proven to hold its
         elements as ``want`` (indices into ``dims``); an optimizer may have folded the layout into a constant."""
         source = layout_source(value)
@@ -504,6 +510,8 @@ class CausalConv1dUpdateBodyFusion(CausalConv1dUpdateFusion):
             if data is None or data.shape != want.shape:
                 raise Refusal(f"the {what} is not a layout of a ({', '.join(map(str, dims))}) tensor", value)
             return None, data.reshape(-1)[np.argsort(want.reshape(-1))].reshape(dims)
+        if shapes(source) != dims:
+            raise Refusal(f"the {what} is not a ({', '.join(map(str, dims))}) tensor of the model", source)
         got = emulate(value, {source: leaf_indices(dims)}, aliases)
         if got is None or got.shape != want.shape or not np.array_equal(got, want):
             raise Refusal(f"the {what} is not laid out as the op's body reads it", value)
@@ -531,9 +539,11 @@ class CausalConv1dUpdateBodyFusion(CausalConv1dUpdateFusion):
         channels, width = int(w_dims[0]), int(w_dims[1])
         aliases = shapes.aliases({})
         weight_want = leaf_indices([channels, width]).reshape(channels, width, 1)
-        weight, weight_data = self._operand(b["w"], [channels, 1, width], weight_want, t, "conv weight", aliases)
+        weight, weight_data = self._operand(
+            b["w"], [channels, 1, width], weight_want, t, "conv weight", shapes, aliases
+        )
         bias_want = leaf_indices([channels]).reshape(channels, 1)
-        bias, bias_data = self._operand(b["bias_column"], [channels], bias_want, t, "conv bias", aliases)
+        bias, bias_data = self._operand(b["bias_column"], [channels], bias_want, t, "conv bias", shapes, aliases)
         x_dims = shapes(x)
         if x_dims is None or len(x_dims) != 3 or not all(isinstance(d, int) for d in x_dims[1:]):
             raise Refusal(f"x's (C, L) are not proven static by the graph ({format_dims(x_dims)})", x)
@@ -602,13 +612,22 @@ def fuse_causal_conv1d_update(model: ir.Model, log: FusionLog | None = None) -> 
 
 
 def find_anchors(graph: ir.Graph) -> list[ir.Node]:
-    """Return every conv update left in ``graph``: a Concat of a graph input that a Conv reads."""
+    """Return every conv update left in ``graph``: a Concat of a graph input that a Conv reads, or that the
+    op's inlined body reads (a Gather along the columns into a MatMul)."""
+
+    def body_gather(user: ir.Node) -> bool:
+        return (
+            user.op_type == "Gather"
+            and user.attributes.get_int("axis", 0) in (2, -1)
+            and any(reader.op_type == "MatMul" for reader, _ in user.outputs[0].uses())
+        )
+
     anchors = []
     for node in ir.traversal.RecursiveGraphIterator(graph):
         if node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or not node.outputs:
             continue
         if any(v is not None and v.is_graph_input() for v in node.inputs) and any(
-            user.op_type == "Conv" for user, _ in node.outputs[0].uses()
+            user.op_type == "Conv" or body_gather(user) for user, _ in node.outputs[0].uses()
         ):
             anchors.append(node)
     return anchors
