@@ -12,6 +12,10 @@ covers writes the same ops; docs/forms.md)::
 1), that the output Slice keeps the last L columns and the present Slice the last S, and the types (one T
 throughout). A Conv without bias gets a -0.0 bias (v + -0.0 is v exactly). The present state keeps its
 graph output name; the fused node writes it.
+
+``CausalConv1dUpdateBodyFusion`` fuses the op's own model-local body, which an optimizer that inlines
+functions (onnx-ir's InlinePass, onnxscript's optimize_for_ort) leaves in place of a fused node, back into
+the same node (docs/forms.md).
 """
 
 from __future__ import annotations

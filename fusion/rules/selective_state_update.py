@@ -19,8 +19,10 @@ and not, transformers' exporter with and without ORT's fusions; docs/forms.md)::
 The pattern is the readout's tail (Reshape(MatMul) + skip); ``check`` walks the rest and proves it:
 every layout (dt's broadcast, the group mapping of B and C, the MatMul rows, the output Reshape) by
 emulating it on index arrays (``_decode.emulate``), A / dt_bias / D constant per head, the rounding points
-from the graph's Casts and dtypes. Anything else is refused with the reason. The present state keeps its
-graph output name; the fused node writes it.
+from the graph's Casts and dtypes. The op's own model-local body, inlined by an optimizer, is proven the
+same way: its d is (B, H) with a constant ``dt_softplus`` flag choosing softplus(v) or v, its skip is
+round_T(f32(x) * f32(D)), and its same-type Casts are identities. Anything else is refused with the
+reason. The present state keeps its graph output name; the fused node writes it.
 """
 
 from __future__ import annotations
