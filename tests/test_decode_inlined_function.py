@@ -23,8 +23,9 @@ from onnx_ir.passes.common import InlinePass
 from fusion.function import causal_conv1d_update as conv_function
 from fusion.function import selective_state_update as state_function
 from fusion.rewrite import rewrite_model
-from models.fixtures import FAMILY_FIXTURE_DIR, FIXTURE_DIR
+from models.fixtures import BATCH_FIXTURE_DIR, FAMILY_FIXTURE_DIR, FIXTURE_DIR
 from models.runtime import feeds, load_manifest, load_references
+from tests.test_decode_batch import _batch_feeds
 
 optimize_for_ort = pytest.importorskip("onnxscript.rewriter.ort_fusions").optimize_for_ort
 
@@ -306,6 +307,7 @@ DECODE = sorted(
     for stem, record in manifest["fixtures"].items()
     if record["mode"] == "decode"
 )
+BATCH_MANIFEST = load_manifest(BATCH_FIXTURE_DIR)
 #: test_decode_step_rules.py's budget: the whole-model difference relative to the largest |output|.
 TOLERANCE = {"fp32": 1e-5, "fp16": 4e-3}
 
@@ -327,7 +329,24 @@ def test_every_decode_fixture_fuses_again(name: str, stem: str, inline: str) -> 
     inlined, refused = _check_refuses(fused, INLINERS[inline], 2 * record["num_mamba_layers"])
     if record["dtype"] == "bf16":
         return  # ONNX Runtime's CPU has no bf16 kernels for these ops
-    inputs = feeds(record, load_references(SETS[name])[stem])
+    _compare(fused, inlined, refused, feeds(record, load_references(SETS[name])[stem]), inline, record["dtype"])
+
+
+@pytest.mark.parametrize("inline", INLINERS.keys())
+@pytest.mark.parametrize("stem", sorted(BATCH_MANIFEST["fixtures"]))
+def test_every_batch_fixture_fuses_again(stem: str, inline: str) -> None:
+    """A symbolic batch: the body's shape arithmetic (Shape of x, B, the state) is proven at batch 1, 2, 3."""
+    record = BATCH_MANIFEST["fixtures"][stem]
+    fused, report = rewrite_model(onnx.load(BATCH_FIXTURE_DIR / record["file"]))
+    assert len(_fused(fused)) == 2 * record["num_mamba_layers"], report.summary()
+    inlined, refused = _check_refuses(fused, INLINERS[inline], 2 * record["num_mamba_layers"])
+    if record["dtype"] != "bf16":
+        _compare(fused, inlined, refused, _batch_feeds(stem, 3), inline, record["dtype"])
+
+
+def _compare(fused, inlined, refused, inputs, inline: str, dtype: str) -> None:
+    """The re-fused model's outputs against the first fusion's: bit for bit after InlinePass, within the
+    budget after optimize_for_ort (which also fuses other ops)."""
     expected = _run(fused, inputs)
     try:
         actual = _run(refused, inputs)
@@ -348,4 +367,4 @@ def test_every_decode_fixture_fuses_again(name: str, stem: str, inline: str) -> 
         scale = max(float(np.abs(e.astype(np.float64)).max()), 1e-30)
         error = float(np.abs(a.astype(np.float64) - e.astype(np.float64)).max()) / scale
         floor = float(np.finfo(a.dtype).smallest_subnormal) / scale
-        assert error <= TOLERANCE[record["dtype"]] + floor, f"{output}: max error {error:.3g} of the output's scale"
+        assert error <= TOLERANCE[dtype] + floor, f"{output}: max error {error:.3g} of the output's scale"
