@@ -17,10 +17,12 @@ PACKAGE = "mambafuse"
 
 USAGE = f"""usage: {PACKAGE} [--version] [-h] COMMAND [ARGS...]
 
-Fuse the gated group-RMSNorm of Mamba-2 models into ai.mambafuse::GatedGroupRMSNorm.
+Fuse the Mamba-2 mixer's decode step (CausalConv1dUpdate, SelectiveStateUpdate) and its gated group-RMSNorm
+(GatedGroupRMSNorm) into ai.mambafuse nodes, and optimize the rest of the model for ONNX Runtime.
 
 commands:
-  optimize  the whole model: onnxscript's ORT fusions, then every mambafuse fusion (python -m fusion.optimize):
+  optimize  the whole model: onnxscript's ORT fusions, the decode attention onto GroupQueryAttention (fp16/bf16),
+            then every mambafuse fusion (python -m fusion.optimize):
             {PACKAGE} optimize model.onnx [OUT.onnx] [--verify] ...
   rewrite   fuse a model's chains (python -m fusion.rewrite): {PACKAGE} rewrite model.onnx [--verify] ...
   report    dispatches and latency before vs after (python -m fusion.report): {PACKAGE} report before.onnx after.onnx
@@ -90,25 +92,25 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``mambafuse``; return the exit status (the subcommand's, or 2 for a bad command line)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
-        print(USAGE, file=sys.stdout if args else sys.stderr)
-        return 0 if args else 2
-    if args[0] in ("-V", "--version"):
-        print(_version_text())
-        return 0
-    command = COMMANDS.get(args[0])
-    if command is None:
-        print(
-            f"{PACKAGE}: error: unknown command {args[0]!r} (commands: {', '.join(COMMANDS)}; see --help)",
-            file=sys.stderr,
-        )
-        return 2
     try:
+        if not args or args[0] in ("-h", "--help"):
+            print(USAGE, file=sys.stdout if args else sys.stderr)
+            return 0 if args else 2
+        if args[0] in ("-V", "--version"):
+            print(_version_text())
+            return 0
+        command = COMMANDS.get(args[0])
+        if command is None:
+            print(
+                f"{PACKAGE}: error: unknown command {args[0]!r} (commands: {', '.join(COMMANDS)}; see --help)",
+                file=sys.stderr,
+            )
+            return 2
         return command(args[1:])
     except SystemExit as exit_:  # argparse exits on --help and on bad arguments
         code = exit_.code
         return code if isinstance(code, int) else (0 if code is None else 2)
-    except BrokenPipeError:  # `mambafuse … | head`: the reader left
+    except BrokenPipeError:  # `mambafuse … | head` (the usage and --version too): the reader left
         from fusion.progress import stdout_closed
 
         return stdout_closed()

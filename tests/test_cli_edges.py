@@ -102,6 +102,15 @@ def test_closed_stdout_is_not_an_error(command: str, pair: tuple[Path, Path], tm
     assert result.stderr == "", "nothing on stderr: the reader left, no error of ours"
 
 
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["optimize", "--help"], ["rewrite", "--help"]])
+def test_closed_stdout_on_usage_and_version(args: list[str]) -> None:
+    """`mambafuse --help | head -1`: the usage, --version and the commands' help end quietly too (the usage
+    printed outside the subcommands' guard left a BrokenPipeError traceback)."""
+    result = _closed_stdout(*args)
+    assert result.returncode in (0, 141), result.stderr
+    assert "Traceback" not in result.stderr and "Error" not in result.stderr, result.stderr
+
+
 def test_report_on_huge_dims_is_one_line(pair: tuple[Path, Path]) -> None:
     before, after = pair
     result = _cli("report", str(before), str(after), "--dim", "seq=100000000000")
