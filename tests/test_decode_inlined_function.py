@@ -351,7 +351,7 @@ def _compare(fused, inlined, refused, inputs, inline: str, dtype: str) -> None:
     try:
         actual = _run(refused, inputs)
     except ort.capi.onnxruntime_pybind11_state.Fail as error:
-        # optimize_for_ort's own output does not load either (measured on the fp16 Nemotron-H and Zamba2
+        # optimize_for_ort's own output does not load either (measured on the three fp16 Nemotron-H decode
         # exports: its SkipSimplifiedLayerNormalization binds T to float16 and float); nothing to compare
         assert inline == "optimize_for_ort" and "SkipSimplifiedLayerNormalization" in str(error), error
         with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="SkipSimplifiedLayerNormalization"):
