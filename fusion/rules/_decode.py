@@ -31,7 +31,14 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from fusion.rules import _arith, _graph
-from fusion.rules._graph import Dim, ForwardShapes, constant_array, resolve_shape_tensor, value_info_preserved
+from fusion.rules._graph import (
+    Dim,
+    ForwardShapes,
+    constant_array,
+    remove_dead_producers,
+    resolve_shape_tensor,
+    value_info_preserved,
+)
 
 if TYPE_CHECKING:
     from fusion.rules.gated_group_rms_norm import FusionLog
@@ -464,6 +471,50 @@ def type_untyped_values(graph: ir.Graph) -> None:
             dtype = None if source is None else source.dtype
         if dtype is not None:
             output.type = ir.TensorType(dtype)
+
+
+class PlannedRule(pattern.RewriteRuleClassBase):
+    """The shape the decode-step and attention rules share: ``check`` proves a plan (refusing with a
+    ``Refusal``), ``rewrite`` carries it out, and the chain's values left without readers are removed after
+    the pass. Fused chains and refusals are recorded into ``ACTIVE_LOG`` under the rule's ``FORM``.
+
+    A plan has ``anchor`` (the node the log names), ``attributes`` (what the log records of a fused chain)
+    and ``leftovers`` (values whose producers go once nothing reads them).
+    """
+
+    #: what the log calls the chain
+    FORM = "decode"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, remove_nodes=False)
+        self._plan: Any = None
+        self._leftovers: list[ir.Value] = []
+        self._shapes: ForwardShapes | None = None
+
+    def refused(self, result: pattern.MatchResult, anchor: ir.Node | None, refusal: Refusal) -> pattern.MatchResult:
+        """Record ``refusal`` for ``anchor`` (when it is to be logged) and fail the match with its reason."""
+        log = ACTIVE_LOG.get()
+        if log is not None and refusal.logged and anchor is not None:
+            log.record(anchor, self.FORM, reason=refusal.reason)
+        return result.fail(refusal.reason, refusal.culprit)
+
+    def take_plan(self) -> Any:
+        """Return the plan ``check`` proved, recorded as fused, its leftovers kept for ``cleanup``."""
+        plan = self._plan
+        assert plan is not None
+        log = ACTIVE_LOG.get()
+        if log is not None:
+            log.record(plan.anchor, self.FORM, **plan.attributes)
+        self._leftovers.extend(plan.leftovers)
+        return plan
+
+    def setup(self) -> None:
+        self._leftovers = []
+        self._shapes = None
+
+    def cleanup(self) -> None:
+        remove_dead_producers(self._leftovers)
+        self._leftovers = []
 
 
 def apply_with_log(rules: pattern.RewriteRuleSet, model: ir.Model, log: FusionLog | None) -> int:

@@ -45,7 +45,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from fusion.rules import _arith
-from fusion.rules._decode import ACTIVE_LOG, Refusal, apply_with_log, dtype_name, layout_source, replace_graph_output
+from fusion.rules._decode import PlannedRule, Refusal, apply_with_log, dtype_name, layout_source, replace_graph_output
 from fusion.rules._graph import (
     Dim,
     ForwardShapes,
@@ -53,7 +53,6 @@ from fusion.rules._graph import (
     constant_array,
     dims_equal,
     format_dims,
-    remove_dead_producers,
     resolve_shape_tensor,
 )
 from fusion.rules.gated_group_rms_norm import FusionLog
@@ -154,17 +153,16 @@ def _partial_dims(value: ir.Value | None, shapes: ForwardShapes, depth: int = 0)
     return None
 
 
-class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
+class GroupQueryAttentionFusion(PlannedRule):
     """Rewrites one decode attention (no rotary, one new token) into a GroupQueryAttention node."""
 
+    FORM = FORM
+
     def __init__(self, name: str, *, fused_matmul: bool, scaled: bool) -> None:
-        super().__init__(name, remove_nodes=False)
+        super().__init__(name)
         self._fused_matmul = fused_matmul
         #: a Mul by the scale after the product (else the scale is FusedMatMul's alpha, or 1)
         self._scaled = scaled
-        self._plan: _Plan | None = None
-        self._leftovers: list[ir.Value] = []
-        self._shapes: ForwardShapes | None = None
 
     def pattern(self, op, q, k_rep, v_rep, scale, mask, out_shape):
         if self._fused_matmul:
@@ -185,10 +183,7 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
                 anchor, q, k_rep, v_rep, scale, mask, scores, scaled, masked, probs, ctx, ctx_t, y
             )
         except Refusal as refusal:
-            log = ACTIVE_LOG.get()
-            if log is not None and refusal.logged:
-                log.record(anchor, FORM, reason=refusal.reason)
-            return result.fail(refusal.reason, refusal.culprit)
+            return self.refused(result, anchor, refusal)
         return result
 
     # --- the proof ---------------------------------------------------------------------------------
@@ -454,12 +449,7 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
     # --- the rewrite ------------------------------------------------------------------------------
 
     def rewrite(self, op, **_: Any):
-        plan = self._plan
-        assert plan is not None
-        log = ACTIVE_LOG.get()
-        if log is not None:
-            log.record(plan.anchor, FORM, **plan.attributes)
-        self._leftovers.extend(plan.leftovers)
+        plan = self.take_plan()
         past_len = op.Shape(plan.past_key, start=2, end=3)  # (1,) int64: P
         batch = op.Shape(plan.query, start=0, end=1)
         seqlens_k = op.Cast(op.Expand(past_len, batch), to=ir.DataType.INT32)  # (B,): total - 1
@@ -484,14 +474,6 @@ class GroupQueryAttentionFusion(pattern.RewriteRuleClassBase):
         replace_graph_output(plan.present_key, present_key)
         replace_graph_output(plan.present_value, present_value)
         return output
-
-    def setup(self) -> None:
-        self._leftovers = []
-        self._shapes = None
-
-    def cleanup(self) -> None:
-        remove_dead_producers(self._leftovers)
-        self._leftovers = []
 
 
 def _plus_constant(value: ir.Value, number: int) -> ir.Value | None:

@@ -30,8 +30,8 @@ from onnxscript.rewriter import pattern
 from fusion.reference.causal_conv1d_update import DOMAIN
 from fusion.rules import _arith
 from fusion.rules._decode import (
-    ACTIVE_LOG,
     DecodeShapes,
+    PlannedRule,
     Refusal,
     apply_with_log,
     dtype_name,
@@ -49,7 +49,6 @@ from fusion.rules._graph import (
     as_expression,
     constant_array,
     format_dims,
-    remove_dead_producers,
     resolve_shape_tensor,
 )
 from fusion.rules.gated_group_rms_norm import FusionLog
@@ -135,18 +134,15 @@ def _is_minus_state_len(value: ir.Value | None, conv_state: ir.Value) -> bool:
     return False
 
 
-class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
+class CausalConv1dUpdateFusion(PlannedRule):
     """Rewrites one decode conv update into a CausalConv1dUpdate node."""
 
     def __init__(self, name: str, *, sigmoid_first: bool, widened: bool) -> None:
-        super().__init__(name, remove_nodes=False)
+        super().__init__(name)
         self._sigmoid_first = sigmoid_first
         #: transformers' exporter with a half model and a float32 weight: the window is widened to float32 for
         #: the Conv and its output rounded back (Cast) before the Slice: the op's one rounding of the sum
         self._widened = widened
-        self._plan: _Plan | None = None
-        self._leftovers: list[ir.Value] = []
-        self._shapes: ForwardShapes | None = None
 
     def pattern(self, op, conv_state, x, weight, starts, ends, wide_to, narrow_to):
         window = op.Concat(conv_state, x, _outputs=["window"])
@@ -165,10 +161,7 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
             self._plan = self._make_plan(anchor, conv_state, x, weight, starts, window, conv, v, widened)
             self._plan.leftovers.append(y)
         except Refusal as refusal:
-            log = ACTIVE_LOG.get()
-            if log is not None and refusal.logged:
-                log.record(anchor, FORM, reason=refusal.reason)
-            return result.fail(refusal.reason, refusal.culprit)
+            return self.refused(result, anchor, refusal)
         return result
 
     def _make_plan(self, anchor, conv_state, x, weight, starts, window, conv, v, widened) -> _Plan:
@@ -318,12 +311,7 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
         raise Refusal("no Slice of the window keeps its last S columns (the present state)", window)
 
     def rewrite(self, op, **_: Any):
-        plan = self._plan
-        assert plan is not None
-        log = ACTIVE_LOG.get()
-        if log is not None:
-            log.record(plan.anchor, FORM, **plan.attributes)
-        self._leftovers.extend(plan.leftovers)
+        plan = self.take_plan()
         bias, weight = plan.bias, plan.weight
         # a float32 constant narrowed to T, or (the op's inlined body, folded by an optimizer) the constant
         # laid out back as the op's input
@@ -342,14 +330,6 @@ class CausalConv1dUpdateFusion(pattern.RewriteRuleClassBase):
         )
         replace_graph_output(plan.present, present)
         return y
-
-    def setup(self) -> None:
-        self._leftovers = []
-        self._shapes = None
-
-    def cleanup(self) -> None:
-        remove_dead_producers(self._leftovers)
-        self._leftovers = []
 
 
 def _prove_columns(indices, conv_state, state_len, new, width, shapes, aliases) -> None:
@@ -496,10 +476,7 @@ class CausalConv1dUpdateBodyFusion(CausalConv1dUpdateFusion):
             self._plan = self._body_plan(anchor, conv_state, x, indices, squeeze_axes, is_silu, window, y, b)
             self._plan.leftovers.append(y)
         except Refusal as refusal:
-            log = ACTIVE_LOG.get()
-            if log is not None and refusal.logged:
-                log.record(anchor, FORM, reason=refusal.reason)
-            return result.fail(refusal.reason, refusal.culprit)
+            return self.refused(result, anchor, refusal)
         return result
 
     @staticmethod

@@ -36,11 +36,11 @@ from onnxscript.rewriter import pattern
 
 from fusion.reference.selective_state_update import DOMAIN, SOFTPLUS_THRESHOLD
 from fusion.rules._decode import (
-    ACTIVE_LOG,
     BATCH_SAMPLES,
     LAYOUT_OPS,
     Batch,
     DecodeShapes,
+    PlannedRule,
     Refusal,
     apply_with_log,
     batch_blocked,
@@ -56,7 +56,7 @@ from fusion.rules._decode import (
     replace_graph_output,
     type_untyped_values,
 )
-from fusion.rules._graph import ForwardShapes, constant_array, constant_scalar, remove_dead_producers
+from fusion.rules._graph import ForwardShapes, constant_array, constant_scalar
 from fusion.rules.gated_group_rms_norm import FusionLog, location
 
 FORM = "decode"
@@ -144,15 +144,12 @@ def _identity_of(value: ir.Value) -> ir.Value:
     return value
 
 
-class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
+class SelectiveStateUpdateFusion(PlannedRule):
     """Rewrites one decode state update (and its readout) into a SelectiveStateUpdate node."""
 
     def __init__(self, name: str, *, skip_first: bool) -> None:
-        super().__init__(name, remove_nodes=False)
+        super().__init__(name)
         self._skip_first = skip_first
-        self._plan: _Plan | None = None
-        self._leftovers: list[ir.Value] = []
-        self._shapes: ForwardShapes | None = None
         #: while a symbolic batch is proven: its size in this run, and the layout steps emulated
         self._batch: Batch | None = None
         self._trace: list[tuple[object, tuple[int, ...]]] | None = None
@@ -163,14 +160,10 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
 
     def check(self, context, s_rows, c_rows, skip, bmm, y, **_: Any) -> pattern.MatchResult:
         result = pattern.MatchResult()
-        log = ACTIVE_LOG.get()
         try:
             self._plan = self._make_plan(s_rows, c_rows, skip, bmm, y)
         except Refusal as refusal:
-            anchor = refusal.anchor if hasattr(refusal, "anchor") else None
-            if log is not None and refusal.logged and anchor is not None:
-                log.record(anchor, FORM, reason=refusal.reason)
-            return result.fail(refusal.reason, refusal.culprit)
+            return self.refused(result, getattr(refusal, "anchor", None), refusal)
         return result
 
     # the proof --------------------------------------------------------------------------------------
@@ -646,12 +639,7 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
     # rewrite ----------------------------------------------------------------------------------------
 
     def rewrite(self, op, **_: Any):
-        plan = self._plan
-        assert plan is not None
-        log = ACTIVE_LOG.get()
-        if log is not None:
-            log.record(plan.anchor, FORM, **plan.attributes)
-        self._leftovers.extend(plan.leftovers)
+        plan = self.take_plan()
         t = plan.x.dtype
 
         def per_head_input(source, name, dtype):
@@ -682,13 +670,8 @@ class SelectiveStateUpdateFusion(pattern.RewriteRuleClassBase):
         return out
 
     def setup(self) -> None:
-        self._leftovers = []
-        self._shapes = None
+        super().setup()
         self._batch, self._trace = None, None
-
-    def cleanup(self) -> None:
-        remove_dead_producers(self._leftovers)
-        self._leftovers = []
 
 
 def _proven_leaf(value: ir.Value, shapes: ForwardShapes, batch: Batch | None = None) -> ir.Value:
