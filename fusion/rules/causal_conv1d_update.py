@@ -247,13 +247,7 @@ class CausalConv1dUpdateFusion(PlannedRule):
         chain |= {user for user, _ in v.uses()}
         if present is not present_slice.outputs[0]:
             chain.add(present.producer())
-        for value in (window, conv, v, present_slice.outputs[0], *extra):
-            if value is present:
-                continue
-            if value.is_graph_output() or any(user not in chain for user, _ in value.uses()):
-                raise Refusal(f"{value.name!r} is also read outside the chain", value)
-        if any(user not in chain for user, _ in present.uses()):
-            raise Refusal("the present conv state is read by other nodes too", present)
+        _check_closed(chain, (window, conv, v, present_slice.outputs[0], *extra), present)
         return _Plan(
             anchor=anchor,
             x=x,
@@ -330,6 +324,18 @@ class CausalConv1dUpdateFusion(PlannedRule):
         )
         replace_graph_output(plan.present, present)
         return y
+
+
+def _check_closed(chain: set[ir.Node], values, present: ir.Value) -> None:
+    """Refuse when a value of the chain (``values``; the present state aside) is a graph output or read by a
+    node outside ``chain``, or when the present state is read outside it: the fused node replaces them all."""
+    for value in values:
+        if value is present:
+            continue
+        if value.is_graph_output() or any(user not in chain for user, _ in value.uses()):
+            raise Refusal(f"{value.name!r} is also read outside the chain", value)
+    if any(user not in chain for user, _ in present.uses()):
+        raise Refusal("the present conv state is read by other nodes too", present)
 
 
 def _prove_columns(indices, conv_state, state_len, new, width, shapes, aliases) -> None:
@@ -548,14 +554,7 @@ class CausalConv1dUpdateBodyFusion(CausalConv1dUpdateFusion):
         chain |= {b[name].producer() for name in ("windows", "dot", "dot3", "v", "gate", "silu")}
         if present is not present_slice.outputs[0]:
             chain.add(present.producer())
-        for node in chain:
-            for value in node.outputs:
-                if value is present or value is y:
-                    continue
-                if value.is_graph_output() or any(user not in chain for user, _ in value.uses()):
-                    raise Refusal(f"{value.name!r} is also read outside the chain", value)
-        if any(user not in chain for user, _ in present.uses()):
-            raise Refusal("the present conv state is read by other nodes too", present)
+        _check_closed(chain, (value for node in chain for value in node.outputs if value is not y), present)
         return _Plan(
             anchor=anchor,
             x=x,
