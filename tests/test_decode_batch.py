@@ -119,9 +119,7 @@ def _compare(stem: str, batch: int, library: bool) -> None:
     tolerance = TOLERANCE[FIXTURES[stem]["dtype"]]
     for output, a, e in zip(names, actual, expected, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype and e.shape[0] == batch, output
-        scale = max(float(np.abs(e.astype(np.float64)).max()), 1e-30)
-        error = float(np.abs(a.astype(np.float64) - e.astype(np.float64)).max()) / scale
-        floor = float(np.finfo(a.dtype).smallest_subnormal) / scale
+        error, floor = decode_rules.scaled_error(a, e)
         assert error <= tolerance + floor, f"{output} at batch {batch}: max error {error:.3g} of the output's scale"
     if library:
         return

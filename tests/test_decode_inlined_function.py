@@ -23,9 +23,10 @@ from onnx_ir.passes.common import InlinePass
 from fusion.function import causal_conv1d_update as conv_function
 from fusion.function import selective_state_update as state_function
 from fusion.rewrite import rewrite_model
-from models.fixtures import BATCH_FIXTURE_DIR, FAMILY_FIXTURE_DIR, FIXTURE_DIR
+from models.fixtures import BATCH_FIXTURE_DIR
 from models.runtime import feeds, load_manifest, load_references
 from tests.test_decode_batch import _batch_feeds
+from tests.test_decode_step_rules import DECODE, MANIFESTS, SETS
 
 optimize_for_ort = pytest.importorskip("onnxscript.rewriter.ort_fusions").optimize_for_ort
 
@@ -299,14 +300,6 @@ def test_a_changed_body_is_refused(make, mutate, reason: str) -> None:
 
 # every decode fixture ----------------------------------------------------------------------------------
 
-SETS = {"models": FIXTURE_DIR, "families": FAMILY_FIXTURE_DIR}
-MANIFESTS = {name: load_manifest(path) for name, path in SETS.items()}
-DECODE = sorted(
-    (name, stem)
-    for name, manifest in MANIFESTS.items()
-    for stem, record in manifest["fixtures"].items()
-    if record["mode"] == "decode"
-)
 BATCH_MANIFEST = load_manifest(BATCH_FIXTURE_DIR)
 #: test_decode_step_rules.py's budget: the whole-model difference relative to the largest |output|.
 TOLERANCE = {"fp32": 1e-5, "fp16": 4e-3}

@@ -104,6 +104,14 @@ def _norm_only(name: str, stem: str) -> onnx.ModelProto:
     return rewrite.rewrite_model(_original(name, stem), decode_steps=False)[0]
 
 
+def scaled_error(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    """Return the largest |actual - expected| relative to the largest |expected|, and one subnormal step of
+    the output's type on the same scale (the allowance at the bottom of its range)."""
+    scale = max(float(np.abs(expected.astype(np.float64)).max()), 1e-30)
+    error = float(np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max()) / scale
+    return error, float(np.finfo(actual.dtype).smallest_subnormal) / scale
+
+
 def _compare(name: str, stem: str, library: bool) -> None:
     record = MANIFESTS[name]["fixtures"][stem]
     inputs = feeds(record, _references(name)[stem])
@@ -113,9 +121,7 @@ def _compare(name: str, stem: str, library: bool) -> None:
     tolerance = TOLERANCE[record["dtype"]]
     for output, a, e in zip(names, actual, expected, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype, output
-        scale = max(float(np.abs(e.astype(np.float64)).max()), 1e-30)
-        error = float(np.abs(a.astype(np.float64) - e.astype(np.float64)).max()) / scale
-        floor = float(np.finfo(a.dtype).smallest_subnormal) / scale
+        error, floor = scaled_error(a, e)
         assert error <= tolerance + floor, f"{output}: max error {error:.3g} of the output's scale"
     if library:
         return
