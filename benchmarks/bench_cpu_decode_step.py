@@ -44,6 +44,7 @@ import onnxscript.rewriter
 import contrib_ops
 from benchmarks._common import append_results, environment_line
 from benchmarks.bench_e2e_nemotron import decode_step_inputs
+from benchmarks.bench_gpu_nemotron import weight_bytes_per_step as gpu_weight_bytes
 from fusion.optimize import optimize_model
 from fusion.rewrite import rewrite_model
 from fusion.rules import attach_function, rewrite_rules
@@ -66,20 +67,9 @@ def _variants(source: Path, folder: Path) -> dict[str, Path]:
 
 
 def weight_bytes_per_step(path: Path) -> int:
-    """Return the bytes of weights one decode step reads: every initializer, one row of each Gather table."""
-    model = onnx.load(str(path), load_external_data=False)
-    sizes = {}
-    for tensor in model.graph.initializer:
-        count = int(np.prod(tensor.dims)) if tensor.dims else 1
-        sizes[tensor.name] = count * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
-    gathered = {node.input[0] for node in model.graph.node if node.op_type == "Gather"}
-    total = 0
-    for tensor in model.graph.initializer:
-        if tensor.name in gathered and len(tensor.dims) == 2:
-            total += sizes[tensor.name] // tensor.dims[0]  # one row per token
-        else:
-            total += sizes[tensor.name]
-    return total
+    """Return the bytes of weights one decode step reads (bench_gpu_nemotron's count: every initializer, one
+    row of each Gather table), from the graph at ``path`` without its data."""
+    return gpu_weight_bytes(onnx.load(str(path), load_external_data=False))
 
 
 def _session(path: Path, threads: int, profile: bool = False) -> ort.InferenceSession:

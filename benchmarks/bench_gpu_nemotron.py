@@ -589,16 +589,21 @@ def copy_bandwidth(torch, megabytes: int = 1024, repeats: int = 20) -> float:
         return 2 * source.nbytes / (time.perf_counter() - t0)
     source = torch.empty(megabytes << 20, dtype=torch.uint8, device="cuda")
     target = torch.empty_like(source)
+    seconds = _cuda_seconds(torch, lambda: target.copy_(source), repeats)
+    return 2 * (megabytes << 20) / seconds
+
+
+def _cuda_seconds(torch, work, repeats: int) -> float:
+    """Return the median of ``repeats`` timings of ``work()`` by CUDA events, after 3 untimed calls."""
     times = []
     for _ in range(repeats + 3):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        target.copy_(source)
+        work()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    del source, target
-    return 2 * (megabytes << 20) / statistics.median(times[3:])
+    return statistics.median(times[3:])
 
 
 def gemv_read_rate(torch, dtype: str, repeats: int = 20) -> float:
@@ -609,17 +614,8 @@ def gemv_read_rate(torch, dtype: str, repeats: int = 20) -> float:
     torch_type = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
     weight = torch.randn(4096, 21504, device="cuda").to(torch_type)
     x = torch.randn(1, 4096, device="cuda").to(torch_type)
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.matmul(x, weight)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    size = weight.numel() * weight.element_size()
-    del weight, x
-    return size / statistics.median(times[3:])
+    seconds = _cuda_seconds(torch, lambda: torch.matmul(x, weight), repeats)
+    return weight.numel() * weight.element_size() / seconds
 
 
 def cpu_outputs(ort, torch, path, feeds, dims, library, runs, with_outputs=True):
