@@ -337,6 +337,30 @@ def _attention(model: ir.Model) -> PassResult:
     return result
 
 
+def _residual_norms(model: ir.Model) -> PassResult:
+    """Fold float16 RMSNorms with float32 weights, and their residual Adds, into ORT's norms (residual_norm.py)."""
+    from fusion.rules.residual_norm import fuse_residual_norms
+
+    result = PassResult("mambafuse residual norms", nodes_before=_node_count(model))
+    count, result.refused = fuse_residual_norms(model)
+    if count:
+        result.fused["SkipSimplifiedLayerNormalization / SimplifiedLayerNormalization"] = count
+    result.nodes_after = _node_count(model)
+    return result
+
+
+def _unit_transposes(model: ir.Model) -> PassResult:
+    """Write the Transposes that move only axes of size 1 as Reshapes (unit_transpose.py)."""
+    from fusion.rules.unit_transpose import transposes_to_reshapes
+
+    result = PassResult("mambafuse layout", nodes_before=_node_count(model))
+    count = transposes_to_reshapes(model)
+    if count:
+        result.fused["Transpose as Reshape"] = count
+    result.nodes_after = _node_count(model)
+    return result
+
+
 def optimize_model(
     model: ModelT, *, ort_fusions: bool = True, function: bool = True, assume_equal_widths: bool = False
 ) -> tuple[ModelT, OptimizeReport]:
@@ -367,12 +391,14 @@ def optimize_model(
         result = PassResult("onnxscript ORT fusions", nodes_before=count, nodes_after=count, skipped="--no-ort-fusions")
     report.passes.append(result)
     report.passes.append(_attention(model))
+    report.passes.append(_residual_norms(model))
     before = _node_count(model)
     model, report.rewrite = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
     fused = {"GatedGroupRMSNorm": report.rewrite.fused}
     fused.update({op_type: op["fused"] for op_type, op in report.rewrite.decode.items()})
     fused = {op_type: count for op_type, count in fused.items() if count}
     report.passes.append(PassResult("mambafuse", fused=fused, nodes_before=before, nodes_after=_node_count(model)))
+    report.passes.append(_unit_transposes(model))
     return model, report
 
 

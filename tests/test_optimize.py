@@ -188,10 +188,12 @@ def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     output = tmp_path / "model.optimized.onnx"
     assert data["output"] == str(output) and output.is_file()
-    ort_pass, attention_pass, mambafuse_pass = data["passes"]
+    ort_pass, attention_pass, norm_pass, mambafuse_pass, layout_pass = data["passes"]
     assert any(reason.startswith("skip_rms_normalization") for reason in ort_pass["undone"])
     assert attention_pass["name"] == "mambafuse attention" and attention_pass["fused"] == {"GroupQueryAttention": 1}
+    assert norm_pass["name"] == "mambafuse residual norms" and sum(norm_pass["fused"].values()) == 5
     assert mambafuse_pass["fused"]["GatedGroupRMSNorm"] == 2
+    assert layout_pass["name"] == "mambafuse layout" and layout_pass["fused"] == {"Transpose as Reshape": 4}
     assert data["nodes_after"] == len(onnx.load(output).graph.node)
 
 
@@ -202,7 +204,13 @@ def test_cli_optimize_without_ort_fusions_is_the_rewrite(tmp_path: Path) -> None
     assert "onnxscript ORT fusions: skipped (--no-ort-fusions)" in result.stdout
     assert _mambafuse("rewrite", str(source), str(tmp_path / "b.onnx")).returncode == 0
     a, b = onnx.load(tmp_path / "a.onnx"), onnx.load(tmp_path / "b.onnx")
-    assert [(n.op_type, list(n.input)) for n in a.graph.node] == [(n.op_type, list(n.input)) for n in b.graph.node]
+    # The rewrite's nodes, but for the layout pass's Reshapes in place of Transposes that move only unit axes.
+    layout = {n.name for n in a.graph.node if n.op_type == "Reshape" and n.name.endswith("_as_reshape")}
+    assert len(layout) >= 4, "at least the conv updates' four (B, 1, C) <-> (B, C, 1) Transposes"
+    unlaid = [
+        ("Transpose", list(n.input[:1])) if n.name in layout else (n.op_type, list(n.input)) for n in a.graph.node
+    ]
+    assert unlaid == [(n.op_type, list(n.input)) for n in b.graph.node]
 
 
 @pytest.mark.parametrize(

@@ -1170,6 +1170,20 @@ def all_values(model: ir.Model) -> list[ir.Value]:
     return values
 
 
+class NameSource:
+    """Fresh value names for one pass over ``model``: each differs from every name in the model and from the others."""
+
+    def __init__(self, model: ir.Model) -> None:
+        self._taken = {value.name for value in all_values(model) if value.name}
+
+    def __call__(self, base: str) -> str:
+        name, suffix = base, 1
+        while name in self._taken:
+            name, suffix = f"{base}_{suffix}", suffix + 1
+        self._taken.add(name)
+        return name
+
+
 @contextlib.contextmanager
 def value_info_preserved(model: ir.Model) -> Iterator[None]:
     """Restore the type and shape of every value that exists now, when the block ends.

@@ -1,0 +1,84 @@
+"""Write a Transpose that only moves axes of size 1 as the Reshape it is.
+
+Used by ``mambafuse optimize``. A Transpose whose axes of other sizes keep their order moves no element: the
+row-major order of the data is the same before and after, so ``Reshape`` to the permuted dims computes the same
+tensor. ONNX Runtime's CUDA provider runs such a Transpose as a device copy (one more launch and gap a decode
+step); its Reshape is no launch at all. Decode exports have them around every conv update, where torch's
+``(B, 1, C) -> (B, C, 1)`` moves the one-token axis (8 copies a step in the Nemotron-H-8B-shaped benchmark).
+
+What is proven from the graph: the Transpose's input dims (from the graph inputs' declared dims through every op,
+never an intermediate value's declared shape, as the other rules prove theirs), every moved axis of size 1, and
+the Reshape's target: the proven ints, ``0`` (copy the input's dim) for a symbolic dim that stays at its axis,
+and at most one ``-1`` for a symbolic dim that moves. A zero-size dim is left alone (Reshape's 0 would copy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion.rules._decode import DecodeShapes
+from fusion.rules._graph import Dim, NameSource
+
+_ONNX = ("", "ai.onnx")
+
+
+def _target(dims: list[Dim], perm: list[int]) -> list[int] | None:
+    """The Reshape target equal to Transpose(perm) of a tensor of ``dims``, or None when it is not a Reshape."""
+    if sorted(perm) != list(range(len(dims))):
+        return None
+    if any(isinstance(dim, int) and dim <= 0 for dim in dims):
+        return None
+    kept = [axis for axis in perm if dims[axis] != 1]
+    if kept != sorted(kept):
+        return None  # an axis of another size moves past another: the data moves
+    target: list[int] = []
+    for position, axis in enumerate(perm):
+        dim = dims[axis]
+        if isinstance(dim, int):
+            target.append(dim)
+        elif axis == position:
+            target.append(0)
+        elif -1 in target:
+            return None
+        else:
+            target.append(-1)
+    return target
+
+
+def transposes_to_reshapes(model: ir.Model) -> int:
+    """Replace every Transpose of ``model``'s main graph that moves only axes of size 1; return how many."""
+    graph = model.graph
+    shapes = DecodeShapes(graph)
+    fresh = NameSource(model)
+    count = 0
+    for node in list(graph):
+        if node.op_type != "Transpose" or node.domain not in _ONNX or not node.inputs or node.inputs[0] is None:
+            continue
+        dims = shapes(node.inputs[0])
+        perm_attribute = node.attributes.get("perm")
+        if dims is None or perm_attribute is None:
+            continue
+        target = _target(dims, list(perm_attribute.as_ints()))
+        if target is None:
+            continue
+        name = fresh(f"{node.name or 'transpose'}_as_reshape")
+        shape = ir.Value(name=name, const_value=ir.tensor(np.array(target, dtype=np.int64), name=name))
+        graph.register_initializer(shape)
+        reshape = ir.Node("", "Reshape", [node.inputs[0], shape], num_outputs=1, name=name)
+        graph.insert_before(node, reshape)
+        old = node.outputs[0]
+        new = reshape.outputs[0]
+        new.type, new.shape = old.type, old.shape
+        if old.is_graph_output():
+            for index, output in enumerate(graph.outputs):
+                if output is old:
+                    graph.outputs[index] = new
+        new.name, old.name = old.name, f"{old.name}_transposed"
+        ir.convenience.replace_all_uses_with(old, new)
+        graph.remove(node, safe=True)
+        count += 1
+    return count
+
+
+__all__ = ["transposes_to_reshapes"]
