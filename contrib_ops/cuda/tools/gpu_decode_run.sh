@@ -10,6 +10,8 @@
 #   STEPS="build selfcheck pytest sanitize" bash contrib_ops/cuda/tools/gpu_decode_run.sh
 #   STEPS="build bench" bash contrib_ops/cuda/tools/gpu_decode_run.sh
 #   STEPS="build step" bash contrib_ops/cuda/tools/gpu_decode_run.sh   # the whole decode step, before vs after
+#   STEPS="build cpubench" CPUBENCH_ARGS="--cold" ...   # the CPU state update on the GPU machine's host CPU
+#   PYTEST_ARGS="tests/test_attention_rule.py -k cuda" picks the pytest step's tests
 #
 # Needs: nvcc and CMake; ONNX Runtime's headers in $ONNXRUNTIME_ROOT (default ./.ort-headers); for pytest and the
 # ORT rows of the benchmark onnxruntime-gpu importable (e.g. PYTHONPATH=/root/ortgpu); torch with CUDA; for
@@ -55,7 +57,7 @@ if [[ ! -f "$build/libmambafuse_ops.so" ]]; then
 fi
 export MAMBAFUSE_LIBRARY=$PWD/$build/libmambafuse_ops.so
 step selfcheck "$build/cuda/mambafuse_cuda_decode_selfcheck"
-step pytest "$py" -m pytest -q -p no:cacheprovider -rs tests/test_kernel_cuda_decode.py
+step pytest "$py" -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-tests/test_kernel_cuda_decode.py}
 sanitize() {  # the three tools' logs, one after the other, in sanitize.log
   local logs
   logs=$(mktemp -d)
@@ -74,5 +76,7 @@ step bench "$py" benchmarks/bench_cuda_decode_ops.py --build "$build" \
 # `python benchmarks/bench_gpu_nemotron.py export --modes decode`, in $STEP_GRAPHS).
 step step "$py" benchmarks/bench_gpu_nemotron.py step --graphs ${STEP_GRAPHS:-.bench-vendor/nemotron} \
   --library "$build/libmambafuse_ops.so" --markdown "$out/bench_gpu_step.md" ${STEP_ARGS:-}
+# The CPU state-update benchmark on this machine's (quieter) host CPU, the library's CPU kernels in ORT.
+step cpubench "$py" -m benchmarks.bench_selective_state_update_cpu ${CPUBENCH_ARGS:-}
 echo "=== failed steps: ${failed[*]:-none}"
 [[ ${#failed[@]} -eq 0 ]]
