@@ -581,10 +581,23 @@ def main() -> int:
                         + f" | {ours.describe(torch.float16, s_dtype, batch, w)} |"
                     ]
                 )
-    emit(["", "Rows per lane (MAMBAFUSE_SSU_ROWS), Nemotron-H-8B, fp16 x, fp32 state, us per call:", ""])
-    for batch in batches:
-        times = bench_ssu_rows(ours, MODELS["nemotron-h-8b"], batch, torch.float16, torch.float32, gen)
-        emit([f"- B = {batch}: " + ", ".join(f"rows {k}: {v:.2f}" for k, v in times.items())])
+    emit(
+        [
+            "",
+            "Rows per lane (MAMBAFUSE_SSU_ROWS), fp16 x, us per call (the launcher's own choice in the table above):",
+            "",
+        ]
+    )
+    for w in models:
+        for s_dtype in (torch.float32, torch.float16):
+            for batch in batches:
+                times = bench_ssu_rows(ours, w, batch, torch.float16, s_dtype, gen)
+                emit(
+                    [
+                        f"- {w.name}, {NAME_OF[s_dtype]} state, B = {batch}: "
+                        + ", ".join(f"rows {k}: {v:.2f}" for k, v in times.items())
+                    ]
+                )
 
     # 2. CausalConv1dUpdate, kernel time.
     emit(

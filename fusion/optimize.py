@@ -342,9 +342,7 @@ def _residual_norms(model: ir.Model) -> PassResult:
     from fusion.rules.residual_norm import fuse_residual_norms
 
     result = PassResult("mambafuse residual norms", nodes_before=_node_count(model))
-    count, result.refused = fuse_residual_norms(model)
-    if count:
-        result.fused["SkipSimplifiedLayerNormalization / SimplifiedLayerNormalization"] = count
+    result.fused, result.refused = fuse_residual_norms(model)
     result.nodes_after = _node_count(model)
     return result
 

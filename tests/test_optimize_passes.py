@@ -103,8 +103,9 @@ def _half_weight(seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("batch", [1, 3])
 def test_residual_norm_is_fused_and_computes_the_same(residual: bool, batch: int) -> None:
     original = _norm_model(weight=_half_weight(), residual=residual)
-    fused, (count, refused) = _fused(original, fuse_residual_norms)
-    assert (count, refused) == (1, [])
+    fused, (counts, refused) = _fused(original, fuse_residual_norms)
+    op = "SkipSimplifiedLayerNormalization" if residual else "SimplifiedLayerNormalization"
+    assert (counts, refused) == ({op: 1}, [])
     ops = [(n.domain, n.op_type) for n in fused.graph.node]
     expected = (
         ("com.microsoft", "SkipSimplifiedLayerNormalization") if residual else ("", "SimplifiedLayerNormalization")
@@ -143,8 +144,8 @@ def _check_close(
 
 def test_the_sum_the_next_layer_reads_is_the_float16_add() -> None:
     original = _norm_model(weight=_half_weight(), y_is_output=False)
-    fused, (count, _) = _fused(original, fuse_residual_norms)
-    assert count == 1
+    fused, (counts, _) = _fused(original, fuse_residual_norms)
+    assert counts == {"SkipSimplifiedLayerNormalization": 1}
     skip = next(n for n in fused.graph.node if n.op_type == "SkipSimplifiedLayerNormalization")
     # The next layer's Add reads the fused node's sum output under the name it read before.
     assert skip.output[3] == "s" and list(skip.input[:2]) == ["a", "b"]
@@ -162,23 +163,24 @@ def test_the_sum_the_next_layer_reads_is_the_float16_add() -> None:
     [
         ({"weight": np.full(D, 0.1, np.float32)}, "float32 weight has values float16 does not hold"),
         ({"weight": _half_weight(), "stash_type": 0}, "statistics are in"),
-        ({"weight": _half_weight(), "axis": 1}, "not the last"),
+        ({"weight": _half_weight(), "axis": 1}, "not proven the last"),
+        ({"weight": _half_weight()[None, :]}, "not a 1-D constant"),
         ({"weight": _half_weight(), "extra_reader": True}, "readers besides the Cast"),
     ],
-    ids=["inexact-weight", "stash-type", "axis", "float32-reader"],
+    ids=["inexact-weight", "stash-type", "axis", "2-D-weight", "float32-reader"],
 )
 def test_residual_norm_refusals_keep_the_graph(kwargs, reason: str) -> None:
     original = _norm_model(**kwargs)
-    fused, (count, refused) = _fused(original, fuse_residual_norms)
-    assert count == 0 and len(refused) == 1 and reason in refused[0], refused
+    fused, (counts, refused) = _fused(original, fuse_residual_norms)
+    assert counts == {} and len(refused) == 1 and reason in refused[0], refused
     assert [n.op_type for n in fused.graph.node] == [n.op_type for n in original.graph.node]
 
 
 def test_a_broadcasting_add_is_kept_and_only_the_cast_folded() -> None:
     # b of shape (1, 1, D) against a of (batch, 1, D): Add broadcasts, the fused node would not.
     original = _norm_model(weight=_half_weight(), b_dims=(1, 1, D))
-    fused, (count, _) = _fused(original, fuse_residual_norms)
-    assert count == 1
+    fused, (counts, _) = _fused(original, fuse_residual_norms)
+    assert counts == {"SimplifiedLayerNormalization": 1}
     ops = [n.op_type for n in fused.graph.node]
     assert "SkipSimplifiedLayerNormalization" not in ops and ops.count("Add") == 2 and "Cast" not in ops
     _check_close(original, fused, _feeds(original, 3, 1), next_add=False)
@@ -197,8 +199,8 @@ def test_float32_models_are_left_to_onnxscript() -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [onnx.numpy_helper.from_array(_half_weight(), "w")],
     )
-    _, (count, refused) = _fused(original, fuse_residual_norms)
-    assert (count, refused) == (0, [])
+    _, (counts, refused) = _fused(original, fuse_residual_norms)
+    assert (counts, refused) == ({}, [])
 
 
 # --- Transposes of unit axes ------------------------------------------------------------------------------

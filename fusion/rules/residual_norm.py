@@ -18,12 +18,13 @@ three kernels: the Add, the norm and the Cast. This pass writes the form ONNX Ru
 
 What is proven from the graph before fusing:
 
-* the norm normalizes the last axis (``axis`` -1 or rank - 1, the rank proven) with float32 statistics
-  (``stash_type`` 1), and its weight is a 1-D constant of the last axis's proven width;
+* the norm normalizes the last axis (``axis`` -1, or rank - 1 with the rank proven) with float32 statistics
+  (``stash_type`` 1), and its weight is a 1-D constant (the norm itself requires it to be that axis's width);
 * every weight value is a float16 value (``w32`` is a widened float16 weight: the fused node multiplies by the
   same numbers);
 * ``a`` and ``b`` are float16 with the same proven dims (the fused node does not broadcast as Add does), of
-  rank 2 or 3 (ONNX Runtime's kernel takes those);
+  rank 2 or 3 (ONNX Runtime's kernel takes those). Where that is not proven (a symbolic batch that a Reshape's
+  shape tensor hides, say) the Add stays and only the Cast is folded: ``SimplifiedLayerNormalization(s, w16)``;
 * the Cast goes back to float16, and nothing else reads the norm's float32 output.
 
 Readers of ``s`` (the next layer's residual Add) read the fused node's sum output, which is the same float16
@@ -91,18 +92,18 @@ def _plan(cast: ir.Node, shapes: ForwardShapes) -> _Plan | None:
     stash = norm.attributes.get("stash_type")
     if stash is not None and stash.as_int() != 1:
         raise Refusal(f"the norm's statistics are in {dtype_name(stash.as_int())}, not float32", norm)
+    # The norm's own checks (ONNX Runtime's) already tie the weight to the normalized axis: it is the last
+    # axis (-1, or rank - 1 with the rank proven) and the weight a 1-D constant.
     dims = shapes(x)
-    if dims is None or len(dims) not in (2, 3) or not isinstance(dims[-1], int):
-        raise Refusal(f"its input is {format_dims(dims)}, not a proven rank 2 or 3 with a known width", norm)
     axis_attribute = norm.attributes.get("axis")
     axis = -1 if axis_attribute is None else axis_attribute.as_int()
-    if axis not in (-1, len(dims) - 1):
-        raise Refusal(f"it normalizes axis {axis} of {format_dims(dims)}, not the last", norm)
+    if axis != -1 and (dims is None or axis != len(dims) - 1):
+        raise Refusal(f"it normalizes axis {axis} of {format_dims(dims)}, not proven the last", norm)
     tensor = norm.inputs[1].const_value
     weight = None if tensor is None else tensor.numpy()
-    if weight is None or weight.shape != (dims[-1],):
+    if weight is None or weight.ndim != 1:
         shape = "not a constant" if weight is None else f"of shape {list(weight.shape)}"
-        raise Refusal(f"its weight is {shape}, not ({dims[-1]},)", norm)
+        raise Refusal(f"its weight is {shape}, not a 1-D constant", norm)
     narrowed = weight.astype(np.float16)
     if not np.array_equal(narrowed.astype(np.float32), weight, equal_nan=True):
         raise Refusal("its float32 weight has values float16 does not hold", norm)
@@ -115,8 +116,15 @@ def _plan(cast: ir.Node, shapes: ForwardShapes) -> _Plan | None:
     if a is None or b is None or a.dtype != _HALF or b.dtype != _HALF:
         return _Plan(cast, norm, None, narrowed, epsilon)
     a_dims, b_dims = shapes(a), shapes(b)
-    if a_dims is None or b_dims is None or len(a_dims) != len(b_dims) or not all(map(dims_equal, a_dims, b_dims)):
-        # The Add broadcasts (or its shapes are unproven): keep it, fold only the Cast.
+    if (
+        a_dims is None
+        or b_dims is None
+        or len(a_dims) != len(b_dims)
+        or len(a_dims) not in (2, 3)
+        or not all(map(dims_equal, a_dims, b_dims))
+    ):
+        # The Add may broadcast (or its operands are not rank 2 or 3, which ONNX Runtime's fused kernel takes):
+        # keep it, fold only the Cast.
         return _Plan(cast, norm, None, narrowed, epsilon)
     return _Plan(cast, norm, add, narrowed, epsilon)
 
@@ -168,15 +176,15 @@ def _fuse(plan: _Plan, fresh: NameSource) -> None:
         ir.convenience.replace_all_uses_with(old, new)
     old_weight = plan.norm.inputs[1]
     graph.remove(dead, safe=True)
-    if old_weight is not None and not old_weight.uses() and old_weight.name in graph.initializers:
-        if not old_weight.is_graph_input() and not old_weight.is_graph_output():
-            del graph.initializers[old_weight.name]
+    unused = old_weight is not None and not old_weight.uses() and not old_weight.is_graph_output()
+    if unused and old_weight.name in graph.initializers and not old_weight.is_graph_input():
+        del graph.initializers[old_weight.name]
 
 
-def fuse_residual_norms(model: ir.Model) -> tuple[int, list[str]]:
+def fuse_residual_norms(model: ir.Model) -> tuple[dict[str, int], list[str]]:
     """Fuse every half-precision RMSNorm with a float32 weight in ``model``'s main graph, in place.
 
-    Returns the number of norms fused and, for each one refused, where and why.
+    Returns how many norms were fused, by the op they became, and for each one refused, where and why.
     """
     shapes = ForwardShapes(model.graph)
     plans: list[_Plan] = []
@@ -198,9 +206,13 @@ def fuse_residual_norms(model: ir.Model) -> tuple[int, list[str]]:
     fresh = NameSource(model)
     for plan in plans:
         _fuse(plan, fresh)
-    if plans:
+    counts: dict[str, int] = {}
+    for plan in plans:
+        op = "SimplifiedLayerNormalization" if plan.add is None else "SkipSimplifiedLayerNormalization"
+        counts[op] = counts.get(op, 0) + 1
+    if "SkipSimplifiedLayerNormalization" in counts:
         model.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
-    return len(plans), refused
+    return counts, refused
 
 
 __all__ = ["fuse_residual_norms"]
