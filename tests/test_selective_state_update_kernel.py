@@ -107,6 +107,25 @@ def test_real_width_threads(t: np.dtype) -> None:
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
+@pytest.mark.parametrize(("t", "s"), TYPE_COMBOS, ids=[f"T{DTYPE_IDS[t]}-S{DTYPE_IDS[s]}" for t, s in TYPE_COMBOS])
+@pytest.mark.parametrize("state_size", [16, 48, 128, 20])
+def test_streaming_stores_write_the_same_bits(
+    t: np.dtype, s: np.dtype, state_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 present state of a real model's size is written past the caches (streaming stores, where the
+    rows are whole aligned vectors: N a multiple of every level's width but 20); MAMBAFUSE_SSU_STORES forces
+    either path at any size. Both write the same bits, at every level (tests/test_kernel_isa.py runs this file
+    at each), over two threads."""
+    rng = np.random.default_rng(11)
+    inputs = make_inputs(rng, t=t, s=s, batch=2, heads=4, head_dim=7, state_size=state_size)
+    results = {}
+    for stores in ("cached", "stream"):
+        monkeypatch.setenv("MAMBAFUSE_SSU_STORES", stores)
+        results[stores] = check(inputs, threads=2)
+    for cached, streamed in zip(results["cached"], results["stream"], strict=True):
+        np.testing.assert_array_equal(streamed.view(np.uint8), cached.view(np.uint8))
+
+
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
 def test_edge_values(t: np.dtype) -> None:
     """Zeros, dt past softplus' threshold (20), huge and tiny states, a NaN confined to its head."""

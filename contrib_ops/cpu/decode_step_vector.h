@@ -12,8 +12,8 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
+#if defined(__SSE2__)
+#include <immintrin.h>  // the level's conversions and streaming stores (SSE2 is x86-64's baseline)
 #endif
 
 // GCC 12's AVX-512 conversion intrinsics start from an undefined vector, which -Wmaybe-uninitialized
@@ -246,6 +246,60 @@ MAMBAFUSE_INLINE void StoreScalar(void* p, int64_t i, float f) {
   }
 }
 
+// Writes `value`'s bytes at `dst`. With kStream, past the caches where the level has a streaming store of
+// that size (x86-64: 16 bytes from SSE2, 32 with AVX, 64 with AVX-512), `dst` then aligned to the size; the
+// thread calls StreamFence before the data is handed on. For the state update's present state: written once
+// and read at the next token, after the whole model's weights have gone through the caches, so caching it
+// only costs its lines' reads for ownership (a third of the traffic a cached update moves).
+template <bool kStream, typename V>
+MAMBAFUSE_INLINE void Put(char* dst, const V& value) {
+#if defined(__SSE2__)
+  if constexpr (kStream && sizeof(V) == 16) {
+    __m128i v;
+    std::memcpy(&v, &value, sizeof v);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), v);
+    return;
+  }
+#endif
+#if defined(__AVX__)
+  if constexpr (kStream && sizeof(V) == 32) {
+    __m256i v;
+    std::memcpy(&v, &value, sizeof v);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), v);
+    return;
+  }
+#endif
+#if defined(__AVX512F__)
+  if constexpr (kStream && sizeof(V) == 64) {
+    __m512i v;
+    std::memcpy(&v, &value, sizeof v);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), v);
+    return;
+  }
+#endif
+  std::memcpy(dst, &value, sizeof value);
+}
+
+// Orders this thread's streaming stores before its later stores (the thread pool's completion signal).
+MAMBAFUSE_INLINE void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+// Whether Put<true> streams a vector of `bytes` bytes at this level.
+constexpr bool StreamsVector(int bytes) {
+#if defined(__AVX512F__)
+  return bytes == 16 || bytes == 32 || bytes == 64;
+#elif defined(__AVX__)
+  return bytes == 16 || bytes == 32;
+#elif defined(__SSE2__)
+  return bytes == 16;
+#else
+  return bytes < 0;
+#endif
+}
+
 template <int kHalf>
 MAMBAFUSE_INLINE VF LoadVector(const void* p, int64_t i) {
   if constexpr (kHalf == kNone) {
@@ -263,17 +317,17 @@ MAMBAFUSE_INLINE VF LoadVector(const void* p, int64_t i) {
   }
 }
 
-template <int kHalf>
+template <int kHalf, bool kStream = false>
 MAMBAFUSE_INLINE void StoreVector(void* p, int64_t i, VF v) {
   if constexpr (kHalf == kNone) {
-    std::memcpy(static_cast<char*>(p) + 4 * i, &v, sizeof v);
+    Put<kStream>(static_cast<char*>(p) + 4 * i, v);
   } else if constexpr (kHalf == kBF16) {
     const VH h = __builtin_convertvector(RoundBF16Bits(v) >> 16, VH);
-    std::memcpy(static_cast<char*>(p) + 2 * i, &h, sizeof h);
+    Put<kStream>(static_cast<char*>(p) + 2 * i, h);
   } else {
 #if defined(MAMBAFUSE_HW_F16)
     const VH hw = F16FromFloatHw(v);
-    std::memcpy(static_cast<char*>(p) + 2 * i, &hw, sizeof hw);
+    Put<kStream>(static_cast<char*>(p) + 2 * i, hw);
     return;
 #endif
     const VU b = RoundF16Bits(v);
@@ -284,22 +338,22 @@ MAMBAFUSE_INLINE void StoreVector(void* p, int64_t i, VF v) {
     half = a < 0x38800000u ? sub : half;
     half = a >= 0x7F800000u ? (a > 0x7F800000u ? (VU{} + 0x7E00u) : (VU{} + 0x7C00u)) : half;
     const VH h = __builtin_convertvector(half | sign, VH);
-    std::memcpy(static_cast<char*>(p) + 2 * i, &h, sizeof h);
+    Put<kStream>(static_cast<char*>(p) + 2 * i, h);
   }
 }
 
 // Stores v rounded to kHalf and returns the stored value widened back (one conversion for both).
-template <int kHalf>
+template <int kHalf, bool kStream = false>
 MAMBAFUSE_INLINE VF StoreRounded(void* p, int64_t i, VF v) {
 #if defined(MAMBAFUSE_HW_F16)
   if constexpr (kHalf == kF16) {
     const VH h = F16FromFloatHw(v);
-    std::memcpy(static_cast<char*>(p) + 2 * i, &h, sizeof h);
+    Put<kStream>(static_cast<char*>(p) + 2 * i, h);
     return FloatFromF16Hw(h);
   }
 #endif
   const VF rounded = RoundTo<kHalf>(v);
-  StoreVector<kHalf>(p, i, rounded);
+  StoreVector<kHalf, kStream>(p, i, rounded);
   return rounded;
 }
 

@@ -15,6 +15,8 @@
 // Zamba2-1.2B width (N = 64) a row is 4 AVX-512 vectors, so that sum runs in registers (SumLanes).
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "decode_step_vector.h"
@@ -25,8 +27,16 @@ namespace MAMBAFUSE_ISA_NS {
 namespace {
 
 constexpr float kSoftplusThreshold = 20.f;  // torch's: softplus(v) = v above it
+// A float32 present_state is written with streaming stores (decode_step_vector.h's Put) from this size up: a
+// real model's per-layer state (Zamba2-1.2B: 1 MiB, Nemotron-H-8B: 4 MiB) is read back only at the next
+// token, after gigabytes of weights; a small model's may still be in a core's cache by then. Measured with
+// benchmarks/ssu_core_cpu --cold on one AMD EPYC core: Nemotron-H-8B 88 % -> 106-122 % of a memcpy of the
+// same bytes, Zamba2-1.2B 79-83 % -> 96 %. A half state is bound by its conversions instead (see
+// benchmarks/RESULTS.md), and streaming it measured no gain (Nemotron-H-8B 136-159 us -> 154-162 us), so it
+// stays cached.
+constexpr int64_t kStreamBytes = int64_t{256} << 10;
 
-template <int kT, int kS, int kD>
+template <int kT, int kS, int kD, bool kStream>
 void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t last_item) {
   const int64_t heads = a.heads, head_dim = a.head_dim, n_state = a.state_size;
   const int64_t heads_per_group = heads / a.groups;
@@ -69,7 +79,8 @@ void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t 
       VF acc = VF{};
       for (int64_t n = 0; n < n_vector_end; n += kWidth) {
         const VF dbx = RoundTo<kT>(LoadVector<kNone>(dB, n) * x_v);
-        const VF s = StoreRounded<kS>(present_state, base + n, LoadVector<kS>(state, base + n) * dA_v + dbx);
+        const VF s =
+            StoreRounded<kS, kStream>(present_state, base + n, LoadVector<kS>(state, base + n) * dA_v + dbx);
         acc += (kS == kT ? s : RoundTo<kT>(s)) * LoadVector<kNone>(c, n);  // s is in T already if S is T
       }
       float tail = 0.f;
@@ -100,14 +111,38 @@ void RunHeads(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t 
       StoreScalar<kT>(out, first_row + p, y);
     }
   }
+  if constexpr (kStream) StreamFence();
+}
+
+// Whether present_state is written with streaming stores: a float32 state of kStreamBytes or more, every
+// vector store aligned to its size (the tensor's address, and rows of whole vectors), a level with such a store.
+// MAMBAFUSE_SSU_STORES=stream|cached overrides the size rule (tests run both paths; benchmarks compare).
+template <int kS>
+bool StreamsPresent(const SelectiveStateUpdateCpuArgs& a) {
+  static_assert(kS == kNone, "only a float32 state streams");
+  constexpr int kBytes = 4 * kWidth;
+  if (!StreamsVector(kBytes) || a.state_size % kWidth != 0) return false;
+  if (reinterpret_cast<uintptr_t>(a.present_state) % kBytes != 0) return false;
+  const char* forced = std::getenv("MAMBAFUSE_SSU_STORES");  // read per call: tests switch it in-process
+  if (forced != nullptr && std::strcmp(forced, "stream") == 0) return true;
+  if (forced != nullptr && std::strcmp(forced, "cached") == 0) return false;
+  return a.batch * a.heads * a.head_dim * a.state_size * 4 >= kStreamBytes;
+}
+
+template <int kT, int kS, int kD>
+void WithStores(const SelectiveStateUpdateCpuArgs& a, int64_t first, int64_t last) {
+  if constexpr (kS == kNone) {
+    if (StreamsPresent<kS>(a)) return RunHeads<kT, kS, kD, true>(a, first, last);
+  }
+  RunHeads<kT, kS, kD, false>(a, first, last);
 }
 
 template <int kT, int kS>
 void WithD(const SelectiveStateUpdateCpuArgs& a, int64_t first, int64_t last) {
   if (a.d_type == ElemType::kFloat) {
-    RunHeads<kT, kS, kNone>(a, first, last);
+    WithStores<kT, kS, kNone>(a, first, last);
   } else {
-    RunHeads<kT, kS, kT>(a, first, last);
+    WithStores<kT, kS, kT>(a, first, last);
   }
 }
 
