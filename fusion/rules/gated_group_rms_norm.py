@@ -56,6 +56,7 @@ from fusion.rules._graph import (
     constant_scalar,
     dims_equal,
     format_dims,
+    forward_dims,
     remove_dead_producers,
     resolve_shape_tensor,
     value_dims,
@@ -804,6 +805,11 @@ def _group_weight(weight: ir.Value, *, as_scale: bool = False) -> tuple[ir.Value
 
 def _weight_channels(weight: ir.Value) -> int:
     shape = weight.shape
+    if shape is None:
+        # Untyped (an inlined body): the dims the graph proves, from the constant through its Casts.
+        dims = forward_dims(weight)
+        if dims is not None and len(dims) == 1 and isinstance(dims[0], int):
+            return dims[0]
     if shape is None or shape.rank() != 1 or not isinstance(shape[0], int):
         raise _Refusal(f"the weight has shape {_shape_text(shape)}, not [C]", weight)
     return shape[0]
@@ -1138,6 +1144,11 @@ def fuse_gated_group_rms_norm(
     widths = _ASSUME_EQUAL_WIDTHS.set(assume_equal_widths)
     try:
         with value_info_preserved(model):
+            # The rounding points are read from the types: give the values ONNX's inference left untyped (an
+            # inlined body after an op it cannot type) the type their producer's schema gives them.
+            from fusion.rules._decode import type_untyped_values
+
+            type_untyped_values(model.graph)
             return sum(rule_set.apply_to_model(model) for rule_set in gated_group_rms_norm_rule_sets)
     finally:
         _ASSUME_EQUAL_WIDTHS.reset(widths)
