@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import onnx
@@ -318,45 +318,43 @@ def model_problem(model: ir.Model) -> str | None:
     return None
 
 
-def _attention(model: ir.Model) -> PassResult:
+def _own_pass(name: str, model: ir.Model, run: Callable[[ir.Model], tuple[dict[str, int], list[str]]]) -> PassResult:
+    """Run one of ``optimize``'s own passes on ``model``: what it fused (by op), where and why it refused, and
+    the node counts around it."""
+    result = PassResult(name, nodes_before=_node_count(model))
+    fused, result.refused = run(model)
+    result.fused = {op_type: count for op_type, count in fused.items() if count}
+    result.nodes_after = _node_count(model)
+    return result
+
+
+def _attention(model: ir.Model) -> tuple[dict[str, int], list[str]]:
     """Fuse the decode attentions onnxscript's rules miss into GroupQueryAttention (fusion/rules/attention.py)."""
     from fusion.rules.attention import FORM, fuse_group_query_attention
     from fusion.rules.gated_group_rms_norm import FusionLog
 
-    result = PassResult("mambafuse attention", nodes_before=_node_count(model))
     log = FusionLog()
     count = fuse_group_query_attention(model, log)
-    if count:
-        result.fused["GroupQueryAttention"] = count
-    result.refused = [
+    refused = [
         f"{record.location}: {record.reason}"
         for record in log.chains.values()
         if record.form == FORM and not record.fused
     ]
-    result.nodes_after = _node_count(model)
-    return result
+    return {"GroupQueryAttention": count}, refused
 
 
-def _residual_norms(model: ir.Model) -> PassResult:
+def _residual_norms(model: ir.Model) -> tuple[dict[str, int], list[str]]:
     """Fold float16 RMSNorms with float32 weights, and their residual Adds, into ORT's norms (residual_norm.py)."""
     from fusion.rules.residual_norm import fuse_residual_norms
 
-    result = PassResult("mambafuse residual norms", nodes_before=_node_count(model))
-    result.fused, result.refused = fuse_residual_norms(model)
-    result.nodes_after = _node_count(model)
-    return result
+    return fuse_residual_norms(model)
 
 
-def _unit_transposes(model: ir.Model) -> PassResult:
+def _unit_transposes(model: ir.Model) -> tuple[dict[str, int], list[str]]:
     """Write the Transposes that move only axes of size 1 as Reshapes (unit_transpose.py)."""
     from fusion.rules.unit_transpose import transposes_to_reshapes
 
-    result = PassResult("mambafuse layout", nodes_before=_node_count(model))
-    count = transposes_to_reshapes(model)
-    if count:
-        result.fused["Transpose as Reshape"] = count
-    result.nodes_after = _node_count(model)
-    return result
+    return {"Transpose as Reshape": transposes_to_reshapes(model)}, []
 
 
 def optimize_model(
@@ -388,15 +386,15 @@ def optimize_model(
         count = _node_count(model)
         result = PassResult("onnxscript ORT fusions", nodes_before=count, nodes_after=count, skipped="--no-ort-fusions")
     report.passes.append(result)
-    report.passes.append(_attention(model))
-    report.passes.append(_residual_norms(model))
+    report.passes.append(_own_pass("mambafuse attention", model, _attention))
+    report.passes.append(_own_pass("mambafuse residual norms", model, _residual_norms))
     before = _node_count(model)
     model, report.rewrite = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
     fused = {"GatedGroupRMSNorm": report.rewrite.fused}
     fused.update({op_type: op["fused"] for op_type, op in report.rewrite.decode.items()})
     fused = {op_type: count for op_type, count in fused.items() if count}
     report.passes.append(PassResult("mambafuse", fused=fused, nodes_before=before, nodes_after=_node_count(model)))
-    report.passes.append(_unit_transposes(model))
+    report.passes.append(_own_pass("mambafuse layout", model, _unit_transposes))
     return model, report
 
 

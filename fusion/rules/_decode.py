@@ -369,6 +369,17 @@ def replace_graph_output(old: ir.Value, new: ir.Value) -> None:
             graph.outputs[index] = new
 
 
+def take_over(old: ir.Value, new: ir.Value, old_suffix: str = "_unfused") -> None:
+    """Make ``new`` stand where ``old`` stood: a graph output under its name, type and shape, else ``old``'s
+    name, type and shape (its readers see the name they read before); then every reader of ``old`` reads it."""
+    if old.is_graph_output():
+        replace_graph_output(old, new)
+    else:
+        new.type, new.shape = old.type, old.shape
+        new.name, old.name = old.name, f"{old.name}{old_suffix}"
+    ir.convenience.replace_all_uses_with(old, new)
+
+
 def negative_zeros(name: str, count: int, dtype: ir.DataType) -> ir.Value:
     """Return an initializer-ready value of ``count`` -0.0s (adding -0.0 is the identity, even for -0.0)."""
     return ir.Value(name=name, const_value=ir.tensor(np.full(count, -0.0, dtype=dtype.numpy()), name=name))

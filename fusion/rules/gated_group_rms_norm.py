@@ -49,6 +49,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from fusion.reference import DOMAIN
+from fusion.rules._decode import type_untyped_values
 from fusion.rules._graph import (
     Dim,
     ForwardShapes,
@@ -1146,8 +1147,6 @@ def fuse_gated_group_rms_norm(
         with value_info_preserved(model):
             # The rounding points are read from the types: give the values ONNX's inference left untyped (an
             # inlined body after an op it cannot type) the type their producer's schema gives them.
-            from fusion.rules._decode import type_untyped_values
-
             type_untyped_values(model.graph)
             return sum(rule_set.apply_to_model(model) for rule_set in gated_group_rms_norm_rule_sets)
     finally:

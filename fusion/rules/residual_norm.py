@@ -38,12 +38,13 @@ whole model.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
 
-from fusion.rules._decode import Refusal, dtype_name, replace_graph_output
-from fusion.rules._graph import ForwardShapes, NameSource, dims_equal, format_dims
+from fusion.rules._decode import Refusal, dtype_name, take_over, type_untyped_values
+from fusion.rules._graph import ForwardShapes, NameSource, dims_equal, format_dims, value_info_preserved
 
 CONTRIB_DOMAIN = "com.microsoft"
 _ONNX = ("", "ai.onnx")
@@ -64,18 +65,6 @@ def _single_reader(value: ir.Value) -> bool:
     return len(value.uses()) == 1 and not value.is_graph_output()
 
 
-def _dtype(value: ir.Value) -> ir.DataType | None:
-    """``value``'s type, or for an untyped Add's output its inputs' one type (ONNX's inference may stop early)."""
-    if value.dtype is not None:
-        return value.dtype
-    producer = value.producer()
-    if producer is not None and producer.op_type == "Add" and producer.domain in _ONNX:
-        types = {operand.dtype if operand is not None else None for operand in producer.inputs}
-        if len(types) == 1:
-            return types.pop()
-    return None
-
-
 def _plan(cast: ir.Node, shapes: ForwardShapes) -> _Plan | None:
     """The fusion of the RMSNorm ``cast`` ends, or None when ``cast`` does not end one; Refusal when one is refused."""
     norm = cast.inputs[0].producer() if cast.inputs and cast.inputs[0] is not None else None
@@ -83,7 +72,7 @@ def _plan(cast: ir.Node, shapes: ForwardShapes) -> _Plan | None:
         return None
     x = norm.inputs[0]
     to = cast.attributes.get("to")
-    if x is None or _dtype(x) != _HALF or to is None or to.as_int() != _HALF:
+    if x is None or x.dtype != _HALF or to is None or to.as_int() != _HALF:
         return None  # not the mixed-precision form: onnxscript's own fusions handle the others
     if len(norm.inputs) < 2 or norm.inputs[1] is None or norm.inputs[1].dtype != ir.DataType.FLOAT:
         return None
@@ -109,24 +98,23 @@ def _plan(cast: ir.Node, shapes: ForwardShapes) -> _Plan | None:
         raise Refusal("its float32 weight has values float16 does not hold", norm)
     epsilon_attribute = norm.attributes.get("epsilon")
     epsilon = 1e-5 if epsilon_attribute is None else epsilon_attribute.as_float()
+    return _Plan(cast, norm, _residual_add(x, shapes), narrowed, epsilon)
+
+
+def _residual_add(x: ir.Value, shapes: ForwardShapes) -> ir.Node | None:
+    """The Add that makes ``x`` when the fused node can take it: float16 operands of the same proven dims, of
+    rank 2 or 3 (the fused node does not broadcast as Add does; ONNX Runtime's kernel takes those ranks).
+    None otherwise: the Add stays and only the Cast is folded."""
     add = x.producer()
     if add is None or add.op_type != "Add" or add.domain not in _ONNX or len(add.inputs) != 2:
-        return _Plan(cast, norm, None, narrowed, epsilon)
+        return None
     a, b = add.inputs
     if a is None or b is None or a.dtype != _HALF or b.dtype != _HALF:
-        return _Plan(cast, norm, None, narrowed, epsilon)
+        return None
     a_dims, b_dims = shapes(a), shapes(b)
-    if (
-        a_dims is None
-        or b_dims is None
-        or len(a_dims) != len(b_dims)
-        or len(a_dims) not in (2, 3)
-        or not all(map(dims_equal, a_dims, b_dims))
-    ):
-        # The Add may broadcast (or its operands are not rank 2 or 3, which ONNX Runtime's fused kernel takes):
-        # keep it, fold only the Cast.
-        return _Plan(cast, norm, None, narrowed, epsilon)
-    return _Plan(cast, norm, add, narrowed, epsilon)
+    if a_dims is None or b_dims is None or len(a_dims) != len(b_dims) or len(a_dims) not in (2, 3):
+        return None
+    return add if all(map(dims_equal, a_dims, b_dims)) else None
 
 
 def _fuse(plan: _Plan, fresh: NameSource) -> None:
@@ -168,12 +156,7 @@ def _fuse(plan: _Plan, fresh: NameSource) -> None:
         replaced = [(y_old, node.outputs[0]), (plan.add.outputs[0], node.outputs[3])]
         dead = [plan.cast, plan.norm, plan.add]
     for old, new in replaced:
-        if old.is_graph_output():
-            replace_graph_output(old, new)  # the graph output keeps its name, type and shape
-        else:
-            new.type, new.shape = old.type, old.shape
-            new.name, old.name = old.name, f"{old.name}_unfused"  # readers see the name they read before
-        ir.convenience.replace_all_uses_with(old, new)
+        take_over(old, new)
     old_weight = plan.norm.inputs[1]
     graph.remove(dead, safe=True)
     unused = old_weight is not None and not old_weight.uses() and not old_weight.is_graph_output()
@@ -186,10 +169,27 @@ def fuse_residual_norms(model: ir.Model) -> tuple[dict[str, int], list[str]]:
 
     Returns how many norms were fused, by the op they became, and for each one refused, where and why.
     """
-    shapes = ForwardShapes(model.graph)
+    with value_info_preserved(model):
+        # The rounding points are read from the types: ONNX's inference may have left values untyped.
+        type_untyped_values(model.graph)
+        plans, refused = _plans(model.graph)
+        fresh = NameSource(model)
+        for plan in plans:
+            _fuse(plan, fresh)
+    counts = Counter(
+        "SimplifiedLayerNormalization" if plan.add is None else "SkipSimplifiedLayerNormalization" for plan in plans
+    )
+    if "SkipSimplifiedLayerNormalization" in counts:
+        model.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
+    return dict(counts), refused
+
+
+def _plans(graph: ir.Graph) -> tuple[list[_Plan], list[str]]:
+    """The norms of ``graph`` to fuse, and where and why each one matched is refused."""
+    shapes = ForwardShapes(graph)
     plans: list[_Plan] = []
     refused: list[str] = []
-    for node in list(model.graph):
+    for node in list(graph):
         if node.op_type != "Cast" or node.domain not in _ONNX:
             continue
         try:
@@ -203,16 +203,7 @@ def fuse_residual_norms(model: ir.Model) -> tuple[dict[str, int], list[str]]:
             if plan.add is not None and any(other.add is plan.add for other in plans):
                 plan.add = None  # a sum two norms read: the first folds the Add, this one reads its sum
             plans.append(plan)
-    fresh = NameSource(model)
-    for plan in plans:
-        _fuse(plan, fresh)
-    counts: dict[str, int] = {}
-    for plan in plans:
-        op = "SimplifiedLayerNormalization" if plan.add is None else "SkipSimplifiedLayerNormalization"
-        counts[op] = counts.get(op, 0) + 1
-    if "SkipSimplifiedLayerNormalization" in counts:
-        model.opset_imports.setdefault(CONTRIB_DOMAIN, 1)
-    return counts, refused
+    return plans, refused
 
 
 __all__ = ["fuse_residual_norms"]

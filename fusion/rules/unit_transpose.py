@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusion.rules._decode import DecodeShapes
+from fusion.rules._decode import DecodeShapes, take_over
 from fusion.rules._graph import Dim, NameSource
 
 _ONNX = ("", "ai.onnx")
@@ -67,15 +67,7 @@ def transposes_to_reshapes(model: ir.Model) -> int:
         graph.register_initializer(shape)
         reshape = ir.Node("", "Reshape", [node.inputs[0], shape], num_outputs=1, name=name)
         graph.insert_before(node, reshape)
-        old = node.outputs[0]
-        new = reshape.outputs[0]
-        new.type, new.shape = old.type, old.shape
-        if old.is_graph_output():
-            for index, output in enumerate(graph.outputs):
-                if output is old:
-                    graph.outputs[index] = new
-        new.name, old.name = old.name, f"{old.name}_transposed"
-        ir.convenience.replace_all_uses_with(old, new)
+        take_over(node.outputs[0], reshape.outputs[0], "_transposed")
         graph.remove(node, safe=True)
         count += 1
     return count
