@@ -378,7 +378,8 @@ def _ptr(a: np.ndarray | None) -> int | None:
 
 def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both kernels, emulated on the host, within the references' budgets: every (T, S) pair on both state-update
-    paths and rows 1/2/4 (odd P, G between 1 and H, N = 24 vector / 33 scalar / 256 two chunks a lane), and
+    paths and rows 1/2/4 (odd P, G between 1 and H, N = 24 vector / 33 scalar / 256 two chunks a lane / 16 with
+    fewer lanes a row than rows a lane), and
     the conv with K = 4 (unrolled; S = K - 1 and K at L = 1, its decode path; L = 3) and K = 3. Outputs start as
     NaN."""
     rng = np.random.default_rng(11)
@@ -386,7 +387,12 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
     cases = 0
     for (t, s), (path, rows, shape) in itertools.product(
         TYPE_COMBOS,
-        [(None, "4", (2, 6, 5, 24, 3)), ("scalar", "2", (1, 4, 3, 33, 1)), (None, "1", (1, 4, 3, 256, 4))],
+        [
+            (None, "4", (2, 6, 5, 24, 3)),
+            ("scalar", "2", (1, 4, 3, 33, 1)),
+            (None, "1", (1, 4, 3, 256, 4)),
+            (None, "4", (1, 3, 7, 16, 1)),  # 4 rows, 4 (float) or 2 (half) lanes a row: both readouts
+        ],
     ):
         monkeypatch.setenv("MAMBAFUSE_SSU_ROWS", rows)
         if path:
@@ -441,4 +447,43 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
         ok, msg = conv_budget_report(y, present, *(inputs[n] for n in CONV_NAMES))
         assert ok, f"conv T={DTYPE_IDS[t]} {(batch, channels, length, state_len, width)}: {msg}"
         cases += 1
-    assert cases == len(TYPE_COMBOS) * 3 + 12
+    assert cases == len(TYPE_COMBOS) * 4 + 12
+
+
+@pytest.mark.parametrize(
+    ("heads", "head_dim", "state_size", "s", "batch", "rows", "blocks"),
+    [
+        # Nemotron-H-8B (N = 128, G = 8): one wave at batch 1 (2 rows a lane), waves at batch 8 (4 rows a lane).
+        (128, 64, 128, FLOAT, 1, 2, 1024),
+        (128, 64, 128, FLOAT, 8, 4, 4096),
+        (128, 64, 128, FLOAT16, 1, 2, 512),
+        (128, 64, 128, FLOAT16, 8, 4, 2048),
+        # Zamba2-2.7B (N = 64, G = 1): 640 blocks at 4 rows, fewer than 8 a SM, so 2 rows.
+        (80, 64, 64, FLOAT, 8, 4, 1280),
+        (80, 64, 64, FLOAT16, 8, 2, 1280),
+        (80, 64, 64, FLOAT16, 1, 2, 160),
+        # A small model: 2 rows would leave SMs idle.
+        (8, 64, 128, FLOAT, 1, 1, 128),
+    ],
+)
+def test_emulated_launch_choice(
+    emulated: ctypes.CDLL, heads: int, head_dim: int, state_size: int, s: np.dtype, batch: int, rows: int, blocks: int
+) -> None:
+    """Rows per lane as the H200 sweep chose them (benchmarks/RESULTS.md): 4 where that still gives every SM 8
+    blocks, else 2, and 1 only where 2 would leave an SM without a block (the emulation reports 132 SMs)."""
+    emulated.mambafuse_ssu_describe.argtypes = (
+        [ctypes.c_int, ctypes.c_int]
+        + [ctypes.c_int64] * 5
+        + [
+            ctypes.c_char_p,
+            ctypes.c_int64,
+        ]
+    )
+    text = ctypes.create_string_buffer(256)
+    groups = 8 if heads == 128 else 1
+    rc = emulated.mambafuse_ssu_describe(
+        ONNX_TYPE[FLOAT16], ONNX_TYPE[s], batch, heads, head_dim, state_size, groups, text, 256
+    )
+    assert rc == 0
+    described = text.value.decode()
+    assert f"{rows} rows a lane" in described and f"{blocks} blocks of 128" in described, described

@@ -77,16 +77,18 @@ SelectiveStateUpdateLaunch ChooseSelectiveStateUpdateLaunch(const SelectiveState
     launch.lanes_per_row = Pow2Ceil(a.state_size);
     launch.chunks = static_cast<int>((a.state_size + launch.lanes_per_row - 1) / launch.lanes_per_row);
   }
-  // Rows per lane: 4 (each lane keeps 4 rows' loads in flight) while that still gives every SM two blocks;
-  // fewer rows (more, smaller blocks) where heads x batch are too few to fill the GPU at 4. Nemotron-H-8B at
-  // batch 1 (H = 128, P = 64, N = 128, f32 state): 32 lanes a row, 4 rows a warp, 16 rows a block, 4 blocks
-  // a head, 512 blocks of 4 warps on 132 SMs: the whole 4 MB state is requested in the first wave.
+  // Rows per lane. 4 (each lane keeps 4 rows' loads in flight, and the per-head work is shared by more rows)
+  // where that still gives every SM 8 blocks, i.e. when the kernel runs in waves and streams at the copy's rate;
+  // 2 where fewer blocks are the whole kernel (batch 1: one wave whose time is one round of loads, and 2 rows
+  // a lane was as fast as 4 or faster in every H200 measurement); 1 only where 2 would leave SMs without a
+  // block. Nemotron-H-8B (H = 128, P = 64, N = 128, f32 state): batch 1 at 2 rows is 32 lanes a row, 8 rows a
+  // block, 1024 blocks; batch 8 at 4 rows is 4096 blocks.
   const int teams = kBlock / launch.lanes_per_row;
   const int64_t heads_total = a.batch * a.heads;
+  const auto blocks_at = [&](int rows) { return heads_total * ((a.head_dim + teams * rows - 1) / (teams * rows)); };
   int rows = 4;
-  while (rows > 1 && heads_total * ((a.head_dim + teams * rows - 1) / (teams * rows)) < 2 * multiprocessors) {
-    rows /= 2;
-  }
+  if (blocks_at(4) < 8 * static_cast<int64_t>(multiprocessors)) rows = 2;
+  if (rows == 2 && blocks_at(2) < multiprocessors) rows = 1;
   if (const char* forced = std::getenv("MAMBAFUSE_SSU_ROWS")) {
     const int value = std::atoi(forced);
     if (value == 1 || value == 2 || value == 4) rows = value;

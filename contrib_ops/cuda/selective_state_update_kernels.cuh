@@ -4,26 +4,30 @@
 // each way per layer and token) and everything else is a few KB. One block of 128 threads per (batch, head,
 // block of rows p); inside it, `lanes_per_row` lanes (a power of two <= 32, within one warp) share a row and
 // split its N state columns into chunks of `vec` elements, 16 bytes of state each (4 float or 8 half values).
-// Each lane updates `kRows` rows, and issues every state load of its rows (kRows x kChunks 16-byte loads)
-// before the first use, so the whole state of a decode step is in flight at once. The per-head scalars
-// (dt, dt_bias, softplus, dA = exp(d * A), D) are recomputed by every thread from L1-cached loads, which
-// costs a few instructions and no barrier; B and C chunks are loaded once per lane and reused for its rows.
-// The readout sum over N is a butterfly of shuffles among the row's lanes; lane 0 writes out[b, h, p].
+// Each lane updates `kRows` rows. B and C chunks are loaded once per lane and reused for its rows; the
+// per-head scalars (dt, dt_bias, softplus, dA = exp(d * A), D) are recomputed by every thread, which costs a
+// few instructions and no barrier. The readout sum over N is a butterfly of shuffles among the row's lanes,
+// after which lane r of the row's lanes writes out[b, h, row r].
+//
+// What sets the time (H200, Nsight Compute): at batch 1 the kernel is one wave, and its time is one round of
+// memory loads plus the instructions each warp must run before its first load and after its data arrive.
+// So every load a thread makes is issued before any loaded value is used (the state's first; the per-head
+// values as raw bits, widened later: a conversion inside the `D present?` branch made each warp wait for D
+// before it issued the state loads), and the per-element work is kept short: T-rounding two values per
+// packed conversion, no round trip through T where the value already is one. At batch 8 the kernel streams
+// in waves and the same instruction count decides whether it keeps up with a copy (the half-state kernel
+// issued on 75 % of cycles before these changes).
 //
 // The rounding points are those of the op: the state update is a float32 multiply and a separate add
 // (__fmul_rn / __fadd_rn, never contracted into an FMA), the T-rounded products dB and dBx are rounded
 // exactly as the exported graph rounds them. Only the readout's order of summation differs from a
 // sequential sum (float32 accumulation, one rounding to T at the end).
 //
-// Block shape (ChooseSelectiveStateUpdateLaunch): a decode step moves so few bytes (8 MB at Nemotron-H-8B,
-// batch 1) that the kernel is one wave whose time is the memory latency of its loads plus their transfer, so
-// every SM must have work and every load must be issued up front. Nemotron-H-8B, f32 state, batch 1: 32 lanes
-// a row (128 floats = 32 x 16 bytes), 4 rows a lane, 16 rows a block, 4 blocks a head: 512 blocks of 4 warps,
-// 3.9 a SM on 132 SMs (15.5 warps a SM, 16 state loads of 16 bytes in flight per lane); P-blocks of 16 rows
-// rather than whole heads, because 128 heads alone would leave 4 SMs idle and put 32 KB of state behind each
-// block. Half state: 16 lanes a row, two rows a warp; rows a lane drop to 2 (1) while 4 (2) would give fewer
-// than two blocks per SM. Batch 8: 4096 blocks, 2 waves at 16 blocks a SM. MAMBAFUSE_SSU_ROWS overrides
-// rows a lane (the benchmark sweeps it).
+// Rows per lane (ChooseSelectiveStateUpdateLaunch): 4 where that still gives every SM 8 blocks (the kernel
+// runs in waves), else 2, and 1 only where 2 would leave SMs without a block. Nemotron-H-8B, f32 state:
+// batch 1 is 32 lanes a row (128 floats = 32 x 16 bytes), 2 rows a lane, 8 rows a block: 1024 blocks of 4
+// warps, one wave, the whole 4 MB state requested up front; batch 8 is 4 rows a lane, 4096 blocks.
+// MAMBAFUSE_SSU_ROWS overrides rows a lane (the benchmark sweeps it).
 //
 // The scalar path (any N, any alignment): one element per lane, lanes striding N, the same math.
 #pragma once
@@ -107,44 +111,132 @@ struct alignas(sizeof(X) * kN) Pack {
   X v[kN];
 };
 
-// The per-head step size d and decay dA (float32), for head h of batch row bh = b * heads + h.
+// The per-head inputs of one (batch, head), loaded next to the state and before any of them is used: a
+// value that waits on another's arrival (A behind softplus(dt), D behind the readout's shuffles) adds a round
+// trip to the kernel, whose whole time at batch 1 is about one round of loads.
 template <typename T>
-__device__ __forceinline__ void HeadScalars(const Params& p, int64_t bh, int h, float& d, float& da) {
-  float v = Widen(static_cast<const T*>(p.dt)[bh]);
-  if (p.dt_bias != nullptr) v = RoundTo<T>(v + Widen(static_cast<const T*>(p.dt_bias)[h]));
+struct HeadInputs {
+  T dt;        // dt[b, h]
+  T bias;      // dt_bias[h]; not read without
+  float a;     // A[h]
+  uint32_t d;  // D[h]'s bits (a float, or a T in the low 16 bits); not read without
+};
+
+// D's value from its bits: a float, or a T.
+template <typename T>
+__device__ __forceinline__ float DValue(const Params& p, uint32_t bits) {
+  if constexpr (std::is_same_v<T, float>) {
+    return __uint_as_float(bits);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return p.d_is_float ? __uint_as_float(bits) : Widen(__ushort_as_half(static_cast<unsigned short>(bits)));
+  } else {
+    return p.d_is_float ? __uint_as_float(bits) : Widen(__ushort_as_bfloat16(static_cast<unsigned short>(bits)));
+  }
+}
+
+// The loads only, as raw values: a conversion here would make the warp wait for this load before it issues the
+// next (the compiler keeps a branch's conversion inside the branch), and the state's loads come after.
+template <typename T>
+__device__ __forceinline__ HeadInputs<T> LoadHead(const Params& p, int64_t bh, int h) {
+  HeadInputs<T> in;
+  in.dt = static_cast<const T*>(p.dt)[bh];
+  in.bias = p.dt_bias != nullptr ? static_cast<const T*>(p.dt_bias)[h] : T{};
+  in.a = p.a[h];
+  in.d = 0;
+  if (p.d != nullptr) {
+    in.d = sizeof(T) == 4 || p.d_is_float ? static_cast<const uint32_t*>(p.d)[h]
+                                          : static_cast<const uint16_t*>(p.d)[h];
+  }
+  return in;
+}
+
+// The per-head step size d and decay dA (float32).
+template <typename T>
+__device__ __forceinline__ void HeadScalars(const Params& p, const HeadInputs<T>& in, float& d, float& da) {
+  float v = Widen(in.dt);
+  if (p.dt_bias != nullptr) v = RoundTo<T>(v + Widen(in.bias));
   // torch's softplus (threshold 20): log1p(exp(v)) in float32, rounded to T; above 20 the input itself.
   if (p.softplus) v = v > 20.f ? v : RoundTo<T>(log1pf(expf(v)));
   d = v;
-  da = expf(__fmul_rn(v, p.a[h]));
+  da = expf(__fmul_rn(v, in.a));
 }
 
 // out = D ? round_T(y + round_T(x * D[h])) : y, with y = round_T(acc).
 template <typename T>
-__device__ __forceinline__ T Readout(const Params& p, int h, float acc, float x) {
+__device__ __forceinline__ T Readout(const Params& p, const HeadInputs<T>& in, float acc, float x) {
   float y = RoundTo<T>(acc);
-  if (p.d != nullptr) {
-    const float dv = p.d_is_float ? static_cast<const float*>(p.d)[h] : Widen(static_cast<const T*>(p.d)[h]);
-    y = __fadd_rn(y, RoundTo<T>(__fmul_rn(x, dv)));
-  }
+  if (p.d != nullptr) y = __fadd_rn(y, RoundTo<T>(__fmul_rn(x, DValue<T>(p, in.d))));
   return Narrow<T>(y);
 }
 
-// Sum over the lanes of one row (a power of two, aligned in the warp). Every lane of the warp calls it.
+// Sum over the lanes of one row (a power of two <= 32, aligned in the warp). Every lane of the warp calls it.
+// Unrolled over the five possible levels, each taken or not by the (uniform) row width.
 template <int kRows>
 __device__ __forceinline__ void RowSums(float (&acc)[kRows], int lanes) {
-  for (int offset = lanes / 2; offset > 0; offset /= 2) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    if (offset >= lanes) continue;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
   }
 }
 
-// The state update of one element and its readout term.
+// The state update of one element and its readout term (the scalar path).
 template <typename T, typename S>
 __device__ __forceinline__ float Update(float s, float da, float db, float x, float c, S& stored) {
   const float dbx = RoundTo<T>(__fmul_rn(db, x));
   const S next = Narrow<S>(__fadd_rn(__fmul_rn(s, da), dbx));
   stored = next;
-  return RoundTo<T>(Widen(next)) * c;
+  // round_T(present): with S = T the stored value already is one.
+  return (std::is_same_v<S, T> ? Widen(next) : RoundTo<T>(Widen(next))) * c;
+}
+
+// Two values narrowed by one packed conversion (round-to-nearest-even each, as Narrow) and widened back.
+template <typename X>
+struct Pair;
+template <>
+struct Pair<__half> {
+  using Type = __half2;
+  static __device__ __forceinline__ Type Narrow(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ float2 Widen(Type v) { return __half22float2(v); }
+};
+template <>
+struct Pair<__nv_bfloat16> {
+  using Type = __nv_bfloat162;
+  static __device__ __forceinline__ Type Narrow(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static __device__ __forceinline__ float2 Widen(Type v) { return __bfloat1622float2(v); }
+};
+
+// v[j] = RoundTo<X>(v[j]) for every j, two values a conversion.
+template <typename X, int kN>
+__device__ __forceinline__ void RoundAll(float (&v)[kN]) {
+  if constexpr (!std::is_same_v<X, float>) {
+    static_assert(kN % 2 == 0, "pairs");
+#pragma unroll
+    for (int j = 0; j < kN; j += 2) {
+      const float2 w = Pair<X>::Widen(Pair<X>::Narrow(v[j], v[j + 1]));
+      v[j] = w.x;
+      v[j + 1] = w.y;
+    }
+  }
+}
+
+// stored = Narrow<S>(v) element by element, two values a conversion; v becomes the stored values (RoundTo<S>).
+template <typename S, int kN>
+__device__ __forceinline__ void NarrowAll(float (&v)[kN], Pack<S, kN>& stored) {
+  if constexpr (std::is_same_v<S, float>) {
+#pragma unroll
+    for (int j = 0; j < kN; ++j) stored.v[j] = v[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < kN; j += 2) {
+      const typename Pair<S>::Type two = Pair<S>::Narrow(v[j], v[j + 1]);
+      *reinterpret_cast<typename Pair<S>::Type*>(&stored.v[j]) = two;
+      const float2 w = Pair<S>::Widen(two);
+      v[j] = w.x;
+      v[j + 1] = w.y;
+    }
+  }
 }
 
 // Vector path: kChunks 16-byte chunks of state per lane and row, kRows rows per lane.
@@ -154,70 +246,97 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   const int lanes = 1 << p.lane_shift;
   const int lane = static_cast<int>(threadIdx.x) & (lanes - 1);
   const int team = static_cast<int>(threadIdx.x) >> p.lane_shift;
-  const int teams = kBlock >> p.lane_shift;
   const int h = static_cast<int>(blockIdx.y);
-  const int64_t batch = blockIdx.z;
-  const int64_t bh = batch * p.heads + h;
-  const int64_t bg = batch * p.groups + h / p.heads_per_group;
+  const int64_t bh = static_cast<int64_t>(blockIdx.z) * p.heads + h;
   const int n_size = p.state_size, rows = p.head_dim;
-  const int row0 = (static_cast<int>(blockIdx.x) * teams + team) * kRows;
-  const S* state = static_cast<const S*>(p.state) + bh * rows * n_size;
-  S* present = static_cast<S*>(p.present) + bh * rows * n_size;
-  const T* x = static_cast<const T*>(p.x) + bh * rows;
-  const T* bv = static_cast<const T*>(p.b) + bg * n_size;
-  const T* cv = static_cast<const T*>(p.c) + bg * n_size;
+  // The block's first row (64-bit, the same for every thread) and this lane's place in the block (32-bit: the
+  // vector path has N <= 512 and at most 512 rows a block).
+  const int block_rows = (kBlock >> p.lane_shift) * kRows;
+  const int row0 = static_cast<int>(blockIdx.x) * block_rows + team * kRows;
+  const int64_t block_first = (bh * rows + static_cast<int64_t>(blockIdx.x) * block_rows) * n_size;
+  const int lane_first = team * kRows * n_size + lane * kVec;
+  const S* state = static_cast<const S*>(p.state) + block_first + lane_first;
+  S* present = static_cast<S*>(p.present) + block_first + lane_first;
 
-  // Every load first: the state chunks of all rows, B and C, x; then the per-head scalars.
+  // Every load first, the state's (from DRAM, the long ones) ahead of the rest; nothing waits on another load.
   Pack<S, kVec> st[kChunks][kRows];
-  Pack<T, kVec> bk[kChunks], ck[kChunks];
-  float xr[kRows];
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) xr[r] = row0 + r < rows ? Widen(x[row0 + r]) : 0.f;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    const int n0 = (k * lanes + lane) * kVec;
-    if (n0 < n_size) {
-      bk[k] = *reinterpret_cast<const Pack<T, kVec>*>(bv + n0);
-      ck[k] = *reinterpret_cast<const Pack<T, kVec>*>(cv + n0);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (row0 + r < rows) {
-          st[k][r] = *reinterpret_cast<const Pack<S, kVec>*>(state + static_cast<int64_t>(row0 + r) * n_size + n0);
-        }
+    for (int r = 0; r < kRows; ++r) {
+      if ((k * lanes + lane) * kVec < n_size && row0 + r < rows) {
+        st[k][r] = *reinterpret_cast<const Pack<S, kVec>*>(state + r * n_size + k * lanes * kVec);
       }
     }
   }
+  const HeadInputs<T> head = LoadHead<T>(p, bh, h);
+  const T* x = static_cast<const T*>(p.x) + bh * rows + row0;
+  float xr[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) xr[r] = row0 + r < rows ? Widen(x[r]) : 0.f;
+  const int64_t bg = static_cast<int64_t>(blockIdx.z) * p.groups + h / p.heads_per_group;
+  const T* bv = static_cast<const T*>(p.b) + bg * n_size + lane * kVec;
+  const T* cv = static_cast<const T*>(p.c) + bg * n_size + lane * kVec;
+  Pack<T, kVec> bk[kChunks], ck[kChunks];
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    if ((k * lanes + lane) * kVec < n_size) {
+      bk[k] = *reinterpret_cast<const Pack<T, kVec>*>(bv + k * lanes * kVec);
+      ck[k] = *reinterpret_cast<const Pack<T, kVec>*>(cv + k * lanes * kVec);
+    }
+  }
   float d, da;
-  HeadScalars<T>(p, bh, h, d, da);
+  HeadScalars<T>(p, head, d, da);
 
   float acc[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    const int n0 = (k * lanes + lane) * kVec;
-    if (n0 >= n_size) continue;
+    if ((k * lanes + lane) * kVec >= n_size) continue;
     float db[kVec], cf[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      db[j] = RoundTo<T>(__fmul_rn(d, Widen(bk[k].v[j])));
+      db[j] = __fmul_rn(d, Widen(bk[k].v[j]));
       cf[j] = Widen(ck[k].v[j]);
     }
+    RoundAll<T>(db);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (row0 + r >= rows) continue;
-      Pack<S, kVec> next;
+      float dbx[kVec], next[kVec];
 #pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[r] += Update<T, S>(Widen(st[k][r].v[j]), da, db[j], xr[r], cf[j], next.v[j]);
-      *reinterpret_cast<Pack<S, kVec>*>(present + static_cast<int64_t>(row0 + r) * n_size + n0) = next;
+      for (int j = 0; j < kVec; ++j) dbx[j] = __fmul_rn(db[j], xr[r]);
+      RoundAll<T>(dbx);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) next[j] = __fadd_rn(__fmul_rn(Widen(st[k][r].v[j]), da), dbx[j]);
+      Pack<S, kVec> stored;
+      NarrowAll(next, stored);                             // next = round_S(present)
+      if constexpr (!std::is_same_v<S, T>) RoundAll<T>(next);  // the readout reads round_T(present)
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) acc[r] += next[j] * cf[j];
+      *reinterpret_cast<Pack<S, kVec>*>(present + r * n_size + k * lanes * kVec) = stored;
     }
   }
   RowSums(acc, lanes);
-  if (lane == 0) {
-    T* out = static_cast<T*>(p.out) + bh * rows;
+  // Lane r of the row's lanes writes row r (every lane holds every row's sum after the butterfly).
+  T* out = static_cast<T*>(p.out) + bh * rows + row0;
+  if (kRows <= lanes) {
+    if (lane < kRows && row0 + lane < rows) {
+      float sum = acc[0], xv = xr[0];
+#pragma unroll
+      for (int r = 1; r < kRows; ++r) {
+        if (lane == r) {
+          sum = acc[r];
+          xv = xr[r];
+        }
+      }
+      out[lane] = Readout<T>(p, head, sum, xv);
+    }
+  } else if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (row0 + r < rows) out[row0 + r] = Readout<T>(p, h, acc[r], xr[r]);
+      if (row0 + r < rows) out[r] = Readout<T>(p, head, acc[r], xr[r]);
     }
   }
 }
@@ -247,8 +366,9 @@ __global__ void __launch_bounds__(kBlock) ScalarKernel(const Params p) {
     xr[r] = row0 + r < rows ? Widen(x[row0 + r]) : 0.f;
     acc[r] = 0.f;
   }
+  const HeadInputs<T> head = LoadHead<T>(p, bh, h);
   float d, da;
-  HeadScalars<T>(p, bh, h, d, da);
+  HeadScalars<T>(p, head, d, da);
   for (int k = 0; k < p.chunks; ++k) {
     const int n = k * lanes + lane;
     if (n >= n_size) break;
@@ -270,7 +390,7 @@ __global__ void __launch_bounds__(kBlock) ScalarKernel(const Params p) {
     T* out = static_cast<T*>(p.out) + bh * rows;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (row0 + r < rows) out[row0 + r] = Readout<T>(p, h, acc[r], xr[r]);
+      if (row0 + r < rows) out[row0 + r] = Readout<T>(p, head, acc[r], xr[r]);
     }
   }
 }

@@ -51,7 +51,7 @@ struct SelectiveStateUpdateLaunch {
   int vec = 1;             // state elements per lane and load: 16 / sizeof(S) on the vector path
   int lanes_per_row = 32;  // lanes that share one (b, h, p) row, a power of two <= 32
   int chunks = 1;          // vec-element chunks per lane and row: 1, 2 or 4 on the vector path
-  int rows_per_lane = 4;   // rows each lane updates with all their loads in flight: 2 or 4
+  int rows_per_lane = 4;   // rows each lane updates with all their loads in flight: 1, 2 or 4
   int rows_per_block = 0;  // (block threads / lanes_per_row) * rows_per_lane
   int64_t blocks = 0;      // grid size
 };
@@ -60,7 +60,7 @@ struct SelectiveStateUpdateLaunch {
 const char* CheckSelectiveStateUpdateArgs(const SelectiveStateUpdateArgs& args);
 
 // Path and block shape for `args` on a device of `multiprocessors` SMs. Environment overrides for tuning and
-// tests: MAMBAFUSE_SSU_PATH=scalar (the one-element path), MAMBAFUSE_SSU_ROWS=2|4 (rows per lane).
+// tests: MAMBAFUSE_SSU_PATH=scalar (the one-element path), MAMBAFUSE_SSU_ROWS=1|2|4 (rows per lane).
 SelectiveStateUpdateLaunch ChooseSelectiveStateUpdateLaunch(const SelectiveStateUpdateArgs& args, int multiprocessors);
 
 // Enqueues the op on `stream`: no host synchronization, no allocation, safe under CUDA-graph capture.

@@ -413,10 +413,11 @@ int main(int argc, char** argv) {
       if (s == t) break;  // S = T is S = float for T = float
     }
   }
-  // Every path and rows-per-lane variant, and misaligned buffers, per type pair on two shapes.
+  // Every path and rows-per-lane variant, and misaligned buffers, per type pair on three shapes (N = 16: rows
+  // wider than a half state's two lanes, whose readout is lane 0's alone).
   for (ElemType t : kTypes) {
     for (ElemType s : {ElemType::kFloat, t}) {
-      for (const Shape& sh : {shapes[2], shapes[4]}) {
+      for (const Shape& sh : {shapes[0], shapes[2], shapes[4]}) {
         for (const char* rows : {"1", "2", "4"}) {
           for (bool scalar : {false, true}) {
             if (quick && rows[0] != '4' && scalar) continue;

@@ -39,6 +39,7 @@ inline thread_local EmuBlock* emu_block = nullptr;
 
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __uint_as_float(unsigned int bits) { float f; std::memcpy(&f, &bits, sizeof f); return f; }
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
   EmuWarp& w = emu_block->warps[threadIdx.x / 32];
   const unsigned lane = threadIdx.x % 32;
