@@ -21,6 +21,10 @@ Two measurements, each applied the same way to every column it compares:
     python benchmarks/bench_cuda_decode_ops.py --build build/cuda \
         --mamba-ssm .bench-vendor/mamba_ssm_triton --markdown $OUT/bench_cuda_decode_ops.md
 
+A change to the state-update kernel is measured against the previous build in the same process, every column
+in turn for several rounds, medians reported (``--baseline-build build/previous --rounds 7``): a GPU drifts by
+a few % between measurements, more than two versions of a kernel may differ.
+
 Needs torch with CUDA and the library built with -DMAMBAFUSE_CUDA=ON -DMAMBAFUSE_CUDA_TOOLS=ON (``--build``);
 for the ORT rows onnxruntime-gpu (skipped without a CUDA provider); for the Triton column triton and einops and
 a folder holding mamba_ssm's ``ops/triton/selective_state_update.py`` and ``softplus.py`` (its sdist carries
@@ -263,28 +267,42 @@ def ssu_buffers(w: Widths, batch: int, t_dtype, s_dtype, sets: int, gen: torch.G
     return common, states, presents
 
 
-def bench_ssu_kernels(ours: Ours, triton_ssu, w: Widths, batch: int, t_dtype, s_dtype, gen) -> dict:
+def bench_ssu_kernels(
+    ours: Ours, triton_ssu, w: Widths, batch: int, t_dtype, s_dtype, gen, baseline: Ours | None = None, rounds: int = 1
+) -> dict:
+    """Ours, the baseline build's kernel (if any), the copy and Triton on the same buffers; with rounds > 1 they
+    are measured in turn, round after round, and each reports its median (a GPU's speed drifts by a few % from
+    one measurement to the next, more than two versions of a kernel may differ)."""
     state_bytes = batch * w.heads * w.head_dim * w.state_size * torch.tensor([], dtype=s_dtype).element_size()
     sets = cold_sets(2 * state_bytes)
     common, states, presents = ssu_buffers(w, batch, t_dtype, s_dtype, sets, gen)
     out = torch.empty_like(common["x"])
     c = common
-    row = {"bytes": 2 * state_bytes, "sets": sets}
-    row["ours"] = graph_us(
-        lambda i: ours.ssu(states[i], c["x"], c["dt"], c["dt_bias"], c["A"], c["B"], c["C"], c["D"], out, presents[i]),
-        sets,
-    )
-    row["copy"] = copy_us(states, presents, sets)
+    H, P, N = w.heads, w.head_dim, w.state_size
+    dt3 = c["dt"][:, :, None].expand(batch, H, P)  # mamba_ssm's tied-head-dim call (vLLM, transformers)
+    bias2 = c["dt_bias"][:, None].expand(H, P)
+    A3 = c["A"][:, None, None].expand(H, P, N)
+    D2 = c["D"][:, None].expand(H, P)
+
+    def kernel(lib: Ours) -> Callable[[int], object]:
+        inputs = (c["x"], c["dt"], c["dt_bias"], c["A"], c["B"], c["C"], c["D"], out)
+        return lambda i: lib.ssu(states[i], *inputs, presents[i])
+
+    calls = {"ours": lambda: graph_us(kernel(ours), sets)}
+    if baseline is not None:
+        calls["baseline"] = lambda: graph_us(kernel(baseline), sets)
+    calls["copy"] = lambda: copy_us(states, presents, sets)
     if triton_ssu is not None:
-        H, P, N = w.heads, w.head_dim, w.state_size
-        dt3 = c["dt"][:, :, None].expand(batch, H, P)  # mamba_ssm's tied-head-dim call (vLLM, transformers)
-        bias2 = c["dt_bias"][:, None].expand(H, P)
-        A3 = c["A"][:, None, None].expand(H, P, N)
-        D2 = c["D"][:, None].expand(H, P)
-        row["triton"] = graph_us(
+        calls["triton"] = lambda: graph_us(
             lambda i: triton_ssu(states[i], c["x"], dt3, A3, c["B"], c["C"], D=D2, dt_bias=bias2, dt_softplus=True),
             sets,
         )
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(call())
+    row = {name: statistics.median(values) for name, values in times.items()}
+    row.update(bytes=2 * state_bytes, sets=sets)
     return row
 
 
@@ -521,7 +539,7 @@ def environment(args) -> list[str]:
         lines.append(f"nvidia-smi (driver, SM clock, memory clock, max SM clock): {smi.stdout.strip()}")
     except (OSError, subprocess.SubprocessError):
         pass
-    lines.append(f"library: {args.build}")
+    lines.append(f"library: {args.build}" + (f"; baseline: {args.baseline_build}" if args.baseline_build else ""))
     return lines
 
 
@@ -538,6 +556,15 @@ def main() -> int:
     parser.add_argument("--models", default="nemotron-h-8b,bamba-9b,zamba2-2.7b", help=f"of {', '.join(MODELS)}")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--no-ort", action="store_true", help="skip the rows inside ONNX Runtime")
+    parser.add_argument(
+        "--baseline-build",
+        type=Path,
+        default=None,
+        help="a second build dir (e.g. the previous commit's): its state-update kernel measured beside ours",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="state-update kernel rounds, medians (default 1; 5 with a baseline)"
+    )
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -547,6 +574,10 @@ def main() -> int:
     models = [MODELS[m] for m in args.models.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     ours = Ours(args.build)
+    baseline = Ours(args.baseline_build) if args.baseline_build else None
+    rounds = args.rounds or (5 if baseline else 1)
+    if rounds < 1:
+        parser.error("--rounds must be at least 1")
     triton_ssu, triton_note = load_triton_ssu(args.mamba_ssm)
     gen = torch.Generator(device="cuda").manual_seed(0)
     t_start = time.time()
@@ -561,23 +592,27 @@ def main() -> int:
     # 1. SelectiveStateUpdate, kernel time.
     emit(
         [
-            "## SelectiveStateUpdate, kernel time (CUDA graph, L2-cold), T = fp16",
+            "## SelectiveStateUpdate, kernel time (CUDA graph, L2-cold), T = fp16"
+            + (f", medians of {rounds} rounds, every column measured in each" if rounds > 1 else ""),
             "",
             "| model | B | state | bytes (R+W) | ours us | ours GB/s | % of copy | copy us | Triton us | Triton/ours "
-            "| our launch |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            + ("| baseline us | baseline/ours " if baseline else "")
+            + "| our launch |",
+            "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if baseline else "") + "---|",
         ]
     )
     for w in models:
         for batch in batches:
             for s_dtype in (torch.float32, torch.float16):
-                r = bench_ssu_kernels(ours, triton_ssu, w, batch, torch.float16, s_dtype, gen)
+                r = bench_ssu_kernels(ours, triton_ssu, w, batch, torch.float16, s_dtype, gen, baseline, rounds)
                 tri = r.get("triton")
+                base = r.get("baseline")
                 emit(
                     [
                         f"| {w.name} | {batch} | {NAME_OF[s_dtype]} | {r['bytes'] / 1e6:.1f} MB | {r['ours']:.2f} | "
                         f"{r['bytes'] / r['ours'] / 1e3:.0f} | {100 * r['copy'] / r['ours']:.0f} % | {r['copy']:.2f} | "
                         + (f"{tri:.2f} | {tri / r['ours']:.2f}x" if tri else "- | -")
+                        + (f" | {base:.2f} | {base / r['ours']:.2f}x" if base else "")
                         + f" | {ours.describe(torch.float16, s_dtype, batch, w)} |"
                     ]
                 )
