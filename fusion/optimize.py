@@ -364,9 +364,11 @@ def optimize_model(
 
     Passes, in order: onnxscript's ORT fusions (``optimize_for_ort``'s, one at a time, each undone with its
     reason when it leaves a graph ONNX Runtime would refuse; skipped with ``ort_fusions=False``), mambafuse's
-    decode attention fusion (GroupQueryAttention, with the chains it refused and why), then every mambafuse
-    fusion (``rewrite_model``, with ``function`` and ``assume_equal_widths`` as there). A ModelProto is left untouched
-    (a new one is returned); an ``ir.Model`` is optimized in place and returned.
+    decode attention fusion (GroupQueryAttention, with the chains it refused and why), every mambafuse fusion
+    (``rewrite_model``, with ``function`` and ``assume_equal_widths`` as there), the float16 residual norms
+    (after the mambafuse fusions, whose nodes carry a symbolic batch to the residual Adds) and the unit-axis
+    Transposes. A ModelProto is left untouched (a new one is returned); an ``ir.Model`` is optimized in place and
+    returned.
     """
     if not isinstance(model, (onnx.ModelProto, ir.Model)):
         raise TypeError(f"optimize_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
@@ -387,13 +389,14 @@ def optimize_model(
         result = PassResult("onnxscript ORT fusions", nodes_before=count, nodes_after=count, skipped="--no-ort-fusions")
     report.passes.append(result)
     report.passes.append(_own_pass("mambafuse attention", model, _attention))
-    report.passes.append(_own_pass("mambafuse residual norms", model, _residual_norms))
     before = _node_count(model)
     model, report.rewrite = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
     fused = {"GatedGroupRMSNorm": report.rewrite.fused}
     fused.update({op_type: op["fused"] for op_type, op in report.rewrite.decode.items()})
     fused = {op_type: count for op_type, count in fused.items() if count}
     report.passes.append(PassResult("mambafuse", fused=fused, nodes_before=before, nodes_after=_node_count(model)))
+    # After the mambafuse fusions: their nodes prove the residual Adds' dims under a symbolic batch.
+    report.passes.append(_own_pass("mambafuse residual norms", model, _residual_norms))
     report.passes.append(_own_pass("mambafuse layout", model, _unit_transposes))
     return model, report
 

@@ -25,7 +25,7 @@ import pytest
 import contrib_ops
 from fusion import rewrite
 from fusion.optimize import optimize_model
-from models.fixtures import FIXTURE_DIR
+from models.fixtures import BATCH_FIXTURE_DIR, FIXTURE_DIR
 from models.runtime import feeds, greedy_decode, load_manifest, load_references
 
 MANIFEST = load_manifest()
@@ -188,7 +188,7 @@ def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     output = tmp_path / "model.optimized.onnx"
     assert data["output"] == str(output) and output.is_file()
-    ort_pass, attention_pass, norm_pass, mambafuse_pass, layout_pass = data["passes"]
+    ort_pass, attention_pass, mambafuse_pass, norm_pass, layout_pass = data["passes"]
     assert any(reason.startswith("skip_rms_normalization") for reason in ort_pass["undone"])
     assert attention_pass["name"] == "mambafuse attention" and attention_pass["fused"] == {"GroupQueryAttention": 1}
     assert norm_pass["name"] == "mambafuse residual norms" and sum(norm_pass["fused"].values()) == 5
@@ -249,3 +249,15 @@ def test_optimize_keeps_a_builders_contrib_op_functions(build: str, tmp_path: Pa
         assert count > 0 and sum(n.op_type == name for n in optimized.graph.node) == count
     assert report.rewrite.fused == rewritten.fused > 0
     assert len(optimized.graph.node) <= rewritten.nodes_after
+
+
+def test_symbolic_batch_export_folds_its_residual_adds() -> None:
+    """The residual-norm pass runs after the mambafuse fusions, whose nodes carry the symbolic batch past the
+    Reshapes of shape tensors the unfused mixer has: the batch export's norms fold as the single-batch export's
+    do, four with their residual Add and the first (after the embedding, no Add) alone. Numbers: the optimized
+    batch fixtures run against the original at batch 1, 2 and 3 in tests/test_attention_rule.py."""
+    model = onnx.load(BATCH_FIXTURE_DIR / "nemotron_h-dynamo-fp16-batch-decode.onnx")
+    _, report = optimize_model(model)
+    norms = next(p for p in report.passes if p.name == "mambafuse residual norms")
+    assert norms.fused == {"SkipSimplifiedLayerNormalization": 4, "SimplifiedLayerNormalization": 1}, norms
+    assert norms.refused == []

@@ -23,8 +23,9 @@ What is proven from the graph before fusing:
 * every weight value is a float16 value (``w32`` is a widened float16 weight: the fused node multiplies by the
   same numbers);
 * ``a`` and ``b`` are float16 with the same proven dims (the fused node does not broadcast as Add does), of
-  rank 2 or 3 (ONNX Runtime's kernel takes those). Where that is not proven (a symbolic batch that a Reshape's
-  shape tensor hides, say) the Add stays and only the Cast is folded: ``SimplifiedLayerNormalization(s, w16)``;
+  rank 2 or 3 (ONNX Runtime's kernel takes those). ``optimize`` runs this pass after the mambafuse fusions, whose
+  nodes carry a symbolic batch past the Reshapes of ``Shape``-built targets that the unfused mixer has. Where the
+  dims are still not proven the Add stays and only the Cast is folded: ``SimplifiedLayerNormalization(s, w16)``;
 * the Cast goes back to float16, and nothing else reads the norm's float32 output.
 
 Readers of ``s`` (the next layer's residual Add) read the fused node's sum output, which is the same float16
@@ -43,7 +44,7 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 
-from fusion.rules._decode import Refusal, dtype_name, take_over, type_untyped_values
+from fusion.rules._decode import DecodeShapes, Refusal, dtype_name, take_over, type_untyped_values
 from fusion.rules._graph import ForwardShapes, NameSource, dims_equal, format_dims, value_info_preserved
 
 CONTRIB_DOMAIN = "com.microsoft"
@@ -186,7 +187,9 @@ def fuse_residual_norms(model: ir.Model) -> tuple[dict[str, int], list[str]]:
 
 def _plans(graph: ir.Graph) -> tuple[list[_Plan], list[str]]:
     """The norms of ``graph`` to fuse, and where and why each one matched is refused."""
-    shapes = ForwardShapes(graph)
+    # DecodeShapes: after ``rewrite_model`` the mixer's chains are fused nodes whose output dims are their
+    # inputs', which carries a symbolic batch past the Reshapes of shape tensors the chains were built from.
+    shapes = DecodeShapes(graph)
     plans: list[_Plan] = []
     refused: list[str] = []
     for node in list(graph):
