@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,6 +21,20 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_cuda import DTYPES, EPS, FusedKernel, load_mamba_rmsnorm  # noqa: E402
+
+
+def profile(calls: dict[str, Callable[[], object]]) -> None:
+    """Each call twice as a warm-up (Triton compiles here) outside the profiled range, then once each inside one
+    NVTX range, synchronized after each: what ``ncu --nvtx --nvtx-include "profile/"`` profiles."""
+    for call in calls.values():
+        call()
+        call()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profile")
+    for call in calls.values():
+        call()
+        torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
 
 
 def main() -> int:
@@ -51,15 +66,7 @@ def main() -> int:
         calls["triton"] = lambda: rmsnorm_fn(y, w, None, z=z, eps=EPS, group_size=group_size, norm_before_gate=False)
     calls["copy"] = lambda: dst.copy_(src)
     calls["copy kernel"] = lambda: torch.mul(src, 1.0, out=dst)
-    for call in calls.values():  # warm-up (Triton compiles here), outside the profiled range
-        call()
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("profile")  # one range: ncu --nvtx-include "profile/"
-    for call in calls.values():
-        call()
-        torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    profile(calls)
     print(f"profiled {', '.join(calls)} at {args.rows} x {args.channels} {args.dtype}")
     return 0
 

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_cuda_decode_ops import MODELS, Ours, load_triton_ssu, ssu_buffers  # noqa: E402
+from benchmarks.ncu_cuda import profile  # noqa: E402
 
 STATES = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -65,15 +66,7 @@ def main() -> int:
         print(f"no Triton kernel: {note}")
     calls["copy"] = lambda: present.copy_(state)
     calls["copy kernel"] = lambda: torch.mul(state, 1, out=present)
-    for call in calls.values():  # warm-up (Triton compiles here), outside the profiled range
-        call()
-        call()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("profile")  # one range: ncu --nvtx-include "profile/"
-    for call in calls.values():
-        call()
-        torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    profile(calls)
     print(f"profiled {', '.join(calls)} at {w.name} B = {args.batch}, {args.state} state")
     return 0
 
