@@ -267,6 +267,23 @@ def ssu_buffers(w: Widths, batch: int, t_dtype, s_dtype, sets: int, gen: torch.G
     return common, states, presents
 
 
+def ours_ssu(lib: Ours, c: dict[str, torch.Tensor], out: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``lib``'s state update on ``ssu_buffers``' common inputs: call(state, present)."""
+    inputs = (c["x"], c["dt"], c["dt_bias"], c["A"], c["B"], c["C"], c["D"], out)
+    return lambda state, present: lib.ssu(state, *inputs, present)
+
+
+def triton_ssu_call(triton_ssu, w: Widths, batch: int, c: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], object]:
+    """mamba_ssm's Triton kernel on ``ssu_buffers``' common inputs, as vLLM and transformers call it (dt, dt_bias,
+    A and D expanded over the head dim, stride 0), updating ``state`` in place: call(state)."""
+    H, P, N = w.heads, w.head_dim, w.state_size
+    dt3 = c["dt"][:, :, None].expand(batch, H, P)
+    bias2 = c["dt_bias"][:, None].expand(H, P)
+    A3 = c["A"][:, None, None].expand(H, P, N)
+    D2 = c["D"][:, None].expand(H, P)
+    return lambda state: triton_ssu(state, c["x"], dt3, A3, c["B"], c["C"], D=D2, dt_bias=bias2, dt_softplus=True)
+
+
 def bench_ssu_kernels(
     ours: Ours, triton_ssu, w: Widths, batch: int, t_dtype, s_dtype, gen, baseline: Ours | None = None, rounds: int = 1
 ) -> dict:
@@ -278,25 +295,18 @@ def bench_ssu_kernels(
     common, states, presents = ssu_buffers(w, batch, t_dtype, s_dtype, sets, gen)
     out = torch.empty_like(common["x"])
     c = common
-    H, P, N = w.heads, w.head_dim, w.state_size
-    dt3 = c["dt"][:, :, None].expand(batch, H, P)  # mamba_ssm's tied-head-dim call (vLLM, transformers)
-    bias2 = c["dt_bias"][:, None].expand(H, P)
-    A3 = c["A"][:, None, None].expand(H, P, N)
-    D2 = c["D"][:, None].expand(H, P)
 
     def kernel(lib: Ours) -> Callable[[int], object]:
-        inputs = (c["x"], c["dt"], c["dt_bias"], c["A"], c["B"], c["C"], c["D"], out)
-        return lambda i: lib.ssu(states[i], *inputs, presents[i])
+        call = ours_ssu(lib, c, out)
+        return lambda i: call(states[i], presents[i])
 
     calls = {"ours": lambda: graph_us(kernel(ours), sets)}
     if baseline is not None:
         calls["baseline"] = lambda: graph_us(kernel(baseline), sets)
     calls["copy"] = lambda: copy_us(states, presents, sets)
     if triton_ssu is not None:
-        calls["triton"] = lambda: graph_us(
-            lambda i: triton_ssu(states[i], c["x"], dt3, A3, c["B"], c["C"], D=D2, dt_bias=bias2, dt_softplus=True),
-            sets,
-        )
+        triton = triton_ssu_call(triton_ssu, w, batch, c)
+        calls["triton"] = lambda: graph_us(lambda i: triton(states[i]), sets)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
@@ -311,17 +321,12 @@ def bench_ssu_rows(ours: Ours, w: Widths, batch: int, t_dtype, s_dtype, gen) -> 
     state_bytes = batch * w.heads * w.head_dim * w.state_size * torch.tensor([], dtype=s_dtype).element_size()
     sets = cold_sets(2 * state_bytes)
     c, states, presents = ssu_buffers(w, batch, t_dtype, s_dtype, sets, gen)
-    out = torch.empty_like(c["x"])
+    call = ours_ssu(ours, c, torch.empty_like(c["x"]))
     times = {}
     for rows in ("1", "2", "4"):
         os.environ["MAMBAFUSE_SSU_ROWS"] = rows
         try:
-            times[rows] = graph_us(
-                lambda i: ours.ssu(
-                    states[i], c["x"], c["dt"], c["dt_bias"], c["A"], c["B"], c["C"], c["D"], out, presents[i]
-                ),
-                sets,
-            )
+            times[rows] = graph_us(lambda i: call(states[i], presents[i]), sets)
         finally:
             del os.environ["MAMBAFUSE_SSU_ROWS"]
     return times

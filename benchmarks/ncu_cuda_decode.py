@@ -20,7 +20,14 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_cuda_decode_ops import MODELS, Ours, load_triton_ssu, ssu_buffers  # noqa: E402
+from benchmarks.bench_cuda_decode_ops import (  # noqa: E402
+    MODELS,
+    Ours,
+    load_triton_ssu,
+    ours_ssu,
+    ssu_buffers,
+    triton_ssu_call,
+)
 from benchmarks.ncu_cuda import profile  # noqa: E402
 
 STATES = {"fp32": torch.float32, "fp16": torch.float16}
@@ -47,21 +54,12 @@ def main() -> int:
     calls = {}
     for name, build in (("ours", args.build), ("previous", args.baseline_build)):
         if build is not None:
-            kernel = Ours(build)
-            calls[name] = lambda k=kernel: k.ssu(
-                state, c["x"], c["dt"], c["dt_bias"], c["A"], c["B"], c["C"], c["D"], out, present
-            )
+            call = ours_ssu(Ours(build), c, out)
+            calls[name] = lambda call=call: call(state, present)
     triton_ssu, note = load_triton_ssu(args.mamba_ssm)
     if triton_ssu is not None:
-        H, P, N, B = w.heads, w.head_dim, w.state_size, args.batch
-        dt3 = c["dt"][:, :, None].expand(B, H, P)
-        bias2 = c["dt_bias"][:, None].expand(H, P)
-        A3 = c["A"][:, None, None].expand(H, P, N)
-        D2 = c["D"][:, None].expand(H, P)
-        triton_state = state.clone()
-        calls["triton"] = lambda: triton_ssu(
-            triton_state, c["x"], dt3, A3, c["B"], c["C"], D=D2, dt_bias=bias2, dt_softplus=True
-        )
+        triton, triton_state = triton_ssu_call(triton_ssu, w, args.batch, c), state.clone()
+        calls["triton"] = lambda: triton(triton_state)
     else:
         print(f"no Triton kernel: {note}")
     calls["copy"] = lambda: present.copy_(state)
