@@ -95,7 +95,7 @@ SelectiveStateUpdateLaunch ChooseSelectiveStateUpdateLaunch(const SelectiveState
   }
   launch.rows_per_lane = rows;
   launch.rows_per_block = teams * rows;
-  launch.blocks = heads_total * ((a.head_dim + launch.rows_per_block - 1) / launch.rows_per_block);
+  launch.blocks = blocks_at(rows);
   return launch;
 }
 

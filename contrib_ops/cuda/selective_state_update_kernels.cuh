@@ -257,6 +257,8 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   const int lane_first = team * kRows * n_size + lane * kVec;
   const S* state = static_cast<const S*>(p.state) + block_first + lane_first;
   S* present = static_cast<S*>(p.present) + block_first + lane_first;
+  // Whether chunk k of this lane is inside the row (lanes are a power of two, chunks of a row may be fewer).
+  const auto in_row = [&](int k) { return (k * lanes + lane) * kVec < n_size; };
 
   // Every load first, the state's (from DRAM, the long ones) ahead of the rest; nothing waits on another load.
   Pack<S, kVec> st[kChunks][kRows];
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   for (int k = 0; k < kChunks; ++k) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if ((k * lanes + lane) * kVec < n_size && row0 + r < rows) {
+      if (in_row(k) && row0 + r < rows) {
         st[k][r] = *reinterpret_cast<const Pack<S, kVec>*>(state + r * n_size + k * lanes * kVec);
       }
     }
@@ -280,7 +282,7 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   Pack<T, kVec> bk[kChunks], ck[kChunks];
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    if ((k * lanes + lane) * kVec < n_size) {
+    if (in_row(k)) {
       bk[k] = *reinterpret_cast<const Pack<T, kVec>*>(bv + k * lanes * kVec);
       ck[k] = *reinterpret_cast<const Pack<T, kVec>*>(cv + k * lanes * kVec);
     }
@@ -293,7 +295,7 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   for (int r = 0; r < kRows; ++r) acc[r] = 0.f;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    if ((k * lanes + lane) * kVec >= n_size) continue;
+    if (!in_row(k)) continue;
     float db[kVec], cf[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
