@@ -284,10 +284,31 @@ def triton_ssu_call(triton_ssu, w: Widths, batch: int, c: dict[str, torch.Tensor
     return lambda state: triton_ssu(state, c["x"], dt3, A3, c["B"], c["C"], D=D2, dt_bias=bias2, dt_softplus=True)
 
 
+def baseline_names(folders: list[Path]) -> dict[str, Path]:
+    """A column name for each baseline build: "baseline" for one, else each folder's name (made unique)."""
+    if len(folders) == 1:
+        return {"baseline": folders[0]}
+    names: dict[str, Path] = {}
+    for folder in folders:
+        name = folder.name or str(folder)
+        while name in names or name in ("ours", "copy", "triton"):
+            name += "'"
+        names[name] = folder
+    return names
+
+
 def bench_ssu_kernels(
-    ours: Ours, triton_ssu, w: Widths, batch: int, t_dtype, s_dtype, gen, baseline: Ours | None = None, rounds: int = 1
+    ours: Ours,
+    triton_ssu,
+    w: Widths,
+    batch: int,
+    t_dtype,
+    s_dtype,
+    gen,
+    baselines: dict[str, Ours] | None = None,
+    rounds: int = 1,
 ) -> dict:
-    """Ours, the baseline build's kernel (if any), the copy and Triton on the same buffers; with rounds > 1 they
+    """Ours, the baseline builds' kernels (by name), the copy and Triton on the same buffers; with rounds > 1 they
     are measured in turn, round after round, and each reports its median (a GPU's speed drifts by a few % from
     one measurement to the next, more than two versions of a kernel may differ)."""
     state_bytes = batch * w.heads * w.head_dim * w.state_size * torch.tensor([], dtype=s_dtype).element_size()
@@ -301,8 +322,8 @@ def bench_ssu_kernels(
         return lambda i: call(states[i], presents[i])
 
     calls = {"ours": lambda: graph_us(kernel(ours), sets)}
-    if baseline is not None:
-        calls["baseline"] = lambda: graph_us(kernel(baseline), sets)
+    for name, lib in (baselines or {}).items():
+        calls[name] = lambda lib=lib: graph_us(kernel(lib), sets)
     calls["copy"] = lambda: copy_us(states, presents, sets)
     if triton_ssu is not None:
         triton = triton_ssu_call(triton_ssu, w, batch, c)
@@ -316,19 +337,36 @@ def bench_ssu_kernels(
     return row
 
 
+def lane_settings(w: Widths, s_dtype) -> list[int | None]:
+    """The vector path's lanes a row to sweep: the launcher's own (None) and half of it where a lane then takes
+    two 16-byte chunks (MAMBAFUSE_SSU_LANES)."""
+    chunks = w.state_size * torch.tensor([], dtype=s_dtype).element_size() // 16
+    own = min(32, 1 << max(0, (chunks - 1).bit_length()))
+    return [None] + ([own // 2] if own > 1 and own // 2 * 2 >= chunks else [])
+
+
 def bench_ssu_rows(ours: Ours, w: Widths, batch: int, t_dtype, s_dtype, gen) -> dict[str, float]:
-    """Our kernel at each rows-per-lane setting (the launcher's MAMBAFUSE_SSU_ROWS override, fixed at capture)."""
+    """Our kernel at each rows-per-lane setting (MAMBAFUSE_SSU_ROWS), with the per-head chain in every thread or
+    shared by the block (MAMBAFUSE_SSU_SHARED_HEAD), and at each lanes-a-row setting of ``lane_settings``
+    (MAMBAFUSE_SSU_LANES, the chain as the launcher chooses): the launcher's overrides, fixed at capture."""
     state_bytes = batch * w.heads * w.head_dim * w.state_size * torch.tensor([], dtype=s_dtype).element_size()
     sets = cold_sets(2 * state_bytes)
     c, states, presents = ssu_buffers(w, batch, t_dtype, s_dtype, sets, gen)
     call = ours_ssu(ours, c, torch.empty_like(c["x"]))
     times = {}
-    for rows in ("1", "2", "4"):
-        os.environ["MAMBAFUSE_SSU_ROWS"] = rows
-        try:
-            times[rows] = graph_us(lambda i: call(states[i], presents[i]), sets)
-        finally:
-            del os.environ["MAMBAFUSE_SSU_ROWS"]
+    for lanes in lane_settings(w, s_dtype):
+        for rows in ("1", "2", "4"):
+            for shared in ("0", "1") if lanes is None else (None,):
+                settings = {"MAMBAFUSE_SSU_ROWS": rows}
+                settings |= {"MAMBAFUSE_SSU_LANES": str(lanes)} if lanes else {}
+                settings |= {"MAMBAFUSE_SSU_SHARED_HEAD": shared} if shared else {}
+                os.environ.update(settings)
+                try:
+                    key = f"rows {rows}" + (f", {lanes} lanes" if lanes else "") + (", shared" if shared == "1" else "")
+                    times[key] = graph_us(lambda i: call(states[i], presents[i]), sets)
+                finally:
+                    for name in settings:
+                        del os.environ[name]
     return times
 
 
@@ -544,7 +582,7 @@ def environment(args) -> list[str]:
         lines.append(f"nvidia-smi (driver, SM clock, memory clock, max SM clock): {smi.stdout.strip()}")
     except (OSError, subprocess.SubprocessError):
         pass
-    lines.append(f"library: {args.build}" + (f"; baseline: {args.baseline_build}" if args.baseline_build else ""))
+    lines.append(f"library: {args.build}" + "".join(f"; baseline: {b}" for b in args.baseline_build or []))
     return lines
 
 
@@ -564,8 +602,10 @@ def main() -> int:
     parser.add_argument(
         "--baseline-build",
         type=Path,
+        action="append",
         default=None,
-        help="a second build dir (e.g. the previous commit's): its state-update kernel measured beside ours",
+        help="another build dir (e.g. the previous commit's): its state-update kernel measured beside ours; "
+        "repeat it for several (each a column, named by its folder)",
     )
     parser.add_argument(
         "--rounds", type=int, default=None, help="state-update kernel rounds, medians (default 1; 5 with a baseline)"
@@ -579,8 +619,9 @@ def main() -> int:
     models = [MODELS[m] for m in args.models.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     ours = Ours(args.build)
-    baseline = Ours(args.baseline_build) if args.baseline_build else None
-    rounds = args.rounds or (5 if baseline else 1)
+    baselines = baseline_names(args.baseline_build or [])
+    baselines = {name: Ours(folder) for name, folder in baselines.items()}
+    rounds = args.rounds or (5 if baselines else 1)
     if rounds < 1:
         parser.error("--rounds must be at least 1")
     triton_ssu, triton_note = load_triton_ssu(args.mamba_ssm)
@@ -601,30 +642,31 @@ def main() -> int:
             + (f", medians of {rounds} rounds, every column measured in each" if rounds > 1 else ""),
             "",
             "| model | B | state | bytes (R+W) | ours us | ours GB/s | % of copy | copy us | Triton us | Triton/ours "
-            + ("| baseline us | baseline/ours " if baseline else "")
+            + "".join(f"| {name} us | {name}/ours " for name in baselines)
             + "| our launch |",
-            "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if baseline else "") + "---|",
+            "|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(baselines) + "---|",
         ]
     )
     for w in models:
         for batch in batches:
             for s_dtype in (torch.float32, torch.float16):
-                r = bench_ssu_kernels(ours, triton_ssu, w, batch, torch.float16, s_dtype, gen, baseline, rounds)
+                r = bench_ssu_kernels(ours, triton_ssu, w, batch, torch.float16, s_dtype, gen, baselines, rounds)
                 tri = r.get("triton")
-                base = r.get("baseline")
                 emit(
                     [
                         f"| {w.name} | {batch} | {NAME_OF[s_dtype]} | {r['bytes'] / 1e6:.1f} MB | {r['ours']:.2f} | "
                         f"{r['bytes'] / r['ours'] / 1e3:.0f} | {100 * r['copy'] / r['ours']:.0f} % | {r['copy']:.2f} | "
                         + (f"{tri:.2f} | {tri / r['ours']:.2f}x" if tri else "- | -")
-                        + (f" | {base:.2f} | {base / r['ours']:.2f}x" if base else "")
+                        + "".join(f" | {r[name]:.2f} | {r[name] / r['ours']:.2f}x" for name in baselines)
                         + f" | {ours.describe(torch.float16, s_dtype, batch, w)} |"
                     ]
                 )
     emit(
         [
             "",
-            "Rows per lane (MAMBAFUSE_SSU_ROWS), fp16 x, us per call (the launcher's own choice in the table above):",
+            "Rows per lane (MAMBAFUSE_SSU_ROWS), the per-head chain per thread or shared (MAMBAFUSE_SSU_SHARED_HEAD)"
+            " and, where a lane can take two chunks, half the lanes a row (MAMBAFUSE_SSU_LANES), fp16 x, us per"
+            " call, one measurement each (the launcher's own choice in the table above):",
             "",
         ]
     )
@@ -635,7 +677,7 @@ def main() -> int:
                 emit(
                     [
                         f"- {w.name}, {NAME_OF[s_dtype]} state, B = {batch}: "
-                        + ", ".join(f"rows {k}: {v:.2f}" for k, v in times.items())
+                        + ", ".join(f"{k}: {v:.2f}" for k, v in times.items())
                     ]
                 )
 

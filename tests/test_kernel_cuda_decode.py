@@ -451,26 +451,45 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
 
 
 @pytest.mark.parametrize(
-    ("heads", "head_dim", "state_size", "s", "batch", "rows", "blocks"),
+    ("heads", "head_dim", "state_size", "s", "batch", "rows", "blocks", "shared"),
     [
-        # Nemotron-H-8B (N = 128, G = 8): one wave at batch 1 (2 rows a lane), waves at batch 8 (4 rows a lane).
-        (128, 64, 128, FLOAT, 1, 2, 1024),
-        (128, 64, 128, FLOAT, 8, 4, 4096),
-        (128, 64, 128, FLOAT16, 1, 2, 512),
-        (128, 64, 128, FLOAT16, 8, 4, 2048),
+        # Nemotron-H-8B (N = 128, G = 8): one wave at batch 1 (2 rows a lane), waves at batch 8 (4 rows a lane);
+        # the half state in waves takes the per-head chain from one warp.
+        (128, 64, 128, FLOAT, 1, 2, 1024, False),
+        (128, 64, 128, FLOAT, 8, 4, 4096, False),
+        (128, 64, 128, FLOAT16, 1, 2, 512, False),
+        (128, 64, 128, FLOAT16, 8, 4, 2048, True),
         # Zamba2-2.7B (N = 64, G = 1): 640 blocks at 4 rows, fewer than 8 a SM, so 2 rows.
-        (80, 64, 64, FLOAT, 8, 4, 1280),
-        (80, 64, 64, FLOAT16, 8, 2, 1280),
-        (80, 64, 64, FLOAT16, 1, 2, 160),
+        (80, 64, 64, FLOAT, 8, 4, 1280, False),
+        (80, 64, 64, FLOAT16, 8, 2, 1280, False),
+        (80, 64, 64, FLOAT16, 1, 2, 160, False),
         # A small model: 2 rows would leave SMs idle.
-        (8, 64, 128, FLOAT, 1, 1, 128),
+        (8, 64, 128, FLOAT, 1, 1, 128, False),
     ],
 )
 def test_emulated_launch_choice(
-    emulated: ctypes.CDLL, heads: int, head_dim: int, state_size: int, s: np.dtype, batch: int, rows: int, blocks: int
+    emulated: ctypes.CDLL,
+    heads: int,
+    head_dim: int,
+    state_size: int,
+    s: np.dtype,
+    batch: int,
+    rows: int,
+    blocks: int,
+    shared: bool,
 ) -> None:
     """Rows per lane as the H200 sweep chose them (benchmarks/RESULTS.md): 4 where that still gives every SM 8
-    blocks, else 2, and 1 only where 2 would leave an SM without a block (the emulation reports 132 SMs)."""
+    blocks, else 2, and 1 only where 2 would leave an SM without a block (the emulation reports 132 SMs); the
+    per-head chain shared by the block for a half state at 4 rows a lane."""
+    described = emulated_describe(emulated, heads, head_dim, state_size, s, batch)
+    assert f"{rows} rows a lane" in described and f"{blocks} blocks of 128" in described, described
+    assert ("per-head chain shared" in described) == shared, described
+
+
+def emulated_describe(
+    emulated: ctypes.CDLL, heads: int, head_dim: int, state_size: int, s: np.dtype, batch: int
+) -> str:
+    """The emulated launcher's choice for fp16 x at these widths, as the benchmark prints it."""
     emulated.mambafuse_ssu_describe.argtypes = (
         [ctypes.c_int, ctypes.c_int]
         + [ctypes.c_int64] * 5
@@ -485,5 +504,23 @@ def test_emulated_launch_choice(
         ONNX_TYPE[FLOAT16], ONNX_TYPE[s], batch, heads, head_dim, state_size, groups, text, 256
     )
     assert rc == 0
-    described = text.value.decode()
-    assert f"{rows} rows a lane" in described and f"{blocks} blocks of 128" in described, described
+    return text.value.decode()
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({"MAMBAFUSE_SSU_LANES": "16"}, "16 lanes a row x 2 chunk(s) of 4"),
+        ({"MAMBAFUSE_SSU_LANES": "8"}, "32 lanes a row x 1 chunk(s) of 4"),  # 4 chunks a lane: not taken
+        ({"MAMBAFUSE_SSU_LANES": "12"}, "32 lanes a row x 1 chunk(s) of 4"),  # not a power of two
+        ({"MAMBAFUSE_SSU_SHARED_HEAD": "1"}, "per-head chain shared"),
+    ],
+)
+def test_emulated_launch_overrides(
+    emulated: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, settings: dict[str, str], expected: str
+) -> None:
+    """The benchmark's tuning overrides (Nemotron-H-8B, f32 state, batch 1): taken where the kernel has the
+    shape, ignored otherwise."""
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+    assert expected in emulated_describe(emulated, 128, 64, 128, FLOAT, 1)

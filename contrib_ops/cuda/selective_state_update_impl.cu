@@ -71,6 +71,13 @@ SelectiveStateUpdateLaunch ChooseSelectiveStateUpdateLaunch(const SelectiveState
   if (launch.vector) {
     launch.vec = vec;
     launch.lanes_per_row = Pow2Ceil(chunks_total);
+    // MAMBAFUSE_SSU_LANES: fewer lanes a row (a power of two), each lane taking two chunks; the benchmark sweeps it.
+    if (const char* forced = std::getenv("MAMBAFUSE_SSU_LANES")) {
+      const int value = std::atoi(forced);
+      if (value > 0 && (value & (value - 1)) == 0 && value < launch.lanes_per_row && 2 * value >= chunks_total) {
+        launch.lanes_per_row = value;
+      }
+    }
     launch.chunks = static_cast<int>((chunks_total + launch.lanes_per_row - 1) / launch.lanes_per_row);
   } else {
     launch.vec = 1;
@@ -96,6 +103,16 @@ SelectiveStateUpdateLaunch ChooseSelectiveStateUpdateLaunch(const SelectiveState
   launch.rows_per_lane = rows;
   launch.rows_per_block = teams * rows;
   launch.blocks = blocks_at(rows);
+  // The per-head chain (softplus, exp) once a block instead of once a thread, where the kernel runs in waves
+  // (4 rows a lane) with a half state: that kernel is bound by the instructions each thread issues (a float32
+  // state's is bound by bytes), and one barrier a block costs less than the chain. H200, Nemotron-H-8B batch 8,
+  // fp16 state: 0.94x the time; at batch 1 (one wave) the barrier sits on the critical path and costs 0-3 %.
+  launch.shared_head = launch.vector && Bytes(a.s_type) == 2 && rows == 4;
+  if (const char* forced = std::getenv("MAMBAFUSE_SSU_SHARED_HEAD")) {
+    if (launch.vector && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0') {
+      launch.shared_head = forced[0] == '1';
+    }
+  }
   return launch;
 }
 

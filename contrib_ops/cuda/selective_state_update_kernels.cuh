@@ -6,7 +6,8 @@
 // split its N state columns into chunks of `vec` elements, 16 bytes of state each (4 float or 8 half values).
 // Each lane updates `kRows` rows. B and C chunks are loaded once per lane and reused for its rows; the
 // per-head scalars (dt, dt_bias, softplus, dA = exp(d * A), D) are recomputed by every thread, which costs a
-// few instructions and no barrier. The readout sum over N is a butterfly of shuffles among the row's lanes,
+// few dozen instructions and no barrier, or (`shared_head`: a half state in waves, where each thread's
+// instruction count is what sets the time) computed by warp 0 and handed to the block through shared memory. The readout sum over N is a butterfly of shuffles among the row's lanes,
 // after which lane r of the row's lanes writes out[b, h, row r].
 //
 // What sets the time (H200, Nsight Compute): at batch 1 the kernel is one wave, and its time is one round of
@@ -240,7 +241,7 @@ __device__ __forceinline__ void NarrowAll(float (&v)[kN], Pack<S, kN>& stored) {
 }
 
 // Vector path: kChunks 16-byte chunks of state per lane and row, kRows rows per lane.
-template <typename T, typename S, int kChunks, int kRows>
+template <typename T, typename S, int kChunks, int kRows, bool kSharedHead>
 __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   constexpr int kVec = 16 / static_cast<int>(sizeof(S));
   const int lanes = 1 << p.lane_shift;
@@ -288,7 +289,22 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
     }
   }
   float d, da;
-  HeadScalars<T>(p, head, d, da);
+  if constexpr (kSharedHead) {
+    // Warp 0 runs the chain while every warp's loads are in flight; the block waits for it once.
+    __shared__ float head_scalars[2];
+    if (threadIdx.x < 32) {
+      HeadScalars<T>(p, head, d, da);
+      if (threadIdx.x == 0) {
+        head_scalars[0] = d;
+        head_scalars[1] = da;
+      }
+    }
+    __syncthreads();
+    d = head_scalars[0];
+    da = head_scalars[1];
+  } else {
+    HeadScalars<T>(p, head, d, da);
+  }
 
   float acc[kRows];
 #pragma unroll
@@ -397,14 +413,23 @@ __global__ void __launch_bounds__(kBlock) ScalarKernel(const Params p) {
   }
 }
 
+template <typename T, typename S, int kChunks, int kRows>
+void LaunchVector(const Params& params, const SelectiveStateUpdateLaunch& launch, dim3 grid, cudaStream_t stream) {
+  if (launch.shared_head) {
+    VectorKernel<T, S, kChunks, kRows, true><<<grid, kBlock, 0, stream>>>(params);
+  } else {
+    VectorKernel<T, S, kChunks, kRows, false><<<grid, kBlock, 0, stream>>>(params);
+  }
+}
+
 template <typename T, typename S, int kRows>
 void LaunchRows(const Params& params, const SelectiveStateUpdateLaunch& launch, dim3 grid, cudaStream_t stream) {
   if (!launch.vector) {
     ScalarKernel<T, S, kRows><<<grid, kBlock, 0, stream>>>(params);
   } else if (launch.chunks == 1) {
-    VectorKernel<T, S, 1, kRows><<<grid, kBlock, 0, stream>>>(params);
+    LaunchVector<T, S, 1, kRows>(params, launch, grid, stream);
   } else {
-    VectorKernel<T, S, 2, kRows><<<grid, kBlock, 0, stream>>>(params);
+    LaunchVector<T, S, 2, kRows>(params, launch, grid, stream);
   }
 }
 

@@ -50,17 +50,20 @@ struct SelectiveStateUpdateLaunch {
   bool vector = false;     // 16-byte state loads (else one element per lane, any N and alignment)
   int vec = 1;             // state elements per lane and load: 16 / sizeof(S) on the vector path
   int lanes_per_row = 32;  // lanes that share one (b, h, p) row, a power of two <= 32
-  int chunks = 1;          // vec-element chunks per lane and row: 1, 2 or 4 on the vector path
+  int chunks = 1;          // vec-element chunks per lane and row: 1 or 2 on the vector path
   int rows_per_lane = 4;   // rows each lane updates with all their loads in flight: 1, 2 or 4
   int rows_per_block = 0;  // (block threads / lanes_per_row) * rows_per_lane
   int64_t blocks = 0;      // grid size
+  bool shared_head = false;  // vector path: one warp runs the per-head softplus/exp chain, the block shares it
 };
 
 // Null when the arguments can be launched, else what is wrong (shape limits of the grid, types).
 const char* CheckSelectiveStateUpdateArgs(const SelectiveStateUpdateArgs& args);
 
 // Path and block shape for `args` on a device of `multiprocessors` SMs. Environment overrides for tuning and
-// tests: MAMBAFUSE_SSU_PATH=scalar (the one-element path), MAMBAFUSE_SSU_ROWS=1|2|4 (rows per lane).
+// tests: MAMBAFUSE_SSU_PATH=scalar (the one-element path), MAMBAFUSE_SSU_ROWS=1|2|4 (rows per lane),
+// MAMBAFUSE_SSU_LANES=2^k (fewer lanes a row on the vector path, as long as a lane has at most 2 chunks),
+// MAMBAFUSE_SSU_SHARED_HEAD=0|1 (the vector path's per-head chain in every thread, or in one warp a block).
 SelectiveStateUpdateLaunch ChooseSelectiveStateUpdateLaunch(const SelectiveStateUpdateArgs& args, int multiprocessors);
 
 // Enqueues the op on `stream`: no host synchronization, no allocation, safe under CUDA-graph capture.

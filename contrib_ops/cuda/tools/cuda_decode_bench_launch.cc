@@ -71,9 +71,10 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_ssu_describe(int t_type, int s_type, int64_
   }
   const auto launch = mambafuse::ChooseSelectiveStateUpdateLaunch(args, multiprocessors);
   std::snprintf(text, static_cast<size_t>(capacity),
-                "%s path, %d lanes a row x %d chunk(s) of %d, %d rows a lane, %d rows a block, %lld blocks of 128",
+                "%s path, %d lanes a row x %d chunk(s) of %d, %d rows a lane, %d rows a block, %lld blocks of 128%s",
                 launch.vector ? "vector" : "scalar", launch.lanes_per_row, launch.chunks, launch.vec,
-                launch.rows_per_lane, launch.rows_per_block, static_cast<long long>(launch.blocks));
+                launch.rows_per_lane, launch.rows_per_block, static_cast<long long>(launch.blocks),
+                launch.shared_head ? ", per-head chain shared" : "");
   return 0;
 }
 

@@ -135,17 +135,19 @@ struct SsuCase {
   bool misalign;
   const char* rows_env;  // MAMBAFUSE_SSU_ROWS, or null
   bool scalar;           // MAMBAFUSE_SSU_PATH=scalar
+  int lanes = 0;         // MAMBAFUSE_SSU_LANES, or 0
+  int shared_head = -1;  // MAMBAFUSE_SSU_SHARED_HEAD, or -1
 };
 
 std::string Describe(const SsuCase& c) {
   char text[256];
   std::snprintf(text, sizeof text,
                 "SSU B=%lld H=%lld P=%lld N=%lld G=%lld T=%s S=%s D=%s dt_bias=%d D=%d softplus=%d misalign=%d "
-                "rows=%s path=%s",
+                "rows=%s path=%s lanes=%d shared_head=%d",
                 static_cast<long long>(c.batch), static_cast<long long>(c.heads), static_cast<long long>(c.head_dim),
                 static_cast<long long>(c.state_size), static_cast<long long>(c.groups), TypeName(c.t), TypeName(c.s),
                 TypeName(c.d), c.dt_bias, c.d_skip, c.softplus, c.misalign, c.rows_env ? c.rows_env : "auto",
-                c.scalar ? "scalar" : "auto");
+                c.scalar ? "scalar" : "auto", c.lanes, c.shared_head);
   return text;
 }
 
@@ -210,9 +212,13 @@ bool RunSsu(const SsuCase& c, std::mt19937& rng, cudaStream_t stream) {
   args.dt_softplus = c.softplus;
   if (c.rows_env) setenv("MAMBAFUSE_SSU_ROWS", c.rows_env, 1);
   if (c.scalar) setenv("MAMBAFUSE_SSU_PATH", "scalar", 1);
+  if (c.lanes) setenv("MAMBAFUSE_SSU_LANES", std::to_string(c.lanes).c_str(), 1);
+  if (c.shared_head >= 0) setenv("MAMBAFUSE_SSU_SHARED_HEAD", c.shared_head ? "1" : "0", 1);
   const cudaError_t launched = mambafuse::LaunchSelectiveStateUpdate(args, stream);
   unsetenv("MAMBAFUSE_SSU_ROWS");
   unsetenv("MAMBAFUSE_SSU_PATH");
+  unsetenv("MAMBAFUSE_SSU_LANES");
+  unsetenv("MAMBAFUSE_SSU_SHARED_HEAD");
   CHECK_CUDA(launched);
   HostTensor out(c.t, x.values.size()), present(c.s, n_state);
   Download(out, d_out, stream);
@@ -427,6 +433,30 @@ int main(int argc, char** argv) {
         }
         ssu.push_back({sh.batch, sh.heads, sh.head_dim, sh.state_size, sh.groups, t, s, t, true, true, true, true,
                        nullptr, false});
+      }
+      // Half the vector path's lanes a row, two chunks a lane (N = 64 and 128; N = 256 with a half state).
+      for (const Shape& sh : {shapes[2], shapes[3], shapes[4]}) {
+        const int64_t chunks = sh.state_size * static_cast<int64_t>(Bytes(s)) / 16;
+        int own = 1;
+        while (own < chunks && own < 32) own *= 2;
+        if (own < 2 || own / 2 * 2 < chunks) continue;
+        for (const char* rows : {"1", "2", "4"}) {
+          if (quick && rows[0] != '2') continue;
+          ssu.push_back({sh.batch, sh.heads, sh.head_dim, sh.state_size, sh.groups, t, s, t, true, true, true, false,
+                         rows, false, own / 2});
+        }
+      }
+      // The per-head chain shared through shared memory, and not shared where the launcher would share it.
+      for (const Shape& sh : {shapes[0], shapes[1], shapes[3], shapes[4], shapes[7]}) {
+        for (const char* rows : {"1", "2", "4"}) {
+          if (quick && rows[0] == '1') continue;
+          ssu.push_back({sh.batch, sh.heads, sh.head_dim, sh.state_size, sh.groups, t, s, t, rows[0] != '2', true,
+                         rows[0] != '1', false, rows, false, 0, 1});
+        }
+        if (s == t) {
+          ssu.push_back({sh.batch, sh.heads, sh.head_dim, sh.state_size, sh.groups, t, s, t, true, true, true, false,
+                         "4", false, 0, 0});
+        }
       }
       if (s == t) break;
     }

@@ -2,7 +2,8 @@
 // shuffles and launch logic can be checked on a machine without a GPU (tools/emulate_decode.sh). Included before
 // a copy of the kernel sources whose launches `K<<<grid, kBlock, 0, stream>>>(params)` were rewritten to
 // `EmuLaunch(K, grid, params)`: 128 std::threads run every block of a launch in turn (thread t is threadIdx.x
-// = t in each), and __shfl_xor_sync meets its warp's 32 threads at a barrier. The CUDA runtime calls of the
+// = t in each), __shfl_xor_sync meets its warp's 32 threads at a barrier, __syncthreads all 128, and a
+// __shared__ variable is a static one (one block runs at a time: the threads meet after each block). The CUDA runtime calls of the
 // launchers and the self-check are redirected to host memory. Arithmetic is the host's (no FMA contraction:
 // build with -ffp-contract=off); expf/log1pf are glibc's, not CUDA's. Not a substitute for running on a GPU:
 // it checks logic, not timing, memory model or CUDA's math library.
@@ -21,6 +22,8 @@
 #undef __device__
 #undef __forceinline__
 #undef __launch_bounds__
+#undef __shared__
+#define __shared__ static
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -32,6 +35,7 @@ struct EmuWarp {
 };
 struct EmuBlock {
   EmuWarp warps[32];
+  std::barrier<> bar{128};  // the kernels' block size
 };
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;
@@ -40,6 +44,7 @@ inline thread_local EmuBlock* emu_block = nullptr;
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __uint_as_float(unsigned int bits) { float f; std::memcpy(&f, &bits, sizeof f); return f; }
+inline void __syncthreads() { emu_block->bar.arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
   EmuWarp& w = emu_block->warps[threadIdx.x / 32];
   const unsigned lane = threadIdx.x % 32;
@@ -65,6 +70,7 @@ void EmuLaunch(void (*kernel)(P), dim3 grid, const P& params) {
           for (unsigned x = 0; x < grid.x; ++x) {
             blockIdx = {x, y, z};
             kernel(params);
+            block.bar.arrive_and_wait();  // the next block's __shared__ writes wait for this block's reads
           }
     });
   }
