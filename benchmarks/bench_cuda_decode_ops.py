@@ -125,13 +125,20 @@ def graph_us(fn: Callable[[int], object], sets: int, min_calls: int = 32, repeat
     return statistics.median(times)
 
 
+def engine_copy_us(src: list[torch.Tensor], dst: list[torch.Tensor], sets: int) -> float:
+    """``copy_``: in a graph a memcpy node, run by the copy engines (~2.7 TB/s at some sizes, and no kernel
+    launch: at a few MB the fastest copy there is)."""
+    return graph_us(lambda i: dst[i].copy_(src[i]), sets)
+
+
+def kernel_copy_us(src: list[torch.Tensor], dst: list[torch.Tensor], sets: int) -> float:
+    """An elementwise copy kernel (``torch.mul(src, 1, out=dst)``, 16-byte vectorized)."""
+    return graph_us(lambda i: torch.mul(src[i], 1, out=dst[i]), sets)
+
+
 def copy_us(src: list[torch.Tensor], dst: list[torch.Tensor], sets: int) -> float:
-    """The copy ceiling: the faster of ``copy_`` (in a graph a memcpy node, run by the copy engines, which
-    reach only ~2.7 TB/s at some sizes) and an elementwise copy kernel (``torch.mul(src, 1, out=dst)``, 16-byte
-    vectorized), each measured like the kernels."""
-    engines = graph_us(lambda i: dst[i].copy_(src[i]), sets)
-    kernel = graph_us(lambda i: torch.mul(src[i], 1, out=dst[i]), sets)
-    return min(engines, kernel)
+    """The copy ceiling: the faster of the copy engines and a copy kernel, each measured like the kernels."""
+    return min(engine_copy_us(src, dst, sets), kernel_copy_us(src, dst, sets))
 
 
 def cold_sets(set_bytes: int, cap: int = 4096) -> int:
@@ -291,7 +298,7 @@ def baseline_names(folders: list[Path]) -> dict[str, Path]:
     names: dict[str, Path] = {}
     for folder in folders:
         name = folder.name or str(folder)
-        while name in names or name in ("ours", "copy", "triton"):
+        while name in names or name in ("ours", "copy", "copy engines", "copy kernel", "triton"):
             name += "'"
         names[name] = folder
     return names
@@ -324,7 +331,8 @@ def bench_ssu_kernels(
     calls = {"ours": lambda: graph_us(kernel(ours), sets)}
     for name, lib in (baselines or {}).items():
         calls[name] = lambda lib=lib: graph_us(kernel(lib), sets)
-    calls["copy"] = lambda: copy_us(states, presents, sets)
+    calls["copy engines"] = lambda: engine_copy_us(states, presents, sets)
+    calls["copy kernel"] = lambda: kernel_copy_us(states, presents, sets)
     if triton_ssu is not None:
         triton = triton_ssu_call(triton_ssu, w, batch, c)
         calls["triton"] = lambda: graph_us(lambda i: triton(states[i]), sets)
@@ -333,7 +341,7 @@ def bench_ssu_kernels(
         for name, call in calls.items():
             times[name].append(call())
     row = {name: statistics.median(values) for name, values in times.items()}
-    row.update(bytes=2 * state_bytes, sets=sets)
+    row.update(copy=min(row["copy engines"], row["copy kernel"]), bytes=2 * state_bytes, sets=sets)
     return row
 
 
@@ -641,10 +649,11 @@ def main() -> int:
             "## SelectiveStateUpdate, kernel time (CUDA graph, L2-cold), T = fp16"
             + (f", medians of {rounds} rounds, every column measured in each" if rounds > 1 else ""),
             "",
-            "| model | B | state | bytes (R+W) | ours us | ours GB/s | % of copy | copy us | Triton us | Triton/ours "
+            "| model | B | state | bytes (R+W) | ours us | ours GB/s | % of copy | copy us | % of copy kernel "
+            "| copy kernel us | Triton us | Triton/ours "
             + "".join(f"| {name} us | {name}/ours " for name in baselines)
             + "| our launch |",
-            "|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(baselines) + "---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(baselines) + "---|",
         ]
     )
     for w in models:
@@ -656,6 +665,7 @@ def main() -> int:
                     [
                         f"| {w.name} | {batch} | {NAME_OF[s_dtype]} | {r['bytes'] / 1e6:.1f} MB | {r['ours']:.2f} | "
                         f"{r['bytes'] / r['ours'] / 1e3:.0f} | {100 * r['copy'] / r['ours']:.0f} % | {r['copy']:.2f} | "
+                        f"{100 * r['copy kernel'] / r['ours']:.0f} % | {r['copy kernel']:.2f} | "
                         + (f"{tri:.2f} | {tri / r['ours']:.2f}x" if tri else "- | -")
                         + "".join(f" | {r[name]:.2f} | {r[name] / r['ours']:.2f}x" for name in baselines)
                         + f" | {ours.describe(torch.float16, s_dtype, batch, w)} |"

@@ -459,6 +459,9 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
         (128, 64, 128, FLOAT, 8, 4, 4096, False),
         (128, 64, 128, FLOAT16, 1, 2, 512, False),
         (128, 64, 128, FLOAT16, 8, 4, 2048, True),
+        # Bamba-9B (N = 256): a float32 state is two chunks a lane, which takes the chain from one warp too.
+        (128, 64, 256, FLOAT, 1, 2, 1024, True),
+        (128, 64, 256, FLOAT16, 1, 2, 1024, False),
         # Zamba2-2.7B (N = 64, G = 1): 640 blocks at 4 rows, fewer than 8 a SM, so 2 rows.
         (80, 64, 64, FLOAT, 8, 4, 1280, False),
         (80, 64, 64, FLOAT16, 8, 2, 1280, False),
@@ -480,7 +483,7 @@ def test_emulated_launch_choice(
 ) -> None:
     """Rows per lane as the H200 sweep chose them (benchmarks/RESULTS.md): 4 where that still gives every SM 8
     blocks, else 2, and 1 only where 2 would leave an SM without a block (the emulation reports 132 SMs); the
-    per-head chain shared by the block for a half state at 4 rows a lane."""
+    per-head chain shared by the block for a half state at 4 rows a lane and for a lane of two chunks."""
     described = emulated_describe(emulated, heads, head_dim, state_size, s, batch)
     assert f"{rows} rows a lane" in described and f"{blocks} blocks of 128" in described, described
     assert ("per-head chain shared" in described) == shared, described

@@ -103,11 +103,12 @@ SelectiveStateUpdateLaunch ChooseSelectiveStateUpdateLaunch(const SelectiveState
   launch.rows_per_lane = rows;
   launch.rows_per_block = teams * rows;
   launch.blocks = blocks_at(rows);
-  // The per-head chain (softplus, exp) once a block instead of once a thread, where the kernel runs in waves
-  // (4 rows a lane) with a half state: that kernel is bound by the instructions each thread issues (a float32
-  // state's is bound by bytes), and one barrier a block costs less than the chain. H200, Nemotron-H-8B batch 8,
-  // fp16 state: 0.94x the time; at batch 1 (one wave) the barrier sits on the critical path and costs 0-3 %.
-  launch.shared_head = launch.vector && Bytes(a.s_type) == 2 && rows == 4;
+  // The per-head chain (softplus, exp) once a block instead of once a thread where it was faster on the H200:
+  // a half state in waves (4 rows a lane), whose kernel is bound by the instructions each thread issues
+  // (Nemotron-H-8B batch 8: 0.94x the time), and a lane of two chunks (N = 256, float32 state; Bamba-9B batch 1:
+  // 0.95x). Elsewhere the block's barrier cost as much as the chain or more (0.95-1.05x; at batch 1, one wave,
+  // it sits on the critical path).
+  launch.shared_head = launch.vector && ((Bytes(a.s_type) == 2 && rows == 4) || launch.chunks == 2);
   if (const char* forced = std::getenv("MAMBAFUSE_SSU_SHARED_HEAD")) {
     if (launch.vector && (forced[0] == '0' || forced[0] == '1') && forced[1] == '\0') {
       launch.shared_head = forced[0] == '1';

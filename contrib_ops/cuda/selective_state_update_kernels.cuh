@@ -6,8 +6,9 @@
 // split its N state columns into chunks of `vec` elements, 16 bytes of state each (4 float or 8 half values).
 // Each lane updates `kRows` rows. B and C chunks are loaded once per lane and reused for its rows; the
 // per-head scalars (dt, dt_bias, softplus, dA = exp(d * A), D) are recomputed by every thread, which costs a
-// few dozen instructions and no barrier, or (`shared_head`: a half state in waves, where each thread's
-// instruction count is what sets the time) computed by warp 0 and handed to the block through shared memory. The readout sum over N is a butterfly of shuffles among the row's lanes,
+// few dozen instructions and no barrier, or (`shared_head`, where that measured faster: a half state in waves,
+// whose time is set by each thread's instruction count, and two chunks a lane) computed by warp 0 and handed to
+// the block through shared memory. The readout sum over N is a butterfly of shuffles among the row's lanes,
 // after which lane r of the row's lanes writes out[b, h, row r].
 //
 // What sets the time (H200, Nsight Compute): at batch 1 the kernel is one wave, and its time is one round of
