@@ -58,15 +58,13 @@ def _ort_root() -> Path | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def cuda_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _build(build: Path, *options: str) -> None:
+    """Configure ``contrib_ops`` into ``build`` for sm_90 with the tools and ``options``, build every default target,
+    and keep configure's and the build's output in build.log; a failure fails the test (a compile break is never
+    a skip). Skips where nvcc is missing."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): the CUDA variant is not compiled here")
-    build = tmp_path_factory.mktemp("cuda-build")
-    # CMake's file API: configure writes every target it declares, with the files it builds, to .cmake/api.
-    (build / ".cmake" / "api" / "v1" / "query").mkdir(parents=True)
-    (build / ".cmake" / "api" / "v1" / "query" / "codemodel-v2").touch()
     cmake = shutil.which("cmake", path=str(Path(sys.executable).parent)) or shutil.which("cmake")
     ninja = shutil.which("ninja", path=str(Path(sys.executable).parent)) or shutil.which("ninja")
     assert cmake, "cmake not found"
@@ -82,21 +80,39 @@ def cuda_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"-DCMAKE_CUDA_COMPILER={nvcc}",
         # One real architecture keeps CI's compile under two minutes; the shipped build has 80, 90 and PTX.
         "-DCMAKE_CUDA_ARCHITECTURES=90-real",
+        *options,
     ]
     if ninja:
         configure += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
     if (root := _ort_root()) is not None:
         configure.append(f"-DONNXRUNTIME_ROOT={root}")
+    log = build / "build.log"
     for command in (configure, [cmake, "--build", str(build), "--parallel", str(os.cpu_count() or 2)]):
         result = subprocess.run(command, capture_output=True, text=True, check=False)
-        (build / "build.log").write_text(
-            (build / "build.log").read_text() + result.stdout + result.stderr
-            if (build / "build.log").exists()
-            else result.stdout + result.stderr
-        )
-        # A compile break is a failure, never a skip.
+        log.write_text((log.read_text() if log.exists() else "") + result.stdout + result.stderr)
         assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-6000:]}\n{result.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def cuda_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    build = tmp_path_factory.mktemp("cuda-build")
+    # CMake's file API: configure writes every target it declares, with the files it builds, to .cmake/api.
+    (build / ".cmake" / "api" / "v1" / "query").mkdir(parents=True)
+    (build / ".cmake" / "api" / "v1" / "query" / "codemodel-v2").touch()
+    _build(build)
     return build
+
+
+def test_traffic_floor_build_makes_only_the_benchmark_entry_points(tmp_path: Path) -> None:
+    """-DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON (the benchmark's no-arithmetic state update, wrong results by design)
+    builds the decode benchmark's launcher and no op library and no self-check, warning-free in contrib_ops/cuda."""
+    _build(tmp_path, "-DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON")
+    assert (tmp_path / CUDA_TARGETS["mambafuse_cuda_decode_bench"]).is_file()
+    built = [path for name, path in CUDA_TARGETS.items() if name != "mambafuse_cuda_decode_bench"]
+    built = [path for path in built if (tmp_path / path).is_file() and not path.endswith(".a")]
+    assert not built, f"a traffic-floor build made {built}"
+    log = (tmp_path / "build.log").read_text()
+    assert not [line for line in log.splitlines() if "contrib_ops/cuda/" in line and "warning" in line.lower()]
 
 
 def _declared_targets(build: Path) -> dict[str, list[str]]:

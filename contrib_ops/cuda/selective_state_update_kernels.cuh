@@ -289,6 +289,27 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
       ck[k] = *reinterpret_cast<const Pack<T, kVec>*>(cv + k * lanes * kVec);
     }
   }
+#if defined(MAMBAFUSE_SSU_TRAFFIC_FLOOR)
+  // Diagnostic builds only (CMake -DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON, which builds no op library): this launch's
+  // loads and stores with no arithmetic, the time no kernel of this shape can beat. present = the loaded state,
+  // out = x plus the loaded per-head values (every load is used, so none is dropped).
+  float sum = Widen(head.dt) + Widen(head.bias) + head.a + DValue<T>(p, head.d);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    if (in_row(k)) sum += Widen(bk[k].v[0]) + Widen(ck[k].v[0]);
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (in_row(k) && row0 + r < rows) {
+        *reinterpret_cast<Pack<S, kVec>*>(present + r * n_size + k * lanes * kVec) = st[k][r];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (lane == r % lanes && row0 + r < rows) static_cast<T*>(p.out)[bh * rows + row0 + r] = Narrow<T>(xr[r] + sum);
+  }
+  return;
+#endif
   float d, da;
   if constexpr (kSharedHead) {
     // Warp 0 runs the chain while every warp's loads are in flight; the block waits for it once.

@@ -70,9 +70,14 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_ssu_describe(int t_type, int s_type, int64_
     return -1;
   }
   const auto launch = mambafuse::ChooseSelectiveStateUpdateLaunch(args, multiprocessors);
+#if defined(MAMBAFUSE_SSU_TRAFFIC_FLOOR)
+  const char* const kind = "TRAFFIC FLOOR (no arithmetic), ";
+#else
+  const char* const kind = "";
+#endif
   std::snprintf(text, static_cast<size_t>(capacity),
-                "%s path, %d lanes a row x %d chunk(s) of %d, %d rows a lane, %d rows a block, %lld blocks of 128%s",
-                launch.vector ? "vector" : "scalar", launch.lanes_per_row, launch.chunks, launch.vec,
+                "%s%s path, %d lanes a row x %d chunk(s) of %d, %d rows a lane, %d rows a block, %lld blocks of 128%s",
+                kind, launch.vector ? "vector" : "scalar", launch.lanes_per_row, launch.chunks, launch.vec,
                 launch.rows_per_lane, launch.rows_per_block, static_cast<long long>(launch.blocks),
                 launch.shared_head ? ", per-head chain shared" : "");
   return 0;
