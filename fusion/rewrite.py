@@ -250,7 +250,9 @@ def _symbolic_shapes(model: ir.Model) -> int:
     previous_level = tool_log.level
     tool_log.setLevel(logging.ERROR)  # it warns about every guess it makes
     try:
-        inferred = SymbolicShapeInference.infer_shapes(ir.to_proto(model), auto_merge=True)
+        proto = ir.to_proto(model)
+        _constants_as_tensors(proto.graph)
+        inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
     except Exception:
         return 0
     finally:
@@ -278,6 +280,39 @@ def _symbolic_shapes(model: ir.Model) -> int:
         value.shape = ir.Shape(dims)
         updated += 1
     return updated
+
+
+_CONSTANT_LISTS = {
+    "value_int": (onnx.TensorProto.INT64, False),
+    "value_ints": (onnx.TensorProto.INT64, True),
+    "value_float": (onnx.TensorProto.FLOAT, False),
+    "value_floats": (onnx.TensorProto.FLOAT, True),
+}
+
+
+def _constants_as_tensors(graph: onnx.GraphProto) -> None:
+    """Rewrite, in place, each Constant of ``graph`` (and its subgraphs) that holds ``value_int``,
+    ``value_float`` or their lists as the same value in a ``value`` tensor.
+
+    ONNX Runtime's symbolic shape inference reads only ``value`` and raises on the others (onnxruntime 1.32's
+    tools/symbolic_shape_infer.py), which an inlined mambafuse function leaves behind (its group size and
+    epsilon come from the node's attributes): without this, a model whose functions someone inlined got no
+    symbolic shapes and its gated norms could not be fused again. Only the copy handed to the tool is changed.
+    """
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1:
+            attribute = node.attribute[0]
+            if attribute.name in _CONSTANT_LISTS:
+                elem_type, is_list = _CONSTANT_LISTS[attribute.name]
+                value = onnx.helper.get_attribute_value(attribute)
+                tensor = onnx.helper.make_tensor(
+                    "value", elem_type, [len(value)] if is_list else [], value if is_list else [value]
+                )
+                del node.attribute[:]
+                node.attribute.append(onnx.helper.make_attribute("value", tensor))
+        for attribute in node.attribute:
+            for subgraph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
+                _constants_as_tensors(subgraph)
 
 
 def _explain_refusals(model: ir.Model, log: FusionLog, report: Report) -> None:
