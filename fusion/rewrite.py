@@ -295,9 +295,10 @@ def _constants_as_tensors(graph: onnx.GraphProto) -> None:
     ``value_float`` or their lists as the same value in a ``value`` tensor.
 
     ONNX Runtime's symbolic shape inference reads only ``value`` and raises on the others (onnxruntime 1.32's
-    tools/symbolic_shape_infer.py), which an inlined mambafuse function leaves behind (its group size and
-    epsilon come from the node's attributes): without this, a model whose functions someone inlined got no
-    symbolic shapes and its gated norms could not be fused again. Only the copy handed to the tool is changed.
+    tools/symbolic_shape_infer.py; reported upstream as microsoft/onnxruntime#22422, closed unfixed), which an
+    inlined mambafuse function leaves behind (its group size and epsilon come from the node's attributes):
+    without this, a model whose functions someone inlined got no symbolic shapes and its gated norms could not
+    be fused again. Only the copy handed to the tool is changed.
     """
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1:
