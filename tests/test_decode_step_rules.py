@@ -12,12 +12,15 @@ from functools import cache
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 import contrib_ops
 from fusion import rewrite
+from fusion.rules._decode import same_tensor_source
+from fusion.rules._graph import ForwardShapes
 from models.fixtures import FAMILY_FIXTURE_DIR, FIXTURE_DIR
 from models.runtime import feeds, load_manifest, load_references
 
@@ -82,6 +85,13 @@ def test_every_mamba_layer_fuses_both_ops(name: str, stem: str) -> None:
         (v.name, v.type.SerializeToString()) for v in original.graph.input
     ]
     assert {f.name for f in fused.functions} >= set(OPS)
+    # The conv weight and bias come straight from the model's constants: a no-op re-view an exporter put in
+    # between (dynamo without its optimizer: Unsqueeze(Squeeze(weight, 1), 1)) is not left to run every step.
+    producers = {o: n.op_type for n in fused.graph.node for o in n.output}
+    for node in fused.graph.node:
+        if node.op_type == "CausalConv1dUpdate":
+            computed = [(i, producers[i]) for i in node.input[2:] if i in producers]
+            assert not computed, f"{node.name} reads its weight / bias through {computed}"
     try:
         onnx.checker.check_model(original)
     except onnx.checker.ValidationError:
@@ -341,3 +351,32 @@ def test_refused_with_reason(op: str, stem: str, name: str, mutate, reason: str)
     # the mutated chain (the first layer's) is left as it was: one op node fewer than the Mamba layers
     layers = MANIFESTS[name]["fixtures"][stem]["num_mamba_layers"]
     assert sum(1 for n in fused.graph.node if n.op_type == op) == layers - len(refused)
+
+
+def test_same_tensor_source_follows_only_order_keeping_views() -> None:
+    """A no-op re-view chain resolves to its source; a Transpose or a widening Cast in between, or a source of
+    other dims, does not."""
+    w_data = np.arange(6, dtype=np.float32).reshape(2, 1, 3)
+    nodes = [
+        helper.make_node("Squeeze", ["w", "one"], ["squeezed"]),
+        helper.make_node("Unsqueeze", ["squeezed", "one"], ["view"]),  # (2, 1, 3) again: w itself
+        helper.make_node("Reshape", ["w", "shape_231"], ["other"]),  # (2, 3, 1): other dims, itself
+        helper.make_node("Transpose", ["other"], ["moved"], perm=[0, 2, 1]),  # (2, 1, 3), but moved
+        helper.make_node("Identity", ["moved"], ["moved_view"]),
+        helper.make_node("Cast", ["view"], ["wide"], to=TensorProto.DOUBLE),  # another type
+    ]
+    initializers = [
+        numpy_helper.from_array(w_data, "w"),
+        numpy_helper.from_array(np.array([1], dtype=np.int64), "one"),
+        numpy_helper.from_array(np.array([2, 3, 1], dtype=np.int64), "shape_231"),
+    ]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("view", "other", "moved_view")]
+    outputs.append(helper.make_tensor_value_info("wide", TensorProto.DOUBLE, None))
+    model = helper.make_model(helper.make_graph(nodes, "g", [], outputs, initializers))
+    graph = ir.from_proto(model).graph
+    values = {v.name: v for v in graph.outputs}
+    shapes = ForwardShapes(graph)
+    assert same_tensor_source(values["view"], shapes).name == "w"
+    assert same_tensor_source(values["other"], shapes).name == "other"
+    assert same_tensor_source(values["moved_view"], shapes).name in ("moved", "moved_view")  # never past Transpose
+    assert same_tensor_source(values["wide"], shapes).name == "wide"

@@ -281,6 +281,39 @@ def layout_source(value: ir.Value, depth: int = 0) -> ir.Value:
     return value
 
 
+#: Ops that keep a tensor's elements in row-major order and change at most its dims.
+_VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def same_tensor_source(value: ir.Value, shapes: ForwardShapes) -> ir.Value:
+    """Return the earliest value that ``value`` is a re-view of with the same proven dims (itself when none).
+
+    Each op between them keeps the elements in row-major order (Reshape, Squeeze, Unsqueeze, Flatten, Identity,
+    identity Casts), so a value with the same dims holds the same tensor and can feed a fused node in
+    ``value``'s place; the re-views are left without users. An exporter's ``Unsqueeze(Squeeze(w, 1), 1)`` of a
+    conv weight (dynamo without its optimizer) would otherwise stay in the fused graph: two kernels a layer and
+    step.
+    """
+    dims = shapes(value)
+    if dims is None or not all(isinstance(d, int) for d in dims):
+        return value
+    found, current = value, value
+    for _ in range(_MAX_DEPTH):
+        node = current.producer()
+        if (
+            node is None
+            or node.domain not in _ONNX_DOMAINS
+            or not (node.op_type in _VIEW_OPS or is_identity_cast(node))
+            or not node.inputs
+            or node.inputs[0] is None
+        ):
+            break
+        current = node.inputs[0]
+        if current.dtype == value.dtype and shapes(current) == dims:
+            found = current
+    return found
+
+
 def depends_on_graph_inputs(value: ir.Value, graph: ir.Graph) -> bool:
     """Whether ``value`` is (or is computed from) a graph input: not a constant of the model."""
     inputs = set(graph.inputs)

@@ -42,6 +42,7 @@ from fusion.rules._decode import (
     negative_zeros,
     producer_op,
     replace_graph_output,
+    same_tensor_source,
     type_untyped_values,
 )
 from fusion.rules._graph import (
@@ -192,6 +193,8 @@ class CausalConv1dUpdateFusion(PlannedRule):
         if len(weight_dims) != 3 or weight_dims[1] != 1:
             raise Refusal(f"the conv weight is {weight_dims}, not depthwise (C, 1, K)", weight)
         channels, _, width = weight_dims
+        if weight_data is None:
+            weight = same_tensor_source(weight, shapes)
         conv_node = conv.producer()
         attrs = conv_node.attributes
         group = attrs.get_int("group", 1)
@@ -215,6 +218,8 @@ class CausalConv1dUpdateFusion(PlannedRule):
             raise Refusal(f"the conv bias is {dtype_name(bias.dtype)}, x is {dtype_name(t)}", bias)
         if bias is not None and int_dims(bias, shapes, "the conv bias") != [channels]:
             raise Refusal(f"the conv bias is not ({channels},)", bias)
+        if bias is not None and bias_data is None:
+            bias = same_tensor_source(bias, shapes)
         # x's batch may be symbolic (or unproven): no layout op touches it, and the Concat with the state
         # proves the state's batch to be x's (the op checks it too)
         x_dims = shapes(x)
