@@ -291,8 +291,8 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   }
 #if defined(MAMBAFUSE_SSU_TRAFFIC_FLOOR)
   // Diagnostic builds only (CMake -DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON, which builds no op library): this launch's
-  // loads and stores with no arithmetic, the time no kernel of this shape can beat. present = the loaded state,
-  // out = x plus the loaded per-head values (every load is used, so none is dropped).
+  // loads and stores with no arithmetic, a measured reference for what the traffic alone costs (benchmarks/
+  // RESULTS.md). present = the loaded state, out = x plus the loaded per-head values (every load is used).
   float sum = Widen(head.dt) + Widen(head.bias) + head.a + DValue<T>(p, head.d);
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
