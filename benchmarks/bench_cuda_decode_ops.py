@@ -629,8 +629,7 @@ def main() -> int:
     models = [MODELS[m] for m in args.models.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     ours = Ours(args.build)
-    baselines = baseline_names(args.baseline_build or [])
-    baselines = {name: Ours(folder) for name, folder in baselines.items()}
+    baselines = {name: Ours(folder) for name, folder in baseline_names(args.baseline_build or []).items()}
     rounds = args.rounds or (5 if baselines else 1)
     if rounds < 1:
         parser.error("--rounds must be at least 1")

@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import InlinePass
@@ -29,7 +28,8 @@ from onnx_ir.passes.common import InlinePass
 from fusion.rewrite import _constants_as_tensors, rewrite_model
 from models.fixtures import FIXTURE_DIR
 from models.runtime import feeds, load_references
-from tests.test_decode_step_rules import MANIFESTS, SETS
+from tests.test_decode_inlined_function import INLINERS
+from tests.test_decode_step_rules import MANIFESTS, SETS, _run
 from tests.test_function import _model
 
 optimize_for_ort = pytest.importorskip("onnxscript.rewriter.ort_fusions").optimize_for_ort
@@ -180,20 +180,9 @@ def test_exports_after_optimize_for_ort_fuse_again(stem: str) -> None:
 FIXTURES = sorted((name, stem) for name, manifest in MANIFESTS.items() for stem in manifest["fixtures"])
 
 
-def _inline_pass(model: onnx.ModelProto) -> onnx.ModelProto:
-    ir_model = ir.from_proto(onnx.load_from_string(model.SerializeToString()))
-    InlinePass()(ir_model)
-    return ir.to_proto(ir_model)
-
-
-def _optimize_for_ort(model: onnx.ModelProto) -> onnx.ModelProto:
-    ir_model, _ = optimize_for_ort(ir.from_proto(onnx.load_from_string(model.SerializeToString())))
-    return ir.to_proto(ir_model)
-
-
-@pytest.mark.parametrize("inline", [_inline_pass, _optimize_for_ort], ids=["InlinePass", "optimize_for_ort"])
+@pytest.mark.parametrize("inline", INLINERS)
 @pytest.mark.parametrize(("name", "stem"), FIXTURES)
-def test_every_fixture_fuses_its_norms_again(name: str, stem: str, inline) -> None:
+def test_every_fixture_fuses_its_norms_again(name: str, stem: str, inline: str) -> None:
     """Inlined by onnx-ir's InlinePass (which leaves the bodies untyped: they are typed from their producers'
     schemas, the weight's width proven through its Casts), every fixture fuses again node for node. The body's
     Constants then hold value_int / value_float (the group size and epsilon come from the node's attributes),
@@ -201,11 +190,11 @@ def test_every_fixture_fuses_its_norms_again(name: str, stem: str, inline) -> No
     or the TorchScript bf16 prefills, whose y width only that tool derives, stayed unfused."""
     record = MANIFESTS[name]["fixtures"][stem]
     fused, report = rewrite_model(onnx.load(SETS[name] / record["file"]))
-    inlined = inline(fused)
+    inlined = INLINERS[inline](fused)
     assert not _fused(inlined), "the inliner kept a fused node: this test no longer shows the inlining"
     again, second = rewrite_model(inlined)
     first_nodes, second_nodes = [_attributes(n) for n in _fused(fused)], [_attributes(n) for n in _fused(again)]
-    if inline is _inline_pass:
+    if inline == "InlinePass":
         assert second_nodes == first_nodes, second.summary()
         return
     # optimize_for_ort also folds other ops: a Cast of the weight to float32 folded into the weight lets the
@@ -223,13 +212,6 @@ def test_every_fixture_fuses_its_norms_again(name: str, stem: str, inline) -> No
 
 def _without(attributes: dict[str, object], name: str) -> dict[str, object]:
     return {k: v for k, v in attributes.items() if k != name}
-
-
-def _run(model: onnx.ModelProto, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, inputs)
 
 
 def test_constants_become_tensors_for_symbolic_shape_inference() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -264,21 +264,25 @@ def leaf_indices(dims: Sequence[int]) -> np.ndarray:
     return np.arange(int(np.prod(dims, dtype=np.int64)), dtype=np.int64).reshape(tuple(dims))
 
 
+def _upstream(value: ir.Value, ops: frozenset[str], depth: int = 0) -> Iterator[ir.Value]:
+    """Yield the values ``value`` is made from through ``ops`` (and identity Casts) only, nearest first."""
+    for _ in range(depth, _MAX_DEPTH):
+        producer = value.producer()
+        if (
+            producer is None
+            or producer.domain not in _ONNX_DOMAINS
+            or not (producer.op_type in ops or is_identity_cast(producer))
+            or not producer.inputs
+            or producer.inputs[0] is None
+        ):
+            return
+        value = producer.inputs[0]
+        yield value
+
+
 def layout_source(value: ir.Value, depth: int = 0) -> ir.Value:
     """Return the value ``value`` is made from through layout ops (and identity Casts) only (itself when none)."""
-    producer = value.producer()
-    while (
-        producer is not None
-        and producer.domain in _ONNX_DOMAINS
-        and (producer.op_type in LAYOUT_OPS or is_identity_cast(producer))
-        and producer.inputs
-        and producer.inputs[0] is not None
-        and depth < _MAX_DEPTH
-    ):
-        value = producer.inputs[0]
-        producer = value.producer()
-        depth += 1
-    return value
+    return [value, *_upstream(value, LAYOUT_OPS, depth)][-1]
 
 
 #: Ops that keep a tensor's elements in row-major order and change at most its dims.
@@ -297,20 +301,10 @@ def same_tensor_source(value: ir.Value, shapes: ForwardShapes) -> ir.Value:
     dims = shapes(value)
     if dims is None or not all(isinstance(d, int) for d in dims):
         return value
-    found, current = value, value
-    for _ in range(_MAX_DEPTH):
-        node = current.producer()
-        if (
-            node is None
-            or node.domain not in _ONNX_DOMAINS
-            or not (node.op_type in _VIEW_OPS or is_identity_cast(node))
-            or not node.inputs
-            or node.inputs[0] is None
-        ):
-            break
-        current = node.inputs[0]
-        if current.dtype == value.dtype and shapes(current) == dims:
-            found = current
+    found = value
+    for source in _upstream(value, _VIEW_OPS):
+        if source.dtype == value.dtype and shapes(source) == dims:
+            found = source
     return found
 
 
