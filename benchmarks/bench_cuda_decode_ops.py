@@ -25,7 +25,9 @@ A change to the state-update kernel is measured against the previous build in th
 in turn for several rounds, medians reported (``--baseline-build build/previous --rounds 7``): a GPU drifts by
 a few % between measurements, more than two versions of a kernel may differ. ``--baseline-build`` repeats: a
 build configured with ``-DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON`` (the state update's loads and stores without its
-arithmetic) measures what that launch's memory traffic alone costs (a reference, not a proven bound).
+arithmetic) measures what that launch's memory traffic alone costs (a reference, not a proven bound), and
+``-DMAMBAFUSE_SSU_TRAFFIC_FLOOR_OMIT=head;bc;x;out`` (any of them) leaves parts of that traffic out, to see what
+each costs (the per-head loads, B and C, x, the output store; with every part left out: the state's own).
 
 Needs torch with CUDA and the library built with -DMAMBAFUSE_CUDA=ON -DMAMBAFUSE_CUDA_TOOLS=ON (``--build``);
 for the ORT rows onnxruntime-gpu (skipped without a CUDA provider); for the Triton column triton and einops and

@@ -27,6 +27,7 @@ CUDA_TARGETS = {
     "mambafuse_cuda_bench": "cuda/libmambafuse_cuda_bench.so",
     "mambafuse_cuda_decode_selfcheck": "cuda/mambafuse_cuda_decode_selfcheck",
     "mambafuse_cuda_decode_bench": "cuda/libmambafuse_cuda_decode_bench.so",
+    "mambafuse_cuda_half_product_check": "cuda/mambafuse_cuda_half_product_check",
 }
 #: The C entry points each launcher library exports, as benchmarks/bench_cuda.py, ncu_cuda.py and
 #: bench_cuda_decode_ops.py call them through ctypes.
@@ -103,16 +104,25 @@ def cuda_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build
 
 
-def test_traffic_floor_build_makes_only_the_benchmark_entry_points(tmp_path: Path) -> None:
+@pytest.mark.parametrize("omit", ["", "head;bc;x;out"], ids=["all-traffic", "state-only"])
+def test_traffic_floor_build_makes_only_the_benchmark_entry_points(tmp_path: Path, omit: str) -> None:
     """-DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON (the benchmark's no-arithmetic state update, wrong results by design)
-    builds the decode benchmark's launcher and no op library and no self-check, warning-free in contrib_ops/cuda."""
-    _build(tmp_path, "-DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON")
+    builds the decode benchmark's launcher and no op library and no self-check, warning-free in contrib_ops/cuda;
+    so does the floor with every part but the state's own traffic left out (MAMBAFUSE_SSU_TRAFFIC_FLOOR_OMIT)."""
+    _build(tmp_path, "-DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON", f"-DMAMBAFUSE_SSU_TRAFFIC_FLOOR_OMIT={omit}")
     assert (tmp_path / CUDA_TARGETS["mambafuse_cuda_decode_bench"]).is_file()
     built = [path for name, path in CUDA_TARGETS.items() if name != "mambafuse_cuda_decode_bench"]
     built = [path for path in built if (tmp_path / path).is_file() and not path.endswith(".a")]
     assert not built, f"a traffic-floor build made {built}"
     log = (tmp_path / "build.log").read_text()
     assert not [line for line in log.splitlines() if "contrib_ops/cuda/" in line and "warning" in line.lower()]
+
+
+def test_traffic_floor_rejects_an_unknown_part(tmp_path: Path) -> None:
+    """A misspelt part to leave out fails configure and names the part (a silent no-op would measure the whole
+    floor under the wrong name)."""
+    with pytest.raises(AssertionError, match="'state' is none of head, bc, x, out"):
+        _build(tmp_path, "-DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON", "-DMAMBAFUSE_SSU_TRAFFIC_FLOOR_OMIT=bc;state")
 
 
 def _declared_targets(build: Path) -> dict[str, list[str]]:
@@ -150,7 +160,14 @@ def test_every_cuda_target_is_declared_and_built(cuda_build: Path) -> None:
     assert not unbuilt, f"declared but not built: {unbuilt}"
 
 
-@pytest.mark.parametrize("tool", ["cuda/mambafuse_cuda_selfcheck", "cuda/mambafuse_cuda_decode_selfcheck"])
+@pytest.mark.parametrize(
+    "tool",
+    [
+        "cuda/mambafuse_cuda_selfcheck",
+        "cuda/mambafuse_cuda_decode_selfcheck",
+        "cuda/mambafuse_cuda_half_product_check",
+    ],
+)
 def test_self_check_runs_or_reports_no_device(cuda_build: Path, tool: str) -> None:
     """The self-check links and starts on any machine: without a CUDA device (here) it says so and exits 77,
     the automake code for a skip; with one, its quick list must pass."""

@@ -16,7 +16,8 @@
 // So every load a thread makes is issued before any loaded value is used (the state's first; the per-head
 // values as raw bits, widened later: a conversion inside the `D present?` branch made each warp wait for D
 // before it issued the state loads), and the per-element work is kept short: T-rounding two values per
-// packed conversion, no round trip through T where the value already is one. At batch 8 the kernel streams
+// packed conversion, no round trip through T where the value already is one, and with half activations the
+// products d B and dB x as packed half multiplies (ChunkProducts: the same values, 4-12 % fewer instructions). At batch 8 the kernel streams
 // in waves and the same instruction count decides whether it keeps up with a copy (the half-state kernel
 // issued on 75 % of cycles before these changes).
 //
@@ -241,6 +242,46 @@ __device__ __forceinline__ void NarrowAll(float (&v)[kN], Pack<S, kN>& stored) {
   }
 }
 
+// The chunk's products dB = round_T(d B) and, per row, dBx = round_T(dB x) (as float32), kVec at a time.
+template <typename T, int kVec>
+struct ChunkProducts {
+  float db[kVec];
+  __device__ __forceinline__ void Init(float d, const Pack<T, kVec>& b) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) db[j] = __fmul_rn(d, Widen(b.v[j]));
+    RoundAll<T>(db);
+  }
+  __device__ __forceinline__ void Dbx(float x, T /*x_raw*/, float (&dbx)[kVec]) const {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dbx[j] = __fmul_rn(db[j], x);
+    RoundAll<T>(dbx);
+  }
+};
+
+// With T = half both products are the half multiply of two half values (d is one: dt, dt + bias and softplus
+// are each rounded to T). A float32 product of two half values is exact (11 + 11 significant bits, exponents far
+// inside float32's range), so round_T of it is the exact product rounded to nearest even: what __hmul2 returns.
+// One packed multiply for two elements instead of two multiplies, a packed narrowing and two widenings.
+template <int kVec>
+struct ChunkProducts<__half, kVec> {
+  static_assert(kVec % 2 == 0, "pairs");
+  __half2 db[kVec / 2];
+  __device__ __forceinline__ void Init(float d, const Pack<__half, kVec>& b) {
+    const __half2 d2 = __float2half2_rn(d);  // exact: d is a half value
+#pragma unroll
+    for (int j = 0; j < kVec / 2; ++j) db[j] = __hmul2(d2, __halves2half2(b.v[2 * j], b.v[2 * j + 1]));
+  }
+  __device__ __forceinline__ void Dbx(float /*x*/, __half x_raw, float (&dbx)[kVec]) const {
+    const __half2 x2 = __half2half2(x_raw);
+#pragma unroll
+    for (int j = 0; j < kVec / 2; ++j) {
+      const float2 f = __half22float2(__hmul2(db[j], x2));
+      dbx[2 * j] = f.x;
+      dbx[2 * j + 1] = f.y;
+    }
+  }
+};
+
 // Vector path: kChunks 16-byte chunks of state per lane and row, kRows rows per lane.
 template <typename T, typename S, int kChunks, int kRows, bool kSharedHead>
 __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
@@ -275,9 +316,18 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   }
   const HeadInputs<T> head = LoadHead<T>(p, bh, h);
   const T* x = static_cast<const T*>(p.x) + bh * rows + row0;
+  T x_raw[kRows];  // used by ChunkProducts<__half> only
   float xr[kRows];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) xr[r] = row0 + r < rows ? Widen(x[r]) : 0.f;
+  for (int r = 0; r < kRows; ++r) {
+    if constexpr (std::is_same_v<T, __half>) {
+      x_raw[r] = row0 + r < rows ? x[r] : T{};
+      xr[r] = Widen(x_raw[r]);
+    } else {
+      x_raw[r] = T{};
+      xr[r] = row0 + r < rows ? Widen(x[r]) : 0.f;
+    }
+  }
   const int64_t bg = static_cast<int64_t>(blockIdx.z) * p.groups + h / p.heads_per_group;
   const T* bv = static_cast<const T*>(p.b) + bg * n_size + lane * kVec;
   const T* cv = static_cast<const T*>(p.c) + bg * n_size + lane * kVec;
@@ -293,10 +343,18 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   // Diagnostic builds only (CMake -DMAMBAFUSE_SSU_TRAFFIC_FLOOR=ON, which builds no op library): this launch's
   // loads and stores with no arithmetic, a measured reference for what the traffic alone costs (benchmarks/
   // RESULTS.md). present = the loaded state, out = x plus the loaded per-head values (every load is used).
+  // MAMBAFUSE_SSU_TRAFFIC_FLOOR_OMIT (CMake) leaves parts out, to measure what each costs: the per-head loads
+  // (head), B and C (bc), x (x), the output store (out; without it no small load is used, so none is made).
+#if defined(MAMBAFUSE_SSU_FLOOR_NO_HEAD)
+  float sum = 0.f;
+#else
   float sum = Widen(head.dt) + Widen(head.bias) + head.a + DValue<T>(p, head.d);
+#endif
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
+#if !defined(MAMBAFUSE_SSU_FLOOR_NO_BC)
     if (in_row(k)) sum += Widen(bk[k].v[0]) + Widen(ck[k].v[0]);
+#endif
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (in_row(k) && row0 + r < rows) {
@@ -304,10 +362,19 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
       }
     }
   }
+#if defined(MAMBAFUSE_SSU_FLOOR_NO_OUT)
+  (void)sum;
+#else
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    if (lane == r % lanes && row0 + r < rows) static_cast<T*>(p.out)[bh * rows + row0 + r] = Narrow<T>(xr[r] + sum);
+#if defined(MAMBAFUSE_SSU_FLOOR_NO_X)
+    const float value = sum;
+#else
+    const float value = xr[r] + sum;
+#endif
+    if (lane == r % lanes && row0 + r < rows) static_cast<T*>(p.out)[bh * rows + row0 + r] = Narrow<T>(value);
   }
+#endif
   return;
 #endif
   float d, da;
@@ -334,20 +401,16 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
     if (!in_row(k)) continue;
-    float db[kVec], cf[kVec];
+    ChunkProducts<T, kVec> products;
+    products.Init(d, bk[k]);
+    float cf[kVec];
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      db[j] = __fmul_rn(d, Widen(bk[k].v[j]));
-      cf[j] = Widen(ck[k].v[j]);
-    }
-    RoundAll<T>(db);
+    for (int j = 0; j < kVec; ++j) cf[j] = Widen(ck[k].v[j]);
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (row0 + r >= rows) continue;
       float dbx[kVec], next[kVec];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) dbx[j] = __fmul_rn(db[j], xr[r]);
-      RoundAll<T>(dbx);
+      products.Dbx(xr[r], x_raw[r], dbx);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) next[j] = __fadd_rn(__fmul_rn(Widen(st[k][r].v[j]), da), dbx[j]);
       Pack<S, kVec> stored;

@@ -56,7 +56,10 @@ if [[ ! -f "$build/libmambafuse_ops.so" ]]; then
   exit 1
 fi
 export MAMBAFUSE_LIBRARY=$PWD/$build/libmambafuse_ops.so
-step selfcheck "$build/cuda/mambafuse_cuda_decode_selfcheck"
+selfcheck() {  # the kernels against the host reference, and the half-product identity their half path relies on
+  "$build/cuda/mambafuse_cuda_decode_selfcheck" && "$build/cuda/mambafuse_cuda_half_product_check"
+}
+step selfcheck selfcheck
 step pytest "$py" -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-tests/test_kernel_cuda_decode.py}
 sanitize() {  # the three tools' logs, one after the other, in sanitize.log
   local logs
