@@ -17,7 +17,8 @@
 // values as raw bits, widened later: a conversion inside the `D present?` branch made each warp wait for D
 // before it issued the state loads), and the per-element work is kept short: T-rounding two values per
 // packed conversion, no round trip through T where the value already is one, and with half activations the
-// products d B and dB x as packed half multiplies (ChunkProducts: the same values, 4-12 % fewer instructions). At batch 8 the kernel streams
+// products d B and dB x as packed half multiplies with a half state (ChunkProducts: the same values, 7-12 %
+// fewer instructions). At batch 8 the kernel streams
 // in waves and the same instruction count decides whether it keeps up with a copy (the half-state kernel
 // issued on 75 % of cycles before these changes).
 //
@@ -243,7 +244,7 @@ __device__ __forceinline__ void NarrowAll(float (&v)[kN], Pack<S, kN>& stored) {
 }
 
 // The chunk's products dB = round_T(d B) and, per row, dBx = round_T(dB x) (as float32), kVec at a time.
-template <typename T, int kVec>
+template <typename T, int kVec, bool kPackedHalf>
 struct ChunkProducts {
   float db[kVec];
   __device__ __forceinline__ void Init(float d, const Pack<T, kVec>& b) {
@@ -261,9 +262,10 @@ struct ChunkProducts {
 // With T = half both products are the half multiply of two half values (d is one: dt, dt + bias and softplus
 // are each rounded to T). A float32 product of two half values is exact (11 + 11 significant bits, exponents far
 // inside float32's range), so round_T of it is the exact product rounded to nearest even: what __hmul2 returns.
-// One packed multiply for two elements instead of two multiplies, a packed narrowing and two widenings.
+// One packed multiply for two elements instead of two multiplies, a packed narrowing and two widenings. Used
+// with a half state (1.01-1.03x at batch 1 on the H200); with a float32 state it measured 0.98-1.01x and is not.
 template <int kVec>
-struct ChunkProducts<__half, kVec> {
+struct ChunkProducts<__half, kVec, true> {
   static_assert(kVec % 2 == 0, "pairs");
   __half2 db[kVec / 2];
   __device__ __forceinline__ void Init(float d, const Pack<__half, kVec>& b) {
@@ -316,11 +318,12 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
   }
   const HeadInputs<T> head = LoadHead<T>(p, bh, h);
   const T* x = static_cast<const T*>(p.x) + bh * rows + row0;
-  T x_raw[kRows];  // used by ChunkProducts<__half> only
+  constexpr bool kPackedHalf = std::is_same_v<S, __half>;  // S is float or T
+  T x_raw[kRows];  // read by the packed products only
   float xr[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    if constexpr (std::is_same_v<T, __half>) {
+    if constexpr (kPackedHalf) {
       x_raw[r] = row0 + r < rows ? x[r] : T{};
       xr[r] = Widen(x_raw[r]);
     } else {
@@ -401,7 +404,7 @@ __global__ void __launch_bounds__(kBlock) VectorKernel(const Params p) {
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
     if (!in_row(k)) continue;
-    ChunkProducts<T, kVec> products;
+    ChunkProducts<T, kVec, kPackedHalf> products;
     products.Init(d, bk[k]);
     float cf[kVec];
 #pragma unroll
