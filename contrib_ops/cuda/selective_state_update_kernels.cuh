@@ -16,11 +16,10 @@
 // So every load a thread makes is issued before any loaded value is used (the state's first; the per-head
 // values as raw bits, widened later: a conversion inside the `D present?` branch made each warp wait for D
 // before it issued the state loads), and the per-element work is kept short: T-rounding two values per
-// packed conversion, no round trip through T where the value already is one, and with half activations the
-// products d B and dB x as packed half multiplies with a half state (ChunkProducts: the same values, 7-12 %
-// fewer instructions). At batch 8 the kernel streams
-// in waves and the same instruction count decides whether it keeps up with a copy (the half-state kernel
-// issued on 75 % of cycles before these changes).
+// packed conversion, no round trip through T where the value already is one, and with a half state the
+// products d B and dB x as packed half multiplies (ChunkProducts: the same values, 7-12 % fewer instructions).
+// At batch 8 the kernel streams in waves and the same instruction count decides whether it keeps up with a
+// copy (the half-state kernel issued on 75 % of cycles before these changes).
 //
 // The rounding points are those of the op: the state update is a float32 multiply and a separate add
 // (__fmul_rn / __fadd_rn, never contracted into an FMA), the T-rounded products dB and dBx are rounded

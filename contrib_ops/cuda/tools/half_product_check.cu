@@ -1,5 +1,5 @@
-// Exhaustive check, on the GPU at hand, of the identity that the SelectiveStateUpdate kernels with half
-// activations rely on (selective_state_update_kernels.cuh, ChunkProducts<__half>): for every pair of half
+// Exhaustive check, on the GPU at hand, of the identity that the SelectiveStateUpdate kernels with a half state
+// rely on (selective_state_update_kernels.cuh, ChunkProducts<__half, kVec, true>): for every pair of half
 // values a and b, the packed half multiply equals the float32 product rounded to half,
 //   __hmul2(a, b) == __float2half_rn(__fmul_rn(float(a), float(b)))     (a NaN matching any NaN),
 // in both halves of the packed instruction. The float32 product of two half values is exact (11 + 11
