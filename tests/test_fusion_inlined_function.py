@@ -174,8 +174,6 @@ def test_exports_after_optimize_for_ort_fuse_again(stem: str) -> None:
     _check_refused(_model_of(stem, None))
 
 
-#: Exports whose inlined norm bodies ONNX's shape inference leaves untyped and unshaped (it stops at an op it
-#: cannot type: an ORT contrib op of transformers' ORT fusions, a bfloat16 op at opset 18). Before, the
 #: Every fixture of both sets (tests/fixtures/models and families/).
 FIXTURES = sorted((name, stem) for name, manifest in MANIFESTS.items() for stem in manifest["fixtures"])
 

@@ -4,9 +4,9 @@
 // `EmuLaunch(K, grid, params)`: 128 std::threads run every block of a launch in turn (thread t is threadIdx.x
 // = t in each), __shfl_xor_sync meets its warp's 32 threads at a barrier, __syncthreads all 128, and a
 // __shared__ variable is a static one (one block runs at a time: the threads meet after each block). The CUDA
-// runtime calls of the launchers and the self-check are redirected to host memory. Arithmetic is the host's (no FMA contraction:
-// build with -ffp-contract=off); expf/log1pf are glibc's, not CUDA's. Not a substitute for running on a GPU:
-// it checks logic, not timing, memory model or CUDA's math library.
+// runtime calls of the launchers and the self-check are redirected to host memory. Arithmetic is the host's
+// (no FMA contraction: build with -ffp-contract=off); expf/log1pf are glibc's, not CUDA's. Not a substitute
+// for running on a GPU: it checks logic, not timing, memory model or CUDA's math library.
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
