@@ -25,7 +25,13 @@ from fusion._chains import (
     chain_inputs,
     half_decode,
 )
-from fusion.reference import budget_report, gated_group_rms_norm, onnx_type_to_dtype, ulp_distance
+from fusion.reference import (
+    budget_report,
+    gated_group_rms_norm,
+    onnx_type_to_dtype,
+    reference_for_budget,
+    ulp_distance,
+)
 from fusion.rewrite import Report, rewrite_model
 from fusion.rules.gated_group_rms_norm import FusionLog, fuse_gated_group_rms_norm
 
@@ -664,3 +670,95 @@ def test_norm_before_gate_is_still_named() -> None:
     _, report = rewrite_model(build_chain(ChainSpec(norm_before_gate=True)))
     assert report.fused == 0
     assert "after the norm" in report.refused[0][1]
+
+
+def _with_float_cast_before_trailing(model: onnx.ModelProto, to: int = FLOAT) -> onnx.ModelProto:
+    """The chain with a Cast of the weighted product to ``to`` inserted before its trailing Cast (TorchScript's
+    Falcon-H1 norm writes ``.to(float32)`` there, before the model's own Cast to half)."""
+    output = next(n for n in model.graph.node if n.output[0] == "out")  # the chain's Identity to "out"
+    trailing = next(n for n in model.graph.node if n.output[0] == output.input[0])
+    assert trailing.op_type == "Cast"
+    first = onnx.helper.make_node("Cast", [trailing.input[0]], ["product_cast"], to=to)
+    model.graph.node.insert(list(model.graph.node).index(trailing), first)
+    trailing.input[0] = "product_cast"
+    onnx.checker.check_model(model)
+    return model
+
+
+def _assert_node_within_budget(got: np.ndarray, fused: onnx.ModelProto, feeds: dict, output_dtype: type) -> None:
+    """``got`` (the node's output, or its exact widening) inside the op's budget for the fused node's inputs."""
+    (node,) = [n for n in fused.graph.node if n.op_type == "GatedGroupRMSNorm"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    weight = next(i for i in fused.graph.initializer if i.name == node.input[2])
+    reference = reference_for_budget(
+        feeds["y"],
+        feeds["z"],
+        onnx.numpy_helper.to_array(weight),
+        epsilon=attrs["epsilon"],
+        group_size=attrs["group_size"],
+        norm_dtype=np.float32,
+        output_dtype=output_dtype,
+    )
+    ok, message = budget_report(got.astype(output_dtype), **reference)
+    assert ok, message
+
+
+def _fused_attrs(fused: onnx.ModelProto) -> tuple[onnx.NodeProto, dict]:
+    (node,) = [n for n in fused.graph.node if n.op_type == "GatedGroupRMSNorm"]
+    return node, {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+@pytest.mark.parametrize("weight_in_group", [None, "reshape"], ids=["weight-after", "weight-in-group"])
+def test_trailing_half_cast_after_a_float32_cast_is_absorbed(weight_in_group: str | None) -> None:
+    """Cast(to=f32) of the float32 product, then the Cast to half: the first is a no-op, so the node takes
+    both and rounds to half once, as the graph does; nothing is left after it. Through the function body and
+    the library's kernel: inside the op's budget."""
+    spec = ChainSpec(z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT16, weight_in_group=weight_in_group)
+    model = _with_float_cast_before_trailing(build_chain(spec))
+    fused, report = rewrite_model(model)
+    assert report.fused == 1 and not report.refused, report.summary()
+    _, attrs = _fused_attrs(fused)
+    assert attrs["output_dtype"] == FLOAT16
+    assert "Cast" not in {n.op_type for n in fused.graph.node}
+    feeds = chain_inputs(spec)
+    for use_library in (True, False):
+        _assert_node_within_budget(_run(fused, feeds, use_library=use_library), fused, feeds, np.float16)
+    _assert_node_within_budget(_run(model, feeds, use_library=False), fused, feeds, np.float16)
+
+
+def test_product_rounded_then_widened_before_the_trailing_cast_is_not_one_cast() -> None:
+    """Cast(to=f16) then Cast(to=f32): a rounding and a widening. The node takes the first as its output
+    rounding and the widening stays after it."""
+    spec = ChainSpec(z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT)
+    model = _with_float_cast_before_trailing(build_chain(spec), to=FLOAT16)
+    fused, report = rewrite_model(model)
+    assert report.fused == 1 and not report.refused, report.summary()
+    node, attrs = _fused_attrs(fused)
+    assert attrs["output_dtype"] == FLOAT16
+    (cast,) = [n for n in fused.graph.node if n.op_type == "Cast"]
+    assert cast.input[0] == node.output[0] and onnx.helper.get_attribute_value(cast.attribute[0]) == FLOAT
+    feeds = chain_inputs(spec)
+    for use_library in (True, False):
+        got = _run(fused, feeds, use_library=use_library)
+        assert got.dtype == np.float32
+        _assert_node_within_budget(got, fused, feeds, np.float16)
+
+
+def test_float32_cast_read_elsewhere_stays_with_the_half_cast() -> None:
+    """The float32 Cast's output read by another node: the node ends at that Cast (output float32) and the
+    Cast to half stays after it, with no refusal reported (a rule that ends earlier explains the chain)."""
+    spec = ChainSpec(z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT16)
+    model = _with_float_cast_before_trailing(build_chain(spec))
+    model.graph.node.append(onnx.helper.make_node("Neg", ["product_cast"], ["product_neg"]))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("product_neg", FLOAT, None))
+    fused, report = rewrite_model(model)
+    assert report.fused == 1 and not report.refused, report.summary()
+    node, attrs = _fused_attrs(fused)
+    assert attrs["output_dtype"] == FLOAT
+    (cast,) = [n for n in fused.graph.node if n.op_type == "Cast"]
+    assert cast.input[0] == node.output[0] and onnx.helper.get_attribute_value(cast.attribute[0]) == FLOAT16
+    feeds = chain_inputs(spec)
+    for use_library in (True, False):
+        out, negated = contrib_ops.session(fused, use_library=use_library).run(["out", "product_neg"], feeds)
+        _assert_node_within_budget(-negated, fused, feeds, np.float32)
+        _assert_node_within_budget(out, fused, feeds, np.float16)

@@ -181,6 +181,8 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         inner: how the per-group RMS norm between the two Reshapes is spelled.
         weight_first: the final Mul is ``Mul(W, normed)`` (else ``Mul(normed, W)``).
         trailing_cast: match (and absorb into ``output_dtype``) a Cast after the weight Mul.
+        float_cast_first: with ``trailing_cast``, the trailing Cast follows a Cast of the float32 product to
+            float32 (TorchScript writes the norm's ``.to(float32)`` so, before the model's Cast to half).
         grouped: the norm works on ``Reshape(h, [..., G, gs])`` and is reshaped back; else it normalizes
             h over its last axis directly (one group, group_size = C).
         weight_as_scale: the weight is the RMSNormalization's scale (mobius builds: ``W[C]``, or
@@ -196,6 +198,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         inner: InnerNorm,
         weight_first: bool = True,
         trailing_cast: bool = False,
+        float_cast_first: bool = False,
         grouped: bool = True,
         weight_as_scale: bool = False,
         weight_in_group: bool = False,
@@ -207,6 +210,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         self._inner = inner
         self._weight_first = weight_first
         self._trailing_cast = trailing_cast
+        self._float_cast_first = float_cast_first
         self._grouped = grouped
         self._weight_as_scale = weight_as_scale
         self._weight_in_group = weight_in_group
@@ -233,6 +237,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         alpha,
         norm_to,
         out_to,
+        float_to,
         gated_to,
         widen_to,
         negate,
@@ -283,7 +288,7 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         if self._weight_in_group:
             pair = (weight, normed_groups) if self._weight_first else (normed_groups, weight)
             weighted = op.Reshape(op.Mul(*pair, _outputs=["weighted"]), shape_out, _outputs=["flat"])
-            return op.Cast(weighted, to=out_to) if self._trailing_cast else weighted
+            return self._trailing(op, weighted, out_to, float_to) if self._trailing_cast else weighted
         flat = op.Reshape(normed_groups, shape_out, _outputs=["flat"]) if self._grouped else normed_groups
         # The first rounding point; the function body widens the rounded value back to float32, so that
         # the weight Mul runs in float32 and the trailing Cast is the second rounding point.
@@ -298,8 +303,14 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         else:
             weighted = op.Mul(normed, weight, _outputs=["weighted"])
         if self._trailing_cast:
-            return op.Cast(weighted, to=out_to)
+            return self._trailing(op, weighted, out_to, float_to)
         return weighted
+
+    def _trailing(self, op, weighted, out_to, float_to):
+        # check requires the first Cast of float_cast_first to be to float32: a no-op on the product
+        if self._float_cast_first:
+            return op.Cast(op.Cast(weighted, to=float_to, _outputs=["float_cast"]), to=out_to)
+        return op.Cast(weighted, to=out_to)
 
     @staticmethod
     def _decomposed_norm(op, groups, epsilon, exponent, numerator, rsqrt_exponent):
@@ -543,6 +554,13 @@ class GatedGroupRMSNormFusion(pattern.RewriteRuleClassBase):
         if not self._trailing_cast:
             return ir.DataType.FLOAT
         output_dtype = ir.DataType(b["out_to"].as_int())
+        if self._float_cast_first and b["float_to"].as_int() != ir.DataType.FLOAT:
+            raise _Refusal(
+                f"the product is cast to {_dtype_name(b['float_to'].as_int())} and then to "
+                f"{_dtype_name(output_dtype)}: two roundings the op does not have",
+                b["weighted"],
+                logged=False,  # the one-Cast rules fuse the chain with the first Cast as its rounding
+            )
         if output_dtype not in SUPPORTED_DTYPES:
             raise _Refusal(
                 f"the trailing Cast is to {_dtype_name(output_dtype)}, not an output type of the op",
@@ -1071,14 +1089,16 @@ def classify(
 # --- rule set ---------------------------------------------------------------------------------------
 
 
-def _rules(trailing_cast: bool) -> list[pattern.RewriteRule]:
+def _rules(trailing_cast: bool, float_cast_first: bool = False) -> list[pattern.RewriteRule]:
+    suffix = {(True, True): ", float32 Cast, trailing Cast", (True, False): ", trailing Cast", (False, False): ""}
     rules = [
         GatedGroupRMSNormFusion.rule(
             f"GatedGroupRMSNorm[{inner}{', W first' if weight_first else ''}"
-            f"{', trailing Cast' if trailing_cast else ''}{'' if grouped else ', ungrouped'}]",
+            f"{suffix[trailing_cast, float_cast_first]}{'' if grouped else ', ungrouped'}]",
             inner=inner,
             weight_first=weight_first,
             trailing_cast=trailing_cast,
+            float_cast_first=float_cast_first,
             grouped=grouped,
         )
         for grouped in (True, False)
@@ -1088,10 +1108,11 @@ def _rules(trailing_cast: bool) -> list[pattern.RewriteRule]:
     rules += [
         GatedGroupRMSNormFusion.rule(
             f"GatedGroupRMSNorm[{inner}, weight in the groups{', W first' if weight_first else ''}"
-            f"{', trailing Cast' if trailing_cast else ''}]",
+            f"{suffix[trailing_cast, float_cast_first]}]",
             inner=inner,
             weight_first=weight_first,
             trailing_cast=trailing_cast,
+            float_cast_first=float_cast_first,
             weight_in_group=True,
         )
         for inner in INNER_NORMS
@@ -1121,7 +1142,10 @@ def _rule_set(rules: list[pattern.RewriteRule]) -> pattern.RewriteRuleSet:
     return rule_set
 
 
-#: Rules that absorb a trailing Cast: applied first, so a chain is not fused at its weight Mul first.
+#: Rules that absorb a trailing Cast after a Cast of the product to float32: first, or the rules below would
+#: take that float32 Cast as the trailing one (they meet it first) and leave the Cast to half after the node.
+float_cast_rules = _rule_set(_rules(trailing_cast=True, float_cast_first=True))
+#: Rules that absorb a trailing Cast: before the plain ones, so a chain is not fused at its weight Mul first.
 cast_absorbing_rules = _rule_set(_rules(trailing_cast=True))
 #: Rules that end at the weight Mul.
 plain_rules = _rule_set(_rules(trailing_cast=False))
@@ -1129,7 +1153,7 @@ plain_rules = _rule_set(_rules(trailing_cast=False))
 #: scale followed by the weight Mul (form H) is fused with its Mul, not up to the norm alone.
 scale_rules = _rule_set(_scale_rules())
 #: The phases, in the order they must run.
-gated_group_rms_norm_rule_sets = (cast_absorbing_rules, plain_rules, scale_rules)
+gated_group_rms_norm_rule_sets = (float_cast_rules, cast_absorbing_rules, plain_rules, scale_rules)
 
 
 def fuse_gated_group_rms_norm(
