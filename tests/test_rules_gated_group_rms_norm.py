@@ -708,6 +708,17 @@ def _fused_attrs(fused: onnx.ModelProto) -> tuple[onnx.NodeProto, dict]:
     return node, {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
+def _fused_with_a_cast_after(model: onnx.ModelProto, output_dtype: int, cast_to: int) -> onnx.ModelProto:
+    """Fuse ``model`` (one chain, no refusal) and check the node's output_dtype and the one Cast left after it."""
+    fused, report = rewrite_model(model)
+    assert report.fused == 1 and not report.refused, report.summary()
+    node, attrs = _fused_attrs(fused)
+    assert attrs["output_dtype"] == output_dtype
+    (cast,) = [n for n in fused.graph.node if n.op_type == "Cast"]
+    assert cast.input[0] == node.output[0] and onnx.helper.get_attribute_value(cast.attribute[0]) == cast_to
+    return fused
+
+
 @pytest.mark.parametrize("weight_in_group", [None, "reshape"], ids=["weight-after", "weight-in-group"])
 def test_trailing_half_cast_after_a_float32_cast_is_absorbed(weight_in_group: str | None) -> None:
     """Cast(to=f32) of the float32 product, then the Cast to half: the first is a no-op, so the node takes
@@ -730,13 +741,7 @@ def test_product_rounded_then_widened_before_the_trailing_cast_is_not_one_cast()
     """Cast(to=f16) then Cast(to=f32): a rounding and a widening. The node takes the first as its output
     rounding and the widening stays after it."""
     spec = ChainSpec(z_dtype=FLOAT16, cast_z=True, trailing_cast=FLOAT)
-    model = _with_float_cast_before_trailing(build_chain(spec), to=FLOAT16)
-    fused, report = rewrite_model(model)
-    assert report.fused == 1 and not report.refused, report.summary()
-    node, attrs = _fused_attrs(fused)
-    assert attrs["output_dtype"] == FLOAT16
-    (cast,) = [n for n in fused.graph.node if n.op_type == "Cast"]
-    assert cast.input[0] == node.output[0] and onnx.helper.get_attribute_value(cast.attribute[0]) == FLOAT
+    fused = _fused_with_a_cast_after(_with_float_cast_before_trailing(build_chain(spec), to=FLOAT16), FLOAT16, FLOAT)
     feeds = chain_inputs(spec)
     for use_library in (True, False):
         got = _run(fused, feeds, use_library=use_library)
@@ -751,12 +756,7 @@ def test_float32_cast_read_elsewhere_stays_with_the_half_cast() -> None:
     model = _with_float_cast_before_trailing(build_chain(spec))
     model.graph.node.append(onnx.helper.make_node("Neg", ["product_cast"], ["product_neg"]))
     model.graph.output.append(onnx.helper.make_tensor_value_info("product_neg", FLOAT, None))
-    fused, report = rewrite_model(model)
-    assert report.fused == 1 and not report.refused, report.summary()
-    node, attrs = _fused_attrs(fused)
-    assert attrs["output_dtype"] == FLOAT
-    (cast,) = [n for n in fused.graph.node if n.op_type == "Cast"]
-    assert cast.input[0] == node.output[0] and onnx.helper.get_attribute_value(cast.attribute[0]) == FLOAT16
+    fused = _fused_with_a_cast_after(model, FLOAT, FLOAT16)
     feeds = chain_inputs(spec)
     for use_library in (True, False):
         out, negated = contrib_ops.session(fused, use_library=use_library).run(["out", "product_neg"], feeds)
