@@ -132,7 +132,7 @@ def test_rewrite_pass_on_ir_model_after_shape_inference(library: str) -> None:
 
 
 def test_rule_set_is_an_onnxscript_rule_set() -> None:
-    """rewrite_rules() is a RewriteRuleSet whose rules iterate in phase order (Cast-absorbing first)."""
+    """rewrite_rules() is a RewriteRuleSet whose rules iterate in phase order (Cast-absorbing phases first)."""
     from onnxscript.rewriter import pattern
 
     rules = rewrite_rules()
@@ -142,8 +142,10 @@ def test_rule_set_is_an_onnxscript_rule_set() -> None:
     phases = [[rule.name for rule in rule_set] for rule_set in gated_group_rms_norm_rule_sets]
     assert len(phases) >= 2 and all(phases)
     assert names == [name for phase in phases for name in phase]  # phase by phase, as fuse_* applies them
-    assert all("trailing Cast" in name for name in phases[0])  # the Cast-absorbing phase first
-    assert not any("trailing Cast" in name for phase in phases[1:] for name in phase)
+    # the Cast-absorbing phases first: the two-Cast spelling, then the one-Cast one; none after them
+    assert all("float32 Cast, trailing Cast" in name for name in phases[0])
+    assert all("trailing Cast" in name and "float32 Cast" not in name for name in phases[1])
+    assert not any("trailing Cast" in name for phase in phases[2:] for name in phase)
 
 
 def test_attach_function_leaves_unfused_models_alone() -> None:
