@@ -685,10 +685,14 @@ def _with_float_cast_before_trailing(model: onnx.ModelProto, to: int = FLOAT) ->
     return model
 
 
+def _fused_attrs(fused: onnx.ModelProto) -> tuple[onnx.NodeProto, dict]:
+    node = _fused_node(fused)
+    return node, {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
 def _assert_node_within_budget(got: np.ndarray, fused: onnx.ModelProto, feeds: dict, output_dtype: type) -> None:
     """``got`` (the node's output, or its exact widening) inside the op's budget for the fused node's inputs."""
-    (node,) = [n for n in fused.graph.node if n.op_type == "GatedGroupRMSNorm"]
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    node, attrs = _fused_attrs(fused)
     weight = next(i for i in fused.graph.initializer if i.name == node.input[2])
     reference = reference_for_budget(
         feeds["y"],
@@ -701,11 +705,6 @@ def _assert_node_within_budget(got: np.ndarray, fused: onnx.ModelProto, feeds: d
     )
     ok, message = budget_report(got.astype(output_dtype), **reference)
     assert ok, message
-
-
-def _fused_attrs(fused: onnx.ModelProto) -> tuple[onnx.NodeProto, dict]:
-    (node,) = [n for n in fused.graph.node if n.op_type == "GatedGroupRMSNorm"]
-    return node, {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _fused_with_a_cast_after(model: onnx.ModelProto, output_dtype: int, cast_to: int) -> onnx.ModelProto:

@@ -1090,11 +1090,11 @@ def classify(
 
 
 def _rules(trailing_cast: bool, float_cast_first: bool = False) -> list[pattern.RewriteRule]:
-    suffix = {(True, True): ", float32 Cast, trailing Cast", (True, False): ", trailing Cast", (False, False): ""}
+    suffix = (", float32 Cast" if float_cast_first else "") + (", trailing Cast" if trailing_cast else "")
     rules = [
         GatedGroupRMSNormFusion.rule(
             f"GatedGroupRMSNorm[{inner}{', W first' if weight_first else ''}"
-            f"{suffix[trailing_cast, float_cast_first]}{'' if grouped else ', ungrouped'}]",
+            f"{suffix}{'' if grouped else ', ungrouped'}]",
             inner=inner,
             weight_first=weight_first,
             trailing_cast=trailing_cast,
@@ -1107,8 +1107,7 @@ def _rules(trailing_cast: bool, float_cast_first: bool = False) -> list[pattern.
     ]
     rules += [
         GatedGroupRMSNormFusion.rule(
-            f"GatedGroupRMSNorm[{inner}, weight in the groups{', W first' if weight_first else ''}"
-            f"{suffix[trailing_cast, float_cast_first]}]",
+            f"GatedGroupRMSNorm[{inner}, weight in the groups{', W first' if weight_first else ''}{suffix}]",
             inner=inner,
             weight_first=weight_first,
             trailing_cast=trailing_cast,
