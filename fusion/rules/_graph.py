@@ -712,9 +712,11 @@ def _infer_dims(
         if not 0 <= axis < rank:
             return None
         result = list(parts[0])  # type: ignore[arg-type]
-        for position in range(rank):  # the other axes are equal in every input (or the node fails): any is right
+        for position in range(rank):  # the other axes are equal in every input (or the node fails): any is right,
+            # and a number is the most that is proven (a cache's symbolic batch beside the step's batch of 1 is 1)
             known = [part[position] for part in parts if part[position] is not None]  # type: ignore[index]
-            result[position] = known[0] if known else None
+            numbers = [dim for dim in known if isinstance(dim, int)]
+            result[position] = numbers[0] if numbers else known[0] if known else None
         result[axis] = _sum_dims([part[axis] for part in parts])  # type: ignore[index]
         return result
     if op == "Tile" and len(inputs) > 1:
