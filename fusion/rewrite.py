@@ -201,9 +201,13 @@ def rewrite_model(
             # ONNX's inference could not prove some chain's shapes (TorchScript exports lose dims through
             # their shape arithmetic); ONNX Runtime's symbolic inference often can. Second pass, same log.
             report.fused += fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
-        _explain_refusals(model, log, report)
         if decode_steps:
             _fuse_decode_steps(model, opset, report)
+            if report.decode_fused and any(not chain.fused for chain in log.chains.values()):
+                # y's shape may be proven only through the fused decode ops (a decode export whose reshapes
+                # take the batch from the cache, transformers 5.25): the refused chains once more, same log.
+                report.fused += fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
+        _explain_refusals(model, log, report)
     for output in model.graph.outputs:
         if output.name in declared_outputs:
             output.type, output.shape = declared_outputs[output.name]

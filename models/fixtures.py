@@ -1,6 +1,6 @@
 """Regenerate the tiny exported models under ``tests/fixtures/models/`` with their manifest and references.
 
-Four fixture sets, each a directory with its own ``manifest.json`` and ``references.npz``:
+Five fixture sets, each a directory with its own ``manifest.json`` and ``references.npz``:
 
 - ``models`` (``tests/fixtures/models/``): Nemotron-H and Zamba2, ``FIXTURE_MATRIX`` (family × exporter ×
   dtype × mode, every combination);
@@ -13,10 +13,12 @@ Four fixture sets, each a directory with its own ``manifest.json`` and ``referen
   from the padded length, ``(G * c * ceil(L / c)) // L``, and the export runs only at multiples of c) and at
   a length past one chunk that is not a multiple (``PADDED_FIXTURES``); references at two chunks;
 - ``batch`` (``tests/fixtures/models/batch/``): decode steps with a symbolic batch axis, traced at
-  ``TRACED_BATCH`` rows (``BATCH_FIXTURES``); references at that batch.
+  ``TRACED_BATCH`` rows (``BATCH_FIXTURES``); references at that batch;
+- ``transformers-5.25`` (``tests/fixtures/models/transformers-5.25/``): every family exported with transformers
+  5.25, whose decode step is written differently (``TF525_FIXTURES``); the sets above are 5.24's.
 
-``python -m models.fixtures [--set models|families|padded|batch]`` exports every combination of the set in a
-subprocess each (an exporter crash or leak stays in its own process; two run at a time),
+``python -m models.fixtures [--set models|families|padded|batch|transformers-5.25]`` exports every combination
+of the set in a subprocess each (an exporter crash or leak stays in its own process; two run at a time),
 then writes, atomically:
 
 - ``<family>-<exporter>-<dtype>-<mode>.onnx``  one self-contained model each (exporter stack traces
@@ -173,7 +175,44 @@ BATCH_FIXTURES: list[tuple[str, str, int | None, str]] = [
     ("falcon_h1", "dynamo", 18, "fp16"),
     ("nemotron_h", "transformers", None, "fp32"),
 ]
-FIXTURE_SETS = ("models", "families", "padded", "batch")
+#: The transformers-5.25 set (``tests/fixtures/models/transformers-5.25/``): the same families exported with
+#: transformers 5.25, whose decode step runs through the kernel-hub fallback functions (``causal_conv1d_update``,
+#: ``mamba2_selective_state_update``) with the batch read from the cache, and adds a ``cumulative_length_linear``
+#: cache tensor per Mamba layer. Beside the sets above (exported with 5.24), so that the tests keep both
+#: versions' graphs: every family's dynamo decode (fp32, fp16) and prefill (fp32), dynamo without optimize,
+#: transformers' exporter; Nemotron-H and Zamba2 also bf16 decode, opset 23 prefill, TorchScript and
+#: transformers' exporter with ORT's fusions; and a symbolic-batch decode step each of Nemotron-H and Mamba2.
+#: ``python -m models.fixtures --set transformers-5.25`` regenerates it with the installed transformers (the
+#: manifest records the version; the tests check it is 5.25).
+TF525_FIXTURE_DIR = FIXTURE_DIR / "transformers-5.25"
+TF525_VERSION = "5.25"
+TF525_FIXTURES: list[tuple[str, str, int | None, str, str, int]] = [
+    *(
+        (family, exporter, opset, mode, dtype, 1)
+        for family in ("nemotron_h", "zamba2", "mamba2", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_nbg")
+        for exporter, opset, mode, dtype in (
+            ("dynamo", 18, "decode", "fp32"),
+            ("dynamo", 18, "decode", "fp16"),
+            ("dynamo", 18, "prefill", "fp32"),
+            ("dynamo-noopt", 18, "decode", "fp32"),
+            ("transformers", None, "decode", "fp32"),
+            ("transformers", None, "prefill", "fp16"),
+        )
+    ),
+    *(
+        (family, exporter, opset, mode, dtype, 1)
+        for family in ("nemotron_h", "zamba2")
+        for exporter, opset, mode, dtype in (
+            ("dynamo", 18, "decode", "bf16"),
+            ("dynamo", 23, "prefill", "fp32"),
+            ("torchscript", 17, "prefill", "fp32"),
+            ("transformers-ort", None, "decode", "fp32"),
+        )
+    ),
+    ("nemotron_h", "dynamo", 18, "decode", "fp32", TRACED_BATCH),
+    ("mamba2", "dynamo", 18, "decode", "fp16", TRACED_BATCH),
+]
+FIXTURE_SETS = ("models", "families", "padded", "batch", "transformers-5.25")
 #: The sets of the families table (the batch set repeats families and exporters that the others cover).
 _TABLE_SETS = ("models", "families", "padded")
 
@@ -223,6 +262,18 @@ def batch_fixture_jobs() -> list[dict[str, Any]]:
     return jobs
 
 
+def tf525_fixture_jobs() -> list[dict[str, Any]]:
+    """Return every combination of the transformers-5.25 set as a job dict (with batch where above 1)."""
+    jobs = []
+    for family, exporter, opset, mode, dtype, batch in TF525_FIXTURES:
+        stem = fixture_stem(family, exporter, opset, dtype, mode)
+        job = dict(stem=stem, family=family, exporter=exporter, opset=opset, dtype=dtype, mode=mode)
+        if batch > 1:
+            job.update(stem=stem.replace("-decode", "-batch-decode"), batch=batch)
+        jobs.append(job)
+    return jobs
+
+
 def set_jobs(fixture_set: str) -> list[dict[str, Any]]:
     """Return every job of a fixture set ("models", "families", "padded" or "batch")."""
     return {
@@ -230,6 +281,7 @@ def set_jobs(fixture_set: str) -> list[dict[str, Any]]:
         "families": family_fixture_jobs,
         "padded": padded_fixture_jobs,
         "batch": batch_fixture_jobs,
+        "transformers-5.25": tf525_fixture_jobs,
     }[fixture_set]()
 
 
@@ -240,6 +292,7 @@ def set_dir(fixture_set: str) -> Path:
         "families": FAMILY_FIXTURE_DIR,
         "padded": PADDED_FIXTURE_DIR,
         "batch": BATCH_FIXTURE_DIR,
+        "transformers-5.25": TF525_FIXTURE_DIR,
     }[fixture_set]
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from fusion.rules import _arith, _graph
+from fusion.rules import _arith
 from fusion.rules._graph import (
     Dim,
     ForwardShapes,
@@ -412,41 +412,9 @@ def negative_zeros(name: str, count: int, dtype: ir.DataType) -> ir.Value:
     return ir.Value(name=name, const_value=ir.tensor(np.full(count, -0.0, dtype=dtype.numpy()), name=name))
 
 
-class DecodeShapes(ForwardShapes):
-    """``ForwardShapes`` that also knows the decode ops' outputs: out has x's dims, present the state's.
-
-    A rewrite pass's fused CausalConv1dUpdate / SelectiveStateUpdate nodes (each rejects at run time an x
-    or a state of another shape than it writes) then prove the dims of what follows them, so that a later
-    pass can prove the next layer's chain (a symbolic batch is carried through them).
-    """
-
-    #: op type -> (the input whose dims output 0 has, the input whose dims output 1 has)
-    _OUTPUT_DIMS = {"CausalConv1dUpdate": (0, 1), "SelectiveStateUpdate": (1, 0)}
-
-    def _infer_all(self) -> dict[ir.Value, list[Dim] | None]:
-        dims: dict[ir.Value, list[Dim] | None] = {}
-        if self._graph is None:
-            return dims
-        aliases = _graph.ProvenAliases(dims.get)
-        for value in [*self._graph.inputs, *self._graph.initializers.values()]:
-            dims[value] = _graph.value_dims(value, {})
-
-        def dims_of(value: ir.Value | None) -> list[Dim] | None:
-            if value is None:
-                return None
-            if value in dims:
-                return dims[value]
-            return _graph.value_dims(value, {}) if value.producer() is None and value.const_value is not None else None
-
-        for node in self._graph:
-            own = self._OUTPUT_DIMS.get(node.op_type) if node.domain == _OWN_DOMAIN else None
-            for index, output in enumerate(node.outputs):
-                if own is not None:
-                    source = own[index] if index < 2 else None
-                    dims[output] = dims_of(node.inputs[source]) if source is not None else None
-                else:
-                    dims[output] = _graph._infer_dims(node, index, dims_of, aliases)
-        return dims
+#: ``ForwardShapes`` knows the decode ops' outputs (out has x's dims, present the state's with x's batch: each
+#: kernel rejects another), so that a later pass proves the next layer's chain through a pass's fused nodes.
+DecodeShapes = ForwardShapes
 
 
 #: Ops whose output 0 has the type of one input (by their ONNX schemas): op -> that input's index.

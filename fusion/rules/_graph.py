@@ -441,7 +441,7 @@ _SAME_SHAPE = frozenset(
         "Reciprocal", "Tanh", "Erf", "Floor", "Ceil", "Round", "Sign", "Sin", "Cos", "Not", "IsNaN", "IsInf",
         "Softmax", "LogSoftmax", "CumSum", "Trilu", "Clip", "Dropout", "HardSigmoid", "LeakyRelu", "Elu", "Selu",
         "Celu", "Softsign", "Mish", "Gelu", "LayerNormalization", "RMSNormalization", "RotaryEmbedding",
-        "SimplifiedLayerNormalization",
+        "SimplifiedLayerNormalization", "QuantizeLinear", "DequantizeLinear",
     }
 )  # fmt: skip
 #: Elementwise ops with numpy (multidirectional) broadcasting, any number of inputs.
@@ -526,16 +526,34 @@ class ForwardShapes:
 
     def aliases(self, known: Mapping[ir.Value, Sequence[Dim] | None]) -> ProvenAliases:
         """Aliases for ``resolve_shape_tensor``: ``known`` values' dims as given, every other produced value's
-        as this graph proves them."""
-        return ProvenAliases(self, known)
+        as this graph proves them (and graph inputs with their symbols bound where the graph fixes them)."""
+        if self._dims is None:
+            self._dims = self._infer_all()
+        return ProvenAliases(self, {**self._bound_inputs, **known})
 
     def _infer_all(self) -> dict[ir.Value, list[Dim] | None]:
+        dims = self._infer_pass({})
+        bindings = _symbol_bindings(self._graph, dims) if self._graph is not None else {}
+        if not bindings:
+            return dims
+        # A graph input's symbol that a node fixes to a number (the node fails for any other size): the dims
+        # again with that number in its place, from the inputs on.
+        self._bound_inputs = {}
+        for value in self._graph.inputs:  # type: ignore[union-attr]
+            declared = value_dims(value, {})
+            if declared is not None and any(isinstance(d, str) and d in bindings for d in declared):
+                self._bound_inputs[value] = [bindings.get(d, d) if isinstance(d, str) else d for d in declared]
+        return self._infer_pass(self._bound_inputs)
+
+    _bound_inputs: dict[ir.Value, list[Dim]] = {}  # noqa: RUF012 (replaced per instance, never mutated)
+
+    def _infer_pass(self, bound: Mapping[ir.Value, list[Dim]]) -> dict[ir.Value, list[Dim] | None]:
         dims: dict[ir.Value, list[Dim] | None] = {}
         if self._graph is None:
             return dims
-        aliases = ProvenAliases(dims.get)
+        aliases = ProvenAliases(dims.get, bound)
         for value in [*self._graph.inputs, *self._graph.initializers.values()]:
-            dims[value] = value_dims(value, {})
+            dims[value] = list(bound[value]) if value in bound else value_dims(value, {})
 
         def dims_of(value: ir.Value | None) -> list[Dim] | None:
             if value is None:
@@ -549,6 +567,59 @@ class ForwardShapes:
             for index, output in enumerate(node.outputs):
                 dims[output] = _infer_dims(node, index, dims_of, aliases)
         return dims
+
+
+def _symbol_bindings(graph: ir.Graph, dims: Mapping[ir.Value, list[Dim] | None]) -> dict[str, int]:
+    """Return the graph inputs' symbols that a node of ``graph`` fixes to a number: a ``Concat`` runs only where
+    its inputs agree on every axis but the joined one, so a symbol there beside a number is that number (a
+    decode step's cache batch beside its token batch of 1). A symbol that would take two numbers is left out
+    (the graph never runs)."""
+    symbols = {d for value in graph.inputs for d in (value_dims(value, {}) or []) if isinstance(d, str)}
+    found: dict[str, set[int]] = {}
+    for node in graph:
+        for column in _equal_dims(node, dims):
+            numbers = {d for d in column if isinstance(d, int)}
+            if len(numbers) != 1:
+                continue
+            for d in column:
+                if isinstance(d, str) and d in symbols:
+                    found.setdefault(d, set()).update(numbers)
+    return {symbol: next(iter(values)) for symbol, values in found.items() if len(values) == 1}
+
+
+#: This project's decode ops: (input, axis) pairs that the kernels require to be equal (docs/: the conv
+#: state's batch and channels are x's; the recurrent state's batch, heads and head dim are x's).
+_OWN_EQUAL_DIMS = {
+    "CausalConv1dUpdate": (((0, 0), (1, 0)), ((0, 1), (1, 1))),
+    "SelectiveStateUpdate": (((1, 0), (0, 0)), ((1, 1), (0, 1)), ((1, 2), (0, 2))),
+}
+
+
+def _equal_dims(node: ir.Node, dims: Mapping[ir.Value, list[Dim] | None]) -> Iterator[list[Dim]]:
+    """Yield columns of dims that ``node`` runs only where they are equal: a Concat's inputs on every axis but
+    the joined one, and the inputs of this project's decode ops that their kernels require to match."""
+
+    def dims_of(index: int) -> list[Dim] | None:
+        value = node.inputs[index] if index < len(node.inputs) else None
+        return dims.get(value) if value is not None else None
+
+    if node.domain == _OWN_DOMAIN and node.op_type in _OWN_EQUAL_DIMS:
+        for pairs in _OWN_EQUAL_DIMS[node.op_type]:
+            shapes = [dims_of(index) for index, _ in pairs]
+            if all(shape is not None and axis < len(shape) for shape, (_, axis) in zip(shapes, pairs, strict=True)):
+                yield [shape[axis] for shape, (_, axis) in zip(shapes, pairs, strict=True)]  # type: ignore[index]
+        return
+    if node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return
+    parts = [dims_of(i) for i in range(len(node.inputs))]
+    if any(part is None for part in parts) or len({len(part) for part in parts}) != 1:  # type: ignore[arg-type]
+        return
+    rank = len(parts[0])  # type: ignore[arg-type]
+    axis = node.attributes.get_int("axis", 0)
+    axis = axis + rank if axis < 0 else axis
+    for position in range(rank):
+        if position != axis:
+            yield [part[position] for part in parts]  # type: ignore[index]
 
 
 class ProvenAliases(Mapping[ir.Value, Sequence[Dim] | None]):
@@ -638,13 +709,17 @@ def _infer_dims(
     Each rule is the ONNX operator's shape function for the case it accepts, and assumes only that the node
     runs (an op whose inputs do not fit fails at run time instead of producing a tensor of another shape).
     """
-    if node.domain == _OWN_DOMAIN and node.op_type == "GatedGroupRMSNorm":
-        return dims_of(node.inputs[0]) if index == 0 and node.inputs else None
+    if node.domain == _OWN_DOMAIN:
+        return _own_op_dims(node, index, dims_of)
     if node.domain == "com.microsoft":
         if node.op_type == "GroupQueryAttention":
             return _group_query_attention_dims(node, index, dims_of)
         if node.op_type == "MultiHeadAttention":
             return _multi_head_attention_dims(node, index, dims_of)
+        if node.op_type in _CONTRIB_MATMULS:
+            return _contrib_matmul_dims(node, index, dims_of)
+        if node.op_type == "GatherBlockQuantized":
+            return _gather_block_quantized_dims(node, index, dims_of)
         same = _CONTRIB_SAME_SHAPE.get(node.op_type, ())
         return dims_of(node.inputs[0]) if index in same and node.inputs else None
     if node.domain not in ("", "ai.onnx") or not node.outputs:
@@ -779,6 +854,74 @@ def _infer_dims(
     if op == "SequenceAt" and len(inputs) > 1:
         return _sequence_at_dims(node, dims_of)
     return None
+
+
+def _own_op_dims(node: ir.Node, index: int, dims_of: Callable[[ir.Value | None], list[Dim] | None]) -> list[Dim] | None:
+    """This project's fused ops, as their contracts (docs/) define their outputs: the first output has the
+    first data input's shape (GatedGroupRMSNorm: Y's; CausalConv1dUpdate and SelectiveStateUpdate: x's, input
+    1 of the state update), and the decode ops' present state has the past state's shape with x's batch (the
+    kernels reject a state of another batch)."""
+    x_index = {"GatedGroupRMSNorm": 0, "CausalConv1dUpdate": 0, "SelectiveStateUpdate": 1}.get(node.op_type)
+    if x_index is None or len(node.inputs) <= x_index:
+        return None
+    x = dims_of(node.inputs[x_index])
+    if index == 0:
+        return x
+    if index != 1 or node.op_type == "GatedGroupRMSNorm":
+        return None
+    state = dims_of(node.inputs[1 if node.op_type == "CausalConv1dUpdate" else 0])
+    if state is None or x is None or not state or not x:
+        return state
+    return [x[0] if isinstance(x[0], int) else state[0], *state[1:]]
+
+
+#: ONNX Runtime's contrib matrix products that quantizers and ORT's fusions write in place of MatMul.
+_CONTRIB_MATMULS = frozenset({"MatMulNBits", "FusedMatMul", "DynamicQuantizeMatMul", "MatMulIntegerToFloat"})
+
+
+def _contrib_matmul_dims(
+    node: ir.Node, index: int, dims_of: Callable[[ir.Value | None], list[Dim] | None]
+) -> list[Dim] | None:
+    """The output of a contrib matrix product (ORT's schemas): ``MatMulNBits`` is ``[..., N]`` for A ``[..., K]``
+    (N and K its attributes; the kernel rejects an A whose last dim is not K); ``FusedMatMul`` is MatMul of its
+    operands with their last two axes swapped where ``transA`` / ``transB`` say (``transBatch*`` not followed);
+    the dynamic-quantization products are MatMul's."""
+    if index != 0 or len(node.inputs) < 2:
+        return None
+    left = dims_of(node.inputs[0])
+    if node.op_type == "MatMulNBits":
+        n, k = node.attributes.get_int("N", 0), node.attributes.get_int("K", 0)
+        if left is None or not left or n < 1 or k < 1 or (isinstance(left[-1], int) and left[-1] != k):
+            return None
+        return [*left[:-1], n]
+    right = dims_of(node.inputs[1])
+    if left is None or right is None or len(left) < 2 or len(right) < 2:
+        return None
+    if node.op_type == "FusedMatMul":
+        if node.attributes.get_int("transBatchA", 0) or node.attributes.get_int("transBatchB", 0):
+            return None
+        if node.attributes.get_int("transA", 0):
+            left = [*left[:-2], left[-1], left[-2]]
+        if node.attributes.get_int("transB", 0):
+            right = [*right[:-2], right[-1], right[-2]]
+    batch = _broadcast(left[:-2], right[:-2])
+    return None if batch is None else [*batch, left[-2], right[-1]]
+
+
+def _gather_block_quantized_dims(
+    node: ir.Node, index: int, dims_of: Callable[[ir.Value | None], list[Dim] | None]
+) -> list[Dim] | None:
+    """``GatherBlockQuantized`` (a quantized embedding): the indices' dims, then data's other dims, where a
+    4-bit table packed two to a uint8 byte along its last axis unpacks to twice that width."""
+    if index != 0 or len(node.inputs) < 2:
+        return None
+    data, indices = dims_of(node.inputs[0]), dims_of(node.inputs[1])
+    if data is None or indices is None or not data or node.attributes.get_int("gather_axis", 0) != 0:
+        return None
+    rest = list(data[1:])
+    if node.inputs[0].dtype == ir.DataType.UINT8 and node.attributes.get_int("bits", 4) == 4 and rest:
+        rest[-1] = rest[-1] * 2 if isinstance(rest[-1], int) else None
+    return [*indices, *rest]
 
 
 def _group_query_attention_dims(

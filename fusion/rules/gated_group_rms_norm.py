@@ -658,16 +658,19 @@ def _proven_dims(value: ir.Value, shapes: ForwardShapes) -> list[Dim] | None:
     A value with no declared shape takes its proven dims.
     """
     dims = value_dims(value, {})
-    if dims is not None and (not dims or isinstance(dims[-1], int)):
-        return dims
     proven = shapes(value)
     if dims is None:
         return proven if proven and isinstance(proven[-1], int) and proven[-1] > 0 else None
-    if not proven or len(proven) != len(dims) or not (isinstance(proven[-1], int) and proven[-1] > 0):
+    if not proven or len(proven) != len(dims):
         return dims
-    # The proven width, and proven leading dims where the declared ones are unnamed.
-    leading = [p if not isinstance(d, int | str) and p is not None else d for d, p in zip(dims, proven, strict=True)]
-    return [*leading[:-1], proven[-1]]
+    # Proven numbers over declared symbols (a decode step's batch of 1 that the export declares as the cache's
+    # symbol), and proven leading dims where the declared ones are unnamed.
+    leading = [
+        p if isinstance(p, int) or (not isinstance(d, int | str) and p is not None) else d
+        for d, p in zip(dims, proven, strict=True)
+    ]
+    width = proven[-1] if isinstance(proven[-1], int) and proven[-1] > 0 else dims[-1]
+    return [*leading[:-1], width]
 
 
 def _evidence_dims(dims: list[Dim], values: Sequence[ir.Value], shapes: ForwardShapes) -> list[Dim]:

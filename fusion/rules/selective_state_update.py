@@ -437,9 +437,15 @@ class SelectiveStateUpdateFusion(PlannedRule):
         elif state_dims[0] != batch:
             # the original fails with another batch: the state's rows, or (the op's body) the readout's
             # Reshape of their products to x's shape
+            # rows of the state (the MatMul fails where they do not broadcast against C's rows, proven from
+            # x's batch), or (the op's body) the readout's Reshape of their products to x's shape
             wider = emulate(s_rows, {s_t: leaf_indices((batch + 1, heads, head_dim, state_size))}, aliases)
-            if wider is not None and (
-                emulate(y, {bmm: leaf_indices((*wider.shape[:-2], head_dim, 1))}, aliases) is not None
+            c_dims = self._bound(shapes(c_rows))
+            products = None
+            if wider is not None:
+                products = _broadcast_batch(list(wider.shape[:-2]), c_dims[:-2] if c_dims is not None else None)
+            if products is not None and (
+                emulate(y, {bmm: leaf_indices((*products, head_dim, 1))}, aliases) is not None
             ):
                 raise Refusal("the state's batch is not proven to be x's", state)
         # D skip: out = y + x * D in T
@@ -685,6 +691,18 @@ def _proven_leaf(value: ir.Value, shapes: ForwardShapes, batch: Batch | None = N
         if dims is not None and all(isinstance(d, int) for d in dims):
             best = ancestor
     return best
+
+
+def _broadcast_batch(rows: list[int], other: list | None) -> list[int] | None:
+    """The MatMul batch dims of state rows ``rows`` against C's rows ``other`` (None: C's unproven, taken to
+    broadcast), or None where the two do not broadcast and the MatMul fails."""
+    if other is None or not all(isinstance(d, int) for d in other):
+        return rows
+    rank = max(len(rows), len(other))
+    left, right = [1] * (rank - len(rows)) + rows, [1] * (rank - len(other)) + list(other)
+    if any(a != b and 1 not in (a, b) for a, b in zip(left, right, strict=True)):
+        return None
+    return [max(a, b) if 0 not in (a, b) else 0 for a, b in zip(left, right, strict=True)]
 
 
 def _layout_ancestors(value: ir.Value) -> list[ir.Value]:
