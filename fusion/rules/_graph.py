@@ -532,59 +532,75 @@ class ForwardShapes:
         return ProvenAliases(self, {**self._bound_inputs, **known})
 
     def _infer_all(self) -> dict[ir.Value, list[Dim] | None]:
-        dims = self._infer_pass({})
-        bindings = _symbol_bindings(self._graph, dims) if self._graph is not None else {}
-        if not bindings:
-            return dims
-        # A graph input's symbol that a node fixes to a number (the node fails for any other size): the dims
-        # again with that number in its place, from the inputs on.
-        self._bound_inputs = {}
-        for value in self._graph.inputs:  # type: ignore[union-attr]
-            declared = value_dims(value, {})
-            if declared is not None and any(isinstance(d, str) and d in bindings for d in declared):
-                self._bound_inputs[value] = [bindings.get(d, d) if isinstance(d, str) else d for d in declared]
-        return self._infer_pass(self._bound_inputs)
+        # A graph input's symbol that a node fixes to a number (the node fails for any other size) is that number
+        # from the node on (``_equal_dims``), and in a second pass from the graph inputs on: values computed before
+        # the node learn it too. Passes until one fixes nothing new (usually two: a layer's cache batch is fixed
+        # as the pass reaches that layer's conv, after the layer before it).
+        bindings: dict[str, int] = {}
+        while True:
+            dims, found = self._infer_pass(bindings)
+            if found.keys() <= bindings.keys():
+                return dims
+            bindings.update(found)
 
     _bound_inputs: dict[ir.Value, list[Dim]] = {}  # noqa: RUF012 (replaced per instance, never mutated)
 
-    def _infer_pass(self, bound: Mapping[ir.Value, list[Dim]]) -> dict[ir.Value, list[Dim] | None]:
+    def _infer_pass(self, bindings: Mapping[str, int]) -> tuple[dict[ir.Value, list[Dim] | None], dict[str, int]]:
         dims: dict[ir.Value, list[Dim] | None] = {}
+        fixed = dict(bindings)
+        self._bound_inputs = {}
         if self._graph is None:
-            return dims
-        aliases = ProvenAliases(dims.get, bound)
+            return dims, fixed
+        symbols = {d for value in self._graph.inputs for d in (value_dims(value, {}) or []) if isinstance(d, str)}
+
+        def substituted(found: list[Dim] | None) -> list[Dim] | None:
+            if found is None or not fixed:
+                return found
+            return [fixed.get(d, d) if isinstance(d, str) else d for d in found]
+
+        def bind_inputs() -> None:
+            for value in self._graph.inputs:  # type: ignore[union-attr]
+                declared = value_dims(value, {})
+                if declared is not None and any(isinstance(d, str) and d in fixed for d in declared):
+                    self._bound_inputs[value] = substituted(declared)  # type: ignore[assignment]
+                    dims[value] = self._bound_inputs[value]
+
         for value in [*self._graph.inputs, *self._graph.initializers.values()]:
-            dims[value] = list(bound[value]) if value in bound else value_dims(value, {})
+            dims[value] = value_dims(value, {})
+        bind_inputs()
+        aliases = ProvenAliases(lambda value: substituted(dims.get(value)), self._bound_inputs)
 
         def dims_of(value: ir.Value | None) -> list[Dim] | None:
             if value is None:
                 return None
             if value in dims:
-                return dims[value]
+                return substituted(dims[value])
             # Not produced in this graph before here: an outer scope's value, or one used before its producer.
             return value_dims(value, {}) if value.producer() is None and value.const_value is not None else None
 
         for node in self._graph:
             for index, output in enumerate(node.outputs):
                 dims[output] = _infer_dims(node, index, dims_of, aliases)
-        return dims
+            new = _fixed_symbols(node, dims_of, symbols)
+            if new.keys() - fixed.keys():
+                fixed.update({k: v for k, v in new.items() if k not in fixed})
+                bind_inputs()
+        return {value: substituted(found) for value, found in dims.items()}, fixed
 
 
-def _symbol_bindings(graph: ir.Graph, dims: Mapping[ir.Value, list[Dim] | None]) -> dict[str, int]:
-    """Return the graph inputs' symbols that a node of ``graph`` fixes to a number: a ``Concat`` runs only where
-    its inputs agree on every axis but the joined one, so a symbol there beside a number is that number (a
-    decode step's cache batch beside its token batch of 1). A symbol that would take two numbers is left out
-    (the graph never runs)."""
-    symbols = {d for value in graph.inputs for d in (value_dims(value, {}) or []) if isinstance(d, str)}
-    found: dict[str, set[int]] = {}
-    for node in graph:
-        for column in _equal_dims(node, dims):
-            numbers = {d for d in column if isinstance(d, int)}
-            if len(numbers) != 1:
-                continue
-            for d in column:
-                if isinstance(d, str) and d in symbols:
-                    found.setdefault(d, set()).update(numbers)
-    return {symbol: next(iter(values)) for symbol, values in found.items() if len(values) == 1}
+def _fixed_symbols(
+    node: ir.Node, dims_of: Callable[[ir.Value | None], list[Dim] | None], symbols: set[str]
+) -> dict[str, int]:
+    """Return the graph inputs' ``symbols`` that ``node`` fixes to a number: a ``Concat`` runs only where its
+    inputs agree on every axis but the joined one, so a symbol there beside a number is that number (a decode
+    step's cache batch beside its token batch of 1); likewise the inputs of this project's decode ops that
+    their kernels require to match. A symbol beside two different numbers is left alone (the node never runs)."""
+    found: dict[str, int] = {}
+    for column in _equal_dims(node, dims_of):
+        numbers = {d for d in column if isinstance(d, int)}
+        if len(numbers) == 1:
+            found.update({d: next(iter(numbers)) for d in column if isinstance(d, str) and d in symbols})
+    return found
 
 
 #: This project's decode ops: (input, axis) pairs that the kernels require to be equal (docs/: the conv
@@ -595,13 +611,12 @@ _OWN_EQUAL_DIMS = {
 }
 
 
-def _equal_dims(node: ir.Node, dims: Mapping[ir.Value, list[Dim] | None]) -> Iterator[list[Dim]]:
+def _equal_dims(node: ir.Node, dims_of_value: Callable[[ir.Value | None], list[Dim] | None]) -> Iterator[list[Dim]]:
     """Yield columns of dims that ``node`` runs only where they are equal: a Concat's inputs on every axis but
     the joined one, and the inputs of this project's decode ops that their kernels require to match."""
 
     def dims_of(index: int) -> list[Dim] | None:
-        value = node.inputs[index] if index < len(node.inputs) else None
-        return dims.get(value) if value is not None else None
+        return dims_of_value(node.inputs[index]) if index < len(node.inputs) else None
 
     if node.domain == _OWN_DOMAIN and node.op_type in _OWN_EQUAL_DIMS:
         for pairs in _OWN_EQUAL_DIMS[node.op_type]:

@@ -274,20 +274,27 @@ class SelectiveStateUpdateFusion(PlannedRule):
             raise Refusal(f"ONNX opset {opset}: the op's function needs opset {MIN_OPSET}", anchor)
         # state: S = its dtype, read in float32 (through a widening Cast unless it is float)
         state_cast = _producer(state32, "Cast", "CastLike")
-        state = state_cast.inputs[0] if state_cast is not None else state32
+        state = _before_identities(state_cast.inputs[0] if state_cast is not None else state32)
         if state32.dtype != _F32:
             raise Refusal(f"the decay multiplies the state in {dtype_name(state32.dtype)}, not float32", state32)
         s = state.dtype
         if s not in (_F32, t):
             raise Refusal(f"the state is {dtype_name(s)}: the op keeps it in float32 or in x's type", state)
         # present: the graph output of the new state, in S
-        present_candidates = [new] + [
-            user.outputs[0] for user, _ in new.uses() if user.op_type in ("Cast", "CastLike") and user.domain == ""
-        ]
+        present_candidates = _cast_users(new)
         outputs = [v for v in present_candidates if v.is_graph_output()]
         if len(outputs) != 1:
             raise Refusal("the new state is not one graph output (the present state)", new)
         present = outputs[0]
+        # the Casts between new and present (torch's ``state.copy_(new.to(state.dtype))`` into a clone of the
+        # past state: two same-type CastLikes); each rounds to its own type, the last to S
+        present_casts = []
+        value = present
+        while value is not new:
+            present_casts.append(value.producer())
+            value = value.producer().inputs[0]
+        if any(c.outputs[0].dtype not in (s, _F32) for c in present_casts[1:]):
+            raise Refusal("the present state is rounded through another type before S", present)
         if present.dtype != s:
             raise Refusal(
                 f"the present state is {dtype_name(present.dtype)} but the past state {dtype_name(s)}", present
@@ -462,8 +469,7 @@ class SelectiveStateUpdateFusion(PlannedRule):
         # nothing between the inputs and the output may be read elsewhere
         leaves = {state, x, dt_src, b_src, c_src}
         chain_nodes = _data_nodes(_root(skip, y), leaves)
-        if present is not new:
-            chain_nodes.add(present.producer())  # the Cast that writes the present state
+        chain_nodes.update(present_casts)  # the Casts that write the present state
         inner = [o for n in chain_nodes for o in n.outputs if o is not present]
         root_out = _root(skip, y).outputs[0]
         readers = [v for v in outside_readers([o for o in inner if o is not root_out], chain_nodes)]
@@ -693,6 +699,23 @@ def _proven_leaf(value: ir.Value, shapes: ForwardShapes, batch: Batch | None = N
     return best
 
 
+def _before_identities(value: ir.Value) -> ir.Value:
+    """Return the value an ``Identity`` chain copies (torch's ``clone()`` of the past state), else ``value``."""
+    while (node := _producer(value, "Identity")) is not None and node.inputs and node.inputs[0] is not None:
+        value = node.inputs[0]
+    return value
+
+
+def _cast_users(value: ir.Value, depth: int = 2) -> list[ir.Value]:
+    """Return ``value`` and what Casts / CastLikes of it make, up to ``depth`` in a row."""
+    values = [value]
+    if depth:
+        for user, index in value.uses():
+            if user.op_type in ("Cast", "CastLike") and user.domain in ("", "ai.onnx") and index == 0:
+                values += _cast_users(user.outputs[0], depth - 1)
+    return values
+
+
 def _broadcast_batch(rows: list[int], other: list | None) -> list[int] | None:
     """The MatMul batch dims of state rows ``rows`` against C's rows ``other`` (None: C's unproven, taken to
     broadcast), or None where the two do not broadcast and the MatMul fails."""
@@ -816,10 +839,7 @@ def find_anchors(graph: ir.Graph) -> list[ir.Node]:
             for v in node.inputs
             if producer_op(v) == "Mul" and any(producer_op(p) == "Exp" for p in v.producer().inputs)
         ]
-        out = node.outputs[0]
-        is_output = out.is_graph_output() or any(
-            u.op_type in ("Cast", "CastLike") and u.outputs[0].is_graph_output() for u, _ in out.uses()
-        )
+        is_output = any(v.is_graph_output() for v in _cast_users(node.outputs[0]))
         if decays and is_output:
             anchors.append(node)
     return anchors
