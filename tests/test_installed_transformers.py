@@ -27,13 +27,6 @@ from models.build import FAMILIES
 from models.runtime import feeds
 from tests.test_decode_step_rules import TOLERANCE, _library_has_decode_ops, _run, scaled_error
 
-
-def _error(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
-    """``scaled_error`` for float outputs; an integer output (5.25's ``cumulative_length_linear``) must be equal."""
-    if not np.issubdtype(expected.dtype, np.floating):
-        return (0.0 if np.array_equal(actual, expected) else float("inf")), 0.0
-    return scaled_error(actual, expected)
-
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("decode", "prefill")
 #: Families whose gate multiplies after the norm (``norm_before_gate``): another op, refused with that reason.
@@ -107,5 +100,5 @@ def test_every_mamba_layer_gets_every_op(exports: dict, stem: str) -> None:
     for library in variants:
         actual = _run(fused, inputs, library)
         for output, a, e in zip([o.name for o in original.graph.output], actual, expected, strict=True):
-            error, floor = _error(a, e)
+            error, floor = scaled_error(a, e)
             assert error <= TOLERANCE["fp32"] + floor, f"{output} ({'library' if library else 'function'}): {error:.3g}"

@@ -21,13 +21,6 @@ from models.fixtures import FAMILY_FIXTURE_DIR, FIXTURE_DIR, TF525_FIXTURE_DIR
 from models.runtime import feeds, load_manifest, load_references
 from tests.test_decode_step_rules import TOLERANCE, _library_has_decode_ops, _run, scaled_error
 
-
-def _error(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
-    """``scaled_error`` for float outputs; an integer output (5.25's ``cumulative_length_linear``) must be equal."""
-    if not np.issubdtype(expected.dtype, np.floating):
-        return (0.0 if np.array_equal(actual, expected) else float("inf")), 0.0
-    return scaled_error(actual, expected)
-
 OPS = ("GatedGroupRMSNorm", "CausalConv1dUpdate", "SelectiveStateUpdate")
 #: (fixture directory, stem, bits, format): 5.24's Nemotron-H and Zamba2 (dynamo and transformers' exporter),
 #: the other families of 5.24 in fp16, and every family of 5.25.
@@ -104,5 +97,5 @@ def test_quantized_fused_matches_quantized_original(
     actual = _run(_fused(directory, stem, bits, fmt)[0], inputs, library)
     for output, a, e in zip([o.name for o in quantized.graph.output], actual, expected, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype, output
-        error, floor = _error(np.asarray(a), np.asarray(e))
+        error, floor = scaled_error(np.asarray(a), np.asarray(e))
         assert error <= TOLERANCE[record["dtype"]] + floor, f"{output}: max error {error:.3g} of the output's scale"

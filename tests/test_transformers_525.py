@@ -22,13 +22,6 @@ from models.fixtures import TF525_FIXTURE_DIR, TF525_VERSION, tf525_fixture_jobs
 from models.runtime import feeds, load_manifest, load_references
 from tests.test_decode_step_rules import TOLERANCE, _library_has_decode_ops, _run, scaled_error
 
-
-def _error(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
-    """``scaled_error`` for float outputs; an integer output (5.25's ``cumulative_length_linear``) must be equal."""
-    if not np.issubdtype(expected.dtype, np.floating):
-        return (0.0 if np.array_equal(actual, expected) else float("inf")), 0.0
-    return scaled_error(actual, expected)
-
 MANIFEST = load_manifest(TF525_FIXTURE_DIR)
 FIXTURES = MANIFEST["fixtures"]
 STEMS = sorted(FIXTURES)
@@ -113,7 +106,7 @@ def test_fused_matches_original(stem: str, library: bool) -> None:
     tolerance = TOLERANCE[record["dtype"]]
     for output, a, e in zip(names, actual, expected, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype, output
-        error, floor = _error(a, e)
+        error, floor = scaled_error(a, e)
         assert error <= tolerance + floor, f"{output}: max error {error:.3g} of the output's scale"
     # and the original is the torch model's step (the references' logits), so parity means the model's result
     logits = _references()[stem].get("output/logits")
