@@ -694,3 +694,107 @@ def test_an_element_of_unproven_size_is_not_one_element() -> None:
     inits = [_int("c8", 8), _int("c32", 32), _int("flat", [-1]), _int("one", [1]), _int("axis0", [0])]
     model = _model(nodes, [_x("x", 1, "seq", 8)], "y", inits)
     assert _proven(model, "y") is None
+
+
+def _quantized_matmul_model(fmt: str) -> onnx.ModelProto:
+    """x [1, seq, 64] @ w (64 x 48) through ORT's quantizer: ``MatMulNBits`` (QOperator) or DequantizeLinear +
+    MatMul (QDQ), 4 bits, block 32."""
+    from onnxruntime.quantization import QuantFormat
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    weight = onnx.numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32), "w")
+    node = helper.make_node("MatMul", ["x", "w"], ["y"])
+    model = _model([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", 64])], "y", [weight])
+    model.opset_import[0].version = 21
+    quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, quant_format=getattr(QuantFormat, fmt))
+    quantizer.process()
+    return quantizer.model.model
+
+
+@pytest.mark.parametrize("fmt", ["QOperator", "QDQ"])
+def test_quantized_matmul_output_dims_are_what_onnxruntime_produces(fmt: str) -> None:
+    """int4-quantized projections (what onnxruntime-genai deploys): their output dims are proven from the op's
+    attributes (MatMulNBits' N) or the dequantized weight's, as ORT produces them."""
+    model = _quantized_matmul_model(fmt)
+    assert ("MatMulNBits" if fmt == "QOperator" else "DequantizeLinear") in {n.op_type for n in model.graph.node}
+    proven = _proven(model, "y")
+    assert proven is not None and proven[0] == 1 and proven[2] == 48, proven
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in LENGTHS:
+        got = session.run(["y"], {"x": np.ones((1, seq, 64), np.float32)})[0].shape
+        assert [_evaluate(d, seq) for d in proven] == list(got), f"seq = {seq}: {proven} vs {got}"
+
+
+def test_matmul_nbits_of_another_width_than_k_is_not_proven() -> None:
+    model = _quantized_matmul_model("QOperator")
+    model.graph.input[0].type.tensor_type.shape.dim[2].dim_value = 32  # the kernel rejects an A whose width is not K
+    assert _proven(model, "y") is None
+
+
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_fused_matmul_output_dims_are_what_onnxruntime_produces(trans_a: int, trans_b: int) -> None:
+    a_shape = [2, 8, "seq"] if trans_a else [2, "seq", 8]
+    b = onnx.numpy_helper.from_array(np.ones((6, 8) if trans_b else (8, 6), np.float32), "b")
+    node = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft", transA=trans_a, transB=trans_b)
+    model = _model([node], [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_shape)], "y", [b])
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    proven = _proven(model, "y")
+    assert proven is not None
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in LENGTHS:
+        a = np.ones([seq if d == "seq" else d for d in a_shape], np.float32)
+        got = session.run(["y"], {"a": a})[0].shape
+        assert [_evaluate(d, seq) for d in proven] == list(got), f"seq = {seq}: {proven} vs {got}"
+
+
+def test_gather_block_quantized_unpacks_a_4_bit_table() -> None:
+    """A quantized embedding: [vocab, width / 2] uint8 bytes of two 4-bit values gather to [.., width]."""
+    table = onnx.numpy_helper.from_array(np.zeros((10, 16), np.uint8), "table")
+    scales = onnx.numpy_helper.from_array(np.ones((10, 1), np.float32), "scales")
+    node = helper.make_node(
+        "GatherBlockQuantized",
+        ["table", "ids", "scales"],
+        ["y"],
+        domain="com.microsoft",
+        gather_axis=0,
+        quantize_axis=1,
+        block_size=32,
+        bits=4,
+    )
+    model = _model([node], [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "seq"])], "y", [table, scales])
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    proven = _proven(model, "y")
+    assert proven is not None and proven[-1] == 32, proven
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seq in LENGTHS:
+        got = session.run(["y"], {"ids": np.zeros((1, seq), np.int64)})[0].shape
+        assert [_evaluate(d, seq) for d in proven] == list(got), f"seq = {seq}: {proven} vs {got}"
+
+
+def test_a_symbol_a_concat_fixes_to_a_number_is_that_number_everywhere() -> None:
+    """A decode step's cache batch (its own symbol) beside the step's batch of 1 in the conv's Concat: the
+    Concat runs only where they are equal, so the cache's batch is 1 in the whole graph, also before the Concat
+    (a Shape of the cache read by an earlier node) and through a second cache whose symbol only a later node
+    fixes against a value the first binding proves."""
+    nodes = [
+        helper.make_node("Shape", ["cache"], ["cache_shape"]),  # read before the Concat fixes its batch
+        helper.make_node("Concat", ["cache", "x"], ["window"], axis=-1),
+        helper.make_node("Reshape", ["window", "flat"], ["rows"]),  # [-1, 8]: the batch of 1 pins the -1
+        helper.make_node("Concat", ["cache2", "rows3"], ["window2"], axis=-1),
+        helper.make_node("Expand", ["x", "cache_shape"], ["y"]),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("cache", TensorProto.FLOAT, ["b1", 8, "k"]),
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 1]),
+        helper.make_tensor_value_info("cache2", TensorProto.FLOAT, ["b2", "c2", 3]),
+    ]
+    nodes.insert(3, helper.make_node("Unsqueeze", ["rows", "zero"], ["rows3"]))
+    model = _model(nodes, inputs, "y", [_int("flat", [-1, 8]), _int("zero", [0])])
+    shapes = ForwardShapes(ir.from_proto(model).graph)
+    graph = shapes._graph
+    values = {v.name: v for node in graph for v in node.outputs} | {v.name: v for v in graph.inputs}
+    assert shapes(values["y"])[:2] == [1, 8]
+    assert shapes(values["cache"])[:2] == [1, 8]
+    # window2: Concat([b2, c2, 3], [1, k + 1, 8]) on the last axis: b2 = 1 and c2 = k + 1 is not a number
+    assert shapes(values["cache2"])[0] == 1
+    assert shapes(values["cache2"])[1] == "c2"

@@ -471,6 +471,9 @@ _CONTRIB_SAME_SHAPE = {
     "QuickGelu": (0,),
     "Gelu": (0,),
     "RotaryEmbedding": (0,),
+    # mixture-of-experts layers (GraniteMoeHybrid's, float or quantized experts): the output is the input's shape
+    "MoE": (0,),
+    "QMoE": (0,),
 }
 
 
@@ -594,7 +597,8 @@ def _fixed_symbols(
     """Return the graph inputs' ``symbols`` that ``node`` fixes to a number: a ``Concat`` runs only where its
     inputs agree on every axis but the joined one, so a symbol there beside a number is that number (a decode
     step's cache batch beside its token batch of 1); likewise the inputs of this project's decode ops that
-    their kernels require to match. A symbol beside two different numbers is left alone (the node never runs)."""
+    their kernels require to match. A column with two different numbers fixes nothing (the node never runs; a
+    symbol fixed earlier in the pass keeps its number, which is as true of a graph that never runs)."""
     found: dict[str, int] = {}
     for column in _equal_dims(node, dims_of):
         numbers = {d for d in column if isinstance(d, int)}
