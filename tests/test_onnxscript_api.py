@@ -152,3 +152,41 @@ def test_attach_function_leaves_unfused_models_alone() -> None:
     model = _load("nemotron_h-dynamo-fp32-decode")
     before = model.SerializeToString()
     assert attach_function(model).SerializeToString() == before
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "tests/fixtures/models/nemotron_h-dynamo-fp16-decode.onnx",
+        "tests/fixtures/models/batch/zamba2-dynamo-fp32-batch-decode.onnx",
+        "tests/fixtures/models/transformers-5.25/mamba2-dynamo-fp32-decode.onnx",
+        "tests/fixtures/models/transformers-5.25/bamba-dynamo-noopt-fp32-decode.onnx",
+        "tests/fixtures/models/transformers-5.25/zamba2-dynamo-fp16-decode.onnx",
+    ],
+)
+def test_all_rewrite_rules_fuse_every_op_through_onnxscript(path: str) -> None:
+    """``all_rewrite_rules()`` through ``onnxscript.rewriter.rewrite``: every op in every Mamba-2 layer, also where
+    a chain is proven only through ops fused before it (transformers 5.25's decode step), and the fused model
+    computes what the original does on stock ONNX Runtime (through the attached functions)."""
+    from fusion.rules import all_rewrite_rules
+    from tests.test_decode_step_rules import TOLERANCE, scaled_error
+
+    fixture = FIXTURE_DIR.parent.parent.parent / path
+    record = load_manifest(fixture.parent)["fixtures"][fixture.stem]
+    original = onnx.load(fixture)
+    fused = rewriter.rewrite(original, pattern_rewrite_rules=all_rewrite_rules())
+    attach_function(fused)
+    counts = Counter(n.op_type for n in fused.graph.node if n.domain == DOMAIN)
+    ops = ("GatedGroupRMSNorm", "CausalConv1dUpdate", "SelectiveStateUpdate")
+    assert counts == dict.fromkeys(ops, record["num_mamba_layers"]), counts
+    assert len(list(all_rewrite_rules())) > len(ops)  # still iterable as a flat list of rules
+    inputs = feeds(record, load_references(fixture.parent)[fixture.stem])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    expected, actual = (
+        ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, inputs)
+        for m in (original, fused)
+    )
+    for output, a, e in zip([o.name for o in original.graph.output], actual, expected, strict=True):
+        error, floor = scaled_error(a, e)
+        assert error <= TOLERANCE[record["dtype"]] + floor, f"{output}: {error:.3g}"

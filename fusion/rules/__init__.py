@@ -29,6 +29,7 @@ from fusion.rules.gated_group_rms_norm import (
 )
 
 __all__ = [
+    "AllRulesSet",
     "FusionLog",
     "GatedGroupRMSNormFusion",
     "GatedGroupRMSNormRuleSet",
@@ -91,15 +92,44 @@ def rewrite_rules() -> GatedGroupRMSNormRuleSet:
     return GatedGroupRMSNormRuleSet()
 
 
-def all_rewrite_rules() -> list[pattern.RewriteRule]:
-    """Return the rules of every fusion (fusion/fusions.py), in the order ``rewrite_model`` runs them, as one
-    flat list: the gated norm's (as ``rewrite_rules``), then CausalConv1dUpdate's and SelectiveStateUpdate's.
+class AllRulesSet(pattern.RewriteRuleSet):
+    """Every fusion's rules (fusion/fusions.py) as one onnxscript ``RewriteRuleSet``.
+
+    Applying it runs each fusion's rule sets in ``rewrite_model``'s order, in rounds until one fuses nothing: a
+    chain may be proven only through ops fused in an earlier round (transformers 5.25's decode step proves the
+    next layer's batch, and the gated norm's y, through the fused conv and state updates). Iterating it gives
+    the rules themselves, in that order, for a flat list with other rules (one onnxscript pass: what that pass
+    can prove).
+    """
+
+    #: A bound on the rounds (each fuses at least one chain; a model's layers are proven one round apart at most).
+    MAX_ROUNDS = 64
+
+    def __init__(self) -> None:
+        from fusion import fusions
+
+        self._rule_sets = [rule_set for fusion in fusions.FUSIONS for rule_set in fusion.rules]
+        super().__init__([rule for rule_set in self._rule_sets for rule in rule_set])
+        self.remove_unused_nodes = False
+
+    def apply_to_model(self, model: ir.Model, *, verbose: int | None = None, tracer=None) -> int:
+        """Fuse every chain of ``model`` that the rounds prove, in place; return how many were fused."""
+        total = 0
+        for _ in range(self.MAX_ROUNDS):
+            fused = sum(rule_set.apply_to_model(model, verbose=verbose, tracer=tracer) for rule_set in self._rule_sets)
+            total += fused
+            if not fused:
+                break
+        return total
+
+
+def all_rewrite_rules() -> AllRulesSet:
+    """Return the rules of every fusion (fusion/fusions.py) as one rule set, applied in rounds (``AllRulesSet``):
+    the gated norm's (as ``rewrite_rules``), CausalConv1dUpdate's and SelectiveStateUpdate's.
 
     ``rewrite_rules()`` stays the gated norm's rule set; call ``attach_function`` after either.
     """
-    from fusion import fusions
-
-    return [rule for fusion in fusions.FUSIONS for rule_set in fusion.rules for rule in rule_set]
+    return AllRulesSet()
 
 
 def attach_function(model: ModelT) -> ModelT:
