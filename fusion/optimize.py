@@ -93,6 +93,10 @@ class OptimizeReport:
     def nodes_after(self) -> int:
         return self.passes[-1].nodes_after if self.passes else 0
 
+    def pass_named(self, name: str) -> PassResult:
+        """Return the pass of that name (e.g. "onnxscript ORT fusions")."""
+        return next(result for result in self.passes if result.name == name)
+
     def summary(self) -> str:
         """Return a few lines: one per pass, then the mambafuse pass's own summary (chains, refusals)."""
         lines = [f"nodes: {self.nodes_before} -> {self.nodes_after}"]
@@ -382,6 +386,15 @@ def optimize_model(
         )
         return ir.to_proto(ir_model), report
     report = OptimizeReport()
+    # mambafuse's fusions first, on the graph as exported (what ``rewrite`` fuses, so ``optimize`` fuses at least
+    # that): onnxscript's fusions below set the model's functions aside and leave the fused nodes alone, but they
+    # rewrite some chains into spellings the rules do not prove (Falcon-H1's grouped norm, whose RMS their
+    # rms_normalization takes). A chain fusable only after them is fused in a second mambafuse pass.
+    before = _node_count(model)
+    model, first = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
+    report.passes.append(
+        PassResult("mambafuse", fused=_fused_ops(first), nodes_before=before, nodes_after=_node_count(model))
+    )
     if ort_fusions:
         model, result = _ort_fusions(model)
     else:
@@ -390,15 +403,60 @@ def optimize_model(
     report.passes.append(result)
     report.passes.append(_own_pass("mambafuse attention", model, _attention))
     before = _node_count(model)
-    model, report.rewrite = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
-    fused = {"GatedGroupRMSNorm": report.rewrite.fused}
-    fused.update({op_type: op["fused"] for op_type, op in report.rewrite.decode.items()})
-    fused = {op_type: count for op_type, count in fused.items() if count}
-    report.passes.append(PassResult("mambafuse", fused=fused, nodes_before=before, nodes_after=_node_count(model)))
+    model, second = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
+    if second.fused or second.decode_fused:
+        report.passes.append(
+            PassResult(
+                "mambafuse, after the ORT fusions",
+                fused=_fused_ops(second),
+                nodes_before=before,
+                nodes_after=_node_count(model),
+            )
+        )
+    report.rewrite = _merged(first, second)
     # After the mambafuse fusions: their nodes prove the residual Adds' dims under a symbolic batch.
     report.passes.append(_own_pass("mambafuse residual norms", model, _residual_norms))
     report.passes.append(_own_pass("mambafuse layout", model, _unit_transposes))
     return model, report
+
+
+def _fused_ops(rewrite: Report) -> dict[str, int]:
+    """Return a rewrite's fused chains per op type (ops with none left out)."""
+    fused = {"GatedGroupRMSNorm": rewrite.fused}
+    fused.update({op_type: op["fused"] for op_type, op in rewrite.decode.items()})
+    return {op_type: count for op_type, count in fused.items() if count}
+
+
+def _merged(first: Report, second: Report) -> Report:
+    """Return one rewrite Report for ``optimize``'s two mambafuse passes: what both fused, what is left refused
+    after the second (the chains still in the model), the node counts from before the first to after the
+    second."""
+    merged = Report(
+        fused=first.fused + second.fused,
+        refused=list(second.refused),
+        nodes_before=first.nodes_before,
+        nodes_after=second.nodes_after,
+        function_attached=first.function_attached or second.function_attached,
+        fused_chains=[*first.fused_chains, *second.fused_chains],
+    )
+    # the second pass counts the chains still in the model (fused then or refused); the first's fused are gone
+    merged.chains_found = dict(second.chains_found)
+    for chain in first.fused_chains:
+        merged.chains_found[chain["form"]] = merged.chains_found.get(chain["form"], 0) + 1
+    for op_type in dict.fromkeys([*first.decode, *second.decode]):
+        a = first.decode.get(op_type, {})
+        b = second.decode.get(op_type, {})
+        fused = a.get("fused", 0) + b.get("fused", 0)
+        refused = list(b.get("refused", []))
+        merged.decode[op_type] = {
+            "counts": (b or a)["counts"],
+            "found": fused + len(refused),
+            "fused": fused,
+            "refused": refused,
+            "fused_chains": [*a.get("fused_chains", []), *b.get("fused_chains", [])],
+            "builder_fused": b.get("builder_fused", a.get("builder_fused", {})),
+        }
+    return merged
 
 
 # --- command line -----------------------------------------------------------------------------------

@@ -18,10 +18,12 @@ same data file (output in the input's directory) or gets its own ``<output>.data
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -256,7 +258,10 @@ def _symbolic_shapes(model: ir.Model) -> int:
     try:
         proto = ir.to_proto(model)
         _constants_as_tensors(proto.graph)
-        inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
+        # Where it cannot infer every shape it saves the model (weights as external data) into the working
+        # directory before it raises (onnxruntime 1.32's tools/symbolic_shape_infer.py): run it in a scratch one.
+        with tempfile.TemporaryDirectory(prefix="mambafuse-shapes-") as scratch, contextlib.chdir(scratch):
+            inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
     except Exception:
         return 0
     finally:

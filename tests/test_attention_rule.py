@@ -266,7 +266,7 @@ def test_without_ort_fusions_the_matmul_spelling_fuses() -> None:
     """``--no-ort-fusions``: scores as MatMul(q, Transpose(k_rep)) (onnxscript writes FusedMatMul), same outputs."""
     stem = "nemotron_h-dynamo-fp16-decode"
     optimized, report = optimize_model(_original(stem), ort_fusions=False)
-    assert report.passes[1].fused == {"GroupQueryAttention": 1}, report.summary()
+    assert report.pass_named("mambafuse attention").fused == {"GroupQueryAttention": 1}, report.summary()
     assert not any(node.op_type == "FusedMatMul" for node in optimized.graph.node)
     original = ort.InferenceSession(_original(stem).SerializeToString(), providers=["CPUExecutionProvider"])
     fused = contrib_ops.session(optimized, use_library=True)

@@ -79,7 +79,7 @@ def test_optimize_keeps_the_interface_and_fuses_every_chain(stem: str) -> None:
     # (its rotary and SDPA fusions can be absorbed by its later MultiHeadAttention fusion).
     assert report.nodes_before == len(original.graph.node)
     assert report.nodes_after == len(optimized.graph.node) <= report.nodes_before
-    ort_pass = report.passes[0]
+    ort_pass = report.pass_named("onnxscript ORT fusions")
     assert ort_pass.skipped is None, ort_pass.line()
     fused_ops = {
         "skip_rms_normalization": "SkipSimplifiedLayerNormalization",
@@ -134,7 +134,7 @@ def test_a_fusion_step_that_breaks_the_graph_is_undone(monkeypatch: pytest.Monke
     monkeypatch.setattr(rms_normalization, "fuse_rms_normalization", raises)
     stem = "nemotron_h-dynamo-fp32-decode"
     optimized, report = optimize_model(_original(stem))
-    undone = report.passes[0].undone
+    undone = report.pass_named("onnxscript ORT fusions").undone
     assert any(reason.startswith("skip_rms_normalization (left an invalid graph") for reason in undone), undone
     assert any(reason.startswith("rms_normalization (boom") for reason in undone), undone
     assert "nothing_makes_this" not in {name for node in optimized.graph.node for name in node.input}
@@ -150,7 +150,7 @@ def test_fp16_skip_norm_with_mixed_types_is_undone() -> None:
     """onnxscript fuses fp16 exports' residual Add + float32 RMSNorm into a SkipSimplifiedLayerNormalization with
     float16 and float32 inputs, which ONNX Runtime refuses to load; that step is undone, the model loads."""
     optimized, report = _optimized("nemotron_h-dynamo-fp16-decode")
-    assert any("SkipSimplifiedLayerNormalization" in reason for reason in report.passes[0].undone), report.summary()
+    assert any("SkipSimplifiedLayerNormalization" in reason for reason in report.pass_named("onnxscript ORT fusions").undone), report.summary()
     ort.InferenceSession(optimized.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
@@ -188,7 +188,8 @@ def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     output = tmp_path / "model.optimized.onnx"
     assert data["output"] == str(output) and output.is_file()
-    ort_pass, attention_pass, mambafuse_pass, norm_pass, layout_pass = data["passes"]
+    mambafuse_pass, ort_pass, attention_pass, norm_pass, layout_pass = data["passes"]
+    assert mambafuse_pass["name"] == "mambafuse" and ort_pass["name"] == "onnxscript ORT fusions"
     assert any(reason.startswith("skip_rms_normalization") for reason in ort_pass["undone"])
     assert attention_pass["name"] == "mambafuse attention" and attention_pass["fused"] == {"GroupQueryAttention": 1}
     assert norm_pass["name"] == "mambafuse residual norms" and sum(norm_pass["fused"].values()) == 5
