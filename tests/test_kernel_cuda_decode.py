@@ -1,16 +1,17 @@
 """The CUDA kernels of ai.mambafuse::SelectiveStateUpdate and ai.mambafuse::CausalConv1dUpdate against the op
 references (fusion/reference/selective_state_update.py, fusion/reference/causal_conv1d_update.py) at their
 accuracy budgets: every type combination, batch 1 and 8, G = 1, G = H and between, odd shapes, the real
-Nemotron-H-8B widths, both state-update paths and every rows-per-lane variant, edge values, a CUDA-graph
-replay, and bad inputs.
+Nemotron-H-8B widths, both state-update paths and every rows-per-lane variant, edge values, the state update's
+special-value sweep (tests/test_selective_state_update_special.py: float32 overflow of exp(d * A), NaN and
++-Inf in every input), a CUDA-graph replay, and bad inputs.
 
 Needs onnxruntime with the CUDA execution provider, a GPU, and the library built with -DMAMBAFUSE_CUDA=ON
 (point $MAMBAFUSE_LIBRARY at it). Every session forbids CPU fallback, so a library without the CUDA kernels
 fails instead of silently running the CPU ones.
 
-Without a GPU, test_emulated_kernels_within_budget still checks the kernels' logic (indexing, lane mapping,
-shuffles, launch choices) against the same budgets, on the host emulation of contrib_ops/cuda/tools/
-(emulate_decode.sh: g++ and the CUDA headers, no GPU).
+Without a GPU, test_emulated_kernels_within_budget and test_emulated_special_values still check the kernels'
+logic (indexing, lane mapping, shuffles, launch choices) against the same budgets, on the host emulation of
+contrib_ops/cuda/tools/ (emulate_decode.sh: g++ and the CUDA headers, no GPU).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from fusion.reference.selective_state_update import budget_report as ssu_budget_
 from fusion.reference.selective_state_update import selective_state_update
 from tests._cuda import CUDA, cuda_problem, with_supported_ir
 from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
+from tests.test_selective_state_update_special import special_cases
 
 ort = pytest.importorskip("onnxruntime")
 _problem = cuda_problem(ort)
@@ -199,6 +201,24 @@ def test_ssu_edge_values(t: np.dtype) -> None:
     nan_state = np.argwhere(np.isnan(state.astype(np.float32)))
     assert nan_out.tolist() == [[1, 2, 3]]
     assert nan_state.tolist() == [[1, 2, 3, 5]]
+
+
+@pytest.mark.parametrize(("t", "s"), TYPE_COMBOS, ids=TYPE_IDS)
+@pytest.mark.parametrize("dt_softplus", [0, 1])
+@pytest.mark.parametrize("state_size", [19, 32], ids=["N19-scalar", "N32-vector"])
+def test_ssu_special_values(t: np.dtype, s: np.dtype, dt_softplus: int, state_size: int) -> None:
+    """The special-value sweep of tests/test_selective_state_update_special.py on the CUDA kernel: dA = exp(d * A)
+    overflowing (and underflowing) in float32 in both directions with dt_softplus 0 and 1, readouts whose float32
+    sums overflow, NaN and +-Inf in every input; each case within the budget, whose special values are the
+    float32 evaluation's (docs/selective_state_update.md), as the CPU kernel's and the function body's are."""
+    failures = []
+    for case, inputs in special_cases(t, s, dt_softplus, state_size):
+        outputs = [("out", t), ("present_state", s)]
+        out, state = run_cuda(SSU, [(n, inputs[n]) for n in SSU_NAMES], outputs, dt_softplus=dt_softplus)
+        ok, msg = ssu_budget_report(out, state, *(inputs[n] for n in SSU_NAMES), dt_softplus=dt_softplus)
+        if not ok:
+            failures.append(f"{case}: {msg}")
+    assert not failures, "\n".join(failures)
 
 
 def test_ssu_matches_the_float32_reference_in_float() -> None:
@@ -448,6 +468,42 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
         assert ok, f"conv T={DTYPE_IDS[t]} {(batch, channels, length, state_len, width)}: {msg}"
         cases += 1
     assert cases == len(TYPE_COMBOS) * 4 + 12
+
+
+def test_emulated_special_values(emulated: ctypes.CDLL) -> None:
+    """test_ssu_special_values on the host emulation of the CUDA kernel (glibc's expf and log1pf for CUDA's): every
+    (T, S) pair, dt_softplus 0 and 1, the scalar path (N = 19) and the vector path (N = 32)."""
+    failures = []
+    cases = 0
+    for (t, s), dt_softplus, state_size in itertools.product(TYPE_COMBOS, [0, 1], [19, 32]):
+        for case, inputs in special_cases(t, s, dt_softplus, state_size):
+            batch, heads, head_dim, _ = inputs["state"].shape
+            out = np.full(inputs["x"].shape, np.nan, t)
+            present = np.full(inputs["state"].shape, np.nan, s)
+            rc = emulated.mambafuse_ssu_launch(
+                *(_ptr(inputs[n]) for n in SSU_NAMES),
+                _ptr(out),
+                _ptr(present),
+                ONNX_TYPE[t],
+                ONNX_TYPE[s],
+                ONNX_TYPE[inputs["D"].dtype],
+                batch,
+                heads,
+                head_dim,
+                state_size,
+                inputs["B"].shape[1],
+                dt_softplus,
+                None,
+            )
+            assert rc == 0
+            ok, msg = ssu_budget_report(out, present, *(inputs[n] for n in SSU_NAMES), dt_softplus=dt_softplus)
+            if not ok:
+                failures.append(
+                    f"T={DTYPE_IDS[t]} S={DTYPE_IDS[s]} softplus={dt_softplus} N={state_size} {case}: {msg}"
+                )
+            cases += 1
+    assert not failures, "\n".join(failures[:20])
+    assert cases == len(TYPE_COMBOS) * 2 * 2 * len(list(special_cases(FLOAT, FLOAT, 0)))
 
 
 @pytest.mark.parametrize(

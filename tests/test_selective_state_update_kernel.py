@@ -13,6 +13,7 @@ from fusion.reference._bounds import round_to
 from fusion.reference.gated_group_rms_norm import ulp_of
 from fusion.reference.selective_state_update import budget_bounds, budget_report, selective_state_update
 from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, run
+from tests.test_selective_state_update_special import special_cases
 
 OP = "SelectiveStateUpdate"
 NAMES = ("state", "x", "dt", "dt_bias", "A", "B", "C", "D")
@@ -148,6 +149,22 @@ def test_edge_values(t: np.dtype) -> None:
     assert not np.isnan(np.delete(present.reshape(-1, *present.shape[2:]), 8 + 5, axis=0).astype(np.float32)).any()
 
 
+@pytest.mark.parametrize(("t", "s"), TYPE_COMBOS, ids=[f"T{DTYPE_IDS[t]}-S{DTYPE_IDS[s]}" for t, s in TYPE_COMBOS])
+@pytest.mark.parametrize("dt_softplus", [0, 1])
+@pytest.mark.parametrize("state_size", [19, 32])
+def test_special_values_within_budget(t: np.dtype, s: np.dtype, dt_softplus: int, state_size: int) -> None:
+    """The special-value sweep of tests/test_selective_state_update_special.py (float32 overflow of dA = exp(d * A)
+    in both directions, readouts that overflow, NaN and +-Inf in every input) at this process's instruction-set
+    level, over two threads: N = 19 has a scalar tail at every level's width, 32 none."""
+    failures = []
+    for case, inputs in special_cases(t, s, dt_softplus, state_size):
+        out, state = run_kernel(inputs, threads=2, dt_softplus=dt_softplus)
+        ok, msg = budget_report(out, state, *(inputs[n] for n in NAMES), dt_softplus=dt_softplus)
+        if not ok:
+            failures.append(f"{case}: {msg}")
+    assert not failures, "\n".join(failures)
+
+
 def test_nan_in_a_group_reaches_its_heads_only() -> None:
     """A NaN in B of group g: exactly the heads h // (H / G) == g of that batch row."""
     rng = np.random.default_rng(7)
@@ -243,9 +260,9 @@ def test_budget_accepts_the_float32_mirror_and_fma(t: np.dtype, s: np.dtype) -> 
         out, state = selective_state_update(*_args(inputs))
         assert budget_report(out, state, *_args(inputs))[0]
         # FMA: the exact state * dA + dBx of the mirror's own dA and dBx, rounded once.
-        _, lo, hi = budget_bounds(*_args(inputs))["present_state"]
+        _, allowed = budget_bounds(*_args(inputs))["present_state"]
         fused = state_with_fma(inputs)
-        assert np.all((fused.astype(np.float64) >= lo) & (fused.astype(np.float64) <= hi))
+        assert np.all((fused.astype(np.float64) >= allowed.lo) & (fused.astype(np.float64) <= allowed.hi))
 
 
 def state_with_fma(inputs: dict[str, np.ndarray | None]) -> np.ndarray:
@@ -287,7 +304,7 @@ def test_budget_rejects_a_state_a_few_ulp_past_the_bound(t: np.dtype, s: np.dtyp
     """One state element 2 ulps (of S) above the interval's top is out; at the top it is in."""
     inputs = make_inputs(np.random.default_rng(16), t=t, s=s)
     out, state = selective_state_update(*_args(inputs))
-    _, _, hi = budget_bounds(*_args(inputs))["present_state"]
+    hi = budget_bounds(*_args(inputs))["present_state"][1].hi
     at_top = state.copy()
     at_top[1, 2, 3, 4] = hi[1, 2, 3, 4]
     assert budget_report(out, at_top, *_args(inputs))[0]
@@ -303,8 +320,8 @@ def test_budget_rejects_an_output_one_ulp_off_where_no_tie_is_near(t: np.dtype) 
     """A half output whose interval is one value (no tie within reach) must be that value exactly."""
     inputs = make_inputs(np.random.default_rng(17), t=t, s=FLOAT)
     out, state = selective_state_update(*_args(inputs))
-    _, lo, hi = budget_bounds(*_args(inputs))["out"]
-    exact = np.argwhere(lo == hi)
+    _, allowed = budget_bounds(*_args(inputs))["out"]
+    exact = np.argwhere(allowed.lo == allowed.hi)
     assert len(exact) > 0
     i = tuple(exact[0])
     off = out.copy()
@@ -321,8 +338,8 @@ def test_budget_tie_flips_are_in() -> None:
     # dt + dt_bias exactly halfway between two float16 values: 1 + 2^-11 = 1 + half an ulp of 1.
     inputs["dt"] = np.full((1, 4), 1.0, np.float16)
     inputs["dt_bias"] = np.full(4, 2.0**-11, np.float16)
-    point, lo, hi = budget_bounds(*_args(inputs))["out"]
-    assert np.all(lo <= point) and np.all(point <= hi)
+    point, allowed = budget_bounds(*_args(inputs))["out"]
+    assert np.all(allowed.lo <= point) and np.all(point <= allowed.hi)
 
 
 def test_budget_float32_bound_is_relative_to_the_terms() -> None:
@@ -330,8 +347,8 @@ def test_budget_float32_bound_is_relative_to_the_terms() -> None:
     cancel), and no wider: N + 1 unit roundoffs of it, plus what the state's interval carries."""
     inputs = make_inputs(np.random.default_rng(19), t=FLOAT, s=FLOAT, d_type=None)
     bounds = budget_bounds(*_args(inputs))
-    _, lo, hi = bounds["out"]
-    _, s_lo, s_hi = bounds["present_state"]
+    lo, hi = bounds["out"][1].lo, bounds["out"][1].hi
+    s_lo, s_hi = bounds["present_state"][1].lo, bounds["present_state"][1].hi
     heads, groups = 8, 2
     c = np.repeat(inputs["C"].astype(np.float64), heads // groups, axis=1)[:, :, None, :]
     terms = np.abs(np.maximum(np.abs(s_lo), np.abs(s_hi)) * c).sum(-1)

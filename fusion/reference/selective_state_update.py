@@ -16,10 +16,15 @@ float32 value to T (a no-op for float)::
 
 These are the rounding points of transformers' ``mamba2_selective_state_update`` torch fallback as the
 exporters trace it (mamba_ssm's Triton ``selective_state_update`` computes the same step in float32).
+Special values are the float32 evaluation's, as the graph's stock ops compute them: dA = exp(d * A) is Inf
+past d * A = 88.72 and 0 below -103.97 (float64 would not overflow there), and then state * dA is NaN where
+the state is 0 (or Inf).
 
 ``compute_dtype=np.float32`` mirrors the kernels; ``np.float64`` gives the float64 evaluation with the same
-rounding points. ``budget_report`` checks a result against the accuracy budget (an interval per element,
-see ``budget_bounds``).
+rounding points, each float32 operation's result taken to float32's range (``float32_range``: Inf where a
+float32 result overflows, 0 where it underflows), so that its NaN and Inf are the float32 evaluation's.
+``budget_report`` checks a result against the accuracy budget (the outcomes a correct evaluation may give,
+per element, see ``budget_bounds``).
 """
 
 from __future__ import annotations
@@ -30,21 +35,25 @@ import numpy as np
 
 from fusion.reference._bounds import (
     F32,
+    F64,
     TINY32,
     TRANSCENDENTAL_ERROR,
-    U32,
+    Outcomes,
     check_dtype,
     compute_dtype_of,
-    mul_interval,
+    float32_range,
     report_within,
     round_in,
-    round_interval,
+    round_to,
 )
 from fusion.reference._common import DOMAIN, as_arrays, reference_op
 
 OP_TYPE = "SelectiveStateUpdate"
 #: torch's softplus threshold: above it, softplus(v) is v.
 SOFTPLUS_THRESHOLD = 20.0
+#: An exact exp below this (an eighth of float32's smallest subnormal, 2^-149) is 0 in float32: the budget's
+#: absolute slack for exp in the subnormals (2^-148) stops there, so that an underflow to 0 is decided.
+UNDERFLOW_EXP = 2.0**-152
 
 
 def check_inputs(
@@ -122,12 +131,15 @@ def selective_state_update(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return ``(out, present_state)`` of ``SelectiveStateUpdate`` as the module docstring defines it.
 
-    Raises ValueError for any input the op rejects (``check_inputs``). NaN and Inf propagate.
+    Raises ValueError for any input the op rejects (``check_inputs``). NaN and Inf propagate, and overflow as
+    float32 does (also with ``compute_dtype=np.float64``).
     """
     state, x, dt, dt_bias, A, B, C, D = as_arrays(state, x, dt, dt_bias, A, B, C, D)
     _, heads, _, _, _ = check_inputs(state, x, dt, dt_bias, A, B, C, D, dt_softplus)
     t, s_type, cd = x.dtype, state.dtype, compute_dtype_of(compute_dtype)
     r_t = functools.partial(round_in, dtype=t, compute_dtype=cd)  # round_T, back in the compute type
+    # A float32 operation's result: in float64, taken to float32's range (a rounding to T or S is one already).
+    f32 = float32_range if cd == F64 else np.asarray
 
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
         d = dt.astype(cd)
@@ -135,13 +147,13 @@ def selective_state_update(
             d = r_t(d + dt_bias.astype(cd))
         if dt_softplus:
             d = np.where(d > SOFTPLUS_THRESHOLD, d, r_t(np.log1p(np.exp(d))))
-        dA = np.exp(d * A.astype(cd))  # (B, H)
+        dA = f32(np.exp(f32(d * A.astype(cd))))  # (B, H); float32: Inf past d * A = 88.72, 0 below -103.97
         b_h, c_h = _by_head(B, heads).astype(cd), _by_head(C, heads).astype(cd)  # (B, H, N)
         dB = r_t(d[..., None] * b_h)
         dBx = r_t(dB[:, :, None, :] * x.astype(cd)[..., None])  # (B, H, P, N)
-        s = state.astype(cd) * dA[..., None, None] + dBx  # two roundings in float32, as the graph does
+        s = f32(f32(state.astype(cd) * dA[..., None, None]) + dBx)  # two roundings in float32, as the graph does
         s = round_in(s, s_type, cd)
-        y = r_t(np.sum(r_t(s) * c_h[:, :, None, :], axis=-1, dtype=cd))
+        y = r_t(f32(np.sum(f32(r_t(s) * c_h[:, :, None, :]), axis=-1, dtype=cd)))
         if D is not None:
             y = r_t(y + r_t(x.astype(cd) * D.astype(cd)[:, None]))
     return y.astype(t), s.astype(s_type)
@@ -159,73 +171,61 @@ def budget_bounds(
     *,
     dt_softplus: int = 1,
     transcendental_error: float = TRANSCENDENTAL_ERROR,
-) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Return ``{"out": (reference, lo, hi), "present_state": (reference, lo, hi)}``, float64 arrays.
+) -> dict[str, tuple[np.ndarray, Outcomes]]:
+    """Return ``{"out": (reference, outcomes), "present_state": (reference, outcomes)}``.
 
-    [lo, hi] holds every value a correct kernel may produce (docs/selective_state_update.md, accuracy
-    budget): the formula followed with intervals, widened only where the contract leaves the last bits
-    free — exp and log1p (``transcendental_error`` relative, plus the float32 subnormal spacing), FMA or
-    not in the state update (and in out = y + x * D for a float output), and the order of the readout's
-    sum (N + 1 unit roundoffs of float32 times sum_n |round_T(s) * C|). Every rounding to T or S maps the
-    interval's ends, so values near a rounding tie may land on either neighbour. ``reference`` is the
-    float64 evaluation (``compute_dtype=np.float64``), which decides where NaN and Inf must be.
+    ``outcomes`` holds, per element, every value a correct kernel may produce (docs/selective_state_update.md,
+    accuracy budget): an interval, and +Inf, -Inf or NaN where some admissible float32 evaluation gives them.
+    The formula is followed with ``Outcomes`` through every float32 operation, widened only where the contract
+    leaves the last bits free — exp and log1p (``transcendental_error`` relative, plus the float32 subnormal
+    spacing), FMA or not in the state update (and in out = y + x * D for a float output), and the order of the
+    readout's sum (N + 1 unit roundoffs of float32 times sum_n |round_T(s) * C|, and Inf where a partial sum can
+    overflow). Every rounding to T or S maps the interval's ends, so values near a rounding tie may land on
+    either neighbour. ``reference`` is the float64 evaluation (``compute_dtype=np.float64``), float64 arrays.
     """
     state, x, dt, dt_bias, A, B, C, D = as_arrays(state, x, dt, dt_bias, A, B, C, D)
-    _, heads, _, state_size, _ = check_inputs(state, x, dt, dt_bias, A, B, C, D, dt_softplus)
+    _, heads, _, _, _ = check_inputs(state, x, dt, dt_bias, A, B, C, D, dt_softplus)
     point_out, point_state = selective_state_update(
         state, x, dt, dt_bias, A, B, C, D, dt_softplus=dt_softplus, compute_dtype=np.float64
     )
     t, s_type = x.dtype, state.dtype
     e, abs_e = transcendental_error, 4 * TINY32
+    of = Outcomes.of
 
-    def f64(a: np.ndarray) -> np.ndarray:
-        return np.asarray(a).astype(np.float64)
+    d = of(dt)
+    if dt_bias is not None:
+        d = d.add(of(dt_bias)).rounded(F32, t)
+    if dt_softplus:
+        # softplus is increasing (at the threshold too); the kernel's float32 exp and log1p each err by up to e.
+        def softplus(v: np.ndarray, sign: float) -> np.ndarray:
+            sp = np.maximum(np.log1p(np.exp(v)) * (1 + sign * 2 * e) + sign * abs_e, 0.0)
+            return np.where(v > SOFTPLUS_THRESHOLD, v, round_to(round_to(sp, F32), t))
 
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
-        d_lo = d_hi = f64(dt)
-        if dt_bias is not None:
-            d_lo, d_hi = round_interval(d_lo + f64(dt_bias), d_hi + f64(dt_bias), F32, t)
-        if dt_softplus:
-            # softplus is increasing; the kernel's float32 exp and log1p each err by up to e (relative).
-            def softplus(v: np.ndarray, sign: float) -> np.ndarray:
-                sp = np.log1p(np.exp(v)) * (1 + sign * 2 * e) + sign * abs_e
-                return np.where(v > SOFTPLUS_THRESHOLD, v, round_interval(sp, sp, F32, t)[0])
+        d = d.increasing(lambda v: softplus(v, -1.0), lambda v: softplus(v, 1.0))
+    p = d.mul(of(A)).rounded(F32)  # (B, H)
+    # exp's absolute error in float32's subnormals; an exact result below UNDERFLOW_EXP is 0 (exp(-inf) too)
+    dA = p.increasing(
+        lambda v: np.maximum(np.exp(v) * (1 - e) - abs_e, 0.0),
+        lambda v: np.exp(v) * (1 + e) + np.where(np.exp(v) >= UNDERFLOW_EXP, abs_e, 0.0),
+    ).rounded(F32)
+    b_h, c_h = of(_by_head(B, heads)), of(_by_head(C, heads))  # (B, H, N)
+    dB = d[..., None].mul(b_h).rounded(F32, t)
+    dBx = dB[:, :, None, :].mul(of(x)[..., None]).rounded(F32, t)  # (B, H, P, N)
+    product = of(state).mul(dA[..., None, None])
+    # Mul then Add (two float32 roundings, the graph's) or one FMA: the budget accepts both.
+    two = product.rounded(F32).add(dBx).rounded(F32)
+    one = product.add(dBx).rounded(F32)
+    s = two.union(one).rounded(s_type)
 
-            d_lo, d_hi = softplus(d_lo, -1.0), softplus(d_hi, 1.0)
-        a = f64(A)
-        p_lo, p_hi = round_interval(*mul_interval(d_lo, d_hi, a, a), F32)
-        dA_lo = np.maximum(np.exp(p_lo) * (1 - e) - abs_e, 0.0)
-        dA_hi = np.exp(p_hi) * (1 + e) + abs_e
-        dA_lo, dA_hi = round_interval(dA_lo, dA_hi, F32)
-
-        b_h, c_h = f64(_by_head(B, heads)), f64(_by_head(C, heads))
-        dB = round_interval(*mul_interval(d_lo[..., None], d_hi[..., None], b_h, b_h), F32, t)
-        xv = f64(x)[..., None]
-        dBx_lo, dBx_hi = round_interval(*mul_interval(dB[0][:, :, None, :], dB[1][:, :, None, :], xv, xv), F32, t)
-        sv = f64(state)
-        prod_lo, prod_hi = mul_interval(sv, sv, dA_lo[..., None, None], dA_hi[..., None, None])
-        # Mul then Add (two float32 roundings, the graph's) or one FMA: the budget accepts both.
-        q_lo, q_hi = round_interval(prod_lo, prod_hi, F32)
-        two_lo, two_hi = round_interval(q_lo + dBx_lo, q_hi + dBx_hi, F32)
-        one_lo, one_hi = round_interval(prod_lo + dBx_lo, prod_hi + dBx_hi, F32)
-        s_lo, s_hi = round_interval(np.minimum(two_lo, one_lo), np.maximum(two_hi, one_hi), s_type)
-
-        st_lo, st_hi = round_interval(s_lo, s_hi, t)
-        cv = c_h[:, :, None, :]
-        term_lo, term_hi = mul_interval(st_lo, st_hi, cv, cv)
-        magnitude = np.sum(np.maximum(np.abs(term_lo), np.abs(term_hi)), axis=-1)
-        slack = (state_size + 1) * (U32 * magnitude + 2 * TINY32)
-        y_lo, y_hi = round_interval(np.sum(term_lo, axis=-1) - slack, np.sum(term_hi, axis=-1) + slack, F32, t)
-        if D is not None:
-            xd_exact = f64(x) * f64(D)[:, None]
-            xd = round_interval(xd_exact, xd_exact, F32, t)[0]
-            out_lo, out_hi = round_interval(y_lo + xd, y_hi + xd, F32, t)
-            if t == F32:  # a float32 kernel may fuse y + x * D into one FMA
-                fma_lo, fma_hi = round_interval(y_lo + xd_exact, y_hi + xd_exact, F32)
-                out_lo, out_hi = np.minimum(out_lo, fma_lo), np.maximum(out_hi, fma_hi)
-        else:
-            out_lo, out_hi = y_lo, y_hi
-    return {"out": (f64(point_out), out_lo, out_hi), "present_state": (f64(point_state), s_lo, s_hi)}
+    terms = s.rounded(t).mul(c_h[:, :, None, :])
+    y = terms.float32_sum(axis=-1).rounded(F32, t)
+    out = y
+    if D is not None:
+        xd_exact = of(x).mul(of(D)[:, None])
+        out = y.add(xd_exact.rounded(F32, t)).rounded(F32, t)
+        if t == F32:  # a float32 kernel may fuse y + x * D into one FMA
+            out = out.union(y.add(xd_exact).rounded(F32))
+    return {"out": (point_out.astype(np.float64), out), "present_state": (point_state.astype(np.float64), s)}
 
 
 def budget_report(
@@ -245,8 +245,8 @@ def budget_report(
 ) -> tuple[bool, str]:
     """Return (within budget, message) for a kernel's ``out`` and ``present_state`` on these inputs.
 
-    Both outputs must have the reference's shapes and dtypes and lie, element by element, in the
-    intervals of ``budget_bounds``; NaN exactly where the float64 reference has NaN, infinities equal.
+    Both outputs must have the reference's shapes and dtypes and be, element by element, among the outcomes
+    of ``budget_bounds``: inside the interval, or an Inf or NaN that some admissible float32 evaluation gives.
     """
     bounds = budget_bounds(
         state, x, dt, dt_bias, A, B, C, D, dt_softplus=dt_softplus, transcendental_error=transcendental_error
