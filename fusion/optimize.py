@@ -1,4 +1,5 @@
-"""Optimize a whole Mamba-2-family model for ONNX Runtime: onnxscript's ORT fusions, then every mambafuse fusion.
+"""Optimize a whole Mamba-2-family model for ONNX Runtime: every mambafuse fusion, onnxscript's ORT fusions, then
+mambafuse's own passes.
 
 Python::
 
@@ -8,15 +9,19 @@ Python::
 Command line: ``mambafuse optimize IN.onnx [OUT.onnx]`` (``python -m fusion.optimize``), with the options and
 guarantees of ``mambafuse rewrite`` (atomic write, external data, ``--verify``, one-line errors).
 
-The order is the one that fuses the most. onnxscript's ``optimize_for_ort`` first: it folds constants and fuses
-the model's own RMSNorms (with the residual Add before them: ``SkipSimplifiedLayerNormalization``), rotary
-embeddings and attention where its rules match. Then mambafuse's fusions, which also see through what
-``optimize_for_ort`` leaves (its constant folding only makes shape arithmetic simpler). Between the two, mambafuse's
-decode attention fusion (fusion/rules/attention.py): the half-precision decode attentions without rotary that
-onnxscript's rules miss, onto ONNX Runtime's GroupQueryAttention (``optimize`` only: that op has no model-local
-function, so ``mambafuse rewrite`` never writes it). Run the other way round,
-``optimize_for_ort`` inlines every model-local function, so it would undo the mambafuse nodes; this command never
-does that, and ``mambafuse rewrite`` re-fuses an inlined model.
+The order is the one that fuses the most. mambafuse's fusions first, on the graph as exported, so that ``optimize``
+fuses at least what ``rewrite`` fuses (onnxscript's rms_normalization takes the RMS of Falcon-H1's grouped norm,
+and folds its weight into a (groups, group size) scale that the rules do not prove). Then onnxscript's
+``optimize_for_ort`` fusions, one at a time: it folds constants and fuses the model's own RMSNorms (with the
+residual Add before them: ``SkipSimplifiedLayerNormalization``), rotary embeddings and attention where its rules
+match. Each step is checked and undone when it breaks the graph, and the result is loaded in ONNX Runtime (CPU,
+and CUDA where available): when it does not load, the steps are replayed and each one that breaks loading is
+undone and named. Then mambafuse's decode attention fusion (fusion/rules/attention.py): the half-precision
+decode attentions without rotary that onnxscript's rules miss, onto ONNX Runtime's GroupQueryAttention
+(``optimize`` only: that op has no model-local function, so ``mambafuse rewrite`` never writes it), and every
+mambafuse fusion again for what those passes made provable. ``optimize_for_ort`` inlines every model-local
+function, so run as a whole after the mambafuse fusions it would undo them; this command sets the functions
+aside while onnxscript works, and ``mambafuse rewrite`` re-fuses an inlined model.
 
 onnxscript's optimizer trusts the shapes a model declares for its graph inputs (as ONNX Runtime does, which
 refuses inputs that contradict them); the mambafuse rules never do (docs/forms.md). ``--verify`` compares the
@@ -29,16 +34,21 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import re
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import onnx
 import onnx_ir as ir
 
 from fusion import rewrite
-from fusion.model_io import first_line
+from fusion.model_io import external_tensors, first_line
 from fusion.rewrite import Report, rewrite_model
+from fusion.rules.gated_group_rms_norm import find_chain_anchors, location
 
 ModelT = TypeVar("ModelT", onnx.ModelProto, ir.Model)
 
@@ -54,19 +64,29 @@ class PassResult:
     nodes_before: int = 0
     nodes_after: int = 0
     skipped: str | None = None
-    #: Steps undone because they left a graph ONNX Runtime would refuse, each with the reason.
+    #: Steps undone, each with the reason: they raised, left an invalid graph, or one ONNX Runtime does not load.
     undone: list[str] = dataclasses.field(default_factory=list)
     #: Chains the pass matched but did not fuse, each with where and why.
     refused: list[str] = dataclasses.field(default_factory=list)
+    #: What the pass changed besides what it fused (constant folding, clean-up), so that the node counts add up.
+    changes: list[str] = dataclasses.field(default_factory=list)
+    #: What the pass could not check, and why.
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def line(self) -> str:
-        """Return the pass's summary line."""
+        """Return the pass's summary line, then one indented line per change besides its fusions, undone step,
+        refusal and note."""
         if self.skipped is not None:
             return f"{self.name}: skipped ({self.skipped})"
         fused = ", ".join(f"{name} {count}" for name, count in self.fused.items()) or "nothing fused"
-        line = f"{self.name}: {fused}; nodes {self.nodes_before} -> {self.nodes_after}"
-        notes = [*(f"undone: {reason}" for reason in self.undone), *(f"refused: {why}" for why in self.refused)]
-        return "\n    ".join([line, *notes])
+        line = f"{fused}; nodes {self.nodes_before} -> {self.nodes_after}"
+        notes = [
+            *self.changes,
+            *(f"{self.name}: {reason}; undone" for reason in self.undone),
+            *(f"refused: {why}" for why in self.refused),
+            *self.notes,
+        ]
+        return "\n    ".join([f"{self.name}: {line}", *notes])
 
 
 @dataclasses.dataclass
@@ -98,10 +118,13 @@ class OptimizeReport:
         return next(result for result in self.passes if result.name == name)
 
     def summary(self) -> str:
-        """Return a few lines: one per pass, then the mambafuse pass's own summary (chains, refusals)."""
-        lines = [f"nodes: {self.nodes_before} -> {self.nodes_after}"]
+        """Return a few lines: the node counts over all passes, one line per pass (with its own node counts),
+        then the mambafuse passes' summary (chains, refusals)."""
+        lines = [f"nodes: {self.nodes_before} -> {self.nodes_after} (all passes)"]
         lines += [f"  {result.line()}" for result in self.passes]
-        lines.append(self.rewrite.summary())
+        # The rewrite summary's own "nodes:" line would count from before the first mambafuse pass to after the
+        # second, across the ORT fusions: a second, different total. The pass lines above give each pass's.
+        lines += [line for line in self.rewrite.summary().splitlines() if not line.startswith("nodes: ")]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,8 +137,13 @@ class OptimizeReport:
         }
 
 
+def _nodes(model: ir.Model) -> Iterator[ir.Node]:
+    """Yield the nodes of ``model``'s graph and of its subgraphs (what the report's node counts count)."""
+    return iter(ir.traversal.RecursiveGraphIterator(model.graph))
+
+
 def _node_count(model: ir.Model) -> int:
-    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(model.graph))
+    return sum(1 for _ in _nodes(model))
 
 
 @contextlib.contextmanager
@@ -154,6 +182,18 @@ _ORT_FUSIONS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
     ("bias_gelu", "bias_gelu", "fuse_bias_gelu", {}),
     ("sdpa_via_mha", "sdpa_via_mha", "replace_sdpa_by_mha", {}),
 )
+#: The steps before and after the fusions, which fold and tidy rather than fuse: the report gives their node
+#: changes apart from the fusions'.
+CONSTANT_FOLDING, CLEAN_UP = "constant folding", "clean-up"
+#: The domain of the intermediate ops onnxscript's fusions hand to later ones (SDPA, RotaryEmbedding). ONNX Runtime
+#: knows none of them: a later fusion replaces them, or the clean-up inlines the function they carry (SDPA has
+#: none, so a leftover SDPA leaves a model ONNX Runtime cannot load).
+_INTERMEDIATE_DOMAIN = "ai.onnxruntime._fusion"
+#: ONNX Runtime's session option for the folder of the external data of a model given as bytes.
+_EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+
+#: One step of onnxscript's fusions: its name in the report, and what runs it (returning how many it fused).
+Step = tuple[str, Callable[[ir.Model], int]]
 
 
 class _Checkpoint:
@@ -179,13 +219,147 @@ class _Checkpoint:
         return model
 
 
-def _ort_fusions(model: ir.Model) -> tuple[ir.Model, PassResult]:
-    """Run onnxscript's ORT fusions on ``model`` one at a time, undoing any that leaves an invalid graph.
+@dataclasses.dataclass
+class _StepRecord:
+    """What one step that stood did: how many it fused, the nodes it wrote (by name), its net node changes by op
+    type, and the intermediate nodes it removed that no fusion took (the clean-up inlines them back)."""
 
-    onnxscript 0.7's fusions can write graphs ONNX Runtime refuses on these exports (measured on the bundled
-    fixtures: ``SkipSimplifiedLayerNormalization`` with a float16 residual and a float32 input in fp16 models,
-    rotary/attention rewrites that leave a node reading a value nothing produces). Each step is checked
-    (``model_problem``) and undone when it breaks the graph; the report names it with the reason.
+    count: int
+    created: set[str]
+    delta: Counter[str]
+    #: (name, op type) of each intermediate node the clean-up inlined back
+    inlined: list[tuple[str, str]]
+
+
+@dataclasses.dataclass
+class _StepLog:
+    """The steps of one run of onnxscript's fusions that stood, in order, and the ones undone with the reason."""
+
+    steps: dict[str, _StepRecord] = dataclasses.field(default_factory=dict)
+    undone: list[str] = dataclasses.field(default_factory=list)
+
+    def creators(self) -> dict[str, str]:
+        """Return, for each node a step that stood wrote, that step's name."""
+        return {name: step for step, record in self.steps.items() for name in record.created}
+
+    def fill(self, result: PassResult) -> None:
+        """Fill ``result``: what each fusion fused and left in the graph, what folding and clean-up changed, and
+        what was undone."""
+        creators = self.creators()
+        inlined: dict[str, Counter[str]] = {}
+        for record in self.steps.values():
+            for name, op_type in record.inlined:
+                inlined.setdefault(creators.get(name, CLEAN_UP), Counter())[op_type] += 1
+        for step, record in self.steps.items():
+            if step in (CONSTANT_FOLDING, CLEAN_UP):
+                if record.delta:
+                    result.changes.append(f"{step} {_describe_delta(record.delta)}")
+                continue
+            taken_back = inlined.get(step, Counter())
+            if record.count - taken_back.total() > 0:
+                result.fused[step] = record.count - taken_back.total()
+            if taken_back:
+                ops = ", ".join(f"{count} {op_type}" for op_type, count in sorted(taken_back.items()))
+                result.changes.append(f"{step}'s {ops} inlined back by the clean-up: no later fusion took them")
+        result.undone = list(self.undone)
+
+
+def _describe_delta(delta: Counter[str]) -> str:
+    """Return net node changes in words: "removed 4 Reshape", "removed 3 Cast, 1 Neg and added 1 Mul"."""
+
+    def listed(items: list[tuple[str, int]]) -> str:
+        return ", ".join(f"{abs(count)} {op_type}" for op_type, count in items)
+
+    ordered = sorted(delta.items(), key=lambda item: (-abs(item[1]), item[0]))
+    removed = [item for item in ordered if item[1] < 0]
+    added = [item for item in ordered if item[1] > 0]
+    words = [f"removed {listed(removed)}"] if removed else []
+    words += [f"added {listed(added)}"] if added else []
+    return " and ".join(words)
+
+
+def _fusion_steps() -> list[Step]:
+    """Return ``optimize_for_ort``'s steps, one per fusion, between its constant folding and its clean-up.
+
+    A fusion this onnxscript release does not have is left out.
+    """
+    import importlib
+
+    import onnx_ir.passes.common as common_passes
+    from onnxscript import optimizer, rewriter
+    from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES, shape_optimization
+
+    def fold(model: ir.Model) -> int:
+        common_passes.ShapeInferencePass()(model)
+        optimizer.optimize(model)
+        shape_optimization.rules.apply_to_model(model)
+        optimizer.optimize(model)
+        return 0
+
+    steps: list[Step] = [(CONSTANT_FOLDING, fold)]
+    for name, module_name, function_name, kwargs in _ORT_FUSIONS:
+        try:
+            fuse = getattr(importlib.import_module(f"onnxscript.rewriter.ort_fusions.{module_name}"), function_name)
+        except (ImportError, AttributeError):
+            continue
+        steps.append((name, lambda model, fuse=fuse, kwargs=kwargs: fuse(model, **kwargs)))
+
+    def clean_up(model: ir.Model) -> int:
+        optimizer.optimize(model)  # inlines the intermediate ops no fusion took (those with a function)
+        rewriter.rewrite(model, ORT_PATTERN_REWRITE_RULES)
+        common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1)(model)
+        common_passes.RemoveInitializersFromInputsPass()(model)
+        common_passes.ShapeInferencePass()(model)
+        return 0
+
+    steps.append((CLEAN_UP, clean_up))
+    return steps
+
+
+def _apply(model: ir.Model, name: str, run: Callable[[ir.Model], int], log: _StepLog) -> tuple[ir.Model, _Checkpoint]:
+    """Run one step on ``model``; undo it when it raises or leaves an invalid graph (``model_problem``).
+
+    Returns the model (the one given, or its restored copy) and the checkpoint from before the step; the step's
+    record, or why it was undone, goes to ``log``.
+    """
+    checkpoint = _Checkpoint(model)
+    names = {node.name for node in _nodes(model)}
+    op_types = Counter(node.op_type for node in _nodes(model))
+    # The clean-up inlines the intermediate ops that no fusion took (those with a function): not fused after all.
+    intermediates = [(node.name, node.op_type) for node in model.graph if node.domain == _INTERMEDIATE_DOMAIN]
+    try:
+        with _quiet_onnxscript():
+            count = run(model)
+    except Exception as error:  # onnxscript raises many types on graphs its rules do not expect
+        log.undone.append(f"{name} failed ({first_line(error)})")
+        return checkpoint.restore(), checkpoint
+    problem = model_problem(model)
+    if problem is not None:
+        log.undone.append(f"{name} broke the graph ({problem})")
+        return checkpoint.restore(), checkpoint
+    after = {node.name for node in _nodes(model)}
+    delta = Counter(node.op_type for node in _nodes(model))
+    delta.subtract(op_types)
+    log.steps[name] = _StepRecord(
+        count=int(count or 0),
+        created=after - names,
+        delta=Counter({op_type: change for op_type, change in delta.items() if change}),
+        inlined=[node for node in intermediates if node[0] not in after] if name == CLEAN_UP else [],
+    )
+    return model, checkpoint
+
+
+def _ort_fusions(model: ir.Model, creators: dict[str, str] | None = None) -> tuple[ir.Model, PassResult]:
+    """Run onnxscript's ORT fusions on ``model`` one at a time, undoing any that leaves a graph ONNX Runtime
+    would refuse; return the model and the pass's report.
+
+    onnxscript 0.7's fusions can write graphs ONNX Runtime refuses (measured on the bundled fixtures:
+    ``SkipSimplifiedLayerNormalization`` with a float16 residual and a float32 input in fp16 models, rotary/attention
+    rewrites that leave a node reading a value nothing produces; on a dynamo GPT-2 export, mha2 takes the Reshape
+    before a Gemm, which then reads a rank-3 tensor). Each step is checked (``model_problem``, cheap) and undone
+    when it breaks the graph; the result is then loaded in ONNX Runtime (``_load_error``), and when it does not
+    load, the steps are replayed with a load after each (``_replay``). ``creators``, when given, gets the step that
+    wrote each node (for the refusals of the mambafuse pass after this one).
     """
     result = PassResult("onnxscript ORT fusions", nodes_before=_node_count(model))
     # The model's own functions are set aside while onnxscript works: its optimizer inlines every model-local
@@ -195,7 +369,7 @@ def _ort_fusions(model: ir.Model) -> tuple[ir.Model, PassResult]:
     own_functions = dict(model.functions)
     model.functions.clear()
     try:
-        model = _ort_fusion_steps(model, result)
+        model = _ort_fusion_steps(model, result, own_functions, creators if creators is not None else {})
     finally:
         for identifier, function in own_functions.items():
             model.functions.setdefault(identifier, function)
@@ -203,63 +377,230 @@ def _ort_fusions(model: ir.Model) -> tuple[ir.Model, PassResult]:
     return model, result
 
 
-def _ort_fusion_steps(model: ir.Model, result: PassResult) -> ir.Model:
-    """Run the steps of ``_ort_fusions`` on ``model`` (its own functions set aside); fill ``result``."""
-    import importlib
-
-    import onnx_ir.passes.common as common_passes
-    from onnxscript import optimizer, rewriter
-    from onnxscript.rewriter.ort_fusions import ORT_PATTERN_REWRITE_RULES, shape_optimization
-
+def _ort_fusion_steps(
+    model: ir.Model, result: PassResult, functions: dict[ir.OperatorIdentifier, ir.Function], creators: dict[str, str]
+) -> ir.Model:
+    """Run the steps of ``_ort_fusions`` on ``model`` (its own ``functions`` set aside); fill ``result``."""
     problem_before = model_problem(model)
     if problem_before is not None:
         result.skipped = f"the model is already inconsistent, so the fusions could not be checked: {problem_before}"
         return model
-    undone: list[str] = []
-
-    def step(name: str, run) -> None:
-        nonlocal model
-        checkpoint = _Checkpoint(model)
-        try:
-            with _quiet_onnxscript():
-                count = run(model)
-        except Exception as error:  # onnxscript raises many types on graphs its rules do not expect
-            model = checkpoint.restore()
-            undone.append(f"{name} ({first_line(error)})")
-            return
-        problem = model_problem(model)
-        if problem is not None:
-            model = checkpoint.restore()
-            undone.append(f"{name} (left an invalid graph: {problem})")
-        elif count:
-            result.fused[name] = result.fused.get(name, 0) + int(count)
-
-    def prepare(model: ir.Model) -> int:
-        common_passes.ShapeInferencePass()(model)
-        optimizer.optimize(model)
-        shape_optimization.rules.apply_to_model(model)
-        optimizer.optimize(model)
-        return 0
-
-    step("constant folding", prepare)
-    for name, module_name, function_name, kwargs in _ORT_FUSIONS:
-        try:
-            fuse = getattr(importlib.import_module(f"onnxscript.rewriter.ort_fusions.{module_name}"), function_name)
-        except (ImportError, AttributeError):
-            continue  # an onnxscript release without this fusion
-        step(name, lambda model, fuse=fuse, kwargs=kwargs: fuse(model, **kwargs))
-
-    def finish(model: ir.Model) -> int:
-        optimizer.optimize(model)  # inlines what the attention fusions left as functions
-        rewriter.rewrite(model, ORT_PATTERN_REWRITE_RULES)
-        common_passes.LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=1)(model)
-        common_passes.RemoveInitializersFromInputsPass()(model)
-        common_passes.ShapeInferencePass()(model)
-        return 0
-
-    step("clean-up", finish)
-    result.undone = undone
+    steps = _fusion_steps()
+    before = _Checkpoint(model)
+    log = _StepLog()
+    for name, run in steps:
+        model, _ = _apply(model, name, run, log)
+    # One session per provider when the result loads (the usual case); the replay only when it does not.
+    providers = _check_providers()
+    failing = {provider: error for provider in providers if (error := _load_error(model, functions, provider))}
+    if failing:
+        original = before.restore()
+        checkable = [provider for provider in providers if provider not in failing]
+        for provider in failing:
+            error_before = _load_error(original, functions, provider)
+            if error_before is None:
+                checkable.append(provider)
+            else:
+                result.notes.append(
+                    f"not checked on {_short(provider)}: ONNX Runtime's {_short(provider)} provider does not load "
+                    f"the model before them either ({error_before})"
+                )
+        if any(provider in checkable for provider in failing):
+            model, log = _replay(original, steps, lambda model: _first_load_error(model, functions, checkable))
+    log.fill(result)
+    creators.update(log.creators())
     return model
+
+
+def _replay(
+    original: ir.Model, steps: list[Step], load_error: Callable[[ir.Model], str | None]
+) -> tuple[ir.Model, _StepLog]:
+    """Run ``steps`` on ``original`` (a model ONNX Runtime loads) again, undoing each step after which the model
+    does not load; return the result and the log.
+
+    A state is loaded as the clean-up would leave it (on a copy), since the clean-up inlines the intermediate ops
+    that no fusion took. A state holding an intermediate op without a function (SDPA) cannot load until a later
+    fusion replaces it (mha, gqa, sdpa_via_mha), so it is loaded after that fusion, which, when the load fails, is
+    the one undone; steps whose intermediate ops nothing replaced are undone at the end.
+    """
+    *before_clean_up, (clean_up_name, clean_up) = steps
+    log = _StepLog()
+    use_clean_up = True
+
+    def cleaned_up(state: ir.Model) -> tuple[ir.Model, _StepLog, str | None]:
+        copy = _Checkpoint(state).restore()
+        clean_up_log = _StepLog()
+        if use_clean_up:
+            copy, _ = _apply(copy, clean_up_name, clean_up, clean_up_log)
+        return copy, clean_up_log, load_error(copy)
+
+    state = original
+    good, good_clean_up, error = cleaned_up(state)
+    if error is not None:  # the model before the fusions loads: the clean-up broke it
+        log.undone.append(f"{clean_up_name} broke the graph ({error})")
+        use_clean_up = False
+        good, good_clean_up, _ = cleaned_up(state)
+    pending: list[str] = []  # steps since ``good`` that fused, whose result could not be loaded yet
+    since_good: list[str] = []  # every step that stood since ``good``
+    for name, run in before_clean_up:
+        signature = _signature(state)
+        state, checkpoint = _apply(state, name, run, log)
+        record = log.steps.get(name)
+        if record is None:  # raised, or left an invalid graph: undone already
+            continue
+        since_good.append(name)
+        if not record.count and _signature(state) == signature:
+            continue  # fused nothing and moved no node (shape inference at most): loaded with the next step
+        pending.append(name)
+        if _unresolved_intermediates(state):
+            continue
+        candidate, candidate_clean_up, error = cleaned_up(state)
+        if error is None:
+            good, good_clean_up, pending, since_good = candidate, candidate_clean_up, [], []
+            continue
+        state = checkpoint.restore()
+        log.steps.pop(name, None)
+        pending.pop()
+        since_good.pop()
+        log.undone.append(f"{name} broke the graph ({error})")
+    if pending:
+        for name in pending:
+            log.undone.append(
+                f"{name} left intermediate ops ({_INTERMEDIATE_DOMAIN}) that no later fusion replaced and ONNX "
+                "Runtime does not know"
+            )
+    elif since_good:
+        candidate, candidate_clean_up, error = cleaned_up(state)
+        if error is None:
+            good, good_clean_up, since_good = candidate, candidate_clean_up, []
+        else:
+            log.undone.append(f"{', '.join(since_good)} broke the graph ({error})")
+    for name in since_good:  # not in ``good``, the result
+        log.steps.pop(name, None)
+    log.steps.update(good_clean_up.steps)
+    log.undone += good_clean_up.undone
+    return good, log
+
+
+def _signature(model: ir.Model) -> int:
+    """Return a hash of ``model``'s graph structure: each node's op and the names it reads and writes."""
+    return hash(
+        tuple(
+            (node.domain, node.op_type, *(value.name if value is not None else "" for value in node.inputs), "->")
+            + tuple(value.name for value in node.outputs)
+            for node in model.graph
+        )
+    )
+
+
+def _unresolved_intermediates(model: ir.Model) -> bool:
+    """Return whether ``model`` holds an intermediate op of onnxscript's fusions that carries no function."""
+    return any(
+        node.domain == _INTERMEDIATE_DOMAIN and node.op_identifier() not in model.functions for node in model.graph
+    )
+
+
+# --- loading in ONNX Runtime ---------------------------------------------------------------------------------
+
+
+def _check_providers() -> list[str]:
+    """Return the providers a result is loaded on: CPU, and CUDA where this ONNX Runtime has it."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    return [provider for provider in ("CPUExecutionProvider", "CUDAExecutionProvider") if provider in available]
+
+
+def _short(provider: str) -> str:
+    return provider.removesuffix("ExecutionProvider")
+
+
+def _first_load_error(
+    model: ir.Model, functions: dict[ir.OperatorIdentifier, ir.Function], providers: Sequence[str]
+) -> str | None:
+    """Return why ONNX Runtime does not load ``model`` on the first of ``providers`` that refuses it, naming the
+    provider; None when every one loads it."""
+    for provider in providers:
+        error = _load_error(model, functions, provider)
+        if error is not None:
+            return f"ONNX Runtime's {_short(provider)} provider cannot load the result: {error}"
+    return None
+
+
+_ORT_ERROR_PREFIX = re.compile(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ")
+
+
+def _load_error(model: ir.Model, functions: dict[ir.OperatorIdentifier, ir.Function], provider: str) -> str | None:
+    """Return why ONNX Runtime cannot create a session for ``model`` (with ``functions`` added) on ``provider``,
+    in one line (ONNX Runtime's first, without its error-code prefix); None when it can.
+
+    The session resolves the graph (types, shapes), runs ONNX Runtime's graph optimizations at the level a user's
+    session has by default (its transformer fusions re-infer shapes: a dynamo GPT-2 export after onnxscript's mha2
+    loads with them off and fails with them on) and creates a kernel for every node. Weights are not prepacked
+    (that copies them and checks nothing about the graph); external weights are read where they are
+    (memory-mapped by ONNX Runtime where aligned), never copied. The model's ``ai.mambafuse`` nodes run through
+    their functions (added where the model omits them, ``--no-function``), so the mambafuse library is not needed.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # the error reaches the report, once
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    try:
+        proto = _session_proto(model, functions)
+        folder = _external_data_folder(model, proto)
+        if folder is not None:
+            options.add_session_config_entry(_EXTERNAL_DATA_FOLDER, folder)
+        ort.InferenceSession(proto.SerializeToString(), options, providers=[provider])
+    except Exception as error:
+        return _ORT_ERROR_PREFIX.sub("", first_line(error))
+    return None
+
+
+def _session_proto(model: ir.Model, functions: dict[ir.OperatorIdentifier, ir.Function]) -> onnx.ModelProto:
+    """Return ``model`` as the proto a session loads: with ``functions`` (set aside by ``_ort_fusions``) and the
+    function of every ``ai.mambafuse`` op it uses and does not define."""
+    from fusion import fusions
+
+    proto = ir.to_proto(model)
+    present = {(function.domain, function.name, function.overload) for function in proto.functions}
+    for identifier, function in functions.items():
+        if identifier not in present:
+            proto.functions.append(ir.serde.serialize_function(function))
+    opsets = {opset.domain: opset.version for opset in proto.opset_import}
+    onnx_opset = opsets.get("", opsets.get("ai.onnx"))
+    used = {node.op_type for node in proto.graph.node if node.domain == fusions.DOMAIN}
+    defined = {function.name for function in proto.functions if function.domain == fusions.DOMAIN}
+    for fusion in fusions.FUSIONS:
+        if fusion.op_type in used - defined and onnx_opset is not None and onnx_opset >= fusion.min_opset:
+            proto.functions.append(fusion.make_function(onnx_opset))
+            for domain, version in ((fusions.DOMAIN, 1), *fusion.function_domains):
+                if domain not in opsets:
+                    proto.opset_import.append(onnx.helper.make_opsetid(domain, version))
+                    opsets[domain] = version
+    return proto
+
+
+def _external_data_folder(model: ir.Model, proto: onnx.ModelProto) -> str | None:
+    """Return the folder ONNX Runtime reads ``proto``'s external data from; None when it has none.
+
+    Weights read from one folder (every model ``load`` reads) are found there as they are; from several (a model
+    put together in Python), the locations in ``proto`` are rewritten relative to their common folder.
+    """
+    tensors = [tensor for tensor in external_tensors(model) if tensor.base_dir]
+    folders = {str(Path(tensor.base_dir).resolve()) for tensor in tensors}
+    if len(folders) <= 1:
+        return folders.pop() if folders else None
+    common = os.path.commonpath(folders)
+    relative = {
+        tensor.name: os.path.relpath(Path(tensor.base_dir).resolve() / tensor.location, common) for tensor in tensors
+    }
+    for tensor in proto.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and tensor.name in relative:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = relative[tensor.name]
+    return common
 
 
 @functools.cache
@@ -366,10 +707,11 @@ def optimize_model(
 ) -> tuple[ModelT, OptimizeReport]:
     """Return ``model`` optimized for ONNX Runtime, and an OptimizeReport.
 
-    Passes, in order: onnxscript's ORT fusions (``optimize_for_ort``'s, one at a time, each undone with its
-    reason when it leaves a graph ONNX Runtime would refuse; skipped with ``ort_fusions=False``), mambafuse's
-    decode attention fusion (GroupQueryAttention, with the chains it refused and why), every mambafuse fusion
-    (``rewrite_model``, with ``function`` and ``assume_equal_widths`` as there), the float16 residual norms
+    Passes, in order: every mambafuse fusion (``rewrite_model``, with ``function`` and ``assume_equal_widths`` as
+    there), on the graph as given; onnxscript's ORT fusions (``optimize_for_ort``'s, one at a time, each undone
+    with its reason when it leaves a graph ONNX Runtime would refuse or cannot load; skipped with
+    ``ort_fusions=False``); mambafuse's decode attention fusion (GroupQueryAttention, with the chains it refused
+    and why); every mambafuse fusion again, for chains the passes before made provable; the float16 residual norms
     (after the mambafuse fusions, whose nodes carry a symbolic batch to the residual Adds) and the unit-axis
     Transposes. A ModelProto is left untouched (a new one is returned); an ``ir.Model`` is optimized in place and
     returned.
@@ -395,8 +737,10 @@ def optimize_model(
     report.passes.append(
         PassResult("mambafuse", fused=_fused_ops(first), nodes_before=before, nodes_after=_node_count(model))
     )
+    first_refused = _refused_chains(model, first)
+    creators: dict[str, str] = {}
     if ort_fusions:
-        model, result = _ort_fusions(model)
+        model, result = _ort_fusions(model, creators)
     else:
         count = _node_count(model)
         result = PassResult("onnxscript ORT fusions", nodes_before=count, nodes_after=count, skipped="--no-ort-fusions")
@@ -413,6 +757,7 @@ def optimize_model(
                 nodes_after=_node_count(model),
             )
         )
+    _explain_left_refusals(model, second, first_refused, creators)
     report.rewrite = _merged(first, second)
     # After the mambafuse fusions: their nodes prove the residual Adds' dims under a symbolic batch.
     report.passes.append(_own_pass("mambafuse residual norms", model, _residual_norms))
@@ -427,10 +772,94 @@ def _fused_ops(rewrite: Report) -> dict[str, int]:
     return {op_type: count for op_type, count in fused.items() if count}
 
 
+#: A chain a rewrite refused: its anchor node, and the rewrite's (where, why).
+RefusedChain = tuple[ir.Node, tuple[str, str]]
+
+
+def _refused_chains(model: ir.Model, report: Report) -> dict[str, list[RefusedChain] | None]:
+    """Return, per op type, the chains ``report`` (of a rewrite of ``model`` just run) refused, in its order.
+
+    The report lists them in the order its op's anchors are in the graph (``rewrite._explain_refusals`` and
+    ``_fuse_decode_steps`` find them so); None for an op whose anchors do not line up with its refusals.
+    """
+    from fusion import fusions
+
+    refused: dict[str, list[RefusedChain] | None] = {}
+    listed = [("GatedGroupRMSNorm", find_chain_anchors, report.refused)]
+    listed += [
+        (fusion.op_type, fusion.find_anchors, report.decode.get(fusion.op_type, {}).get("refused", []))
+        for fusion in fusions.DECODE_FUSIONS
+    ]
+    for op_type, find_anchors, reasons in listed:
+        if not reasons:
+            continue
+        anchors = find_anchors(model.graph)
+        refused[op_type] = list(zip(anchors, reasons, strict=True)) if len(anchors) == len(reasons) else None
+    return refused
+
+
+def _chain_key(anchor: ir.Node) -> str:
+    """Return what names ``anchor``'s chain across onnxscript's passes: its output's name (the passes keep value
+    names where they rename nodes: a TorchScript export's ``/mixer/norm/Reshape`` comes back as
+    ``node_Reshape_60``)."""
+    return anchor.outputs[0].name if anchor.outputs and anchor.outputs[0].name else location(anchor)
+
+
+def _explain_left_refusals(
+    model: ir.Model, second: Report, first: dict[str, list[RefusedChain] | None], creators: dict[str, str]
+) -> None:
+    """Reword, in ``second`` (the mambafuse pass after onnxscript's), the refusals of the chains left unfused.
+
+    A chain the first pass refused too keeps that pass's words (where and why on the graph as given: what
+    ``rewrite`` says). A chain only the second pass saw gets, when one of onnxscript's steps wrote nodes of it
+    (``creators``), which one: the rules' "does not match any chain form" on a chain onnxscript rewrote is about
+    its spelling, not about the model.
+    """
+    before = {
+        (op_type, _chain_key(anchor)): refusal for op_type, chains in first.items() for anchor, refusal in chains or []
+    }
+    for op_type, chains in _refused_chains(model, second).items():
+        if chains is None:
+            continue
+        explained = []
+        for anchor, (where, reason) in chains:
+            refusal = before.get((op_type, _chain_key(anchor)))
+            if refusal is None:
+                rewriters = _rewriters(anchor, creators)
+                suffix = f" (onnxscript's ORT fusions rewrote this chain first: {rewriters})" if rewriters else ""
+                refusal = (where, reason + suffix)
+            explained.append(refusal)
+        if op_type == "GatedGroupRMSNorm":
+            second.refused = explained
+        else:
+            second.decode[op_type]["refused"] = explained
+
+
+def _rewriters(anchor: ir.Node, creators: dict[str, str], depth: int = 10) -> str:
+    """Return which of onnxscript's steps wrote nodes around ``anchor`` (the nodes it reads from, and those up to
+    ``depth`` readers on: a chain's extent), each with one node it wrote; empty when none did."""
+    around = [anchor, *(value.producer() for value in anchor.inputs if value is not None and value.producer())]
+    frontier, seen = [(anchor, depth)], set(around)
+    while frontier:
+        node, left = frontier.pop(0)
+        for output in node.outputs:
+            for user, _ in output.uses():
+                if user not in seen and left > 0:
+                    seen.add(user)
+                    around.append(user)
+                    frontier.append((user, left - 1))
+    found: dict[str, str] = {}
+    for node in around:
+        step = creators.get(node.name) if node is not None else None
+        if step is not None:
+            found.setdefault(step, node.name)
+    return ", ".join(f"{step} wrote {name}" for step, name in found.items())
+
+
 def _merged(first: Report, second: Report) -> Report:
     """Return one rewrite Report for ``optimize``'s two mambafuse passes: what both fused, what is left refused
     after the second (the chains still in the model), the node counts from before the first to after the
-    second."""
+    second (across onnxscript's passes: the OptimizeReport's pass lines give each pass's)."""
     merged = Report(
         fused=first.fused + second.fused,
         refused=list(second.refused),

@@ -25,7 +25,7 @@ import pytest
 import contrib_ops
 from fusion import rewrite
 from fusion.optimize import optimize_model
-from models.fixtures import BATCH_FIXTURE_DIR, FIXTURE_DIR
+from models.fixtures import BATCH_FIXTURE_DIR, FAMILY_FIXTURE_DIR, FIXTURE_DIR
 from models.runtime import feeds, greedy_decode, load_manifest, load_references
 
 MANIFEST = load_manifest()
@@ -135,8 +135,14 @@ def test_a_fusion_step_that_breaks_the_graph_is_undone(monkeypatch: pytest.Monke
     stem = "nemotron_h-dynamo-fp32-decode"
     optimized, report = optimize_model(_original(stem))
     undone = report.pass_named("onnxscript ORT fusions").undone
-    assert any(reason.startswith("skip_rms_normalization (left an invalid graph") for reason in undone), undone
-    assert any(reason.startswith("rms_normalization (boom") for reason in undone), undone
+    assert any(
+        reason.startswith("skip_rms_normalization broke the graph (node ") and "nothing_makes_this" in reason
+        for reason in undone
+    ), undone
+    assert "rms_normalization failed (boom)" in undone, undone
+    summary = report.summary()
+    assert "    onnxscript ORT fusions: skip_rms_normalization broke the graph (" in summary, summary
+    assert "    onnxscript ORT fusions: rms_normalization failed (boom); undone" in summary, summary
     assert "nothing_makes_this" not in {name for node in optimized.graph.node for name in node.input}
     assert "half-way damage" not in {node.name for node in optimized.graph.node}
     step = feeds(FIXTURES[stem], REFERENCES[stem])
@@ -191,7 +197,7 @@ def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
     assert data["output"] == str(output) and output.is_file()
     mambafuse_pass, ort_pass, attention_pass, norm_pass, layout_pass = data["passes"]
     assert mambafuse_pass["name"] == "mambafuse" and ort_pass["name"] == "onnxscript ORT fusions"
-    assert any(reason.startswith("skip_rms_normalization") for reason in ort_pass["undone"])
+    assert any(reason.startswith("skip_rms_normalization broke the graph (") for reason in ort_pass["undone"])
     assert attention_pass["name"] == "mambafuse attention" and attention_pass["fused"] == {"GroupQueryAttention": 1}
     assert norm_pass["name"] == "mambafuse residual norms" and sum(norm_pass["fused"].values()) == 5
     assert mambafuse_pass["fused"]["GatedGroupRMSNorm"] == 2
@@ -263,3 +269,65 @@ def test_symbolic_batch_export_folds_its_residual_adds() -> None:
     norms = next(p for p in report.passes if p.name == "mambafuse residual norms")
     assert norms.fused == {"SkipSimplifiedLayerNormalization": 4, "SimplifiedLayerNormalization": 1}, norms
     assert norms.refused == []
+
+
+# --- what the report says -----------------------------------------------------------------------------------
+
+
+def test_a_second_run_says_what_changed_the_node_count() -> None:
+    """optimize on its own output fuses nothing more; the nodes onnxscript's constant folding still removes (it
+    merges each Reshape the layout pass wrote with the Reshape next to it) are named, so that "nothing fused" and
+    the node counts agree. One "nodes:" line for the whole run, each pass with its own counts."""
+    once, first = _optimized("nemotron_h-dynamo-fp32-decode")
+    twice, report = optimize_model(once)
+    ort_pass = report.pass_named("onnxscript ORT fusions")
+    assert ort_pass.fused == {} and ort_pass.nodes_after < ort_pass.nodes_before, ort_pass.line()
+    assert ort_pass.changes == [f"constant folding removed {ort_pass.nodes_before - ort_pass.nodes_after} Reshape"]
+    line = ort_pass.line().splitlines()
+    assert line[0] == f"onnxscript ORT fusions: nothing fused; nodes {ort_pass.nodes_before} -> {ort_pass.nodes_after}"
+    assert line[1] == f"    {ort_pass.changes[0]}"
+    for summary in (first.summary(), report.summary()):
+        nodes_lines = [line for line in summary.splitlines() if line.startswith("nodes:")]
+        assert len(nodes_lines) == 1 and nodes_lines[0].endswith("(all passes)"), summary
+    assert report.nodes_after == len(twice.graph.node)
+    assert report.rewrite.fused == 0 and report.rewrite.decode_fused == 0
+
+
+def test_intermediate_ops_inlined_back_are_not_counted_as_fused() -> None:
+    """onnxscript's rotary_embedding writes an intermediate RotaryEmbedding that its cos_sin_cache fusion would turn
+    into ONNX Runtime's; where that does not match, the clean-up inlines it back: no rotary embedding is fused, and
+    the report says so rather than counting it."""
+    optimized, report = _optimized("zamba2-dynamo-fp16-decode")
+    ort_pass = report.pass_named("onnxscript ORT fusions")
+    assert not any(node.op_type == "RotaryEmbedding" for node in optimized.graph.node)
+    assert "rotary_embedding" not in ort_pass.fused, ort_pass.line()
+    assert "rotary_embedding's 2 RotaryEmbedding inlined back by the clean-up: no later fusion took them" in (
+        ort_pass.changes
+    ), ort_pass.line()
+
+
+def test_a_refusal_names_the_chain_as_rewrite_does() -> None:
+    """A chain left unfused is named and explained as ``rewrite`` names it on the graph as exported, although
+    onnxscript's constant folding renamed its anchor (``/mixer/norm/Reshape`` -> ``node_Reshape_…``)."""
+    model = onnx.load(FAMILY_FIXTURE_DIR / "falcon_h1_nbg-torchscript-fp32-prefill.onnx")
+    _, rewritten = rewrite.rewrite_model(model)
+    _, report = optimize_model(model)
+    assert rewritten.refused and report.rewrite.refused == rewritten.refused, report.summary()
+
+
+def test_a_refusal_says_which_onnxscript_fusion_rewrote_the_chain() -> None:
+    """Run the other way round (onnxscript's fusions first, as ``optimize`` did before it ran mambafuse's first),
+    Falcon-H1's grouped norm is refused with the rules' bare "does not match any chain form": onnxscript's
+    rms_normalization took its RMS and its weight. The optimize path says so."""
+    from fusion.optimize import _explain_left_refusals, _ort_fusions
+
+    model = ir.load(FAMILY_FIXTURE_DIR / "falcon_h1-dynamo-fp32-prefill.onnx")
+    creators: dict[str, str] = {}
+    model, _ = _ort_fusions(model, creators)
+    model, report = rewrite.rewrite_model(model)
+    assert [reason for _, reason in report.refused] == ["does not match any chain form"] * 2
+    _explain_left_refusals(model, report, {}, creators)
+    for _, reason in report.refused:
+        assert reason.startswith(
+            "does not match any chain form (onnxscript's ORT fusions rewrote this chain first: rms_normalization wrote "
+        ), reason
