@@ -27,6 +27,7 @@ commands:
   rewrite   fuse a model's chains (python -m fusion.rewrite): {PACKAGE} rewrite model.onnx [--verify] ...
   report    dispatches and latency before vs after (python -m fusion.report): {PACKAGE} report before.onnx after.onnx
   genai     fuse an onnxruntime-genai model folder (python -m fusion.genai): {PACKAGE} genai IN_DIR OUT_DIR
+            (--config-only: only the genai_config.json edit, the unfused baseline genai 0.18 can load)
   olive     run an Olive workflow config with the mambafuse surgeon registered: {PACKAGE} olive CONFIG.json
 
 '{PACKAGE} COMMAND --help' shows a command's options."""

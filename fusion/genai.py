@@ -3,6 +3,7 @@
 Command line::
 
     python -m fusion.genai IN_FOLDER OUT_FOLDER [--no-library | --no-function] [--keep-model-type] [--json] [--debug]
+    python -m fusion.genai IN_FOLDER OUT_FOLDER --config-only       # the unfused baseline genai can load
 
 IN_FOLDER is a folder as ``mobius build ... --runtime ort-genai`` (or onnxruntime-genai's own builder)
 writes it: ``genai_config.json``, the decoder model it names (``model.decoder.filename``) with its external
@@ -16,7 +17,9 @@ data, tokenizer files. OUT_FOLDER (new, or an empty directory) gets
   file up in the model folder, an execution-provider library folder or the working directory, and
   refuses paths with ``..``: a bare name in the model folder is what works wherever the folder is moved.
   With ``--no-library`` neither: the folder runs the fused nodes through the model-local function (ONNX
-  Runtime inlines it), on any machine and provider, without mambafuse installed.
+  Runtime inlines it), on any machine and provider, without mambafuse installed; slower than the unfused
+  model, as the function's stock-op body has more nodes than the chain it replaced (1.13-1.31x on CPU decode
+  steps, ``benchmarks/bench_function_body.py``).
 
 onnxruntime-genai 0.18 does not know the ``model.type`` mobius writes for these families (``nemotron_h``,
 ``zamba2``, ``mamba2``: "Unsupported model_type in config.json"). By default the command declares such a
@@ -26,6 +29,11 @@ and prints each change; when the names do not allow it, it fails and says why. `
 writes the config unchanged instead (for a genai that knows the type), with a note that genai 0.18 cannot
 load the folder. (``--genai-config-edit``, the opt-in of earlier versions, is accepted: it makes the edit
 required, an error for a model type it does not edit.)
+
+``--config-only`` writes that config edit alone: OUT_FOLDER is IN_FOLDER with every file copied unchanged (the
+model unfused, no library) but ``genai_config.json``, declared as genai's ``decoder``. That is the baseline a
+fused folder is compared with, which genai 0.18 cannot load as mobius writes it. A folder whose model type
+genai already loads needs no edit, and the option refuses it (run the input folder as it is).
 
 The input folder is never modified. OUT_FOLDER is assembled in a hidden directory beside it and renamed
 into place: it appears complete or not at all. On a terminal one status line shows the data being
@@ -231,12 +239,7 @@ def fuse_folder(
             session_options = config["model"]["decoder"].setdefault("session_options", {})
             session_options["custom_ops_library"] = library_path.name
         (scratch / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        scratch.chmod(0o777 & ~umask)  # mkdtemp makes it private; the folder is the user's deliverable
-        if output.exists():
-            output.rmdir()  # empty (checked above)
-        os.replace(scratch, output)
+        _publish(scratch, output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     summary = dict(
@@ -248,6 +251,65 @@ def fuse_folder(
         genai_cannot_load=genai_support(config),
     )
     return report, summary
+
+
+def edit_folder(source: Path, output: Path) -> dict[str, Any]:
+    """Write OUT_FOLDER as IN_FOLDER with only the genai config edit (``--config-only``); return a summary.
+
+    Every file is copied unchanged, the model unfused; ``genai_config.json`` gets ``edit_config_for_genai``'s
+    changes. GenaiFolderError for a model type that needs no edit or cannot be declared as genai's decoder.
+    """
+    source, output = Path(source), Path(output)
+    config = read_config(source)
+    _check_output_folder(source, output)
+    why = genai_support(config)
+    if why is None:
+        raise GenaiFolderError(
+            f"--config-only: nothing to edit: onnxruntime-genai 0.18 loads model type "
+            f"{config['model'].get('type')!r} as it is; run {source} itself as the unfused baseline"
+        )
+    model = load(source / config["model"]["decoder"]["filename"])  # checked as fuse_folder checks it
+    try:
+        changes = edit_config_for_genai(
+            config, [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs]
+        )
+    except GenaiFolderError as error:
+        raise GenaiFolderError(
+            f"--config-only: {why} and its config cannot be declared as genai's 'decoder': "
+            f"{str(error).removeprefix('--genai-config-edit: ')}"
+        ) from None
+    scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
+    try:
+        entries = [entry for entry in sorted(source.iterdir()) if entry.name != CONFIG_NAME]
+        for entry in track(entries, "copying the folder's files"):
+            if entry.is_dir():
+                shutil.copytree(entry, scratch / entry.name, symlinks=False)
+            else:
+                shutil.copy2(entry, scratch / entry.name)
+        (scratch / CONFIG_NAME).write_text(json.dumps(config, indent=4) + "\n")
+        _publish(scratch, output)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    library = (config["model"]["decoder"].get("session_options") or {}).get("custom_ops_library")
+    return dict(
+        output=str(output),
+        model=config["model"]["decoder"]["filename"],
+        custom_ops_library=library,
+        model_type=config["model"].get("type"),
+        config_changes=changes,
+        genai_cannot_load=None,
+        fused=False,
+    )
+
+
+def _publish(scratch: Path, output: Path) -> None:
+    """Move the assembled folder ``scratch`` to ``output`` (absent, or an empty folder) in one rename."""
+    umask = os.umask(0)
+    os.umask(umask)
+    scratch.chmod(0o777 & ~umask)  # mkdtemp makes it private; the folder is the user's deliverable
+    if output.exists():
+        output.rmdir()  # empty (checked before anything was written)
+    os.replace(scratch, output)
 
 
 def _library_names() -> set[str]:
@@ -281,7 +343,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--no-library",
         action="store_true",
         help="write no custom-op library and no custom_ops_library: the fused nodes run through the model-local "
-        "function, without mambafuse (slower than the kernels)",
+        "function, without mambafuse (portable, but slower than the kernels and than the unfused model)",
     )
     runs.add_argument("--no-function", action="store_true", help="omit the model-local function (library only)")
     edits = parser.add_mutually_exclusive_group()
@@ -296,6 +358,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         action="store_true",
         help="require that edit (the default makes it where needed): an error for another model type",
     )
+    parser.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write that config edit alone, no fusion: the folder with its model unfused and no library, which "
+        "genai 0.18 can load (the baseline to compare the fused folder with)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--debug", action="store_true", help="tracebacks for unexpected errors")
     return parser
@@ -304,17 +372,34 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.genai") -> int:
     """Run the command line; return the exit status (0 ok, 2 error, 130/143 signal). ``prog`` names the
     command in usage and error lines (``mambafuse genai`` from the console script)."""
-    args = _parser(prog).parse_args(argv)
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    if args.config_only:
+        conflicting = [
+            option
+            for option, given in (
+                ("--no-library", args.no_library),
+                ("--no-function", args.no_function),
+                ("--keep-model-type", args.keep_model_type),
+            )
+            if given
+        ]
+        if conflicting:
+            parser.error(f"argument --config-only: not allowed with {conflicting[0]} (--config-only does not fuse)")
+    report: Report | None = None
     try:
         with interruptible():
             edit = True if args.genai_config_edit else False if args.keep_model_type else None
-            report, summary = fuse_folder(
-                args.input,
-                args.output,
-                function=not args.no_function,
-                library=not args.no_library,
-                genai_config_edit=edit,
-            )
+            if args.config_only:
+                summary = edit_folder(args.input, args.output)
+            else:
+                report, summary = fuse_folder(
+                    args.input,
+                    args.output,
+                    function=not args.no_function,
+                    library=not args.no_library,
+                    genai_config_edit=edit,
+                )
     except Interrupted as interrupted:
         print(f"{prog}: interrupted ({interrupted}); no output folder was written", file=sys.stderr)
         return 128 + interrupted.signal_number
@@ -327,16 +412,18 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
         print(f"{prog}: internal error (rerun with --debug for details): {first_line(error)}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**summary, **report.to_dict()}, indent=2))
+        print(json.dumps({**summary, **(report.to_dict() if report is not None else {})}, indent=2))
     else:
-        print(report.summary())
+        if report is not None:
+            print(report.summary())
         for change in summary["config_changes"]:
             print(f"genai_config.json: {change}")
-        runs_with = (
-            f"custom_ops_library: {summary['custom_ops_library']}"
-            if summary["custom_ops_library"]
-            else "no library: the fused nodes run through the model-local function"
-        )
+        if report is None:
+            runs_with = "not fused: the model and every other file copied unchanged, only genai_config.json edited"
+        elif summary["custom_ops_library"]:
+            runs_with = f"custom_ops_library: {summary['custom_ops_library']}"
+        else:
+            runs_with = "no library: the fused nodes run through the model-local function"
         print(f"wrote {summary['output']} ({runs_with})")
     if summary["genai_cannot_load"]:
         print(

@@ -9,7 +9,11 @@ builders write for sizes derived from others (mobius names the attention mask's 
    values, a state multiplied with a value of known shape; torch dynamo names its cache dims ``s26``,
    ``s35``, ... and nothing else tells their sizes);
 3. otherwise a default by name, for one decode step: 8 for a past / cache length, 1 for batch, sequence
-   and anything else, ``past + sequence`` for a ``total`` length;
+   and anything else, ``past + sequence`` for a ``total`` length; in a prefill graph (one that holds the
+   Mamba-2 chunked scan: a ``Mod`` by a constant chunk size, which decode steps do not have) every dim but a
+   batch is a sequence length and defaults to two chunks and one token (``prefill_lengths``), so that the
+   scan runs over several chunks and a padded one; where the original model rejects that length (exports
+   that run only up to one chunk, or only at multiples of it) ``--verify`` and the report use one chunk;
 4. an expression is evaluated from the sizes of its names (parsed here, never ``eval``'d: integers,
    names, ``+ - * / // %`` and parentheses). A name used in an expression that is not itself a dim of the
    model stands for the dim whose name is the same once ``sequence`` is read as ``seq`` and ``length`` as
@@ -18,7 +22,9 @@ builders write for sizes derived from others (mobius names the attention mask's 
    (``batch-size``) is a plain name.
 
 A ``--dim`` for a name the model does not have, or one that contradicts what an expression gives, is an
-error; so are generated inputs larger than half of this machine's memory.
+error; so are generated inputs larger than half of this machine's memory. Arrays of ``--inputs`` that name
+no input of the model (the outputs or other steps an ``.npz`` often holds too) are ignored, and the
+commands say which (``split_provided``).
 """
 
 from __future__ import annotations
@@ -36,17 +42,21 @@ import onnx
 DEFAULT_DIMS: dict[str, int] = {"batch": 1, "batch_size": 1, "sequence_length": 1, "seq": 1, "seq_len": 1}
 DEFAULT_CACHE_LENGTH = 8
 UNKNOWN_DIM = 1
+#: A prefill graph's sequence length by default: this many SSD chunks and one token (the last chunk padded).
+DEFAULT_PREFILL_CHUNKS = 2
 
 #: The rules above, for the commands' --help (rewrite --verify/--report, report).
 HELP = f"""\
   --inputs FILE.npz gives real arrays; every other input is generated (seeded) with its symbolic dims
   bound by --dim NAME=SIZE, else to the size the graph pins them to (a cache concatenated with a new
   step's values, a state multiplied with a value of known shape), else by name for one decode step:
-  {DEFAULT_CACHE_LENGTH} for a past/cache length,
-  past + 1 for a total length, 1 for batch, sequence and anything else. A dim named by an expression
+  {DEFAULT_CACHE_LENGTH} for a past/cache length, past + 1 for a total length, 1 for batch, sequence and
+  anything else. A prefill graph (one that holds the Mamba-2 chunked scan) is run at {DEFAULT_PREFILL_CHUNKS}
+  chunks + 1 tokens instead (at one chunk where the original rejects that). A dim named by an expression
   of other dims (mobius: 'past_seq_len + seq_len') is evaluated from them (+ - * / // % and
   parentheses; past_seq_len there is the model's past_sequence_len). The dims used are printed. A --dim
-  the model does not have is an error that lists the dims it has."""
+  the model does not have is an error that lists the dims it has. Arrays of --inputs that name no input
+  of the model are ignored, and a note names them."""
 
 
 class InputError(ValueError):
@@ -317,12 +327,86 @@ def _format(dims: dict[str, int]) -> str:
     return ", ".join(f"{name}={size}" for name, size in dims.items())
 
 
+def _int_constants(graph: onnx.GraphProto) -> dict[str, int]:
+    """Return the values of ``graph`` that are one constant integer (inline initializers and Constant nodes)."""
+    found: dict[str, int] = {}
+    integer = {onnx.TensorProto.INT64, onnx.TensorProto.INT32}
+    for tensor in graph.initializer:
+        if tensor.data_type in integer and not tensor.external_data and int(np.prod(tensor.dims)) == 1:
+            found[tensor.name] = int(onnx.numpy_helper.to_array(tensor).reshape(-1)[0])
+    for node in graph.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or not node.output:
+            continue
+        for attribute in node.attribute:
+            if attribute.name == "value_int":
+                found[node.output[0]] = int(attribute.i)
+            elif attribute.name == "value_ints" and len(attribute.ints) == 1:
+                found[node.output[0]] = int(attribute.ints[0])
+            elif attribute.name == "value" and attribute.t.data_type in integer and int(np.prod(attribute.t.dims)) == 1:
+                found[node.output[0]] = int(onnx.numpy_helper.to_array(attribute.t).reshape(-1)[0])
+    return found
+
+
+def ssd_chunk_size(model: onnx.ModelProto) -> int | None:
+    """Return the chunk size of the Mamba-2 chunked scan ``model`` holds (a prefill graph), or None.
+
+    The scan pads the sequence to a multiple of the chunk size, ``(chunk - L % chunk) % chunk``: every exporter
+    (torch dynamo, TorchScript, transformers') writes a ``Mod`` by the constant chunk size there. A decode step
+    has no scan and no such ``Mod``; nor do mobius builds, whose one graph does prefill and decode through ONNX
+    Runtime's LinearAttention (they keep the decode defaults).
+    """
+    constants = _int_constants(model.graph)
+    sizes = {
+        constants[node.input[1]]
+        for node in model.graph.node
+        if node.op_type == "Mod"
+        and node.domain in ("", "ai.onnx")
+        and len(node.input) == 2
+        and constants.get(node.input[1], 0) > 1
+    }
+    return max(sizes) if sizes else None
+
+
+def prefill_lengths(model: onnx.ModelProto) -> list[int]:
+    """Return the sequence lengths to generate a prefill graph's inputs at, preferred first, or [] for a graph
+    that holds no chunked scan (``ssd_chunk_size``).
+
+    First ``DEFAULT_PREFILL_CHUNKS`` chunks and one token: the scan carries its state across chunks and pads the
+    last one. Then one chunk, which the exports that do not run at that length do run: transformers' exporter
+    bakes the traced number of chunks into its prefill graphs (one chunk for a short traced prompt), and a
+    dynamo export traced at a multiple of the chunk size runs only at multiples of it (models/README.md,
+    exporter failures 6 and 7).
+    """
+    chunk = ssd_chunk_size(model)
+    return [] if chunk is None else [DEFAULT_PREFILL_CHUNKS * chunk + 1, chunk]
+
+
+def prefill_note(
+    model: onnx.ModelProto, length: int, rejected: dict[int, str] | None = None, names: Sequence[str] = ()
+) -> str:
+    """Return how a prefill graph's sequence length ``length`` was chosen, for the dims line of --verify and the
+    report: ``prefill graph: 2 chunks of 16 + 1 by default; --dim seq=N to choose``. ``rejected``: the longer
+    lengths the original model refused, with its error; ``names``: the dims that took the length."""
+    chunk = ssd_chunk_size(model)
+    if chunk is not None and length == DEFAULT_PREFILL_CHUNKS * chunk + 1:
+        how = f"{DEFAULT_PREFILL_CHUNKS} chunks of {chunk} + 1 by default"
+    elif length == chunk:
+        how = f"one chunk of {chunk}"
+    else:
+        how = f"{length} (chunk {chunk})"
+    for longer, error in (rejected or {}).items():
+        how += f", as the original rejects {longer} ({error})"
+    hint = " ".join(f"--dim {name}=N" for name in names) or "--dim NAME=SIZE"
+    return f"prefill graph: {how}; {hint} to choose"
+
+
 def resolve_dims(
     model: onnx.ModelProto,
     dims: dict[str, int] | None = None,
     provided: dict[str, np.ndarray] | None = None,
     *,
     strict: bool = False,
+    prefill_length: int | None = None,
 ) -> dict[str, int]:
     """Return the size of every symbolic dim of ``model``'s inputs, consistent with each other.
 
@@ -330,7 +414,38 @@ def resolve_dims(
     inputs they are given for). With ``strict`` (the command line), a binding of a name the model does
     not have is an InputError that lists the names it has. An expression bound by the user must equal
     what its names give. Raises InputError for an expression that does not evaluate to a positive size.
+    In a prefill graph the dims left to a default, but a batch and a past length, are ``prefill_length``
+    (default: the first of ``prefill_lengths``).
     """
+    return _resolve(model, dims, provided, strict=strict, prefill_length=prefill_length)[0]
+
+
+def prefill_defaulted(
+    model: onnx.ModelProto,
+    dims: dict[str, int] | None = None,
+    provided: dict[str, np.ndarray] | None = None,
+    prefill_length: int | None = None,
+) -> list[str]:
+    """Return the dims ``resolve_dims`` gives the prefill length by default (none for a decode graph, or where
+    ``--dim`` / ``--inputs`` bind every sequence dim)."""
+    return _resolve(model, dims, provided, prefill_length=prefill_length)[1]
+
+
+def _is_batch(name: str) -> bool:
+    return "batch" in name.lower()
+
+
+def _resolve(
+    model: onnx.ModelProto,
+    dims: dict[str, int] | None,
+    provided: dict[str, np.ndarray] | None,
+    *,
+    strict: bool = False,
+    prefill_length: int | None = None,
+) -> tuple[dict[str, int], list[str]]:
+    if prefill_length is None:
+        prefill_length = next(iter(prefill_lengths(model)), None)
+    prefilled: list[str] = []
     dims = dict(dims or {})
     params = dim_params(model)
     parsed = {name: e for name in params if (e := parse_expression(name)) is not None}
@@ -377,7 +492,11 @@ def resolve_dims(
     sequences = [n for n in plain if _is_sequence(n)]
     minimums = graph_minimums(model)
     for name in [n for n in sizes if sizes[n] is None and "total" not in n.lower() and n not in alias]:
-        sizes[name] = max(default_dim(name), minimums.get(name, 1))
+        default = default_dim(name)
+        if prefill_length is not None and not _is_batch(name) and not _is_past(name):
+            default = prefill_length
+            prefilled.append(name)
+        sizes[name] = max(default, minimums.get(name, 1))
     for name in [n for n in sizes if sizes[n] is None and n not in alias]:
         if len(pasts) == 1 and len(sequences) == 1:
             sizes[name] = sizes[pasts[0]] + sizes[sequences[0]]  # type: ignore[operator]
@@ -406,7 +525,7 @@ def resolve_dims(
         if value < 1:
             raise InputError(f"dim {name!r} = {value} with {_format(sizes)}; bind its terms with --dim NAME=SIZE")
         result[name] = value
-    return result
+    return result, prefilled
 
 
 def _sizes_from_arrays(model: onnx.ModelProto, provided: dict[str, np.ndarray]) -> dict[str, int]:
@@ -551,6 +670,57 @@ def load_inputs(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
             return {key.rsplit("input/", 1)[-1]: data[key] for key in data.files}
     except Exception as exc:
         raise InputError(f"inputs file {str(file)!r} is not a readable .npz ({type(exc).__name__})") from None
+
+
+def split_provided(
+    model: onnx.ModelProto, provided: dict[str, np.ndarray] | None
+) -> tuple[dict[str, np.ndarray] | None, list[str]]:
+    """Return the arrays of ``provided`` that are inputs of ``model``, and the names of the others (ignored).
+
+    An ``.npz`` of real inputs often holds more (a step's outputs, the arrays of other steps); those are not
+    an error. A misspelt input name shows as an ignored array (``ignored_note``) and as a generated input in
+    --verify's "inputs:" line. An ``.npz`` none of whose arrays is an input of the model is an InputError: it
+    is another model's, or every name is misspelt, and nothing of it would be used.
+    """
+    if provided is None:
+        return None, []
+    initializers = {t.name for t in model.graph.initializer}
+    names = [v.name for v in model.graph.input if v.name not in initializers]
+    used = {name: array for name, array in provided.items() if name in names}
+    ignored = sorted(name for name in provided if name not in names)
+    if ignored and not used:
+        shown = ", ".join(repr(name) for name in ignored[:5]) + (" ..." if len(ignored) > 5 else "")
+        raise InputError(
+            f"--inputs: none of its arrays ({shown}) is an input of the model (its inputs: {', '.join(names)}): "
+            "inputs of another model, or misspelt names"
+        )
+    return used, ignored
+
+
+def run_error(error: BaseException) -> str:
+    """Return the reason in ONNX Runtime's error for a run, short enough for a note: the node's op type and its
+    status message without the source location (``Reshape: The input tensor cannot be reshaped ...``)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    node = re.search(r"while running (\w+) node", text)
+    reason = text.rsplit("Status Message: ", 1)[-1]
+    # "/onnxruntime_src/.../reshape_helper.h:84 onnxruntime::ReshapeHelper::ReshapeHelper(...) <condition> was
+    # false. The input tensor ..." -> the sentence after the failed condition.
+    reason = re.sub(r"^/\S+:\d+ .*? was false\. ", "", reason)
+    reason = re.sub(r"^/\S+:\d+ \S+\(.*?\) ", "", reason)
+    reason = f"{node.group(1)}: {reason}" if node else reason
+    return reason if len(reason) <= 160 else reason[:157] + "..."
+
+
+def ignored_note(ignored: list[str], model: onnx.ModelProto) -> str | None:
+    """Return the note that says which --inputs arrays name no input of ``model`` (None when none do)."""
+    if not ignored:
+        return None
+    shown = ", ".join(repr(name) for name in ignored[:5]) + (
+        f" and {len(ignored) - 5} more" if len(ignored) > 5 else ""
+    )
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = ", ".join(v.name for v in model.graph.input if v.name not in initializers)
+    return f"--inputs: ignored {len(ignored)} array(s) that name no input of the model: {shown} (its inputs: {inputs})"
 
 
 def parse_dims(items: Sequence[str]) -> dict[str, int]:

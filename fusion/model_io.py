@@ -10,6 +10,8 @@
 - ``save`` writes atomically: every file goes to a hidden scratch directory beside the output and is
   renamed into place (data before model); the scratch directory is removed on errors and on SIGINT /
   SIGTERM (``interruptible``). Every external tensor of the output resolves from the output's directory.
+  Where it replaces an earlier output whose ``<output>.data`` the new one does not use (an inline model
+  written over one with external weights), that stale data file is removed after the new model is in place.
 """
 
 from __future__ import annotations
@@ -48,13 +50,42 @@ def first_line(error: BaseException) -> str:
 # --- reading ----------------------------------------------------------------------------------------
 
 
+def models_in(folder: Path) -> str:
+    """Return what a directory given as a model holds, for the error that refuses it: the ONNX files in it
+    (``; it holds model.onnx``), or that it is an onnxruntime-genai folder.
+
+    A directory is never taken for the model it holds, even a single one: the output's default name and the
+    external data both follow the model file, and a genai folder is ``mambafuse genai``'s (which also edits
+    its config and adds the library).
+    """
+    folder = Path(folder)
+    try:
+        names = sorted(entry.name for entry in folder.iterdir() if entry.suffix == ".onnx" and entry.is_file())
+    except OSError:
+        return ""
+    if (folder / "genai_config.json").is_file():
+        return "; it is an onnxruntime-genai model folder: fuse it with mambafuse genai IN_DIR OUT_DIR"
+    if len(names) == 1:
+        return f"; it holds one model: {folder / names[0]}"
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return f"; it holds {len(names)} models ({shown}): name one"
+    return "; it holds no .onnx file"
+
+
+def check_input(path: Path) -> None:
+    """Refuse an input that is no file: missing, or a directory (naming the models it holds)."""
+    path = Path(path)
+    if path.is_dir():
+        raise RewriteError(f"{path}: is a directory, not an ONNX model{models_in(path)}")
+    if not path.exists():
+        raise RewriteError(f"{path}: no such file")
+
+
 def load(path: Path) -> ir.Model:
     """Return the model at ``path`` with its external weights left on disk; RewriteError if unusable."""
     path = Path(path)
-    if not path.exists():
-        raise RewriteError(f"{path}: no such file")
-    if path.is_dir():
-        raise RewriteError(f"{path}: is a directory, not an ONNX model")
+    check_input(path)
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as error:  # protobuf raises several types for garbage and truncated files
@@ -232,8 +263,9 @@ def writes_own_data(model: ir.Model, output: Path, external: list[ir.ExternalTen
     return bool(external) and not all(Path(t.base_dir).resolve() == directory for t in external)
 
 
-def check_output(input_path: Path, model: ir.Model, output: Path) -> None:
-    """Refuse an output (or the data file it would write) that is one of the input's files."""
+def check_output(input_path: Path, model: ir.Model, output: Path, *, choose: str = "choose another -o") -> None:
+    """Refuse an output (or the data file it would write) that is one of the input's files; ``choose`` ends the
+    message with what the user should change (the option they gave the output with)."""
     external = external_tensors(model)
     inputs = [Path(input_path), *{Path(t.path) for t in external}]
     targets = [output]
@@ -245,7 +277,7 @@ def check_output(input_path: Path, model: ir.Model, output: Path) -> None:
         for source in inputs:
             if _same_file(target, source):
                 what = "the input model" if source == inputs[0] else f"the input's external data file {source.name!r}"
-                raise RewriteError(f"{target}: is {what}; refusing to overwrite the input, choose another -o")
+                raise RewriteError(f"{target}: is {what}; refusing to overwrite the input: {choose}")
 
 
 # --- writing ----------------------------------------------------------------------------------------
@@ -293,7 +325,49 @@ def _tensor_callback(progress: Callable[[int, int, str], None] | None) -> Callab
     return callback
 
 
-def save(model: ir.Model, output: Path, *, progress: Callable[[int, int, str], None] | None = None) -> None:
+def _tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Yield every tensor of ``graph`` that may hold external data: initializers and attribute tensors, in
+    subgraphs too."""
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _tensor_protos(attribute.g)
+            for subgraph in attribute.graphs:
+                yield from _tensor_protos(subgraph)
+
+
+def _stale_data_file(model: ir.Model, output: Path, data_name: str) -> Path | None:
+    """Return ``<output>.data`` when the file at ``output``, about to be replaced, uses it and the new model
+    will not (it is inline, or refers to other files): the old output's weights, left behind otherwise.
+
+    Only a data file the replaced model names is removed: a file of that name that belongs to anything else
+    (the old output does not name it, or cannot be read) stays, and so does one the new model refers to.
+    """
+    data = output.parent / data_name
+    if not output.is_file() or not (data.is_file() or data.is_symlink()):
+        return None
+    try:
+        old = onnx.load(str(output), load_external_data=False)
+    except Exception:  # not a model we can read: leave the files beside it alone
+        return None
+    tensors = [*_tensor_protos(old.graph)]
+    for function in old.functions:
+        tensors += _tensor_protos(onnx.helper.make_graph(function.node, function.name, [], []))
+    located = {
+        os.path.normpath(entry.value) for tensor in tensors for entry in tensor.external_data if entry.key == "location"
+    }
+    if data_name not in located:
+        return None
+    if any(_same_file(data, Path(tensor.path)) for tensor in external_tensors(model)):
+        return None
+    return data
+
+
+def save(model: ir.Model, output: Path, *, progress: Callable[[int, int, str], None] | None = None) -> list[Path]:
     """Write ``model`` to ``output`` atomically, keeping external weights external.
 
     In the directory of the original data files the output refers to them (no copy); elsewhere its
@@ -301,11 +375,14 @@ def save(model: ir.Model, output: Path, *, progress: Callable[[int, int, str], N
     and written inline. Either way all files are written in a temporary directory beside ``output`` and
     moved into place, data before model; that directory is gone afterwards, also after an error or a
     signal. ``progress(done, total, message)`` (a ``fusion.progress.Progress`` is one) is called as each
-    tensor of the data file is written: the copy of a large model's weights takes minutes.
+    tensor of the data file is written: the copy of a large model's weights takes minutes. Returns the files
+    removed: the stale ``<output>.data`` of an output it replaced that the new one does not use
+    (``_stale_data_file``), removed after the new model is in place.
     """
     output = Path(output).resolve()
     own_data = writes_own_data(model, output)
     data_name = data_file_name(output)
+    stale = None if own_data else _stale_data_file(model, output, data_name)
     if own_data:
         _embed_attribute_tensors(model)
     scratch = Path(tempfile.mkdtemp(prefix=".mambafuse-", dir=output.parent))
@@ -318,3 +395,7 @@ def save(model: ir.Model, output: Path, *, progress: Callable[[int, int, str], N
         os.replace(scratch / output.name, output)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if stale is None:
+        return []
+    stale.unlink(missing_ok=True)
+    return [stale]

@@ -4,7 +4,8 @@
 [--plot out.png]`` — and the same report behind ``python -m fusion.rewrite IN.onnx --report``.
 
 Everything is measured, nothing estimated:
-- static: nodes in each graph, gated-norm chain nodes replaced, fused nodes; and for each execution
+- static: nodes in each graph, the ai.mambafuse nodes and how many other nodes fewer the fused graph has
+  (``chain_nodes``: the original's other nodes less the fused graph's); and for each execution
   provider the graph ONNX Runtime really runs (saved after its optimizations at the chosen level):
   nodes, Memcpy nodes, and how many provider partitions the executed kernels form;
 - kernel executions per ``Run``, from ONNX Runtime's profiler (``cat == "Node"`` events ending in
@@ -15,6 +16,10 @@ Everything is measured, nothing estimated:
   process, with IO binding on GPU providers so host copies are not what is measured;
 - the largest absolute difference between the two models' outputs, so a speedup cannot hide a wrong
   answer.
+
+The fused nodes run with mambafuse's custom-op library (its kernels) by default, and the report says so;
+``--no-library`` measures both models without it, the fused nodes then running through their model-local
+function (ONNX Runtime inlines its stock-op body), as on a machine without mambafuse.
 
 The JSON keys ``before/after.{nodes, kernels_per_run, latency_us.{median, p90}}``, ``fused_nodes``,
 ``max_abs_error`` and ``environment`` are stable: tools read them.
@@ -41,7 +46,21 @@ import numpy as np
 import onnx
 
 from fusion.inputs import HELP as INPUTS_HELP
-from fusion.inputs import InputError, describe, holds_bfloat16, load_inputs, make_inputs, parse_dims, resolve_dims
+from fusion.inputs import (
+    InputError,
+    describe,
+    holds_bfloat16,
+    ignored_note,
+    load_inputs,
+    make_inputs,
+    parse_dims,
+    prefill_defaulted,
+    prefill_lengths,
+    prefill_note,
+    resolve_dims,
+    run_error,
+    split_provided,
+)
 from fusion.model_io import first_line
 from fusion.progress import ENV as PROGRESS_ENV
 from fusion.progress import Progress, stdout_closed
@@ -84,6 +103,8 @@ def _load(path_or_model: str | os.PathLike[str] | onnx.ModelProto, what: str) ->
     if isinstance(path_or_model, onnx.ModelProto):
         return path_or_model
     path = Path(path_or_model)
+    if path.is_dir():
+        raise ReportError(f"{what} model {str(path)!r} is a directory, not an ONNX model{_models_in(path)}")
     if not path.is_file():
         raise ReportError(f"{what} model {str(path)!r} does not exist")
     try:
@@ -91,6 +112,13 @@ def _load(path_or_model: str | os.PathLike[str] | onnx.ModelProto, what: str) ->
         return onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # onnx raises DecodeError and others for a damaged file
         raise ReportError(f"{what} model {str(path)!r} is not a readable ONNX model ({type(exc).__name__})") from None
+
+
+def _models_in(folder: Path) -> str:
+    """Return ``; it holds a.onnx, b.onnx`` for the ONNX files directly in ``folder`` (what the user may mean)."""
+    from fusion.model_io import models_in
+
+    return models_in(folder)
 
 
 # --- measurement ----------------------------------------------------------------------------------
@@ -140,10 +168,34 @@ class Report:
     environment: dict[str, Any]
     #: The fused model's ai.mambafuse nodes by op type, less the original's.
     fused_by_op: dict[str, int] = field(default_factory=dict)
+    #: The custom-op library the sessions registered (its path), or None (--no-library: the fused nodes ran
+    #: through their model-local function).
+    library: str | None = None
+    #: How a prefill graph's sequence length was chosen (fusion.inputs.prefill_note), or None.
+    dims_note: str | None = None
 
     def _fused_text(self) -> str:
         by_op = ", ".join(f"{count} {op_type}" for op_type, count in self.fused_by_op.items() if count)
         return f"{self.fused_nodes} ai.mambafuse nodes ({by_op or 'none'})"
+
+    def _nodes_text(self) -> str:
+        """Return what the fusions did to the node count, with the arithmetic of the "graph nodes" row."""
+        if not self.fused_nodes:
+            return f"{self._fused_text()}"
+        net = self.after_nodes - self.before_nodes
+        return (
+            f"{self._fused_text()} where the original had {self.chain_nodes} other nodes "
+            f"(graph nodes: -{self.chain_nodes} + {self.fused_nodes} = {net:+d})"
+        )
+
+    def library_text(self) -> str:
+        """Return how the fused nodes ran: the library's kernels, or the model-local function (--no-library)."""
+        if self.library:
+            return (
+                f"after: the fused nodes run the mambafuse library's kernels ({self.library}); "
+                "--no-library runs them through their model-local function"
+            )
+        return "after: the fused nodes run through their model-local function, without the mambafuse library"
 
     def to_json(self) -> dict[str, Any]:
         def side(nodes: int, results: dict[str, ProviderResult]) -> dict[str, Any]:
@@ -166,6 +218,8 @@ class Report:
             "max_abs_error_by_output": self.max_abs_error_by_output,
             "runs": self.runs,
             "dims": self.dims,
+            "dims_note": self.dims_note,
+            "library": self.library,
             "environment": self.environment,
         }
 
@@ -217,8 +271,8 @@ class Report:
                 )
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [
-            f"{self._fused_text()}; the fusions replaced {self.chain_nodes} nodes; "
-            f"max |after - before| over outputs = {self.max_abs_error:.3g}"
+            f"{self._nodes_text()}; max |after - before| over outputs = {self.max_abs_error:.3g}",
+            self.library_text(),
         ]
         for r in rows:
             cells = [f"{r[0]:<{widths[0]}}"] + [
@@ -226,8 +280,9 @@ class Report:
             ]
             lines.append("  ".join(cells).rstrip())
         env = self.environment
+        note = f" ({self.dims_note})" if self.dims_note else ""
         lines.append(
-            f"{self.runs} runs, dims {describe(self.dims)}; onnxruntime {env['onnxruntime']}, "
+            f"{self.runs} runs, dims {describe(self.dims)}{note}; onnxruntime {env['onnxruntime']}, "
             f"{env['cpu']}, {env['intra_op_threads']} intra-op threads"
         )
         return "\n".join(lines)
@@ -265,6 +320,7 @@ def _session(
     *,
     profile: bool = False,
     optimized_path: str | None = None,
+    use_library: bool = True,
 ) -> Any:
     import onnxruntime as ort
 
@@ -280,8 +336,11 @@ def _session(
     if optimized_path:
         options.optimized_model_filepath = optimized_path
     providers = [provider] if provider == "CPUExecutionProvider" else [provider, "CPUExecutionProvider"]
-    # The library is registered where the provider can host it; a model without fused nodes ignores it.
-    return contrib_ops.session(model_bytes, providers=providers, session_options=options)
+    # The library is registered where the provider can host it (unless --no-library); a model without fused
+    # nodes ignores it.
+    return contrib_ops.session(
+        model_bytes, providers=providers, session_options=options, use_library=None if use_library else False
+    )
 
 
 def _loaded(what: str, provider: str, open_session: Callable[[], Any], bfloat16: bool = False) -> Any:
@@ -371,6 +430,29 @@ def _level(name: str) -> Any:
     return levels[name]
 
 
+def _rejects(what: str, short: str, error: BaseException, used_dims: dict[str, int]) -> ReportError:
+    return ReportError(
+        f"the {what} model rejects its inputs on {short} ({first_line(error)}); dims used: "
+        f"{describe(used_dims)}; bind its symbolic dims with --dim NAME=SIZE or give real inputs "
+        "with --inputs FILE.npz"
+    )
+
+
+def _check_runs_without_library(protos: dict[str, onnx.ModelProto]) -> None:
+    """Refuse --no-library for a model whose ai.mambafuse nodes have no model-local function (nothing else runs
+    them without the library: a model written with --no-function, or saved by an ONNX Runtime session)."""
+    for what, proto in protos.items():
+        functions = {(f.domain, f.name) for f in proto.functions}
+        missing = sorted(
+            {n.op_type for n in proto.graph.node if n.domain == DOMAIN} - {n for d, n in functions if d == DOMAIN}
+        )
+        if missing:
+            raise ReportError(
+                f"--no-library: the {what} model's {', '.join(missing)} nodes have no model-local function (written "
+                "with --no-function?), so only the library runs them; measure it with the library"
+            )
+
+
 def measure(
     before: onnx.ModelProto | str | os.PathLike[str],
     after: onnx.ModelProto | str | os.PathLike[str],
@@ -384,9 +466,16 @@ def measure(
     profile_runs: int = 10,
     inputs: dict[str, np.ndarray] | None = None,
     progress: Progress | None = None,
+    library: bool = True,
 ) -> Report:
-    """Return the before/after Report of two models on each provider (see the module docstring)."""
+    """Return the before/after Report of two models on each provider (see the module docstring).
+
+    ``library=False`` (``--no-library``) registers mambafuse's custom-op library in no session: the fused nodes
+    run through their model-local function. Arrays of ``inputs`` that name no input of the models are ignored.
+    """
     import onnxruntime as ort
+
+    import contrib_ops
 
     progress = progress or Progress("report", enabled=False)
     if runs < 1:
@@ -423,7 +512,22 @@ def measure(
             f"the models have different inputs: only before {only_before}, only after {only_after}; "
             "compare a model with its own fused version"
         )
-    used_dims = resolve_dims(protos["before"], dims, inputs)
+    if not library:
+        _check_runs_without_library(protos)
+    try:
+        library_path = contrib_ops.library_path() if library else None
+    except contrib_ops.LibraryNotFoundError as error:
+        raise ReportError(
+            f"{first_line(error)}; build it (make build), or measure through the model-local function: --no-library"
+        ) from None
+    inputs, _ = split_provided(protos["before"], inputs)
+    # A prefill graph runs at several chunks by default, at one chunk where the original rejects that
+    # (fusion/inputs.py): the first run of the original on the first provider decides.
+    lengths: list[int | None] = [*prefill_lengths(protos["before"])] or [None]
+    rejected: dict[int, str] = {}
+    length = lengths[0]
+    used_dims = resolve_dims(protos["before"], dims, inputs, prefill_length=length)
+    prefilled = prefill_defaulted(protos["before"], dims, inputs, prefill_length=length)
     feeds = make_inputs(protos["before"], provided=inputs, resolved=used_dims)
 
     before_nodes, after_nodes = count_nodes(protos["before"]), count_nodes(protos["after"])
@@ -443,21 +547,36 @@ def measure(
             with tempfile.TemporaryDirectory() as tmp:
                 optimized = os.path.join(tmp, "optimized.onnx")
                 open_session = functools.partial(
-                    _session, model_bytes[what], provider, threads, level, profile=True, optimized_path=optimized
+                    _session,
+                    model_bytes[what],
+                    provider,
+                    threads,
+                    level,
+                    profile=True,
+                    optimized_path=optimized,
+                    use_library=library,
                 )
                 session = _loaded(what, provider, open_session, holds_bfloat16(protos[what]))
                 opt_model = onnx.load(optimized, load_external_data=False)
                 res.optimized_nodes = count_nodes(opt_model)
                 res.memcpy_nodes = sum(1 for n in opt_model.graph.node if n.op_type.startswith("Memcpy"))
                 runner = _Runner(session, feeds, provider)
-                try:
-                    runner()  # the first run pays one-time costs; it is dropped
-                except Exception as error:
-                    raise ReportError(
-                        f"the {what} model rejects its inputs on {short} ({first_line(error)}); dims used: "
-                        f"{describe(used_dims)}; bind its symbolic dims with --dim NAME=SIZE or give real inputs "
-                        "with --inputs FILE.npz"
-                    ) from None
+                while True:
+                    try:
+                        runner()  # the first run pays one-time costs; it is dropped
+                        break
+                    except Exception as error:
+                        # Only the original's first run decides a prefill graph's length (the inputs of every
+                        # later run are then fixed); a length of the user's is never changed.
+                        first_run = what == "before" and not results["before"]
+                        following = lengths[lengths.index(length) + 1 :] if prefilled and first_run else []
+                        if length is None or not following:
+                            raise _rejects(what, short, error, used_dims) from None
+                        rejected[length] = run_error(error)
+                        length = following[0]
+                        used_dims = resolve_dims(protos["before"], dims, inputs, prefill_length=length)
+                        feeds = make_inputs(protos["before"], provided=inputs, resolved=used_dims)
+                        runner = _Runner(session, feeds, provider)
                 for _ in range(profile_runs):
                     runner()
                 profile_path = session.end_profiling()
@@ -526,6 +645,10 @@ def measure(
         runs=runs,
         dims=used_dims,
         environment=environment(threads),
+        library=library_path,
+        dims_note=prefill_note(protos["before"], length, rejected, prefilled)
+        if prefilled and length is not None
+        else None,
     )
 
 
@@ -588,11 +711,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", dest="json_path", metavar="OUT.json", help="write the report as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write a PNG of dispatches and latency (needs matplotlib)")
+    parser.add_argument(
+        "--no-library",
+        action="store_true",
+        help="measure without mambafuse's custom-op library: the fused nodes run through their model-local "
+        "function (ONNX Runtime inlines its stock-op body), as where mambafuse is not installed",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
 def check_arguments(
-    before: Any, args: argparse.Namespace
+    before: Any, args: argparse.Namespace, notes: list[str] | None = None
 ) -> tuple[list[str], dict[str, int], dict[str, np.ndarray] | None]:
     """Return (providers, dims, inputs) of the report's arguments, every one checked against ``before``.
 
@@ -600,7 +729,8 @@ def check_arguments(
     numbers, the output paths, the providers (available in this onnxruntime), the ``--dim`` names (the
     model's own, see fusion/inputs.py) and the inputs they make (their size, their element types), and
     that a model holding bfloat16 loads in the CPU provider when it is asked for. Raises ReportError or
-    InputError with the reason.
+    InputError with the reason. The ``--inputs`` arrays that name no input of the model are left out, and
+    ``notes`` (when given) gets a line that says which.
     """
     import onnxruntime as ort
 
@@ -624,8 +754,10 @@ def check_arguments(
                 f"provider {p!r} is not available in this onnxruntime (available: {', '.join(available)})"
             )
     dims = parse_dims(args.dim)
-    inputs = load_inputs(args.inputs) if getattr(args, "inputs", None) else None
     proto = _load(before, "before")
+    inputs, ignored = split_provided(proto, load_inputs(args.inputs) if getattr(args, "inputs", None) else None)
+    if notes is not None and (note := ignored_note(ignored, proto)):
+        notes.append(note)
     used = resolve_dims(proto, dims, inputs, strict=True)
     make_inputs(proto, provided=inputs, resolved=used)  # sizes and element types, before any session
     if "CPUExecutionProvider" in providers and holds_bfloat16(proto):
@@ -639,9 +771,21 @@ def check_arguments(
     return providers, dims, inputs
 
 
-def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> Report:
-    """Check the arguments, measure, print the table, and write the JSON/PNG the arguments ask for."""
-    providers, dims, inputs = check_arguments(before, args)
+def run_from_args(
+    before: Any,
+    after: Any,
+    args: argparse.Namespace,
+    print_fn: Callable[[str], None] = print,
+    note_fn: Callable[[str], None] | None = None,
+) -> Report:
+    """Check the arguments, measure, print the table, and write the JSON/PNG the arguments ask for.
+
+    ``note_fn`` gets the notes on the arguments (the ``--inputs`` arrays ignored); default: stderr.
+    """
+    notes: list[str] = []
+    providers, dims, inputs = check_arguments(before, args, notes)
+    for note in notes:
+        (note_fn or (lambda text: print(f"note: {text}", file=sys.stderr)))(note)
     report = measure(
         before,
         after,
@@ -653,6 +797,7 @@ def run_from_args(before: Any, after: Any, args: argparse.Namespace, print_fn: C
         inputs=inputs,
         optimization_level=args.optimization_level,
         progress=Progress("report", enabled=not args.quiet),
+        library=not getattr(args, "no_library", False),
     )
     print_fn(report.table())
     if args.json_path:
@@ -694,7 +839,9 @@ environment:
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        run_from_args(args.before, args.after, args)
+        run_from_args(
+            args.before, args.after, args, note_fn=lambda text: print(f"{prog}: note: {text}", file=sys.stderr)
+        )
     except BrokenPipeError:  # `mambafuse report … | head`: the reader left; no error of ours
         return stdout_closed()
     except (ReportError, InputError) as exc:

@@ -38,6 +38,7 @@ from fusion.inputs import InputError
 from fusion.model_io import (
     Interrupted,
     RewriteError,
+    check_input,
     check_output,
     data_file_name,
     first_line,
@@ -494,10 +495,13 @@ def _parser(prog: str = "python -m fusion.rewrite", command: Command = REWRITE) 
         action="append",
         default=[],
         metavar="NAME=SIZE",
-        help="bind a symbolic dimension of the generated inputs (--verify, --report); repeatable; defaults below",
+        help="bind a symbolic dimension of the generated inputs of --verify and --report (an error without one "
+        "of them, or for a name that is no symbolic dim of the model); repeatable; defaults below",
     )
     parser.add_argument(
-        "--inputs", metavar="FILE.npz", help="real model inputs for --verify and --report (arrays named by input)"
+        "--inputs",
+        metavar="FILE.npz",
+        help="real model inputs for --verify and --report (arrays named by input; others are ignored, with a note)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     # Hook for fusion/report.py (dispatch and latency before/after): it adds its flag here.
@@ -511,8 +515,13 @@ def _add_report_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--report", action="store_true", help="measure dispatches, latency and output error before vs after"
     )
-    group.add_argument("--providers", default="CPUExecutionProvider", help="comma-separated providers to measure")
-    group.add_argument("--runs", type=int, default=200, help="timed runs per model (default 200)")
+    group.add_argument("--providers", help="comma-separated providers to measure (default CPUExecutionProvider)")
+    group.add_argument("--runs", type=int, help="timed runs per model (default 200)")
+    group.add_argument(
+        "--report-no-library",
+        action="store_true",
+        help="measure without mambafuse's library: the fused nodes run through their model-local function",
+    )
     group.add_argument("--report-json", metavar="OUT.json", help="also write the report as JSON")
     group.add_argument("--report-plot", metavar="OUT.png", help="also write a PNG (needs matplotlib)")
 
@@ -521,11 +530,34 @@ def _wants_report(args: argparse.Namespace) -> bool:
     return bool(args.report or args.report_json or args.report_plot)
 
 
+def _check_option_use(args: argparse.Namespace) -> None:
+    """Refuse options that would do nothing: ``--dim`` / ``--inputs`` without ``--verify`` or ``--report``, the
+    report's options without ``--report``, ``--report-no-library`` with ``--no-function``."""
+    wants_report = _wants_report(args)
+    for option, given in (("--dim", args.dim), ("--inputs", args.inputs)):
+        if given and not (args.verify or wants_report):
+            raise RewriteError(
+                f"{option} sets the inputs of --verify and --report, and neither is given: add one, or drop {option}"
+            )
+    for option, given in (
+        ("--providers", args.providers is not None),
+        ("--runs", args.runs is not None),
+        ("--report-no-library", args.report_no_library),
+    ):
+        if given and not wants_report:
+            raise RewriteError(f"{option} is an option of --report, which is not given: add --report, or drop {option}")
+    if args.report_no_library and args.no_function:
+        raise RewriteError(
+            "--report-no-library with --no-function: without the function only the library runs the fused nodes"
+        )
+
+
 def _report_options(args: argparse.Namespace) -> argparse.Namespace:
     """Return the report's options (fusion.report's names) from the rewrite command line."""
     return argparse.Namespace(
-        providers=args.providers,
-        runs=args.runs,
+        providers=args.providers or "CPUExecutionProvider",
+        runs=200 if args.runs is None else args.runs,
+        no_library=args.report_no_library,
         warmup=20,
         threads=1,
         dim=args.dim,
@@ -556,7 +588,8 @@ def _run_report(args: argparse.Namespace, original: Path, fused: Path) -> None:
     from fusion import report as before_after
 
     try:
-        before_after.run_from_args(original, fused, _report_options(args), print_fn=print)
+        # The --inputs note was printed when the arguments were checked.
+        before_after.run_from_args(original, fused, _report_options(args), print_fn=print, note_fn=lambda _: None)
     except (ReportError, InputError) as error:
         raise RewriteError(f"report: {error}") from None
 
@@ -576,6 +609,7 @@ def main(
     ``prog`` is how errors name the command (``mambafuse rewrite`` from the console command).
     """
     args = _parser(prog, command).parse_args(argv)
+    args.prog = prog
     try:
         with interruptible():
             return _run(args, command)
@@ -588,21 +622,41 @@ def main(
         return _report_error(prog, error, args.debug)
 
 
+def _output_argument(args: argparse.Namespace) -> tuple[str, str]:
+    """Return how the user named the output (``-o``, ``OUT``, or not at all) and what to change to name another."""
+    if args.output is not None:
+        return "-o", "choose another -o"
+    if args.output_path is not None:
+        return "OUT", "choose another OUT (the second argument)"
+    return "the default output", "name another output (OUT or -o)"
+
+
 def _run(args: argparse.Namespace, command: Command = REWRITE) -> int:
     if args.output is not None and args.output_path is not None and args.output != args.output_path:
         raise RewriteError(f"two outputs given ({args.output_path} and -o {args.output}): name one")
+    # Before the default output is derived from it: "." or a folder has no model name to derive one from.
+    check_input(args.input)
+    _check_option_use(args)
     output = args.output or args.output_path or default_output(args.input, command.suffix)
+    named_by, choose = _output_argument(args)
     if not output.parent.is_dir():
         raise RewriteError(f"{output.parent}: output directory does not exist")
     if output.is_dir():
-        raise RewriteError(f"{output}: is a directory; -o names the output file")
+        example = output / default_output(args.input, command.suffix).name
+        raise RewriteError(f"{output}: is a directory; {named_by} names the output file (e.g. {example})")
+    prog = getattr(args, "prog", f"mambafuse {command.name}")
     # One status line on a terminal (nothing in a log) while loading, fusing, writing and verifying.
     with progress(f"mambafuse {command.name}") as bar:
         bar.step("loading and checking the model")
         model = load(args.input)
-        check_output(args.input, model, output)
+        check_output(args.input, model, output, choose=choose)
         # Every argument is checked, and the original run for --verify, before anything is written.
-        dims, inputs = prepare_inputs(args.input, args.dim, args.inputs) if args.verify or args.report else ({}, None)
+        dims, inputs, notes = ({}, None, [])
+        if args.verify or _wants_report(args):
+            dims, inputs, notes = prepare_inputs(args.input, args.dim, args.inputs)
+        for note in notes:
+            bar.close()  # erase the status line: the note stays on its own line
+            print(f"{prog}: note: {note}", file=sys.stderr)
         _check_report_paths(args)
         _check_report(args)
         original_run = None
@@ -615,7 +669,7 @@ def _run(args: argparse.Namespace, command: Command = REWRITE) -> int:
         if writes_own_data(fused_model, output):
             written.append(output.parent / data_file_name(output))
         bar.step(f"writing {output.name}")
-        save(fused_model, output)
+        stale = save(fused_model, output)
         if args.verify:
             bar.step("verifying: running the fused model")
             try:
@@ -629,9 +683,14 @@ def _run(args: argparse.Namespace, command: Command = REWRITE) -> int:
     last_line = f"wrote {output}" if kept else f"verification failed: {_remove(written)}"
     if args.json:
         removed = {} if kept else {"removed": [str(path) for path in written]}  # not kept: not verified
+        if stale:
+            removed["removed_stale_data"] = [str(output.with_name(path.name)) for path in stale]
         print(json.dumps({"output": str(output) if kept else None, **removed, **report.to_dict()}, indent=2))
     else:
         print(report.summary())
+        for path in stale:
+            stale_name = output.with_name(path.name)
+            print(f"removed {stale_name}: the replaced output's data file, which {output.name} does not use")
         print(last_line)
     if args.debug:
         print(_debug_text(getattr(report, "rewrite", report)), file=sys.stderr)

@@ -19,36 +19,49 @@ from typing import Any
 import numpy as np
 import onnx
 
-from fusion.inputs import InputError, describe, holds_bfloat16, load_inputs, make_inputs, parse_dims, resolve_dims
+from fusion.inputs import (
+    InputError,
+    describe,
+    holds_bfloat16,
+    ignored_note,
+    load_inputs,
+    make_inputs,
+    parse_dims,
+    prefill_defaulted,
+    prefill_lengths,
+    prefill_note,
+    resolve_dims,
+    run_error,
+    split_provided,
+)
 from fusion.model_io import RewriteError, first_line
 from fusion.reference import DOMAIN, OP_TYPE, budget_report
 
 
 def prepare_inputs(
     original: Path, dim_items: list[str], inputs_file: str | None
-) -> tuple[dict[str, int], dict[str, np.ndarray] | None]:
-    """Return the parsed ``--dim`` bindings and ``--inputs`` arrays, checked against ``original``.
+) -> tuple[dict[str, int], dict[str, np.ndarray] | None, list[str]]:
+    """Return the parsed ``--dim`` bindings and ``--inputs`` arrays, checked against ``original``, and notes
+    for the user (the arrays ignored because they name no input of the model).
 
     Raises RewriteError naming the argument: a malformed ``--dim`` or one for a dim the model does not
-    have (fusion/inputs.py), an unreadable or pickled ``.npz``, an array for an input the model does not
-    have, or one whose rank or element type is not the input's.
+    have (fusion/inputs.py), an unreadable or pickled ``.npz``, or an array whose rank or element type is not
+    its input's.
     """
     model = onnx.load(str(original), load_external_data=False)
     try:
         dims = parse_dims(dim_items)
-        arrays = load_inputs(inputs_file) if inputs_file else None
+        arrays, ignored = split_provided(model, load_inputs(inputs_file) if inputs_file else None)
         resolve_dims(model, dims, arrays, strict=True)
     except InputError as error:
         raise RewriteError(str(error)) from None
+    notes = [note] if (note := ignored_note(ignored, model)) else []
     if arrays is None:
-        return dims, None
+        return dims, None, notes
     graph = model.graph
-    initializers = {t.name for t in graph.initializer}
-    declared = {v.name: v for v in graph.input if v.name not in initializers}
+    declared = {v.name: v for v in graph.input}
     for name, array in arrays.items():
-        value = declared.get(name)
-        if value is None:
-            raise RewriteError(f"--inputs: {name!r} is not an input of the model (inputs: {', '.join(declared)})")
+        value = declared[name]
         tensor_type = value.type.tensor_type
         if tensor_type.HasField("shape") and len(tensor_type.shape.dim) != array.ndim:
             raise RewriteError(
@@ -59,7 +72,7 @@ def prepare_inputs(
             # Floats are converted to the input's float type (fp16 inputs saved as fp32); other kinds are not.
             if (array.dtype.kind == "f") != (want.kind == "f"):
                 raise RewriteError(f"--inputs: {name!r} is {array.dtype}; the model's input is {want}")
-    return dims, arrays
+    return dims, arrays, notes
 
 
 #: The op's attributes that name an element type (absent: the op's default).
@@ -232,6 +245,8 @@ class OriginalRun:
     dims: dict[str, int]
     use_library: bool
     backend: str
+    #: How the sequence length of a prefill graph was chosen (``fusion.inputs.prefill_note``), or None.
+    dims_note: str | None = None
 
 
 def run_original(
@@ -269,20 +284,34 @@ def run_original(
             ) from None
         raise RewriteError(f"--verify: the original model does not load in ONNX Runtime: {message}") from None
     try:
-        used = resolve_dims(original_proto, dims, inputs)
-        feeds = make_inputs(original_proto, provided=inputs, resolved=used)
+        inputs, _ = split_provided(original_proto, inputs)
     except InputError as error:
         raise RewriteError(f"--verify: {error}") from None
-    try:
-        expected = reference.run(None, feeds)
-    except Exception as error:
-        raise RewriteError(
-            f"--verify: the original model rejects its inputs ({first_line(error)}); dims used: "
-            f"{describe(used)}; bind its symbolic dims with --dim NAME=SIZE or give real inputs with --inputs "
-            "FILE.npz"
-        ) from None
+    # A prefill graph runs at several chunks by default, at one where the original rejects that (fusion/inputs.py).
+    lengths: list[int | None] = [*prefill_lengths(original_proto)] or [None]
+    rejected: dict[int, str] = {}
+    for index, length in enumerate(lengths):
+        try:
+            used = resolve_dims(original_proto, dims, inputs, prefill_length=length)
+            prefilled = prefill_defaulted(original_proto, dims, inputs, prefill_length=length)
+            feeds = make_inputs(original_proto, provided=inputs, resolved=used)
+        except InputError as error:
+            raise RewriteError(f"--verify: {error}") from None
+        try:
+            expected = reference.run(None, feeds)
+            break
+        except Exception as error:
+            if prefilled and length is not None and index + 1 < len(lengths):
+                rejected[length] = run_error(error)
+                continue
+            raise RewriteError(
+                f"--verify: the original model rejects its inputs ({first_line(error)}); dims used: "
+                f"{describe(used)}; bind its symbolic dims with --dim NAME=SIZE or give real inputs with --inputs "
+                "FILE.npz"
+            ) from None
+    note = prefill_note(original_proto, length, rejected, prefilled) if prefilled and length is not None else None
     names = [meta.name for meta in reference.get_outputs()]
-    return OriginalRun(feeds, names, [np.asarray(e) for e in expected], used, use_library, backend)
+    return OriginalRun(feeds, names, [np.asarray(e) for e in expected], used, use_library, backend, note)
 
 
 def verify(
@@ -341,7 +370,8 @@ def verify(
         lines.append(f"  inputs: all {len(feeds)} given")
     else:
         source = f"{len(given)} of {len(feeds)} given, the rest generated" if given else "generated"
-        lines.append(f"  inputs: {source}; dims {describe(run.dims)}")
+        note = f" ({run.dims_note})" if run.dims_note else ""
+        lines.append(f"  inputs: {source}; dims {describe(run.dims)}{note}")
     failing = [n for n in checked if not n["within_budget"]]
     unchecked = [n for n in nodes if not n["checked"]]
     lines.append(
@@ -355,6 +385,7 @@ def verify(
         "backend": backend,
         "ok": ok,
         "dims": dict(run.dims),
+        "dims_note": run.dims_note,
         "nodes": nodes,
         "outputs": outputs,
         "summary": "\n".join(lines),

@@ -7,9 +7,12 @@
    ``save_pretrained`` in a temporary folder, with a small byte-level BPE tokenizer made in code;
 2. ``mobius build --model <that folder> OUT --dtype ... --ep ... [--runtime ort-genai]`` for every row of
    ``build_jobs()``, each in its own subprocess (mobius reads ``MOBIUS_ORT_CUDA_GROUPED_RMSNORM_WORKAROUND``
-   once per process), with the workarounds of ``_build_one`` (none of them touches a graph). The same
-   wrapper is a command: ``python -m models.mobius mobius build --model DIR OUT ...`` is ``mobius build ...``
-   with those workarounds, for a local Hugging Face folder of your own;
+   once per process), with the workarounds of ``_build_one``. The same wrapper is a command: ``python -m
+   models.mobius mobius build --model DIR OUT ...`` is ``mobius build ...`` with those workarounds, for a
+   Hugging Face checkpoint of your own: each applies only to a checkpoint mobius 0.1.0 would fail on or build
+   another function for (transformers 5.x layer type names; Zamba2 without shared attention adapters;
+   GraniteMoeHybrid's multipliers; a Nemotron-H with ``tie_word_embeddings`` and its own ``lm_head``), so
+   the fixtures' checkpoints build byte for byte as plain ``mobius build`` writes them;
 3. ``builds.tar.xz``: every build folder byte for byte as mobius wrote it (one solid xz archive: the
    ~45 folders are 7 MB unpacked, mostly the per-node metadata mobius writes and weights shared between
    builds; ``extract_builds`` / ``--extract DIR`` unpack them);
@@ -258,31 +261,173 @@ def write_tokenizer(folder: Path) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _build_one(argv: list[str]) -> int:
-    """Run ``mobius build`` in this process with the mobius 0.1.0 workarounds (graphs untouched).
+#: transformers 5.x layer type names (and the 4.x ones) -> mobius 0.1.0's, for the hybrids whose layer types mobius
+#: reads from ``layers_block_type`` knowing only the 4.x names (Bamba, GraniteMoeHybrid: it reads "full_attention"
+#: as a Mamba layer, then finds no weights for it: "8 initializer(s) without weights: 'model.layers.1.mamba.A_log'").
+HYBRID_LAYER_TYPES = {
+    "linear_attention": "mamba2",
+    "mamba": "mamba2",
+    "full_attention": "full_attention",
+    "attention": "full_attention",
+}
 
-    - transformers 5.x names Nemotron-H's layer types ``linear_attention`` / ``full_attention``; mobius
-      maps only ``mamba`` / ``attention`` and takes ``linear_attention`` for a DeltaNet layer ("config
-      fields are unset: linear_num_key_heads, ..."). Its config for ``nemotron_h`` gets ``mamba2`` for them.
+
+def mobius_layer_types(hf_config: Any, layer_types: list[str] | None) -> list[str] | None:
+    """Return the layer types mobius 0.1.0 should build for ``hf_config`` where the ones it derived
+    (``layer_types``) are wrong, else None.
+
+    - Nemotron-H: transformers 5.x names its Mamba layers ``linear_attention``, which mobius builds as a DeltaNet
+      layer ("Linear-attention cache inputs requested but the following config fields are unset: ..."); mobius'
+      own name for them is ``mamba2``.
+    - Bamba, GraniteMoeHybrid: mobius maps only the 4.x name ``attention`` to ``full_attention`` and takes every
+      other layer for a Mamba layer, so the 5.x ``full_attention`` layers become Mamba layers without weights.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "nemotron_h" and layer_types:
+        fixed = ["mamba2" if t == "linear_attention" else t for t in layer_types]
+        return fixed if fixed != layer_types else None
+    if model_type in ("bamba", "granitemoehybrid"):
+        hf_types = list(getattr(hf_config, "layers_block_type", None) or [])
+        if layer_types and len(hf_types) == len(layer_types):
+            fixed = [HYBRID_LAYER_TYPES.get(t, t) for t in hf_types]
+            return fixed if fixed != layer_types else None
+    return None
+
+
+def _no_attention_adapters(zamba2: Any) -> None:
+    """Make mobius 0.1.0 build Zamba2 without the shared attention block's Q/K/V adapters.
+
+    mobius always builds them; a checkpoint with ``use_shared_attention_adapter=False`` has no weights for them
+    ("Component 'model' has 6 initializer(s) without weights: 'model.qkv_adapters.0.q_adapter.down.weight'").
+    transformers adds nothing to Q, K and V then (its ``Zamba2Attention`` applies the adapters only when the
+    flag is set), and mobius' attention adds an adapter's output only when it is given one: returning none
+    builds the checkpoint's function. The MLP adapters exist either way (transformers always has them).
+    """
+    from onnxscript import nn
+
+    class NoQKVAdapters(nn.Module):
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+
+        def forward(self, op: Any, attn_input: Any) -> tuple[None, None, None]:
+            return None, None, None
+
+    zamba2._Zamba2QKVAdapters = NoQKVAdapters
+
+
+def _granite_multipliers(granite: Any) -> None:
+    """Make mobius 0.1.0's GraniteMoeHybrid apply the checkpoint's embedding, attention and logits multipliers.
+
+    transformers' ``GraniteMoeHybridForCausalLM`` multiplies the embeddings by ``embedding_multiplier``, scales
+    attention scores by ``attention_multiplier`` (instead of 1/sqrt(head_dim)) and divides the logits by
+    ``logits_scaling``; mobius 0.1.0 applies only ``residual_multiplier``, so a checkpoint whose other multipliers
+    are not 1 (and 1/sqrt(head_dim)) builds another function. Each is added where it is not the identity, as
+    transformers computes it.
+    """
+    from mobius.components import Embedding, Linear
+
+    class ScaledEmbedding(Embedding):
+        multiplier = 1.0
+
+        def forward(self, op: Any, input_ids: Any) -> Any:
+            hidden = super().forward(op, input_ids)
+            return op.Mul(hidden, op.CastLike(op.Constant(value_float=self.multiplier), hidden))
+
+    class ScaledLogits(Linear):
+        divisor = 1.0
+
+        def forward(self, op: Any, x: Any) -> Any:
+            logits = super().forward(op, x)
+            return op.Div(logits, op.CastLike(op.Constant(value_float=self.divisor), logits))
+
+    text_init = granite._GraniteMoeHybridTextModel.__init__
+    attention_init = granite._GraniteMoeHybridAttentionDecoderLayer.__init__
+    model_init = granite.GraniteMoeHybridCausalLMModel.__init__
+
+    def text_model(self: Any, config: Any) -> None:
+        text_init(self, config)
+        if config.embedding_multiplier != 1.0:
+            self.embed_tokens.__class__ = ScaledEmbedding  # same weight, same name
+            self.embed_tokens.multiplier = float(config.embedding_multiplier)
+
+    def attention_layer(self: Any, config: Any) -> None:
+        attention_init(self, config)
+        if config.attention_multiplier is not None:
+            self.self_attn.scaling = float(config.attention_multiplier)
+
+    def causal_lm(self: Any, config: Any) -> None:
+        model_init(self, config)
+        if config.logits_scaling != 1.0:
+            self.lm_head.__class__ = ScaledLogits
+            self.lm_head.divisor = float(config.logits_scaling)
+
+    granite._GraniteMoeHybridTextModel.__init__ = text_model
+    granite._GraniteMoeHybridAttentionDecoderLayer.__init__ = attention_layer
+    granite.GraniteMoeHybridCausalLMModel.__init__ = causal_lm
+
+
+def _stores_own_lm_head(model_dir: Path) -> bool:
+    """Return whether the safetensors checkpoint in ``model_dir`` stores an ``lm_head.weight`` of its own."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return "lm_head.weight" in json.loads(index.read_text()).get("weight_map", {})
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(single), "np") as tensors:
+        return "lm_head.weight" in tensors.keys()  # noqa: SIM118 - safe_open has keys(), no __contains__
+
+
+def _build_one(argv: list[str]) -> int:
+    """Run ``mobius build`` in this process with the mobius 0.1.0 workarounds.
+
+    - Layer types: transformers 5.x names Nemotron-H's, Bamba's and GraniteMoeHybrid's layers
+      ``linear_attention`` / ``full_attention``, which mobius misreads (``mobius_layer_types``: Nemotron-H fails
+      with "Linear-attention cache inputs requested", Bamba and GraniteMoeHybrid with "initializer(s) without
+      weights"); its config gets the layer types in its own names.
+    - Zamba2 without shared attention adapters (``use_shared_attention_adapter=False``, transformers' default):
+      mobius builds them anyway and fails for want of their weights; they are left out
+      (``_no_attention_adapters``).
+    - GraniteMoeHybrid: mobius ignores ``embedding_multiplier``, ``attention_multiplier`` and ``logits_scaling``
+      and builds another function for a checkpoint that sets them (Granite checkpoints do: an embedding multiplier of
+      12, for one): they
+      are applied as transformers applies them (``_granite_multipliers``).
+    - Nemotron-H with ``tie_word_embeddings=True`` and its own ``lm_head.weight`` in the checkpoint: mobius ties
+      the head to the embedding, transformers' ``NemotronHForCausalLM`` never does (it has no tied weights), so
+      the logits would be silently wrong; the head is untied where the local checkpoint stores one.
     - With a local ``--model`` folder and ``--runtime ort-genai``, mobius asks the hub for the tokenizer
       files (``HFValidationError: Repo id must be in the form 'repo_name' ...``): copy them from the folder.
     - With a local ``--model`` folder the hub is not needed, and without network its client retries for
       ~20 s before giving up: ``HF_HUB_OFFLINE=1`` unless the caller set it (read when the hub client is
       imported, so set before mobius is).
+
+    Each workaround applies only to a config that needs it: a build mobius gets right is left as it is.
     """
-    if _local_model(argv):
+    model_dir = _local_model(argv)
+    if model_dir is not None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import mobius.__main__ as cli
     import mobius._config_resolver as resolver
     import mobius.integrations.ort_genai.auto_export as auto_export
+    import mobius.models.granitemoehybrid as granite
+    import mobius.models.zamba2 as zamba2
 
     original = resolver._config_from_hf
 
     def config_from_hf(hf_config: Any, parent_config: Any = None, module_class: Any = None) -> Any:
         config = original(hf_config, parent_config=parent_config, module_class=module_class)
-        if getattr(hf_config, "model_type", None) == "nemotron_h":
-            layer_types = ["mamba2" if t == "linear_attention" else t for t in config.layer_types]
+        layer_types = mobius_layer_types(hf_config, getattr(config, "layer_types", None))
+        if layer_types is not None:
             config = dataclasses.replace(config, layer_types=layer_types)
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type == "zamba2" and not getattr(hf_config, "use_shared_attention_adapter", True):
+            _no_attention_adapters(zamba2)
+        if model_type == "granitemoehybrid":
+            _granite_multipliers(granite)
+        if model_type == "nemotron_h" and config.tie_word_embeddings and model_dir and _stores_own_lm_head(model_dir):
+            config = dataclasses.replace(config, tie_word_embeddings=False)
         return config
 
     def copy_tokenizer_files(model_id: str, output_dir: str) -> list[str]:
@@ -299,13 +444,13 @@ def _build_one(argv: list[str]) -> int:
     return cli.main() or 0
 
 
-def _local_model(argv: list[str]) -> bool:
-    """Return whether a mobius command line's ``--model`` names an existing local folder."""
+def _local_model(argv: list[str]) -> Path | None:
+    """Return the local folder a mobius command line's ``--model`` names, or None (a hub id, or no --model)."""
     for i, arg in enumerate(argv):
         value = argv[i + 1] if arg == "--model" and i + 1 < len(argv) else arg.partition("=")[2]
         if arg == "--model" or arg.startswith("--model="):
-            return Path(value).is_dir()
-    return False
+            return Path(value) if Path(value).is_dir() else None
+    return None
 
 
 def mobius_argv(job: dict[str, Any], checkpoint_dir: str, out_dir: str) -> list[str]:
@@ -806,7 +951,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m models.mobius",
         description=main.__doc__,
         epilog="python -m models.mobius mobius build --model DIR OUT [mobius options]: mobius' own command with "
-        "the mobius 0.1.0 workarounds (Nemotron-H layer types, tokenizer of a local folder)",
+        "the mobius 0.1.0 workarounds (transformers 5.x layer types of Nemotron-H, Bamba and GraniteMoeHybrid; "
+        "Zamba2 without attention adapters; GraniteMoeHybrid's multipliers; Nemotron-H's untied lm_head; the "
+        "tokenizer of a local folder; offline for a local folder)",
     )
     parser.add_argument("-o", "--output", type=Path, default=FIXTURE_DIR)
     parser.add_argument("--only", help="regex on the build stem (writes only those into --output)")

@@ -406,3 +406,54 @@ def test_the_weights_copy_reports_progress(builds: Path, tmp_path: Path, monkeyp
     monkeypatch.setenv("MAMBAFUSE_PROGRESS", "1")
     status, _, err = _fuse(builds / stem, tmp_path / "out")
     assert status == 0 and "writing model.onnx:" in err and "copying the folder's other files:" in err
+
+
+# --- --config-only: the unfused baseline genai can load ------------------------------------------------------
+
+
+def test_config_only_writes_the_unfused_baseline(builds: Path, tmp_path: Path) -> None:
+    """``--config-only``: every file copied unchanged (the model unfused, no library), the config edited as the
+    fusing command edits it; genai loads the folder and generates what the fused folder generates."""
+    stem = next(s for s in GENAI_BUILDS if RECORDS[s]["family"] == "nemotron_h" and RECORDS[s]["dtype"] == "f32")
+    source = builds / stem
+    before = _tree_digest(source)
+    status, out, err = _fuse(source, tmp_path / "baseline", "--config-only")
+    assert status == 0 and err == "", err
+    assert "genai_config.json: model.type: 'nemotron_h' -> 'decoder'" in out
+    assert "not fused: the model and every other file copied unchanged, only genai_config.json edited" in out
+    assert _tree_digest(source) == before, "the input folder was modified"
+    after = _tree_digest(tmp_path / "baseline")
+    assert set(after) == set(before)
+    assert {p: h for p, h in after.items() if p != "genai_config.json"} == {
+        p: h for p, h in before.items() if p != "genai_config.json"
+    }, "files not copied unchanged"
+    config = json.loads((tmp_path / "baseline" / "genai_config.json").read_text())
+    assert config == json.loads((_edited_original(source, tmp_path / "edited") / "genai_config.json").read_text())
+    assert _fuse(source, tmp_path / "fused")[0] == 0
+    fused_config = json.loads((tmp_path / "fused" / "genai_config.json").read_text())
+    del fused_config["model"]["decoder"]["session_options"]["custom_ops_library"]
+    assert config == fused_config, "the same edit as the fusing command's"
+    tokens, logits = generate(tmp_path / "baseline")
+    fused_tokens, fused_logits = generate(tmp_path / "fused")
+    print(f"{stem} [config-only vs fused]: {_compare(tokens, logits, fused_tokens, fused_logits)}")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--no-library"], "argument --config-only: not allowed with --no-library"),
+        (["--keep-model-type"], "argument --config-only: not allowed with --keep-model-type"),
+    ],
+)
+def test_config_only_refuses_fusion_options(args: list[str], message: str, builds: Path, tmp_path: Path) -> None:
+    status, out, err = _fuse(builds / GENAI_BUILDS[0], tmp_path / "out", "--config-only", *args)
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_only_refuses_a_folder_genai_loads_as_it_is(builds: Path, tmp_path: Path) -> None:
+    assert _fuse(builds / GENAI_BUILDS[0], tmp_path / "edited", "--config-only")[0] == 0
+    status, out, err = _fuse(tmp_path / "edited", tmp_path / "again", "--config-only")
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "nothing to edit" in err and "loads model type 'decoder' as it is" in err
+    assert not (tmp_path / "again").exists()
