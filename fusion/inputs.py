@@ -34,6 +34,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import numpy as np
 import onnx
@@ -695,6 +696,58 @@ def split_provided(
             "inputs of another model, or misspelt names"
         )
     return used, ignored
+
+
+RunT = TypeVar("RunT")
+
+
+@dataclass
+class FirstRun(Generic[RunT]):
+    """The original model's first accepted run (``first_run``): what ``run`` returned, the feeds and dims it ran
+    on, and for a prefill graph how its sequence length was chosen (``prefill_note``), else None."""
+
+    result: RunT
+    feeds: dict[str, np.ndarray]
+    dims: dict[str, int]
+    note: str | None
+
+
+class RejectedRun(Exception):
+    """The original model rejected its inputs at every length tried: ``error`` the last rejection, ``dims`` the
+    dims it ran with."""
+
+    def __init__(self, error: BaseException, dims: dict[str, int]) -> None:
+        super().__init__(str(error))
+        self.error, self.dims = error, dims
+
+
+def first_run(
+    model: onnx.ModelProto,
+    dims: dict[str, int] | None,
+    provided: dict[str, np.ndarray] | None,
+    run: Callable[[dict[str, np.ndarray]], RunT],
+) -> FirstRun[RunT]:
+    """Run the original ``model`` (``run(feeds)``) on generated inputs; a prefill graph at each of its default
+    lengths (``prefill_lengths``) until one is accepted, a length the user bound at that length only.
+
+    Raises InputError for inputs that cannot be made, RejectedRun where the model rejects the last length tried.
+    """
+    lengths: list[int | None] = [*prefill_lengths(model)] or [None]
+    rejected: dict[int, str] = {}
+    for index, length in enumerate(lengths):
+        used = resolve_dims(model, dims, provided, prefill_length=length)
+        prefilled = prefill_defaulted(model, dims, provided, prefill_length=length)
+        feeds = make_inputs(model, provided=provided, resolved=used)
+        try:
+            result = run(feeds)
+        except Exception as error:
+            if prefilled and length is not None and index + 1 < len(lengths):
+                rejected[length] = run_error(error)
+                continue
+            raise RejectedRun(error, used) from error
+        note = prefill_note(model, length, rejected, prefilled) if prefilled and length is not None else None
+        return FirstRun(result, feeds, used, note)
+    raise AssertionError("unreachable: the last length returns or raises")
 
 
 def run_error(error: BaseException) -> str:

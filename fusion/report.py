@@ -48,17 +48,15 @@ import onnx
 from fusion.inputs import HELP as INPUTS_HELP
 from fusion.inputs import (
     InputError,
+    RejectedRun,
     describe,
+    first_run,
     holds_bfloat16,
     ignored_note,
     load_inputs,
     make_inputs,
     parse_dims,
-    prefill_defaulted,
-    prefill_lengths,
-    prefill_note,
     resolve_dims,
-    run_error,
     split_provided,
 )
 from fusion.model_io import first_line
@@ -415,6 +413,13 @@ class _Runner:
         return self.session.run(self.outputs, self.feeds)
 
 
+def _started(session: Any, provider: str, feeds: dict[str, np.ndarray]) -> _Runner:
+    """Return a runner of ``session`` on ``feeds`` that has run once."""
+    runner = _Runner(session, feeds, provider)
+    runner()
+    return runner
+
+
 def _level(name: str) -> Any:
     """Return ONNX Runtime's graph optimization level called ``name``."""
     import onnxruntime as ort
@@ -522,13 +527,10 @@ def measure(
         ) from None
     inputs, _ = split_provided(protos["before"], inputs)
     # A prefill graph runs at several chunks by default, at one chunk where the original rejects that
-    # (fusion/inputs.py): the first run of the original on the first provider decides.
-    lengths: list[int | None] = [*prefill_lengths(protos["before"])] or [None]
-    rejected: dict[int, str] = {}
-    length = lengths[0]
-    used_dims = resolve_dims(protos["before"], dims, inputs, prefill_length=length)
-    prefilled = prefill_defaulted(protos["before"], dims, inputs, prefill_length=length)
-    feeds = make_inputs(protos["before"], provided=inputs, resolved=used_dims)
+    # (fusion/inputs.py): the first run of the original on the first provider decides the inputs of every run.
+    feeds: dict[str, np.ndarray] | None = None
+    used_dims: dict[str, int] = {}
+    dims_note: str | None = None
 
     before_nodes, after_nodes = count_nodes(protos["before"]), count_nodes(protos["after"])
     before_ops, after_ops = fused_by_op(protos["before"]), fused_by_op(protos["after"])
@@ -560,23 +562,21 @@ def measure(
                 opt_model = onnx.load(optimized, load_external_data=False)
                 res.optimized_nodes = count_nodes(opt_model)
                 res.memcpy_nodes = sum(1 for n in opt_model.graph.node if n.op_type.startswith("Memcpy"))
-                runner = _Runner(session, feeds, provider)
-                while True:
+                # the first run pays one-time costs; it is dropped
+                if feeds is None:
                     try:
-                        runner()  # the first run pays one-time costs; it is dropped
-                        break
+                        accepted = first_run(
+                            protos["before"], dims, inputs, functools.partial(_started, session, provider)
+                        )
+                    except RejectedRun as rejected:
+                        raise _rejects(what, short, rejected.error, rejected.dims) from None
+                    runner, feeds, used_dims, dims_note = accepted.result, accepted.feeds, accepted.dims, accepted.note
+                else:
+                    runner = _Runner(session, feeds, provider)
+                    try:
+                        runner()
                     except Exception as error:
-                        # Only the original's first run decides a prefill graph's length (the inputs of every
-                        # later run are then fixed); a length of the user's is never changed.
-                        first_run = what == "before" and not results["before"]
-                        following = lengths[lengths.index(length) + 1 :] if prefilled and first_run else []
-                        if length is None or not following:
-                            raise _rejects(what, short, error, used_dims) from None
-                        rejected[length] = run_error(error)
-                        length = following[0]
-                        used_dims = resolve_dims(protos["before"], dims, inputs, prefill_length=length)
-                        feeds = make_inputs(protos["before"], provided=inputs, resolved=used_dims)
-                        runner = _Runner(session, feeds, provider)
+                        raise _rejects(what, short, error, used_dims) from None
                 for _ in range(profile_runs):
                     runner()
                 profile_path = session.end_profiling()
@@ -646,9 +646,7 @@ def measure(
         dims=used_dims,
         environment=environment(threads),
         library=library_path,
-        dims_note=prefill_note(protos["before"], length, rejected, prefilled)
-        if prefilled and length is not None
-        else None,
+        dims_note=dims_note,
     )
 
 

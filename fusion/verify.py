@@ -21,17 +21,14 @@ import onnx
 
 from fusion.inputs import (
     InputError,
+    RejectedRun,
     describe,
+    first_run,
     holds_bfloat16,
     ignored_note,
     load_inputs,
-    make_inputs,
     parse_dims,
-    prefill_defaulted,
-    prefill_lengths,
-    prefill_note,
     resolve_dims,
-    run_error,
     split_provided,
 )
 from fusion.model_io import RewriteError, first_line
@@ -288,30 +285,19 @@ def run_original(
     except InputError as error:
         raise RewriteError(f"--verify: {error}") from None
     # A prefill graph runs at several chunks by default, at one where the original rejects that (fusion/inputs.py).
-    lengths: list[int | None] = [*prefill_lengths(original_proto)] or [None]
-    rejected: dict[int, str] = {}
-    for index, length in enumerate(lengths):
-        try:
-            used = resolve_dims(original_proto, dims, inputs, prefill_length=length)
-            prefilled = prefill_defaulted(original_proto, dims, inputs, prefill_length=length)
-            feeds = make_inputs(original_proto, provided=inputs, resolved=used)
-        except InputError as error:
-            raise RewriteError(f"--verify: {error}") from None
-        try:
-            expected = reference.run(None, feeds)
-            break
-        except Exception as error:
-            if prefilled and length is not None and index + 1 < len(lengths):
-                rejected[length] = run_error(error)
-                continue
-            raise RewriteError(
-                f"--verify: the original model rejects its inputs ({first_line(error)}); dims used: "
-                f"{describe(used)}; bind its symbolic dims with --dim NAME=SIZE or give real inputs with --inputs "
-                "FILE.npz"
-            ) from None
-    note = prefill_note(original_proto, length, rejected, prefilled) if prefilled and length is not None else None
+    try:
+        accepted = first_run(original_proto, dims, inputs, lambda feeds: reference.run(None, feeds))
+    except InputError as error:
+        raise RewriteError(f"--verify: {error}") from None
+    except RejectedRun as rejected:
+        raise RewriteError(
+            f"--verify: the original model rejects its inputs ({first_line(rejected.error)}); dims used: "
+            f"{describe(rejected.dims)}; bind its symbolic dims with --dim NAME=SIZE or give real inputs with --inputs "
+            "FILE.npz"
+        ) from None
     names = [meta.name for meta in reference.get_outputs()]
-    return OriginalRun(feeds, names, [np.asarray(e) for e in expected], used, use_library, backend, note)
+    expected = [np.asarray(e) for e in accepted.result]
+    return OriginalRun(accepted.feeds, names, expected, accepted.dims, use_library, backend, accepted.note)
 
 
 def verify(

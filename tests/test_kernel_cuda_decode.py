@@ -396,6 +396,32 @@ def _ptr(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
+def _emulated_ssu(
+    emulated: ctypes.CDLL, inputs: dict[str, np.ndarray], t: type, s: type, dt_softplus: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run the host emulation of the CUDA state update on ``inputs``; return out and present (both start NaN)."""
+    batch, heads, head_dim, state_size = inputs["state"].shape
+    out = np.full(inputs["x"].shape, np.nan, t)
+    present = np.full(inputs["state"].shape, np.nan, s)
+    rc = emulated.mambafuse_ssu_launch(
+        *(_ptr(inputs[n]) for n in SSU_NAMES),
+        _ptr(out),
+        _ptr(present),
+        ONNX_TYPE[t],
+        ONNX_TYPE[s],
+        ONNX_TYPE[inputs["D"].dtype],
+        batch,
+        heads,
+        head_dim,
+        state_size,
+        inputs["B"].shape[1],
+        dt_softplus,
+        None,
+    )
+    assert rc == 0
+    return out, present
+
+
 def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both kernels, emulated on the host, within the references' budgets: every (T, S) pair on both state-update
     paths and rows 1/2/4 (odd P, G between 1 and H, N = 24 vector / 33 scalar / 256 two chunks a lane / 16 with
@@ -403,7 +429,6 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
     the conv with K = 4 (unrolled; S = K - 1 and K at L = 1, its decode path; L = 3) and K = 3. Outputs start as
     NaN."""
     rng = np.random.default_rng(11)
-    names = SSU_NAMES
     cases = 0
     for (t, s), (path, rows, shape) in itertools.product(
         TYPE_COMBOS,
@@ -423,25 +448,8 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
         inputs = ssu_inputs(
             rng, t=t, s=s, batch=batch, heads=heads, head_dim=head_dim, state_size=state_size, groups=groups, d_type=t
         )
-        out = np.full(inputs["x"].shape, np.nan, t)
-        present = np.full(inputs["state"].shape, np.nan, s)
-        rc = emulated.mambafuse_ssu_launch(
-            *(_ptr(inputs[n]) for n in names),
-            _ptr(out),
-            _ptr(present),
-            ONNX_TYPE[t],
-            ONNX_TYPE[s],
-            ONNX_TYPE[t],
-            batch,
-            heads,
-            head_dim,
-            state_size,
-            groups,
-            1,
-            None,
-        )
-        assert rc == 0
-        ok, msg = ssu_budget_report(out, present, *(inputs[n] for n in names))
+        out, present = _emulated_ssu(emulated, inputs, t, s)
+        ok, msg = ssu_budget_report(out, present, *(inputs[n] for n in SSU_NAMES))
         assert ok, f"T={DTYPE_IDS[t]} S={DTYPE_IDS[s]} {path} rows={rows} {shape}: {msg}"
         cases += 1
     for t, (batch, channels, length, state_len, width) in itertools.product(
@@ -477,25 +485,7 @@ def test_emulated_special_values(emulated: ctypes.CDLL) -> None:
     cases = 0
     for (t, s), dt_softplus, state_size in itertools.product(TYPE_COMBOS, [0, 1], [19, 32]):
         for case, inputs in special_cases(t, s, dt_softplus, state_size):
-            batch, heads, head_dim, _ = inputs["state"].shape
-            out = np.full(inputs["x"].shape, np.nan, t)
-            present = np.full(inputs["state"].shape, np.nan, s)
-            rc = emulated.mambafuse_ssu_launch(
-                *(_ptr(inputs[n]) for n in SSU_NAMES),
-                _ptr(out),
-                _ptr(present),
-                ONNX_TYPE[t],
-                ONNX_TYPE[s],
-                ONNX_TYPE[inputs["D"].dtype],
-                batch,
-                heads,
-                head_dim,
-                state_size,
-                inputs["B"].shape[1],
-                dt_softplus,
-                None,
-            )
-            assert rc == 0
+            out, present = _emulated_ssu(emulated, inputs, t, s, dt_softplus)
             ok, msg = ssu_budget_report(out, present, *(inputs[n] for n in SSU_NAMES), dt_softplus=dt_softplus)
             if not ok:
                 failures.append(

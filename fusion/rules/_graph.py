@@ -516,6 +516,8 @@ class ForwardShapes:
 
     def __init__(self, graph: ir.Graph | None) -> None:
         self._graph = graph
+        #: graph inputs whose symbols a node fixes to numbers, with those numbers in their dims
+        self._bound_inputs: dict[ir.Value, list[Dim]] = {}
         self._dims: dict[ir.Value, list[Dim] | None] | None = None
 
     def __call__(self, value: ir.Value | None) -> list[Dim] | None:
@@ -545,8 +547,6 @@ class ForwardShapes:
             if found.keys() <= bindings.keys():
                 return dims
             bindings.update(found)
-
-    _bound_inputs: dict[ir.Value, list[Dim]] = {}  # noqa: RUF012 (replaced per instance, never mutated)
 
     def _infer_pass(self, bindings: Mapping[str, int]) -> tuple[dict[ir.Value, list[Dim] | None], dict[str, int]]:
         dims: dict[ir.Value, list[Dim] | None] = {}
@@ -607,11 +607,13 @@ def _fixed_symbols(
     return found
 
 
-#: This project's decode ops: (input, axis) pairs that the kernels require to be equal (docs/: the conv
-#: state's batch and channels are x's; the recurrent state's batch, heads and head dim are x's).
-_OWN_EQUAL_DIMS = {
-    "CausalConv1dUpdate": (((0, 0), (1, 0)), ((0, 1), (1, 1))),
-    "SelectiveStateUpdate": (((1, 0), (0, 0)), ((1, 1), (0, 1)), ((1, 2), (0, 2))),
+#: This project's fused ops: the input whose dims output 0 has (x; GatedGroupRMSNorm's Y), and for the decode ops
+#: the past state's input (output 1 has its dims) and how many leading axes the kernels require it to share with
+#: x (docs/: the conv state's batch and channels; the recurrent state's batch, heads and head dim).
+_OWN_OPS: dict[str, tuple[int, int | None, int]] = {
+    "GatedGroupRMSNorm": (0, None, 0),
+    "CausalConv1dUpdate": (0, 1, 2),
+    "SelectiveStateUpdate": (1, 0, 3),
 }
 
 
@@ -622,11 +624,11 @@ def _equal_dims(node: ir.Node, dims_of_value: Callable[[ir.Value | None], list[D
     def dims_of(index: int) -> list[Dim] | None:
         return dims_of_value(node.inputs[index]) if index < len(node.inputs) else None
 
-    if node.domain == _OWN_DOMAIN and node.op_type in _OWN_EQUAL_DIMS:
-        for pairs in _OWN_EQUAL_DIMS[node.op_type]:
-            shapes = [dims_of(index) for index, _ in pairs]
-            if all(shape is not None and axis < len(shape) for shape, (_, axis) in zip(shapes, pairs, strict=True)):
-                yield [shape[axis] for shape, (_, axis) in zip(shapes, pairs, strict=True)]  # type: ignore[index]
+    if node.domain == _OWN_DOMAIN and node.op_type in _OWN_OPS:
+        x_index, state_index, shared = _OWN_OPS[node.op_type]
+        x, state = dims_of(x_index), dims_of(state_index) if state_index is not None else None
+        if x is not None and state is not None:
+            yield from ([x[axis], state[axis]] for axis in range(min(shared, len(x), len(state))))
         return
     if node.op_type != "Concat" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return
@@ -876,19 +878,17 @@ def _infer_dims(
 
 
 def _own_op_dims(node: ir.Node, index: int, dims_of: Callable[[ir.Value | None], list[Dim] | None]) -> list[Dim] | None:
-    """This project's fused ops, as their contracts (docs/) define their outputs: the first output has the
-    first data input's shape (GatedGroupRMSNorm: Y's; CausalConv1dUpdate and SelectiveStateUpdate: x's, input
-    1 of the state update), and the decode ops' present state has the past state's shape with x's batch (the
-    kernels reject a state of another batch)."""
-    x_index = {"GatedGroupRMSNorm": 0, "CausalConv1dUpdate": 0, "SelectiveStateUpdate": 1}.get(node.op_type)
+    """This project's fused ops, as their contracts (docs/) define their outputs (``_OWN_OPS``): output 0 has x's
+    shape, and a decode op's present state the past state's with x's batch (the kernels reject another)."""
+    x_index, state_index, _ = _OWN_OPS.get(node.op_type, (None, None, 0))
     if x_index is None or len(node.inputs) <= x_index:
         return None
     x = dims_of(node.inputs[x_index])
     if index == 0:
         return x
-    if index != 1 or node.op_type == "GatedGroupRMSNorm":
+    if index != 1 or state_index is None:
         return None
-    state = dims_of(node.inputs[1 if node.op_type == "CausalConv1dUpdate" else 0])
+    state = dims_of(node.inputs[state_index])
     if state is None or x is None or not state or not x:
         return state
     return [x[0] if isinstance(x[0], int) else state[0], *state[1:]]

@@ -442,10 +442,9 @@ class SelectiveStateUpdateFusion(PlannedRule):
             if state_dims[0] != self._batch.symbol:
                 raise Refusal("the state's batch is not proven to be x's", state)
         elif state_dims[0] != batch:
-            # the original fails with another batch: the state's rows, or (the op's body) the readout's
-            # Reshape of their products to x's shape
-            # rows of the state (the MatMul fails where they do not broadcast against C's rows, proven from
-            # x's batch), or (the op's body) the readout's Reshape of their products to x's shape
+            # the original fails with another batch: the state's rows (the MatMul fails where they do not
+            # broadcast against C's rows, proven from x's batch), or (the op's body) the readout's Reshape of
+            # their products to x's shape
             wider = emulate(s_rows, {s_t: leaf_indices((batch + 1, heads, head_dim, state_size))}, aliases)
             c_dims = self._bound(shapes(c_rows))
             products = None
@@ -721,11 +720,10 @@ def _broadcast_batch(rows: list[int], other: list | None) -> list[int] | None:
     broadcast), or None where the two do not broadcast and the MatMul fails."""
     if other is None or not all(isinstance(d, int) for d in other):
         return rows
-    rank = max(len(rows), len(other))
-    left, right = [1] * (rank - len(rows)) + rows, [1] * (rank - len(other)) + list(other)
-    if any(a != b and 1 not in (a, b) for a, b in zip(left, right, strict=True)):
+    try:
+        return list(np.broadcast_shapes(tuple(rows), tuple(other)))
+    except ValueError:
         return None
-    return [max(a, b) if 0 not in (a, b) else 0 for a, b in zip(left, right, strict=True)]
 
 
 def _layout_ancestors(value: ir.Value) -> list[ir.Value]:
