@@ -13,6 +13,11 @@ STAMPS := $(VENV)/.stamps
 NATIVE_SOURCES := $(shell find contrib_ops -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \
                     -o -name '*.mm' -o -name '*.metal' -o -name '*.cmake' -o -name CMakeLists.txt \) 2>/dev/null)
 PYTEST_ARGS ?=
+# The editable install maps each module of the packages it installs to its file: a module added, moved or removed
+# needs a new install. $(STAMPS)/modules holds the list of those files and changes only when the list does.
+PY_MODULES := $(sort $(shell find fusion contrib_ops -name '*.py' 2>/dev/null))
+$(shell mkdir -p $(STAMPS) 2>/dev/null; echo '$(PY_MODULES)' | cmp -s - $(STAMPS)/modules 2>/dev/null \
+  || echo '$(PY_MODULES)' > $(STAMPS)/modules)
 # pyproject.toml's dependencies, plus the optional-dependency groups named in $(1), as pip arguments.
 requirements = $$($(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
   print(' '.join(repr(d) for d in p['dependencies'] + [d for g in '$(1)'.split() for d in p['optional-dependencies'][g]]))" \
@@ -48,7 +53,7 @@ $(STAMPS)/deps-test: $(STAMPS)/deps-runtime pyproject.toml contrib_ops/tests/ins
 
 # The package in editable mode; scikit-build-core builds the custom-op library into it (incrementally,
 # in build/<wheel tag>), whenever a native source changes.
-$(STAMPS)/library: $(STAMPS)/deps-runtime $(NATIVE_SOURCES)
+$(STAMPS)/library: $(STAMPS)/deps-runtime $(NATIVE_SOURCES) pyproject.toml $(STAMPS)/modules
 	$(PIP) install --no-build-isolation --no-deps -e .
 	$(PY) -c "import contrib_ops; print('mambafuse library:', contrib_ops.library_path())"
 	@touch $@

@@ -42,7 +42,7 @@ import torch
 
 import contrib_ops
 from benchmarks._common import append_results, environment_line
-from fusion.function import attach_functions
+from fusion.rules import attach_functions
 
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 NP = {F32: np.float32, F16: np.float16}
@@ -94,7 +94,8 @@ def _model(nodes, inputs, outputs, *, ms: bool = False) -> onnx.ModelProto:
     if ms:
         opsets.append(oh.make_opsetid("com.microsoft", 1))
     model = oh.make_model(oh.make_graph(nodes, "bench", inputs, outputs), opset_imports=opsets, ir_version=10)
-    return attach_functions(model)
+    attach_functions(model)
+    return model
 
 
 def state_update_models(w: Width, t: int, batch: int) -> dict[str, onnx.ModelProto]:

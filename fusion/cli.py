@@ -21,8 +21,8 @@ Fuse the Mamba-2 mixer's decode step (CausalConv1dUpdate, SelectiveStateUpdate) 
 (GatedGroupRMSNorm) into ai.mambafuse nodes, and optimize the rest of the model for ONNX Runtime.
 
 commands:
-  optimize  the whole model: onnxscript's ORT fusions, the decode attention onto GroupQueryAttention (fp16/bf16),
-            then every mambafuse fusion (python -m fusion.optimize):
+  optimize  the whole model: every mambafuse fusion, onnxscript's ORT fusions, the decode attention onto
+            GroupQueryAttention (fp16/bf16), then the mambafuse fusions again (python -m fusion.optimize):
             {PACKAGE} optimize model.onnx [OUT.onnx] [--verify] ...
   rewrite   fuse a model's chains (python -m fusion.rewrite): {PACKAGE} rewrite model.onnx [--verify] ...
   report    dispatches and latency before vs after (python -m fusion.report): {PACKAGE} report before.onnx after.onnx

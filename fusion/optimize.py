@@ -48,7 +48,7 @@ import onnx_ir as ir
 from fusion import rewrite
 from fusion.model_io import external_tensors, first_line
 from fusion.rewrite import Report, rewrite_model
-from fusion.rules.gated_group_rms_norm import find_chain_anchors, location
+from fusion.rules._log import location
 
 ModelT = TypeVar("ModelT", onnx.ModelProto, ir.Model)
 
@@ -560,24 +560,15 @@ def _load_error(model: ir.Model, functions: dict[ir.OperatorIdentifier, ir.Funct
 def _session_proto(model: ir.Model, functions: dict[ir.OperatorIdentifier, ir.Function]) -> onnx.ModelProto:
     """Return ``model`` as the proto a session loads: with ``functions`` (set aside by ``_ort_fusions``) and the
     function of every ``ai.mambafuse`` op it uses and does not define."""
-    from fusion import fusions
+    from fusion.rules.registry import attach_functions
 
     proto = ir.to_proto(model)
     present = {(function.domain, function.name, function.overload) for function in proto.functions}
     for identifier, function in functions.items():
         if identifier not in present:
             proto.functions.append(ir.serde.serialize_function(function))
-    opsets = {opset.domain: opset.version for opset in proto.opset_import}
-    onnx_opset = opsets.get("", opsets.get("ai.onnx"))
-    used = {node.op_type for node in proto.graph.node if node.domain == fusions.DOMAIN}
-    defined = {function.name for function in proto.functions if function.domain == fusions.DOMAIN}
-    for fusion in fusions.FUSIONS:
-        if fusion.op_type in used - defined and onnx_opset is not None and onnx_opset >= fusion.min_opset:
-            proto.functions.append(fusion.make_function(onnx_opset))
-            for domain, version in ((fusions.DOMAIN, 1), *fusion.function_domains):
-                if domain not in opsets:
-                    proto.opset_import.append(onnx.helper.make_opsetid(domain, version))
-                    opsets[domain] = version
+    if any(opset.domain in ("", "ai.onnx") for opset in proto.opset_import):
+        attach_functions(proto, only_missing=True)
     return proto
 
 
@@ -675,8 +666,8 @@ def _own_pass(name: str, model: ir.Model, run: Callable[[ir.Model], tuple[dict[s
 
 def _attention(model: ir.Model) -> tuple[dict[str, int], list[str]]:
     """Fuse the decode attentions onnxscript's rules miss into GroupQueryAttention (fusion/rules/attention.py)."""
+    from fusion.rules._log import FusionLog
     from fusion.rules.attention import FORM, fuse_group_query_attention
-    from fusion.rules.gated_group_rms_norm import FusionLog
 
     log = FusionLog()
     count = fuse_group_query_attention(model, log)
@@ -779,17 +770,13 @@ RefusedChain = tuple[ir.Node, tuple[str, str]]
 def _refused_chains(model: ir.Model, report: Report) -> dict[str, list[RefusedChain] | None]:
     """Return, per op type, the chains ``report`` (of a rewrite of ``model`` just run) refused, in its order.
 
-    The report lists them in the order its op's anchors are in the graph (``rewrite._explain_refusals`` and
-    ``_fuse_decode_steps`` find them so); None for an op whose anchors do not line up with its refusals.
+    The report lists them in the order its op's anchors are in the graph (``rewrite._report_fusion`` finds them
+    so); None for an op whose anchors do not line up with its refusals.
     """
-    from fusion import fusions
+    from fusion.rules.registry import FUSIONS
 
     refused: dict[str, list[RefusedChain] | None] = {}
-    listed = [("GatedGroupRMSNorm", find_chain_anchors, report.refused)]
-    listed += [
-        (fusion.op_type, fusion.find_anchors, report.decode.get(fusion.op_type, {}).get("refused", []))
-        for fusion in fusions.DECODE_FUSIONS
-    ]
+    listed = [(fusion.op_type, fusion.find_anchors, report.refused_of(fusion.op_type)) for fusion in FUSIONS]
     for op_type, find_anchors, reasons in listed:
         if not reasons:
             continue

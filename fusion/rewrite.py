@@ -1,4 +1,5 @@
-"""Rewrite an ONNX model: fuse every gated group-RMSNorm chain into ``ai.mambafuse::GatedGroupRMSNorm``.
+"""Rewrite an ONNX model: fuse every chain of every op in the registry (fusion/rules/registry.py) into its
+``ai.mambafuse`` node — ``GatedGroupRMSNorm``, ``CausalConv1dUpdate``, ``SelectiveStateUpdate``.
 
 Python::
 
@@ -9,7 +10,8 @@ Command line::
 
     python -m fusion.rewrite model.onnx [-o model.fused.onnx] [--no-function] [--verify] [--debug] [--json]
 
-load → shape inference (so checks can prove shapes) → fusion rules → model-local function → save.
+load → shape inference (so checks can find candidates; they prove what they fuse, docs/shapes.md) → each
+registry entry's rules, in rounds → model-local functions → save.
 The input file is never written; the output is written atomically next to its final name. Weights in
 external data files stay there: they are not read into memory, and the output either points at the
 same data file (output in the input's directory) or gets its own ``<output>.data`` copy.
@@ -18,12 +20,10 @@ same data file (output in the input's directory) or gets its own ``<output>.data
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +33,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
 from fusion import function as fused_function
+from fusion._graph import value_info_preserved
 from fusion.inputs import HELP as INPUTS_HELP
 from fusion.inputs import InputError
 from fusion.model_io import (
@@ -51,15 +52,10 @@ from fusion.progress import ENV as PROGRESS_ENV
 from fusion.progress import progress, stdout_closed
 from fusion.reference import DOMAIN, OP_TYPE
 from fusion.report import ReportError
-from fusion.rules._graph import all_values, value_info_preserved
-from fusion.rules.gated_group_rms_norm import (
-    FusionLog,
-    coarse_form,
-    explain_unfused,
-    find_chain_anchors,
-    fuse_gated_group_rms_norm,
-    location,
-)
+from fusion.rules import registry
+from fusion.rules._log import FusionLog, location
+from fusion.rules.registry import Fusion, attach_functions
+from fusion.shapes.symbolic import symbolic_shapes
 from fusion.verify import prepare_inputs, run_original, verify
 
 ModelT = TypeVar("ModelT", onnx.ModelProto, ir.Model)
@@ -85,9 +81,16 @@ class Report:
     fused_chains: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     #: Filled by ``--verify``: backend used, per-output errors, pass/fail.
     verification: dict[str, Any] | None = None
-    #: The decode-step fusions (fusion/fusions.py), per op type: what they count, chains found, fused, refused
-    #: (location, reason) and the fused chains' attributes. Only ops with chains in the model are listed.
+    #: Every other op of the registry (fusion/rules/registry.py), per op type: what they count, chains found,
+    #: fused, refused (location, reason) and the fused chains' attributes. Only ops with chains in the model are
+    #: listed. (The key is the historical name: the decode-step ops were the first ops after the gated norm.)
     decode: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def refused_of(self, op_type: str) -> list[tuple[str, str]]:
+        """Return the chains of ``op_type`` left unfused: (location, reason), in the graph's order."""
+        if op_type == OP_TYPE:
+            return self.refused
+        return self.decode.get(op_type, {}).get("refused", [])
 
     @property
     def decode_fused(self) -> int:
@@ -150,10 +153,11 @@ def _node_count(model: ir.Model) -> int:
 def rewrite_model(
     model: ModelT, *, function: bool = True, assume_equal_widths: bool = False, decode_steps: bool = True
 ) -> tuple[ModelT, Report]:
-    """Return ``model`` with its gated group-RMSNorm chains fused, and a Report.
+    """Return ``model`` with the chains of every registry op fused, and a Report.
 
-    With ``decode_steps`` (the default) the decode-step ops are fused too (fusion/fusions.py: CausalConv1dUpdate
-    and SelectiveStateUpdate, after the gated norm); ``decode_steps=False`` fuses the gated norm alone.
+    With ``decode_steps`` (the default) every op of the registry is fused (fusion/rules/registry.py: the gated
+    norm, CausalConv1dUpdate and SelectiveStateUpdate, in rounds); ``decode_steps=False`` fuses the gated norm
+    alone.
 
     A ModelProto is left untouched (a new one is returned). An ``ir.Model`` is rewritten in place and
     returned (copying it would load lazily-read external weights). With ``function``, fused models
@@ -183,7 +187,6 @@ def rewrite_model(
         # A model saved by an ONNX Runtime session that had the library registered imports the domain at
         # the runtime's placeholder version (1000); the op has one version, 1.
         model.opset_imports[DOMAIN] = fused_function.OPSET_VERSION
-    log = FusionLog()
     # The graph's interface as declared: the decode fusions write present states under the same names.
     declared_outputs = {v.name: (v.type, v.shape) for v in model.graph.outputs}
     # Shape inference lets the checks prove shapes; what it adds is rolled back at the end so that
@@ -199,18 +202,10 @@ def rewrite_model(
         finally:
             inference_log.setLevel(previous_level)
         _check_existing_fused_nodes(model)
-        report.fused = fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
-        if any(not chain.fused for chain in log.chains.values()) and _symbolic_shapes(model):
-            # ONNX's inference could not prove some chain's shapes (TorchScript exports lose dims through
-            # their shape arithmetic); ONNX Runtime's symbolic inference often can. Second pass, same log.
-            report.fused += fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
-        if decode_steps:
-            _fuse_decode_steps(model, opset, report)
-            if report.decode_fused and any(not chain.fused for chain in log.chains.values()):
-                # y's shape may be proven only through the fused decode ops (a decode export whose reshapes
-                # take the batch from the cache, transformers 5.25): the refused chains once more, same log.
-                report.fused += fuse_gated_group_rms_norm(model, log, assume_equal_widths=assume_equal_widths)
-        _explain_refusals(model, log, report)
+        fusions = registry.FUSIONS if decode_steps else tuple(f for f in registry.FUSIONS if f.op_type == OP_TYPE)
+        logs, counts = _fuse_in_rounds(model, fusions, {"assume_equal_widths": assume_equal_widths})
+        for fusion in fusions:
+            _report_fusion(model, fusion, logs[fusion.op_type], counts[fusion.op_type], report)
     for output in model.graph.outputs:
         if output.name in declared_outputs:
             output.type, output.shape = declared_outputs[output.name]
@@ -222,7 +217,7 @@ def rewrite_model(
 
 
 def _check_existing_fused_nodes(model: ir.Model) -> None:
-    """Refuse fused nodes already in the model that break the op's type rule (README: all-float32 rule).
+    """Refuse fused nodes already in the model that break the op's type rule (docs/op.md: the all-float32 rule).
 
     When Y, Z and W are all float32 the output is float32 (holding values rounded to output_dtype); a
     graph that declares such a node's output half precision cannot load in ONNX Runtime with the library.
@@ -238,131 +233,88 @@ def _check_existing_fused_nodes(model: ir.Model) -> None:
             raise RewriteError(
                 f"fused node {location(node)!r}: Y, Z and W are float32, so its output is float32 (holding "
                 f"values rounded to {ir.DataType(output_dtype).name.lower()}), but the graph declares it "
-                f"{declared.name.lower()}; keep a Cast after the node (README: the all-float32 output rule)"
+                f"{declared.name.lower()}; keep a Cast after the node (docs/op.md: the all-float32 output rule)"
             )
 
 
-def _symbolic_shapes(model: ir.Model) -> int:
-    """Fill unknown dims of ``model``'s values from ONNX Runtime's symbolic shape inference.
+def _fuse_in_rounds(
+    model: ir.Model, fusions: Sequence[Fusion], options: dict[str, Any]
+) -> tuple[dict[str, FusionLog], dict[str, int]]:
+    """Run ``fusions`` (registry order) in rounds until one fuses nothing or no chain is left; return each op's
+    log and count.
 
-    Returns how many values got a more complete shape; 0 when the tool is missing or gives up on this
-    graph (it raises on some ops it does not know). Weights stay where they are: the proto it reads
-    keeps external tensors external.
+    Rounds, because a chain may be proven only through ops fused after it in a round: a symbolic batch reaches the
+    next layer through the previous layer's fused ops, and a transformers 5.25 decode export proves the gated
+    norm's y only through the fused state update. An op that asks for it (``retry_with_symbolic_shapes``) is
+    tried once more after ONNX Runtime's symbolic shape inference when it left chains refused (TorchScript
+    exports lose dims through their shape arithmetic; ORT's inference often recovers them), once per rewrite.
     """
-    try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-    except ImportError:
-        return 0
-    tool_log = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
-    previous_level = tool_log.level
-    tool_log.setLevel(logging.ERROR)  # it warns about every guess it makes
-    try:
-        proto = ir.to_proto(model)
-        _constants_as_tensors(proto.graph)
-        # Where it cannot infer every shape it saves the model (weights as external data) into the working
-        # directory before it raises (onnxruntime 1.32's tools/symbolic_shape_infer.py): run it in a scratch one.
-        with tempfile.TemporaryDirectory(prefix="mambafuse-shapes-") as scratch, contextlib.chdir(scratch):
-            inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
-    except Exception:
-        return 0
-    finally:
-        tool_log.setLevel(previous_level)
-    if inferred is None:
-        return 0
-    by_name = {value.name: value for value in all_values(model) if value.name}
+    logs = {fusion.op_type: FusionLog() for fusion in fusions}
+    counts = dict.fromkeys(logs, 0)
+    symbolic_tried = False
 
-    def informative(dims: list[Any]) -> int:
-        # ints and real names count; None and ONNX's generated "unk__N" names do not
-        return sum(1 for d in dims if isinstance(d, int) or (isinstance(d, str) and not d.startswith("unk__")))
+    def fuse(fusion: Fusion) -> int:
+        return fusion.fuse(model, logs[fusion.op_type], **{name: options[name] for name in fusion.options})
 
-    updated = 0
-    for info in inferred.graph.value_info:
-        value = by_name.get(info.name)
-        tensor_type = info.type.tensor_type
-        if value is None or not info.type.HasField("tensor_type") or not tensor_type.HasField("shape"):
-            continue
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor_type.shape.dim]
-        known = None if value.shape is None else [d if isinstance(d, int) else d.value for d in value.shape.dims]
-        if known is not None and (len(known) != len(dims) or informative(known) >= informative(dims)):
-            continue
-        if value.dtype is None and tensor_type.elem_type:
-            value.dtype = ir.DataType(tensor_type.elem_type)
-        value.shape = ir.Shape(dims)
-        updated += 1
-    return updated
+    while True:
+        progress = 0
+        for fusion in fusions:
+            fused = fuse(fusion)
+            refused_left = any(not chain.fused for chain in logs[fusion.op_type].chains.values())
+            if fusion.retry_with_symbolic_shapes and not symbolic_tried and refused_left:
+                symbolic_tried = True
+                if symbolic_shapes(model):
+                    fused += fuse(fusion)
+            counts[fusion.op_type] += fused
+            progress += fused
+        if not progress or not any(fusion.find_anchors(model.graph) for fusion in fusions):
+            return logs, counts
 
 
-_CONSTANT_LISTS = {
-    "value_int": (onnx.TensorProto.INT64, False),
-    "value_ints": (onnx.TensorProto.INT64, True),
-    "value_float": (onnx.TensorProto.FLOAT, False),
-    "value_floats": (onnx.TensorProto.FLOAT, True),
-}
+def _report_fusion(model: ir.Model, fusion: Fusion, log: FusionLog, fused: int, report: Report) -> None:
+    """Fill ``report`` with what ``fusion`` did: its fused chains and, for every chain left, the reason.
 
-
-def _constants_as_tensors(graph: onnx.GraphProto) -> None:
-    """Rewrite, in place, each Constant of ``graph`` (and its subgraphs) that holds ``value_int``,
-    ``value_float`` or their lists as the same value in a ``value`` tensor.
-
-    ONNX Runtime's symbolic shape inference reads only ``value`` and raises on the others (onnxruntime 1.32's
-    tools/symbolic_shape_infer.py; reported upstream as microsoft/onnxruntime#22422, closed unfixed), which an
-    inlined mambafuse function leaves behind (its group size and epsilon come from the node's attributes):
-    without this, a model whose functions someone inlined got no symbolic shapes and its gated norms could not
-    be fused again. Only the copy handed to the tool is changed.
+    The gated norm's results are the report's top-level fields (per-form counts, fused, refused: its historical
+    summary); every other op's go to ``report.decode[op_type]``, listed when the model has its chains (or layers a
+    builder already runs as ORT's contrib op, ``Fusion.builder_op``: counted apart, not as found).
     """
-    for node in graph.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1:
-            attribute = node.attribute[0]
-            if attribute.name in _CONSTANT_LISTS:
-                elem_type, is_list = _CONSTANT_LISTS[attribute.name]
-                value = onnx.helper.get_attribute_value(attribute)
-                tensor = onnx.helper.make_tensor(
-                    "value", elem_type, [len(value)] if is_list else [], value if is_list else [value]
-                )
-                del node.attribute[:]
-                node.attribute.append(onnx.helper.make_attribute("value", tensor))
-        for attribute in node.attribute:
-            for subgraph in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs):
-                _constants_as_tensors(subgraph)
-
-
-def _explain_refusals(model: ir.Model, log: FusionLog, report: Report) -> None:
-    """Fill the report's per-form chain counts, fused chains and refusals (with reasons)."""
-    for record in log.chains.values():
-        if record.fused:
-            report.chains_found[record.form] = report.chains_found.get(record.form, 0) + 1
-            report.fused_chains.append({"location": record.location, "form": record.form, **record.attributes})
-    for anchor in find_chain_anchors(model.graph):
+    fused_chains = [{"location": r.location, "form": r.form, **r.attributes} for r in log.chains.values() if r.fused]
+    refused, forms = [], [chain["form"] for chain in fused_chains]
+    for anchor in fusion.find_anchors(model.graph):
         record = log.chains.get(anchor)
-        form = record.form if record is not None else coarse_form(anchor)
-        reason = record.reason if record is not None and record.reason else explain_unfused(model, anchor)
-        report.chains_found[form] = report.chains_found.get(form, 0) + 1
-        report.refused.append((record.location if record is not None else location(anchor), reason))
+        reason = record.reason if record is not None and record.reason else fusion.explain(model, anchor)
+        refused.append((record.location if record is not None else location(anchor), reason))
+        forms.append(record.form if record is not None else fusion.form_of(anchor))
+    if fusion.op_type == OP_TYPE:
+        report.fused += fused
+        report.fused_chains += fused_chains
+        report.refused += refused
+        for form in forms:
+            report.chains_found[form] = report.chains_found.get(form, 0) + 1
+        return
+    builder = _builder_fused(model.graph, fusion)
+    if fused or refused or builder:
+        report.decode[fusion.op_type] = {
+            "counts": fusion.counts,
+            "found": fused + len(refused),
+            "fused": fused,
+            "refused": refused,
+            "fused_chains": [{k: v for k, v in chain.items() if k != "form"} for chain in fused_chains],
+            "builder_fused": builder,
+        }
 
 
 def attach_function(model: ir.Model, onnx_opset: int | None = None) -> None:
-    """Add the model-local functions to ``model`` (replacing older copies): GatedGroupRMSNorm's, and that of
-    every other ``ai.mambafuse`` op whose nodes the model has (fusion/fusions.py)."""
-    from fusion import fusions
-
-    opset = onnx_opset if onnx_opset is not None else _onnx_opset(model)
-    function = ir.serde.deserialize_function(fused_function.make_function(opset))
-    model.functions[function.identifier()] = function
-    model.opset_imports.setdefault(DOMAIN, fused_function.OPSET_VERSION)
-    fusions.attach_functions(model, opset)
+    """Add the model-local function of every ``ai.mambafuse`` op whose nodes ``model`` has, replacing older copies
+    (the registry's ``attach_functions``)."""
+    attach_functions(model, onnx_opset if onnx_opset is not None else _onnx_opset(model))
 
 
-#: ONNX Runtime's contrib ops that builders (mobius) already run the decode step as, per mambafuse op: the op's
-#: domain::type and the attributes it must have. Such a layer has no chain to fuse; the report says so once.
-BUILDER_FUSED = {
-    "CausalConv1dUpdate": ("com.microsoft", "CausalConvWithState", {}),
-    "SelectiveStateUpdate": ("com.microsoft", "LinearAttention", {"update_rule": "gated"}),
-}
-
-
-def _builder_fused(graph: ir.Graph, op_type: str) -> dict[str, int]:
-    """Return ``{"domain::type": count}`` of the builder's contrib-op nodes that do ``op_type``'s step."""
-    domain, contrib, attributes = BUILDER_FUSED[op_type]
+def _builder_fused(graph: ir.Graph, fusion: Fusion) -> dict[str, int]:
+    """Return ``{"domain::type": count}`` of the builder's contrib-op nodes that do ``fusion``'s step."""
+    if fusion.builder_op is None:
+        return {}
+    domain, contrib, attributes = fusion.builder_op
     count = sum(
         1
         for node in ir.traversal.RecursiveGraphIterator(graph)
@@ -374,42 +326,6 @@ def _builder_fused(graph: ir.Graph, op_type: str) -> dict[str, int]:
         )
     )
     return {f"{domain}::{contrib}": count} if count else {}
-
-
-def _fuse_decode_steps(model: ir.Model, opset: int, report: Report) -> None:
-    """Run the decode-step fusions (after the gated norm) and fill ``report.decode`` for ops with chains (or
-    with layers a builder already runs as ORT's contrib op, ``BUILDER_FUSED``: counted apart, not as found)."""
-    from fusion import fusions
-
-    # Rounds until one fuses nothing: a layer's chain may be proven only through the previous layer's fused
-    # ops (a symbolic batch reaches the next layer through their outputs, not through the unfused chains).
-    logs = {fusion.op_type: FusionLog() for fusion in fusions.DECODE_FUSIONS}
-    counts = dict.fromkeys(logs, 0)
-    while True:
-        progress = 0
-        for fusion in fusions.DECODE_FUSIONS:
-            fused = fusion.fuse(model, logs[fusion.op_type])
-            counts[fusion.op_type] += fused
-            progress += fused
-        if not progress or not any(fusion.find_anchors(model.graph) for fusion in fusions.DECODE_FUSIONS):
-            break
-    for fusion in fusions.DECODE_FUSIONS:
-        log, fused = logs[fusion.op_type], counts[fusion.op_type]
-        refused = []
-        for anchor in fusion.find_anchors(model.graph):
-            record = log.chains.get(anchor)
-            reason = record.reason if record is not None and record.reason else "does not match the op's chain"
-            refused.append((record.location if record is not None else location(anchor), reason))
-        builder = _builder_fused(model.graph, fusion.op_type)
-        if fused or refused or builder:
-            report.decode[fusion.op_type] = {
-                "counts": fusion.counts,
-                "found": fused + len(refused),
-                "fused": fused,
-                "refused": refused,
-                "fused_chains": [{"location": r.location, **r.attributes} for r in log.chains.values() if r.fused],
-                "builder_fused": builder,
-            }
 
 
 # --- command line -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import contrib_ops
 from fusion import rewrite
 from fusion.rules._decode import same_tensor_source
-from fusion.rules._graph import ForwardShapes
+from fusion.shapes.dims import ForwardShapes
 from models.fixtures import FAMILY_FIXTURE_DIR, FIXTURE_DIR
 from models.runtime import feeds, load_manifest, load_references
 

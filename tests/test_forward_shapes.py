@@ -1,4 +1,4 @@
-"""Forward shape inference (fusion/rules/_graph.py, ``ForwardShapes``): each op's proven output dims against
+"""Forward shape inference (fusion/shapes/dims.py, ``ForwardShapes``): each op's proven output dims against
 what ONNX Runtime produces, at sequence lengths that hit every residue the arithmetic distinguishes.
 
 A proof the rewriter relies on must hold for every length: each case is a one-op (or few-op) model with a
@@ -23,8 +23,8 @@ from onnx import TensorProto, helper
 import contrib_ops
 from fusion._chains import ChainSpec, build_chain, chain_inputs
 from fusion.rewrite import rewrite_model
-from fusion.rules import _arith
-from fusion.rules._graph import ForwardShapes, forward_dims
+from fusion.shapes import arith as _arith
+from fusion.shapes.dims import ForwardShapes, forward_dims
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTHS = (1, 2, 3, 4, 5, 15, 16, 17, 31, 33)

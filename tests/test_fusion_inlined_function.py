@@ -25,7 +25,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnx_ir.passes.common import InlinePass
 
-from fusion.rewrite import _constants_as_tensors, rewrite_model
+from fusion.rewrite import rewrite_model
+from fusion.shapes.symbolic import constants_as_tensors
 from models.fixtures import FIXTURE_DIR
 from models.runtime import feeds, load_references
 from tests.test_decode_inlined_function import INLINERS
@@ -230,7 +231,7 @@ def test_constants_become_tensors_for_symbolic_shape_inference() -> None:
         helper.make_node("If", ["cond"], ["b"], then_branch=branch, else_branch=branch),
     ]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])], [])
-    _constants_as_tensors(graph)
+    constants_as_tensors(graph)
     values = {n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node if n.op_type == "Constant"}
     assert all(n.attribute[0].name == "value" for n in graph.node if n.op_type == "Constant")
     assert values["i"].dtype == np.int64 and values["i"].shape == () and values["i"] == 16

@@ -27,8 +27,8 @@ import pytest
 
 import contrib_ops
 from fusion import rewrite
-from fusion.rules._graph import ForwardShapes, resolve_shape_tensor
 from fusion.rules.gated_group_rms_norm import find_chain_anchors
+from fusion.shapes.dims import ForwardShapes, resolve_shape_tensor
 from models.fixtures import PADDED_FIXTURE_DIR, padded_fixture_jobs
 from models.runtime import feeds, load_manifest, load_references
 

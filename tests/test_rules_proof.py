@@ -1,5 +1,5 @@
 """A chain is fused only when the graph proves it is the op: group Reshape targets, declared shapes that
-lie, symbolic widths, and shape arithmetic the rule follows (fusion/rules/_arith.py).
+lie, symbolic widths, and shape arithmetic the rule follows (fusion/shapes/arith.py).
 
 The property test generates the first Reshape's target from every kind of element (constants, -1, 0,
 Shape of the product) over leading shapes with one row per position and with several: the chain is
@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 import contrib_ops
 from fusion._chains import ChainSpec, build_chain, chain_inputs
 from fusion.rewrite import rewrite_model
-from fusion.rules import _arith
-from fusion.rules._graph import forward_dims
+from fusion.shapes import arith as _arith
+from fusion.shapes.dims import forward_dims
 
 CHANNELS, GROUP_SIZE = 64, 16
 GROUPS = CHANNELS // GROUP_SIZE

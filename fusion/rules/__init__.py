@@ -1,12 +1,14 @@
-"""Fusion rules, one module per fused op (pattern / check / rewrite and its variants).
+"""Fusion rules, one module per fused op (pattern / check / rewrite and its variants), and the registry of
+fusions (``registry.py``: ``FUSIONS``, one entry per op).
 
-The public entry point for onnxscript users is ``rewrite_rules()``::
+The public entry points for onnxscript users are ``all_rewrite_rules()`` (every op) and ``rewrite_rules()``
+(the gated group-RMSNorm alone)::
 
     import onnxscript.rewriter
-    from fusion.rules import attach_function, rewrite_rules
+    from fusion.rules import all_rewrite_rules, attach_function
 
-    fused = onnxscript.rewriter.rewrite(model, pattern_rewrite_rules=rewrite_rules())
-    attach_function(fused)     # the model-local function: stock ONNX Runtime runs the fused node
+    fused = onnxscript.rewriter.rewrite(model, pattern_rewrite_rules=all_rewrite_rules())
+    attach_function(fused)     # the model-local functions: stock ONNX Runtime runs the fused nodes
 
 It works on an ``onnx.ModelProto`` or an ``onnx_ir.Model``, like every onnxscript rule set. To run it
 next to onnxscript's own rules in one call, concatenate: ``[*rewrite_rules(), *other_rules]`` (see
@@ -21,20 +23,24 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from fusion.rules._log import FusionLog
 from fusion.rules.gated_group_rms_norm import (
-    FusionLog,
     GatedGroupRMSNormFusion,
     fuse_gated_group_rms_norm,
     gated_group_rms_norm_rule_sets,
 )
+from fusion.rules.registry import FUSIONS, AllRulesSet, Fusion, all_rewrite_rules, attach_functions
 
 __all__ = [
+    "FUSIONS",
     "AllRulesSet",
+    "Fusion",
     "FusionLog",
     "GatedGroupRMSNormFusion",
     "GatedGroupRMSNormRuleSet",
     "all_rewrite_rules",
     "attach_function",
+    "attach_functions",
     "fuse_gated_group_rms_norm",
     "gated_group_rms_norm_rule_sets",
     "rewrite_rules",
@@ -92,61 +98,12 @@ def rewrite_rules() -> GatedGroupRMSNormRuleSet:
     return GatedGroupRMSNormRuleSet()
 
 
-class AllRulesSet(pattern.RewriteRuleSet):
-    """Every fusion's rules (fusion/fusions.py) as one onnxscript ``RewriteRuleSet``.
-
-    Applying it runs each fusion's rule sets in ``rewrite_model``'s order, in rounds until one fuses nothing: a
-    chain may be proven only through ops fused in an earlier round (transformers 5.25's decode step proves the
-    next layer's batch, and the gated norm's y, through the fused conv and state updates). Iterating it gives
-    the rules themselves, in that order, for a flat list with other rules (one onnxscript pass: what that pass
-    can prove).
-    """
-
-    #: A bound on the rounds (each fuses at least one chain; a model's layers are proven one round apart at most).
-    MAX_ROUNDS = 64
-
-    def __init__(self) -> None:
-        from fusion import fusions
-
-        self._rule_sets = [rule_set for fusion in fusions.FUSIONS for rule_set in fusion.rules]
-        super().__init__([rule for rule_set in self._rule_sets for rule in rule_set])
-        self.remove_unused_nodes = False
-
-    def apply_to_model(self, model: ir.Model, *, verbose: int | None = None, tracer=None) -> int:
-        """Fuse every chain of ``model`` that the rounds prove, in place; return how many were fused."""
-        total = 0
-        for _ in range(self.MAX_ROUNDS):
-            fused = sum(rule_set.apply_to_model(model, verbose=verbose, tracer=tracer) for rule_set in self._rule_sets)
-            total += fused
-            if not fused:
-                break
-        return total
-
-
-def all_rewrite_rules() -> AllRulesSet:
-    """Return the rules of every fusion (fusion/fusions.py) as one rule set, applied in rounds (``AllRulesSet``):
-    the gated norm's (as ``rewrite_rules``), CausalConv1dUpdate's and SelectiveStateUpdate's.
-
-    ``rewrite_rules()`` stays the gated norm's rule set; call ``attach_function`` after either.
-    """
-    return AllRulesSet()
-
-
 def attach_function(model: ModelT) -> ModelT:
-    """Add the op's model-local function to a fused ``model`` (ModelProto or ir.Model) in place; return it.
+    """Add the model-local function of every ``ai.mambafuse`` op a fused ``model`` (ModelProto or ir.Model) uses,
+    in place; return it.
 
-    With it, ONNX Runtime without the mambafuse library (and providers that cannot host custom ops)
-    inlines the fused node's stock-op body. A model with no fused node is returned unchanged.
+    With them, ONNX Runtime without the mambafuse library (and providers that cannot host custom ops) inlines
+    each fused node's stock-op body. A model with no fused node is returned unchanged.
     """
-    if isinstance(model, onnx.ModelProto):
-        from fusion import function
-
-        if any(node.domain == function.DOMAIN and node.op_type == function.OP_TYPE for node in model.graph.node):
-            function.attach_function(model)
-        function.attach_functions(model)  # the decode-step ops' functions, for the ops the model uses
-        return model
-    from fusion import rewrite
-
-    if any(node.domain == rewrite.DOMAIN for node in ir.traversal.RecursiveGraphIterator(model.graph)):
-        rewrite.attach_function(model)
+    attach_functions(model)
     return model

@@ -30,18 +30,12 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from fusion.rules import _arith
-from fusion.rules._graph import (
-    Dim,
-    ForwardShapes,
-    constant_array,
-    remove_dead_producers,
-    resolve_shape_tensor,
-    value_info_preserved,
-)
+from fusion._graph import remove_dead_producers, value_info_preserved
+from fusion.shapes import arith as _arith
+from fusion.shapes.dims import Dim, ForwardShapes, constant_array, resolve_shape_tensor
 
 if TYPE_CHECKING:
-    from fusion.rules.gated_group_rms_norm import FusionLog
+    from fusion.rules._log import FusionLog
 
 _ONNX_DOMAINS = ("", "ai.onnx")
 #: Ops that move elements without computing: the layout proof follows them.

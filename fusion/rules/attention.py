@@ -44,9 +44,10 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from fusion.rules import _arith
 from fusion.rules._decode import PlannedRule, Refusal, apply_with_log, dtype_name, layout_source, replace_graph_output
-from fusion.rules._graph import (
+from fusion.rules._log import FusionLog
+from fusion.shapes import arith as _arith
+from fusion.shapes.dims import (
     Dim,
     ForwardShapes,
     as_expression,
@@ -55,7 +56,6 @@ from fusion.rules._graph import (
     format_dims,
     resolve_shape_tensor,
 )
-from fusion.rules.gated_group_rms_norm import FusionLog
 
 FORM = "decode attention"
 CONTRIB_DOMAIN = "com.microsoft"

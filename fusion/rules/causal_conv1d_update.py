@@ -28,7 +28,6 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from fusion.reference.causal_conv1d_update import DOMAIN
-from fusion.rules import _arith
 from fusion.rules._decode import (
     DecodeShapes,
     PlannedRule,
@@ -45,14 +44,9 @@ from fusion.rules._decode import (
     same_tensor_source,
     type_untyped_values,
 )
-from fusion.rules._graph import (
-    ForwardShapes,
-    as_expression,
-    constant_array,
-    format_dims,
-    resolve_shape_tensor,
-)
-from fusion.rules.gated_group_rms_norm import FusionLog
+from fusion.rules._log import FusionLog
+from fusion.shapes import arith as _arith
+from fusion.shapes.dims import ForwardShapes, as_expression, constant_array, format_dims, resolve_shape_tensor
 
 FORM = "decode"
 SUPPORTED_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})

@@ -48,9 +48,11 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from fusion._graph import remove_dead_producers, value_info_preserved
 from fusion.reference import DOMAIN
 from fusion.rules._decode import type_untyped_values
-from fusion.rules._graph import (
+from fusion.rules._log import FusionLog, location
+from fusion.shapes.dims import (
     Dim,
     ForwardShapes,
     constant_array,
@@ -58,10 +60,8 @@ from fusion.rules._graph import (
     dims_equal,
     format_dims,
     forward_dims,
-    remove_dead_producers,
     resolve_shape_tensor,
     value_dims,
-    value_info_preserved,
 )
 
 InnerNorm = Literal["decomposed", "simplified_layer_norm", "rms_normalization"]
@@ -76,58 +76,11 @@ _MS_DOMAIN = "com.microsoft"
 _DEFAULT_NORM_EPSILON = 1e-5
 
 
-# --- what happened to each chain: read by fusion/rewrite.py for its report ----------------------------
-
-
-@dataclasses.dataclass
-class ChainRecord:
-    """One chain, keyed by its first Reshape (the anchor): its form, and fused or why not."""
-
-    location: str
-    form: str
-    fused: bool = False
-    reason: str | None = None
-    attributes: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class FusionLog:
-    """Records, per chain anchor node, the last check outcome of the fusion rules."""
-
-    chains: dict[ir.Node, ChainRecord] = dataclasses.field(default_factory=dict)
-
-    def record(self, anchor: ir.Node, form: str, *, reason: str | None = None, **attributes: Any) -> None:
-        """Record a refusal (``reason``) or a fusion (no reason) of the chain at ``anchor``."""
-        previous = self.chains.get(anchor)
-        if previous is not None and previous.fused:
-            return
-        self.chains[anchor] = ChainRecord(location(anchor), form, reason is None, reason, attributes)
-
-    def __repr__(self) -> str:
-        # What an onnxscript user sees of the rule set's log: per chain, where, its form, fused or why not
-        # (the default repr printed every anchor ir.Node in full).
-        records = list(self.chains.values())
-        fused = sum(record.fused for record in records)
-        chains = ", ".join(
-            f"{record.location!r} form {record.form} " + ("fused" if record.fused else f"refused: {record.reason}")
-            for record in records
-        )
-        return f"FusionLog({fused} fused, {len(records) - fused} refused: [{chains}])"
-
-
 _ACTIVE_LOG: contextvars.ContextVar[FusionLog | None] = contextvars.ContextVar("mambafuse_log", default=None)
 #: The user's opt-in (``--assume-equal-widths``): an unproven width of y or the gate is taken to be C
 #: without the broadcast guard. Faster where exporters do not prove it (dynamo prefill); a width of 1
 #: is then rejected by the kernel at run time instead of being broadcast.
 _ASSUME_EQUAL_WIDTHS: contextvars.ContextVar[bool] = contextvars.ContextVar("mambafuse_equal_widths", default=False)
-
-
-def location(node: ir.Node) -> str:
-    """Return a readable location of ``node``: its name, else its op type and first output name."""
-    if node.name:
-        return node.name
-    output = node.outputs[0].name if node.outputs else None
-    return f"{node.op_type} -> {output}" if output else f"{node.op_type} (unnamed)"
 
 
 class _Refusal(Exception):

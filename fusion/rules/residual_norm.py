@@ -44,8 +44,9 @@ from collections import Counter
 import numpy as np
 import onnx_ir as ir
 
+from fusion._graph import NameSource, value_info_preserved
 from fusion.rules._decode import DecodeShapes, Refusal, dtype_name, take_over, type_untyped_values
-from fusion.rules._graph import ForwardShapes, NameSource, dims_equal, format_dims, value_info_preserved
+from fusion.shapes.dims import ForwardShapes, dims_equal, format_dims
 
 CONTRIB_DOMAIN = "com.microsoft"
 _ONNX = ("", "ai.onnx")

@@ -56,8 +56,8 @@ from fusion.rules._decode import (
     replace_graph_output,
     type_untyped_values,
 )
-from fusion.rules._graph import ForwardShapes, constant_array, constant_scalar
-from fusion.rules.gated_group_rms_norm import FusionLog, location
+from fusion.rules._log import FusionLog, location
+from fusion.shapes.dims import ForwardShapes, constant_array, constant_scalar
 
 FORM = "decode"
 SUPPORTED_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})

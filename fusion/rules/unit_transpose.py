@@ -17,8 +17,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from fusion._graph import NameSource
 from fusion.rules._decode import DecodeShapes, take_over
-from fusion.rules._graph import Dim, NameSource
+from fusion.shapes.dims import Dim
 
 _ONNX = ("", "ai.onnx")
 

@@ -31,8 +31,6 @@ kernel with ``mambafuse report`` or a session from ``contrib_ops.session``.
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Sequence
 
 import onnx_ir as ir
 
@@ -81,14 +79,3 @@ class MambafuseGatedGroupRMSNorm(Surgeon):
             reasons = "; ".join(f"{where}: {reason}" for where, reason in report.refused) or "no chain found"
             raise ValueError(f"{SURGEON}: fused {report.fused} chains, min_fused is {self.min_fused} ({reasons})")
         return model
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fusion.olive CONFIG``: ``mambafuse olive CONFIG`` (fusion/olive_command.py)."""
-    from fusion import olive_command
-
-    return olive_command.main(argv, prog="python -m fusion.olive")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The registry of fusions: one entry per ``ai.mambafuse`` op, in the order the rewriter tries them.
+
+Everything that fuses, counts, explains or runs the ops iterates ``FUSIONS``: ``rewrite_model`` (fusion/rewrite.py)
+and ``optimize`` fuse with each entry's ``fuse`` and explain what is left with its ``explain``; the report, the
+command line's counts and ``--debug`` read the per-op results those fill; the Olive surgeon runs ``rewrite_model``;
+``attach_functions`` adds each used op's model-local function (``make_function``); ``all_rewrite_rules`` hands
+onnxscript every entry's rule sets. Adding an op is a rules module (with ``fuse``, ``find_anchors``), a function
+module (``make_function``, ``MIN_OPSET``), a reference, a contract page, the kernels, and one entry below
+(docs/adding-an-op.md).
+
+This module sits below the orchestration: it imports the rule and function modules, never fusion/rewrite.py or
+the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
+
+import onnx
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from fusion.function import causal_conv1d_update as conv_function
+from fusion.function import gated_group_rms_norm as norm_function
+from fusion.function import selective_state_update as state_function
+from fusion.function._common import import_domain, model_onnx_opset, put_function
+from fusion.reference._common import DOMAIN
+from fusion.rules import causal_conv1d_update as conv_rules
+from fusion.rules import gated_group_rms_norm as norm_rules
+from fusion.rules import selective_state_update as state_rules
+from fusion.rules._log import FusionLog
+
+#: The version of the ``ai.mambafuse`` domain a fused model imports (every op has one version, 1).
+OPSET_VERSION = 1
+
+ModelT = TypeVar("ModelT", onnx.ModelProto, ir.Model)
+
+
+def _no_form(anchor: ir.Node) -> str:
+    return ""
+
+
+def _no_explanation(model: ir.Model, anchor: ir.Node) -> str:
+    return "does not match the op's chain"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """One fused op: how to find, fuse, explain and run its chains."""
+
+    #: the op's stem (fusion/rules/<name>.py, fusion/function/<name>.py, fusion/reference/<name>.py)
+    name: str
+    op_type: str
+    #: what the report counts, e.g. "conv updates"
+    counts: str
+    #: the op's rule sets, in the order they are applied (a phase fuses what it can before the next starts)
+    rules: tuple[pattern.RewriteRuleSet, ...]
+    #: fuses every chain of a model it proves, in place, recording each chain in the log; returns how many fused
+    fuse: Callable[..., int]
+    #: the nodes where the op's chains start: after ``fuse``, the chains that are left (refused)
+    find_anchors: Callable[[ir.Graph], list[ir.Node]]
+    make_function: Callable[[int], onnx.FunctionProto]
+    min_opset: int
+    #: why a chain at this anchor was not fused, when no rule recorded a reason (it matched no rule's pattern)
+    explain: Callable[[ir.Model, ir.Node], str] = _no_explanation
+    #: the form (spelling) of a chain no rule matched, for the report's per-form counts; "" where the op has one form
+    form_of: Callable[[ir.Node], str] = _no_form
+    #: whether the rewriter tries the op again after ONNX Runtime's symbolic shape inference, where refused
+    #: chains remain (TorchScript exports lose dims in their shape arithmetic that ORT's inference recovers)
+    retry_with_symbolic_shapes: bool = False
+    #: options of ``rewrite_model`` that ``fuse`` takes as keywords (the others are not passed)
+    options: tuple[str, ...] = ()
+    #: other opset domains the function body imports (name -> version)
+    function_domains: tuple[tuple[str, int], ...] = ()
+    #: ONNX Runtime's contrib op that builders (mobius) already run the op's step as: its domain, type and the
+    #: attributes it must have. Such a layer has no chain to fuse; the report counts it apart.
+    builder_op: tuple[str, str, dict[str, object]] | None = None
+
+
+GATED_GROUP_RMS_NORM = Fusion(
+    name="gated_group_rms_norm",
+    op_type="GatedGroupRMSNorm",
+    counts="gated group-RMSNorm chains",
+    rules=tuple(norm_rules.gated_group_rms_norm_rule_sets),
+    fuse=norm_rules.fuse_gated_group_rms_norm,
+    find_anchors=norm_rules.find_chain_anchors,
+    make_function=norm_function.make_function,
+    min_opset=norm_function.MIN_OPSET,
+    explain=norm_rules.explain_unfused,
+    form_of=norm_rules.coarse_form,
+    retry_with_symbolic_shapes=True,
+    options=("assume_equal_widths",),
+)
+CAUSAL_CONV1D_UPDATE = Fusion(
+    name="causal_conv1d_update",
+    op_type="CausalConv1dUpdate",
+    counts="conv updates",
+    rules=(conv_rules.causal_conv1d_update_rules,),
+    fuse=conv_rules.fuse_causal_conv1d_update,
+    find_anchors=conv_rules.find_anchors,
+    make_function=conv_function.make_function,
+    min_opset=conv_function.MIN_OPSET,
+    function_domains=(("ai.onnx.ml", conv_function.ML_OPSET),),
+    builder_op=("com.microsoft", "CausalConvWithState", {}),
+)
+SELECTIVE_STATE_UPDATE = Fusion(
+    name="selective_state_update",
+    op_type="SelectiveStateUpdate",
+    counts="state updates",
+    rules=(state_rules.selective_state_update_rules,),
+    fuse=state_rules.fuse_selective_state_update,
+    find_anchors=state_rules.find_anchors,
+    make_function=state_function.make_function,
+    min_opset=state_function.MIN_OPSET,
+    builder_op=("com.microsoft", "LinearAttention", {"update_rule": "gated"}),
+)
+
+#: Every fusion, in the order the rewriter tries them in each round.
+FUSIONS: tuple[Fusion, ...] = (GATED_GROUP_RMS_NORM, CAUSAL_CONV1D_UPDATE, SELECTIVE_STATE_UPDATE)
+
+
+def fusion_of(op_type: str) -> Fusion | None:
+    """Return the fusion whose op is ``op_type``, else None."""
+    return next((f for f in FUSIONS if f.op_type == op_type), None)
+
+
+def attach_functions(model: ModelT, onnx_opset: int | None = None, *, only_missing: bool = False) -> list[str]:
+    """Add the model-local function of every ``ai.mambafuse`` op ``model`` uses (an ``ir.Model`` or a
+    ``ModelProto``, in place), replacing an older copy, or with ``only_missing`` adding only those it lacks.
+
+    Returns the op types whose functions were added. A function whose body needs a newer ONNX opset than the
+    model's is skipped (the rules do not fuse there).
+    """
+    if isinstance(model, onnx.ModelProto):
+        opset = model_onnx_opset(model) if onnx_opset is None else onnx_opset
+        used = {node.op_type for node in model.graph.node if node.domain == DOMAIN}
+        defined = {function.name for function in model.functions if function.domain == DOMAIN}
+    else:
+        opset = onnx_opset
+        if opset is None:
+            opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+        if opset is None:
+            raise ValueError("the model imports no ONNX opset")
+        used = {node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph) if node.domain == DOMAIN}
+        defined = {identifier[1] for identifier in model.functions if identifier[0] == DOMAIN}
+    attached = []
+    for fusion in FUSIONS:
+        if fusion.op_type not in used or opset < fusion.min_opset or (only_missing and fusion.op_type in defined):
+            continue
+        if isinstance(model, onnx.ModelProto):
+            put_function(model, fusion.make_function(opset))
+            for domain, version in fusion.function_domains:
+                import_domain(model, domain, version)
+        else:
+            function = ir.serde.deserialize_function(fusion.make_function(opset))
+            model.functions[function.identifier()] = function
+            for domain, version in fusion.function_domains:
+                model.opset_imports.setdefault(domain, version)
+        attached.append(fusion.op_type)
+    if attached:
+        if isinstance(model, onnx.ModelProto):
+            import_domain(model, DOMAIN, OPSET_VERSION)
+        else:
+            model.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
+    return attached
+
+
+class AllRulesSet(pattern.RewriteRuleSet):
+    """Every fusion's rules (``FUSIONS``) as one onnxscript ``RewriteRuleSet``.
+
+    Applying it runs each fusion's rule sets in the registry's order, in rounds until one fuses nothing: a chain
+    may be proven only through ops fused in an earlier round (transformers 5.25's decode step proves the next
+    layer's batch, and the gated norm's y, through the fused conv and state updates). Iterating it gives the
+    rules themselves, in that order, for a flat list with other rules (one onnxscript pass: what that pass can
+    prove).
+    """
+
+    #: A bound on the rounds (each fuses at least one chain; a model's layers are proven one round apart at most).
+    MAX_ROUNDS = 64
+
+    def __init__(self) -> None:
+        self._rule_sets = [rule_set for fusion in FUSIONS for rule_set in fusion.rules]
+        super().__init__([rule for rule_set in self._rule_sets for rule in rule_set])
+        self.remove_unused_nodes = False
+
+    def apply_to_model(self, model: ir.Model, *, verbose: int | None = None, tracer=None) -> int:
+        """Fuse every chain of ``model`` that the rounds prove, in place; return how many were fused."""
+        total = 0
+        for _ in range(self.MAX_ROUNDS):
+            fused = sum(rule_set.apply_to_model(model, verbose=verbose, tracer=tracer) for rule_set in self._rule_sets)
+            total += fused
+            if not fused:
+                break
+        return total
+
+
+def all_rewrite_rules() -> AllRulesSet:
+    """Return the rules of every fusion as one rule set, applied in rounds (``AllRulesSet``): the gated norm's (as
+    ``fusion.rules.rewrite_rules``), CausalConv1dUpdate's and SelectiveStateUpdate's.
+
+    Call ``fusion.rules.attach_function`` on the result for the fused ops' model-local functions.
+    """
+    return AllRulesSet()
+
+
+__all__ = [
+    "CAUSAL_CONV1D_UPDATE",
+    "DOMAIN",
+    "FUSIONS",
+    "GATED_GROUP_RMS_NORM",
+    "OPSET_VERSION",
+    "SELECTIVE_STATE_UPDATE",
+    "AllRulesSet",
+    "Fusion",
+    "FusionLog",
+    "all_rewrite_rules",
+    "attach_functions",
+    "fusion_of",
+]
