@@ -3,6 +3,7 @@
 - ``gated_group_rms_norm``: ``GatedGroupRMSNorm``. Its names are re-exported here, so
   ``from fusion.function import make_function, attach_function`` keeps working.
 - ``causal_conv1d_update``: ``CausalConv1dUpdate``; ``selective_state_update``: ``SelectiveStateUpdate``.
+- ``mamba_chunk_scan``: ``MambaChunkScan`` (draft: no rule writes it yet, docs/mamba_chunk_scan.md).
 
 ``fusion.rules.attach_functions`` (the registry) adds the function of every ``ai.mambafuse`` op a model uses.
 

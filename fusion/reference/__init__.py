@@ -3,6 +3,7 @@
 - ``gated_group_rms_norm``: ``GatedGroupRMSNorm`` (docs/op.md). Its names are re-exported here, so
   ``from fusion.reference import gated_group_rms_norm, budget_report`` keeps working.
 - ``causal_conv1d_update``: ``CausalConv1dUpdate``; ``selective_state_update``: ``SelectiveStateUpdate``.
+- ``mamba_chunk_scan``: ``MambaChunkScan`` (the prefill scan; draft: no rule writes it yet).
 - ``_common``: what every op shares (``DOMAIN``, ``SUPPORTED_TYPES``, ``bfloat16``, the sigmoid, the OpRun
   factory); ``_bounds``: the exact roundings and intervals of the decode-step ops' budgets.
 
