@@ -99,3 +99,27 @@ def test_quantized_fused_matches_quantized_original(
         assert a.shape == e.shape and a.dtype == e.dtype, output
         error, floor = scaled_error(np.asarray(a), np.asarray(e))
         assert error <= TOLERANCE[record["dtype"]] + floor, f"{output}: max error {error:.3g} of the output's scale"
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "zamba2"])
+def test_the_documented_policy_keeps_the_head_and_fuses_every_op(family: str) -> None:
+    """docs/models.md's int4 policy: every projection in int4 but the LM head (``nodes_to_exclude``)."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    stem = f"{family}-dynamo-fp32-decode"
+    record = _record(TF525_FIXTURE_DIR, stem)
+    model = onnx.load(TF525_FIXTURE_DIR / record["file"])
+    head = [n.name for n in model.graph.node if n.op_type == "MatMul" and "logits" in n.output]
+    assert len(head) == 1
+    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=True, nodes_to_exclude=head)
+    quantizer.process()
+    quantized = quantizer.model.model
+    assert any(n.op_type == "MatMulNBits" for n in quantized.graph.node)
+    assert [n.op_type for n in quantized.graph.node if "logits" in n.output] == ["MatMul"]
+    fused, report = rewrite.rewrite_model(quantized)
+    counts = {op: sum(1 for n in fused.graph.node if n.op_type == op) for op in OPS}
+    assert counts == dict.fromkeys(OPS, record["num_mamba_layers"]), report.summary()
+    inputs = feeds(record, _references(TF525_FIXTURE_DIR)[stem])
+    for a, e in zip(_run(fused, inputs), _run(quantized, inputs), strict=True):
+        error, floor = scaled_error(np.asarray(a), np.asarray(e))
+        assert error <= TOLERANCE[record["dtype"]] + floor
