@@ -589,7 +589,9 @@ def _run(args: argparse.Namespace, command: Command = REWRITE) -> int:
         if args.verify:
             bar.step("verifying: running the fused model")
             try:
-                report.verification = verify(args.input, output, inputs=inputs, original_run=original_run)
+                report.verification = verify(
+                    args.input, output, inputs=inputs, original_run=original_run, role=command.suffix
+                )
             except RewriteError as error:
                 raise RewriteError(f"{error}; {_remove(written)}") from None
             except BaseException:  # interrupted, or an internal error: an unverified output is not kept

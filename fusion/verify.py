@@ -307,6 +307,7 @@ def verify(
     inputs: dict[str, np.ndarray] | None = None,
     *,
     original_run: OriginalRun | None = None,
+    role: str = "fused",
 ) -> dict[str, Any]:
     """Run both models in ONNX Runtime (CPU) on the same inputs; return what agreed and what did not.
 
@@ -316,7 +317,8 @@ def verify(
     is built, else the fused model's function (stock ORT). Inputs: ``inputs`` where given, the rest
     generated with symbolic dims bound by ``dims`` (fusion.inputs). ``original_run`` is the original's
     run from ``run_original`` when the caller made it already (before writing the fused model).
-    Raises RewriteError when the fused model does not load or run.
+    Raises RewriteError when the fused model does not load or run; its message calls it "the {role} model"
+    (``optimize`` passes "optimized": its model holds more than mambafuse's fusions).
     """
     import contrib_ops
 
@@ -327,7 +329,7 @@ def verify(
         actual = candidate.run(None, feeds)
         nodes = _check_fused_nodes(original, fused, feeds, use_library)
     except Exception as error:
-        raise RewriteError(f"--verify: the fused model failed in ONNX Runtime: {first_line(error)}") from None
+        raise RewriteError(f"--verify: the {role} model failed in ONNX Runtime: {first_line(error)}") from None
     outputs = []
     ok = all(n.get("within_budget", True) for n in nodes)
     model_rtol = _compute_rtol(Path(original))

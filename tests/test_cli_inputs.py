@@ -420,3 +420,20 @@ def test_verify_a_dynamo_decode_export_with_default_dims(tmp_path: Path) -> None
     conv = next(v for v in original.graph.input if v.name == "past.layers.0.conv_states.0")
     assert [dims[d.dim_param] for d in state.type.tensor_type.shape.dim] == [1, 4, 16, 8]  # (B, H, P, N)
     assert [dims[d.dim_param] for d in conv.type.tensor_type.shape.dim] == [1, 128, 3]  # (B, C, K - 1)
+
+
+def test_optimized_model_failing_to_run_is_called_the_optimized_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """optimize's output holds onnxscript's fusions too: its run failure names the optimized model."""
+    from fusion import optimize
+
+    def broken(*_args: object) -> None:
+        raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : boom")
+
+    monkeypatch.setattr(verify, "_check_fused_nodes", broken)
+    output = tmp_path / "optimized.onnx"
+    assert optimize.main([str(FIXTURES / "nemotron_h-dynamo-fp32-decode.onnx"), str(output), "--verify"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "the optimized model failed in ONNX Runtime" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []

@@ -110,6 +110,22 @@ def test_inlined_function_fuses_to_the_same_graph(case: tuple, opset: int) -> No
     assert [f.name for f in refused.functions] == [OP_TYPE]
 
 
+@pytest.mark.parametrize("case", CASES[:3], ids=_case_id)
+def test_an_inlined_body_is_a_gated_product(case: tuple) -> None:
+    """The body spells silu as z / (1 + exp(-z)): the chain finder (the report's found / refused counts, and the
+    reason for a chain no rule fused, for the forms without a group Reshape) sees y * that as a gated product, as
+    the rules do."""
+    from fusion.rules.gated_group_rms_norm import _is_gated_product
+
+    y_type, w_type, norm_dtype, output_dtype, gated_dtype = case
+    inlined = ir.from_proto(_inline(_model(y_type, w_type, norm_dtype, output_dtype, gated_dtype=gated_dtype)))
+    # the function body names silu's value "silu" (the inliner keeps a name it does not clash with)
+    products = [node for node in inlined.graph if node.op_type == "Mul" and any(v.name == "silu" for v in node.inputs)]
+    assert products[0].inputs[1].producer().op_type == "Div"
+    assert len(products) == 1
+    assert _is_gated_product(products[0].outputs[0])
+
+
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_optimize_for_ort_output_fuses_to_the_same_graph(case: tuple) -> None:
     """onnxscript's optimize_for_ort inlines the fused node (and drops the no-op Casts); fusing its output

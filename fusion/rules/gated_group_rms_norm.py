@@ -1216,8 +1216,6 @@ def _is_silu(value: ir.Value | None) -> bool:
         return False
     if producer.op_type == "QuickGelu":
         return True
-    if producer.op_type != "Mul":
-        return False
     if producer.op_type == "Div":  # z / (1 + exp(-z)), the function body's spelling
         z, denominator = producer.inputs[0], producer.inputs[1]
         if _producer_op(denominator) != "Add":
