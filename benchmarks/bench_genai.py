@@ -1,0 +1,179 @@
+"""Time to first token and tokens/s through onnxruntime-genai: unfused vs ``mambafuse genai``, f32 / f16 / int4.
+
+The tiny mobius builds of ``tests/fixtures/mobius`` (random weights; cpu target; Nemotron-H, Zamba2 and Mamba2 in
+f32 and f16), each as four genai folders, in one process:
+
+- ``unfused``: ``mambafuse genai IN OUT --config-only`` (the config edit genai 0.18 needs to load the model type;
+  the model unchanged);
+- ``fused``: ``mambafuse genai IN OUT`` (the model fused, the library registered through the config);
+- ``int4 unfused`` / ``int4 fused``: the same, after ONNX Runtime's ``MatMulNBitsQuantizer`` (4 bits, block 32,
+  symmetric, every MatMul with a constant weight) wrote the folder's model.
+
+Every folder's config pins one intra-op thread. Per round, each folder generates greedily from the same prompt
+(``--new`` tokens after it, min_length = max_length so the random model's EOS does not stop it), in a rotating
+order; after ``--warmup`` rounds, ``--rounds`` are measured. Time to first token = ``append_tokens`` (the
+prompt's forward pass) and the first ``generate_next_token``; tokens/s = the rest of the tokens over their time.
+Medians over the rounds. The generated tokens of a fused folder are compared with its unfused one's.
+
+In mobius builds ONNX Runtime's own contrib ops already run the decode step (``CausalConvWithState``,
+``LinearAttention``); mambafuse fuses the gated norm there, so these numbers show what the norm's fusion is worth
+through genai on a tiny model (where per-node overhead is most of the time).
+
+    python -m benchmarks.bench_genai [--rounds 7] [--warmup 2] [--new 32] [--only REGEX] [--markdown OUT.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import platform
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from fusion import genai as fusion_genai
+from models.mobius import extract_builds
+
+STEMS = [
+    f"{family}-{dtype}-default-cpu"
+    for family in ("nemotron_h-g4", "zamba2-g2", "mamba2-g4")
+    for dtype in ("f32", "f16")
+]
+PROMPT = "the red door was on the west side of the old house by the river"
+VARIANTS = ("unfused", "fused", "int4 unfused", "int4 fused")
+
+
+def _genai(*args: str) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = fusion_genai.main(list(args))
+    if status != 0:
+        raise SystemExit(f"mambafuse genai {' '.join(args)} failed ({status}): {err.getvalue().strip()}")
+
+
+def _one_thread(folder: Path) -> None:
+    config_path = folder / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    session = config["model"]["decoder"].setdefault("session_options", {})
+    session["intra_op_num_threads"] = 1
+    session["inter_op_num_threads"] = 1
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def _quantized_copy(source: Path, dest: Path) -> Path:
+    """``source`` with its model.onnx quantized to int4 MatMulNBits (every other file copied)."""
+    import shutil
+
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    shutil.copytree(source, dest)
+    model = onnx.load(dest / "model.onnx")
+    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=True)
+    quantizer.process()
+    for stale in dest.glob("model.onnx*"):
+        stale.unlink()
+    onnx.save(quantizer.model.model, dest / "model.onnx")
+    return dest
+
+
+def _folders(source: Path, work: Path) -> dict[str, Path]:
+    folders = {}
+    int4_source = _quantized_copy(source, work / "int4-source")
+    for variant, base in (
+        ("unfused", source),
+        ("fused", source),
+        ("int4 unfused", int4_source),
+        ("int4 fused", int4_source),
+    ):
+        out = work / variant.replace(" ", "-")
+        _genai(str(base), str(out), *(["--config-only"] if "unfused" in variant else []))
+        _one_thread(out)
+        folders[variant] = out
+    return folders
+
+
+def _generate(model, tokenizer_prompt: np.ndarray, new: int) -> tuple[list[int], float, float]:
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    total = tokenizer_prompt.shape[1] + new
+    params.set_search_options(do_sample=False, max_length=total, min_length=total)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(tokenizer_prompt)
+    generator.generate_next_token()
+    first = time.perf_counter()
+    tokens = [int(generator.get_next_tokens()[0])]
+    while len(tokens) < new:
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    end = time.perf_counter()
+    return tokens, first - start, (new - 1) / (end - first)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import onnxruntime_genai as og
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_genai", description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--new", type=int, default=32, help="tokens generated after the prompt (default 32)")
+    parser.add_argument("--only", help="regular expression: the builds to run")
+    parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    args = parser.parse_args(argv)
+    rows = [
+        "| build | variant | time to first token, ms | tokens/s | vs unfused (TTFT / tokens/s) | tokens = unfused |",
+        "|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory(prefix="mambafuse-genai-bench-") as scratch:
+        builds = extract_builds(Path(scratch) / "builds")
+        for stem in STEMS:
+            if args.only and not re.search(args.only, stem):
+                continue
+            folders = _folders(builds / stem, Path(scratch) / stem)
+            models = {variant: og.Model(str(folder)) for variant, folder in folders.items()}
+            prompt = np.asarray(og.Tokenizer(models["unfused"]).encode(PROMPT), dtype=np.int32)[None, :]
+            ttft: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            rate: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            tokens: dict[str, list[int]] = {}
+            for round_index in range(args.warmup + args.rounds):
+                order = VARIANTS[round_index % 4 :] + VARIANTS[: round_index % 4]
+                for variant in order:
+                    generated, first, per_second = _generate(models[variant], prompt, args.new)
+                    tokens[variant] = generated
+                    if round_index >= args.warmup:
+                        ttft[variant].append(first * 1e3)
+                        rate[variant].append(per_second)
+            for variant in VARIANTS:
+                base = "int4 unfused" if variant.startswith("int4") else "unfused"
+                t, r = statistics.median(ttft[variant]), statistics.median(rate[variant])
+                tb, rb = statistics.median(ttft[base]), statistics.median(rate[base])
+                same = sum(a == b for a, b in zip(tokens[variant], tokens[base], strict=True))
+                rows.append(
+                    f"| {stem} | {variant} | {t:.2f} | {r:.0f} | "
+                    f"{'—' if variant == base else f'{tb / t:.2f}x / {r / rb:.2f}x'} | {same}/{args.new} |"
+                )
+                print(rows[-1], flush=True)
+            del models
+    environment = (
+        f"onnxruntime-genai {og.__version__}, onnxruntime {ort.__version__}, "
+        f"{platform.processor() or platform.machine()}, CPU, 1 intra-op thread; prompt of {prompt.shape[1]} tokens, "
+        f"{args.new} new; median of {args.rounds} rounds after {args.warmup}"
+    )
+    text = "\n".join(rows) + f"\n\n{environment}\n"
+    print("\n" + text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
