@@ -235,3 +235,31 @@ def test_the_function_body_in_onnx_runtime_is_within_the_budget(
     plain = dict(inputs, dt_bias=None, D=None, initial_state=None)
     ok, summary = budget_report(out, state, **plain, **attributes)
     assert ok, summary
+
+
+@pytest.mark.parametrize("t", [np.dtype(np.float32), np.dtype(np.float16)], ids=str)
+@pytest.mark.parametrize("chunk_size", [8, 64])
+@pytest.mark.parametrize("initial", [False, True], ids=["no-state", "state"])
+def test_transformers_own_chunk_scan_is_within_the_budget(t: np.dtype, chunk_size: int, initial: bool) -> None:
+    """The contract is what exporters trace: transformers' torch fallback (``mamba2_chunk_scan``, the function
+    every Mamba-2 family's prefill exports) meets the budget at its chunk sizes, 45 tokens (not a multiple)."""
+    torch = pytest.importorskip("torch")
+    modeling = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
+    scan = getattr(modeling.mamba2_chunk_scan, "__wrapped__", modeling.mamba2_chunk_scan)
+    inputs = _inputs(np.random.default_rng(13), t, length=45, initial=initial)
+    as_torch = {k: None if v is None else torch.from_numpy(v) for k, v in inputs.items()}
+    out, state = scan(
+        as_torch["x"],
+        as_torch["dt"],
+        as_torch["A"],
+        as_torch["B"],
+        as_torch["C"],
+        chunk_size,
+        D=as_torch["D"],
+        dt_bias=as_torch["dt_bias"],
+        initial_states=as_torch["initial_state"],
+        dt_softplus=True,
+        return_final_states=True,
+    )
+    ok, summary = budget_report(out.float().numpy(), state.float().numpy(), **inputs)
+    assert ok, summary
