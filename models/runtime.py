@@ -46,11 +46,16 @@ def feeds(record: dict[str, Any], refs: dict[str, np.ndarray]) -> dict[str, np.n
 
 
 def greedy_decode(
-    session: Any, record: dict[str, Any], refs: dict[str, np.ndarray], steps: int = GREEDY_TOKENS
+    session: Any,
+    record: dict[str, Any],
+    refs: dict[str, np.ndarray],
+    steps: int = GREEDY_TOKENS,
+    logits: list[np.ndarray] | None = None,
 ) -> list[int]:
     """Return ``steps`` greedy tokens from a decode graph, feeding its cache outputs back as inputs.
 
-    Starts from the fixture's sample step (the token after the prompt, its position, the prompt's cache).
+    Starts from the fixture's sample step (the token after the prompt, its position, the prompt's cache). With
+    ``logits``, each step's last-position logits (float32) are appended to it.
     """
     if record["mode"] != "decode":
         raise ValueError(f"{record['file']} is a {record['mode']} graph; greedy decoding needs a decode graph")
@@ -59,7 +64,10 @@ def greedy_decode(
     tokens = []
     for _ in range(steps):
         outputs = dict(zip(output_names, session.run(None, step), strict=True))
-        token = int(np.argmax(outputs["logits"][0, -1].astype(np.float32)))
+        last = outputs["logits"][0, -1].astype(np.float32)
+        if logits is not None:
+            logits.append(last)
+        token = int(np.argmax(last))
         tokens.append(token)
         step = {name: outputs[out] for out, name in record["cache_map"].items()}
         step["input_ids"] = np.array([[token]], dtype=np.int64)

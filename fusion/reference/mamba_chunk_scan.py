@@ -162,13 +162,12 @@ def mamba_chunk_scan(
     b_h = _by_head(B, heads).astype(c)  # (B, T, H, N)
     c_h = _by_head(C, heads).astype(c)
     state = np.zeros((batch, heads, head_dim, state_size), c) if initial_state is None else initial_state.astype(c)
+    out = np.empty((batch, length, heads, head_dim), c)
     if chunk_size is None:
-        out = np.empty((batch, length, heads, head_dim), c)
         for t in range(length):
             state = np.exp(a[:, t])[:, :, None, None] * state + u[:, t, :, :, None] * b_h[:, t, :, None, :]
             out[:, t] = np.einsum("bhpn,bhn->bhp", state, c_h[:, t])
     else:
-        out = np.empty((batch, length, heads, head_dim), c)
         for start in range(0, length, chunk_size):
             end = min(start + chunk_size, length)
             out[:, start:end], state = _chunk(
@@ -224,10 +223,10 @@ def budget_bounds(
     products and exp that form them, and of the decays' exponents formed as differences of cumulative sums.
     """
     x, dt, dt_bias, A, B, C, D, initial_state = as_arrays(x, dt, dt_bias, A, B, C, D, initial_state)
-    batch, length, heads, head_dim, _, state_size = check_inputs(x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus)
     out, state = mamba_chunk_scan(
         x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, dt_min, dt_max, compute_dtype=F64
-    )
+    )  # checks the inputs
+    length, state_size = x.shape[1], B.shape[3]
     abs_out, abs_state = mamba_chunk_scan(
         np.abs(x),
         dt,

@@ -24,18 +24,16 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from fusion._graph import remove_dead_producers, value_info_preserved
+from fusion.rules._log import FusionLog
 from fusion.shapes import arith as _arith
 from fusion.shapes.dims import Dim, ForwardShapes, constant_array, resolve_shape_tensor
-
-if TYPE_CHECKING:
-    from fusion.rules._log import FusionLog
 
 _ONNX_DOMAINS = ("", "ai.onnx")
 #: Ops that move elements without computing: the layout proof follows them.

@@ -137,33 +137,38 @@ def attach_functions(model: ModelT, onnx_opset: int | None = None, *, only_missi
         opset = model_onnx_opset(model) if onnx_opset is None else onnx_opset
         used = {node.op_type for node in model.graph.node if node.domain == DOMAIN}
         defined = {function.name for function in model.functions if function.domain == DOMAIN}
+
+        def add(function: onnx.FunctionProto) -> None:
+            put_function(model, function)
+
+        def import_opset(domain: str, version: int) -> None:
+            import_domain(model, domain, version)
     else:
-        opset = onnx_opset
-        if opset is None:
-            opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+        opset = (
+            onnx_opset if onnx_opset is not None else model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+        )
         if opset is None:
             raise ValueError("the model imports no ONNX opset")
         used = {node.op_type for node in ir.traversal.RecursiveGraphIterator(model.graph) if node.domain == DOMAIN}
         defined = {identifier[1] for identifier in model.functions if identifier[0] == DOMAIN}
+
+        def add(function: onnx.FunctionProto) -> None:
+            deserialized = ir.serde.deserialize_function(function)
+            model.functions[deserialized.identifier()] = deserialized
+
+        def import_opset(domain: str, version: int) -> None:
+            model.opset_imports.setdefault(domain, version)
+
     attached = []
     for fusion in FUSIONS:
         if fusion.op_type not in used or opset < fusion.min_opset or (only_missing and fusion.op_type in defined):
             continue
-        if isinstance(model, onnx.ModelProto):
-            put_function(model, fusion.make_function(opset))
-            for domain, version in fusion.function_domains:
-                import_domain(model, domain, version)
-        else:
-            function = ir.serde.deserialize_function(fusion.make_function(opset))
-            model.functions[function.identifier()] = function
-            for domain, version in fusion.function_domains:
-                model.opset_imports.setdefault(domain, version)
+        add(fusion.make_function(opset))
+        for domain, version in fusion.function_domains:
+            import_opset(domain, version)
         attached.append(fusion.op_type)
     if attached:
-        if isinstance(model, onnx.ModelProto):
-            import_domain(model, DOMAIN, OPSET_VERSION)
-        else:
-            model.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
+        import_opset(DOMAIN, OPSET_VERSION)
     return attached
 
 
