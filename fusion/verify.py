@@ -223,11 +223,33 @@ def _check_state_update(arrays: list[np.ndarray | None], attrs: dict[str, Any]) 
     )
 
 
+def _check_chunk_scan(arrays: list[np.ndarray | None], attrs: dict[str, Any]) -> tuple[bool, str]:
+    reference = importlib.import_module("fusion.reference.mamba_chunk_scan")
+    *inputs, out, final_state = arrays
+    x, dt, dt_bias, A, B, C, D, initial_state = [*inputs, *[None] * 8][:8]
+    return reference.budget_report(
+        out,
+        final_state,
+        x,
+        dt,
+        dt_bias,
+        A,
+        B,
+        C,
+        D,
+        initial_state,
+        dt_softplus=int(attrs.get("dt_softplus", 1)),
+        dt_min=float(attrs.get("dt_min", 0.0)),
+        dt_max=float(attrs.get("dt_max", float("inf"))),
+    )
+
+
 #: Per fused op type: how verify checks one node's real inputs and outputs against the op's reference budget.
 _NODE_CHECKS = {
     OP_TYPE: _check_gated_norm,
     "CausalConv1dUpdate": _check_conv_update,
     "SelectiveStateUpdate": _check_state_update,
+    "MambaChunkScan": _check_chunk_scan,
 }
 
 

@@ -203,6 +203,9 @@ def _function_model(inputs: dict[str, np.ndarray], attributes: dict[str, float |
     [
         (37, 2, {}),
         (1, 1, {}),
+        # several of the body's 64-token chunks: the state carried between them, a partial last chunk
+        (64, 2, {}),
+        (3 * 64 + 7, 2, {}),
         (20, 4, {"dt_softplus": 0, "dt_min": 0.001, "dt_max": 0.5}),
         (9, 1, {"dt_min": 0.01, "dt_max": 2.0}),
     ],

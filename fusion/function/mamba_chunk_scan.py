@@ -1,16 +1,22 @@
-"""The model-local function of ``ai.mambafuse::MambaChunkScan`` in stock ONNX ops (draft: no rule writes the op
-yet, docs/mamba_chunk_scan.md).
+"""The model-local function of ``ai.mambafuse::MambaChunkScan`` in stock ONNX ops (docs/mamba_chunk_scan.md).
 
-The body computes the contract's recurrence token by token with ONNX's ``Scan`` (state carried in float32), so it
-serves every prompt length, one token included; it is portable, not fast (a kernel chooses chunks). T is x's
-type; the time step's roundings are Casts to it through ``CastLike``::
+The body is the chunked SSD algorithm, as the exported graphs compute it, so that a fused model run without the
+mambafuse library is as fast as the graph it replaced (ONNX Runtime runs it as the Einsums and masks of the
+export), and it meets the op's budget because the contract is written for any chunking. T is x's type; the time
+step's roundings are Casts to it through ``CastLike``::
 
     d1 = CastLike(f32(dt) + f32(dt_bias), x)               # round_T
     d2 = dt_softplus ? Where(d1 > 20, d1, CastLike(Softplus(f32(d1)), x)) : d1
     d  = Min(Max(f32(d2), f32(CastLike(dt_min, x))), f32(CastLike(dt_max, x)))
     a  = f32(A) * d;  u = f32(x) * d;  B, C to float32, from G groups to H heads
-    Scan over t: S = Exp(a_t) * S + u_t ⊗ B_t;  y_t = ReduceSum(S * C_t, n)
-    out = y + f32(D) * f32(x);  final_state = S
+    zero-pad the prompt to a multiple of CHUNK tokens (a padded token decays by exp(0) and adds nothing), then per
+    chunk of Q tokens with the cumulative sums s of a:
+      Y_diag = (exp(s_l - s_j) for j <= l, else 0) * (C_l . B_j) applied to u      # within the chunk
+      S_c    = sum_j exp(s_Q - s_j) u_j (x) B_j                                    # the chunk's own state
+      the states at the chunk starts: sum over earlier chunks z of exp(sum of the totals between) S_z, from the
+      initial state (chunk 0)
+      Y_off  = exp(s_l) * C_l . (the state at the chunk's start)
+    out = (Y_diag + Y_off)[:T] + f32(D) * f32(x);  final_state = the state after the last chunk
 
 Every input is required (a body cannot test for a missing one): a caller without dt_bias passes -0.0s, without D
 zeros, without an initial state zeros.
@@ -18,10 +24,12 @@ zeros, without an initial state zeros.
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx import helper
 
-from fusion.function._common import int64s, node_with_refs, op_function, require_opset
+from fusion.function._common import int64_scalar, int64s, node_with_refs, op_function, require_opset
 from fusion.reference.mamba_chunk_scan import OP_TYPE, SOFTPLUS_THRESHOLD
 
 INPUTS = ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")
@@ -32,43 +40,16 @@ OPTIONAL_ATTRIBUTES = {"dt_softplus": 1, "dt_min": 0.0, "dt_max": float("inf")}
 MIN_OPSET = 15
 
 _FLOAT = onnx.TensorProto.FLOAT
+_BOOL = onnx.TensorProto.BOOL
+#: The body's chunk length: the (Q, Q) blocks of the exported graphs (transformers' models use 128 or 256); 64 keeps
+#: the (B, H, chunks, Q, Q) intermediates a quarter of a 128-token chunk's.
+CHUNK = 64
 
 
-def _scan_body() -> onnx.GraphProto:
-    """One token: state (B, H, P, N); a (B, H), u (B, H, P), b and c (B, H, N) -> state, y (B, H, P)."""
-    node = helper.make_node
-    nodes = [
-        int64s("token_axes23", [2, 3]),
-        int64s("token_axis3", [3]),
-        int64s("token_axis2", [2]),
-        int64s("token_last", [-1]),
-        node("Exp", ["a_t"], ["decay"]),
-        node("Unsqueeze", ["decay", "token_axes23"], ["decay4"]),
-        node("Mul", ["state_in", "decay4"], ["kept"]),
-        node("Unsqueeze", ["u_t", "token_axis3"], ["u4"]),  # (B, H, P, 1)
-        node("Unsqueeze", ["b_t", "token_axis2"], ["b4"]),  # (B, H, 1, N)
-        node("Mul", ["u4", "b4"], ["added"]),
-        node("Add", ["kept", "added"], ["state_out"]),
-        node("Unsqueeze", ["c_t", "token_axis2"], ["c4"]),
-        node("Mul", ["state_out", "c4"], ["read"]),
-        node("ReduceSum", ["read", "token_last"], ["y_t"], keepdims=0),
-    ]
-    shapes = {
-        "state_in": ["B", "H", "P", "N"],
-        "a_t": ["B", "H"],
-        "u_t": ["B", "H", "P"],
-        "b_t": ["B", "H", "N"],
-        "c_t": ["B", "H", "N"],
-        "state_out": ["B", "H", "P", "N"],
-        "y_t": ["B", "H", "P"],
-    }
-    value = helper.make_tensor_value_info
-    return helper.make_graph(
-        nodes,
-        "mamba_chunk_scan_token",
-        [value(name, _FLOAT, shapes[name]) for name in ("state_in", "a_t", "u_t", "b_t", "c_t")],
-        [value(name, _FLOAT, shapes[name]) for name in ("state_out", "y_t")],
-    )
+def _lower_mask(size: int, diagonal: int) -> onnx.TensorProto:
+    """A (size, size) boolean Constant: True on and below ``diagonal``."""
+    mask = np.tril(np.ones((size, size), dtype=bool), diagonal)
+    return onnx.numpy_helper.from_array(mask, f"lower_{diagonal}")
 
 
 def make_function(onnx_opset: int) -> onnx.FunctionProto:
@@ -132,17 +113,90 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("Expand", ["C5", "expanded_shape"], ["C_expanded"]),
         node("Reshape", ["B_expanded", "head_shape"], ["B_heads"]),
         node("Reshape", ["C_expanded", "head_shape"], ["C_heads"]),
-        # the recurrence, token by token
         node("Cast", ["initial_state"], ["state0"], to=_FLOAT),
+        int64s("big", [2**62]),
+        # zero-pad the prompt to whole chunks: pad = (CHUNK - T % CHUNK) % CHUNK tokens at the end of axis 1
+        int64s("chunk", [CHUNK]),
+        int64s("one", [1]),
+        int64s("minus_one", [-1]),
+        int64s("zeros2", [0, 0]),
+        node("Slice", ["x_shape", "one", "two"], ["length"]),
+        node("Slice", ["x_shape", "zero", "one"], ["batch"]),
+        node("Mod", ["length", "chunk"], ["tail"]),
+        node("Sub", ["chunk", "tail"], ["short"]),
+        node("Mod", ["short", "chunk"], ["pad"]),
+        node("Concat", ["zeros2", "zero", "zero", "pad", "zero"], ["pads3"], axis=0),  # (B, T, H)
+        node("Concat", ["zeros2", "zeros2", "zero", "pad", "zeros2"], ["pads4"], axis=0),  # (B, T, H, P|N)
+        node("Pad", ["a", "pads3"], ["a_pad"]),
+        node("Pad", ["u", "pads4"], ["u_pad"]),
+        node("Pad", ["B_heads", "pads4"], ["B_pad"]),
+        node("Pad", ["C_heads", "pads4"], ["C_pad"]),
+        # chunks: (B, c, Q, H[, P|N])
+        node("Slice", ["x_shape", "two", "four"], ["heads_dim"]),
+        node("Concat", ["batch", "minus_one", "chunk", "heads"], ["chunk_shape3"], axis=0),
+        node("Concat", ["batch", "minus_one", "chunk", "heads_dim"], ["chunk_shape_x"], axis=0),
+        node("Concat", ["batch", "minus_one", "chunk", "heads", "state_size"], ["chunk_shape_n"], axis=0),
+        node("Reshape", ["a_pad", "chunk_shape3"], ["a_c"]),
+        node("Reshape", ["u_pad", "chunk_shape_x"], ["u_c"]),
+        node("Reshape", ["B_pad", "chunk_shape_n"], ["B_c"]),
+        node("Reshape", ["C_pad", "chunk_shape_n"], ["C_c"]),
+        # cumulative sums of a within each chunk: (B, H, c, Q)
+        node("Transpose", ["a_c"], ["a_h"], perm=[0, 3, 1, 2]),
+        int64_scalar("last_axis", -1),
+        node("CumSum", ["a_h", "last_axis"], ["s"]),
+        # within a chunk: exp(s_l - s_j) for j <= l, else 0
+        node("Unsqueeze", ["s", "minus_one"], ["s_rows"]),
+        int64s("minus_two", [-2]),
+        node("Unsqueeze", ["s", "minus_two"], ["s_cols"]),
+        node("Sub", ["s_rows", "s_cols"], ["s_diff"]),  # (B, H, c, Q, Q): [l, j] = s_l - s_j
+        node("Constant", [], ["lower"], value=_lower_mask(CHUNK, 0)),
+        node("Constant", [], ["minus_inf"], value=helper.make_tensor("minus_inf", _FLOAT, [], [float("-inf")])),
+        node("Where", ["lower", "s_diff", "minus_inf"], ["s_masked"]),
+        node("Exp", ["s_masked"], ["decay_in"]),
+        node("Einsum", ["C_c", "B_c"], ["scores"], equation="bclhn,bcshn->bhcls"),
+        node("Mul", ["scores", "decay_in"], ["weights"]),
+        node("Einsum", ["weights", "u_c"], ["y_diag"], equation="bhcls,bcshp->bclhp"),
+        # each chunk's own state: sum_j exp(s_Q - s_j) u_j (x) B_j -> (B, c, H, P, N)
+        node("Slice", ["s", "minus_one", "big", "minus_one"], ["s_total"]),
+        node("Sub", ["s_total", "s"], ["to_end"]),
+        node("Exp", ["to_end"], ["decay_out"]),  # (B, H, c, Q)
+        node("Transpose", ["decay_out"], ["decay_out_l"], perm=[0, 2, 3, 1]),  # (B, c, Q, H)
+        node("Unsqueeze", ["decay_out_l", "minus_one"], ["decay_out_5"]),
+        node("Mul", ["B_c", "decay_out_5"], ["B_decayed"]),
+        node("Einsum", ["B_decayed", "u_c"], ["chunk_states"], equation="bclhn,bclhp->bchpn"),
+        # the states at the chunk starts: chunk z's state carried to chunk c decays by exp(t_c - t_z), t the
+        # cumulative chunk totals after a leading 0 (the initial state's position)
+        node("Squeeze", ["s_total", "minus_one"], ["totals"]),  # (B, H, c)
+        int64s("pad_front", [0, 0, 1, 0, 0, 0]),
+        node("Pad", ["totals", "pad_front"], ["totals_0"]),  # (B, H, c + 1)
+        node("CumSum", ["totals_0", "last_axis"], ["t"]),
+        node("Unsqueeze", ["t", "minus_one"], ["t_rows"]),
+        node("Unsqueeze", ["t", "minus_two"], ["t_cols"]),
+        node("Sub", ["t_rows", "t_cols"], ["t_diff"]),  # (B, H, c + 1, c + 1): [c, z] = t_c - t_z
+        node("Shape", ["t_diff"], ["t_shape"]),
+        node("Slice", ["t_shape", "minus_two", "big"], ["square"]),
         node(
-            "Scan",
-            ["state0", "a", "u", "B_heads", "C_heads"],
-            ["final_state", "y"],
-            body=_scan_body(),
-            num_scan_inputs=4,
-            scan_input_axes=[1, 1, 1, 1],
-            scan_output_axes=[1],
+            "ConstantOfShape", ["square"], ["ones"], value=helper.make_tensor("one", onnx.TensorProto.BOOL, [1], [True])
         ),
+        int64_scalar("zero_scalar", 0),
+        node("Trilu", ["ones", "zero_scalar"], ["earlier"], upper=0),
+        node("Where", ["earlier", "t_diff", "minus_inf"], ["t_masked"]),
+        node("Exp", ["t_masked"], ["carry"]),
+        node("Unsqueeze", ["state0", "one"], ["state0_c"]),  # (B, 1, H, P, N)
+        node("Concat", ["state0_c", "chunk_states"], ["states_from"], axis=1),
+        node("Einsum", ["carry", "states_from"], ["states_at"], equation="bhcz,bzhpn->bchpn"),
+        node("Slice", ["states_at", "zero", "minus_one", "one"], ["starts"]),  # (B, c, H, P, N)
+        node("Gather", ["states_at", "last_axis"], ["final_state"], axis=1),  # (B, H, P, N)
+        # from the chunk's start state: exp(s_l) C_l . S
+        node("Einsum", ["C_c", "starts"], ["read"], equation="bclhn,bchpn->bclhp"),
+        node("Exp", ["s"], ["decay_start"]),
+        node("Transpose", ["decay_start"], ["decay_start_l"], perm=[0, 2, 3, 1]),
+        node("Unsqueeze", ["decay_start_l", "minus_one"], ["decay_start_5"]),
+        node("Mul", ["read", "decay_start_5"], ["y_off"]),
+        node("Add", ["y_diag", "y_off"], ["y_chunks"]),
+        node("Concat", ["batch", "minus_one", "heads_dim"], ["token_shape"], axis=0),
+        node("Reshape", ["y_chunks", "token_shape"], ["y_padded"]),
+        node("Slice", ["y_padded", "zero", "length", "one"], ["y"]),
         # the skip: f32(D) * f32(x)
         node("Cast", ["D"], ["D_f"], to=_FLOAT),
         node("Unsqueeze", ["D_f", "axes013"], ["D4"]),  # (1, 1, H, 1)

@@ -24,11 +24,13 @@ from onnxscript.rewriter import pattern
 
 from fusion.function import causal_conv1d_update as conv_function
 from fusion.function import gated_group_rms_norm as norm_function
+from fusion.function import mamba_chunk_scan as scan_function
 from fusion.function import selective_state_update as state_function
 from fusion.function._common import import_domain, model_onnx_opset, put_function
 from fusion.reference._common import DOMAIN
 from fusion.rules import causal_conv1d_update as conv_rules
 from fusion.rules import gated_group_rms_norm as norm_rules
+from fusion.rules import mamba_chunk_scan as scan_rules
 from fusion.rules import selective_state_update as state_rules
 from fusion.rules._log import FusionLog
 
@@ -117,8 +119,19 @@ SELECTIVE_STATE_UPDATE = Fusion(
     builder_op=("com.microsoft", "LinearAttention", {"update_rule": "gated"}),
 )
 
+MAMBA_CHUNK_SCAN = Fusion(
+    name="mamba_chunk_scan",
+    op_type="MambaChunkScan",
+    counts="chunk scans",
+    rules=(scan_rules.mamba_chunk_scan_rules,),
+    fuse=scan_rules.fuse_mamba_chunk_scan,
+    find_anchors=scan_rules.find_anchors,
+    make_function=scan_function.make_function,
+    min_opset=scan_function.MIN_OPSET,
+)
+
 #: Every fusion, in the order the rewriter tries them in each round.
-FUSIONS: tuple[Fusion, ...] = (GATED_GROUP_RMS_NORM, CAUSAL_CONV1D_UPDATE, SELECTIVE_STATE_UPDATE)
+FUSIONS: tuple[Fusion, ...] = (GATED_GROUP_RMS_NORM, CAUSAL_CONV1D_UPDATE, SELECTIVE_STATE_UPDATE, MAMBA_CHUNK_SCAN)
 
 
 def fusion_of(op_type: str) -> Fusion | None:
@@ -215,6 +228,7 @@ __all__ = [
     "DOMAIN",
     "FUSIONS",
     "GATED_GROUP_RMS_NORM",
+    "MAMBA_CHUNK_SCAN",
     "OPSET_VERSION",
     "SELECTIVE_STATE_UPDATE",
     "AllRulesSet",

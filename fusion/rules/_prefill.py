@@ -1,0 +1,125 @@
+"""Graph reading the prefill rules share (fusion/rules/mamba_chunk_scan.py, fusion/rules/causal_conv1d.py): a
+producer of a given op seen through copies (Identity, whole-range Slice), constant ints and scalars seen through
+Casts, the operand orders of commutative ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion.rules._decode import Refusal, producer_op
+from fusion.shapes.dims import constant_array
+
+SUPPORTED_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+ONNX_DOMAINS = ("", "ai.onnx")
+
+
+def producer_of(value: ir.Value | None, *ops: str) -> ir.Node | None:
+    """Return ``value``'s producer when it is one of ``ops`` in the ONNX domain, else None."""
+    if value is None:
+        return None
+    producer = strip(value).producer()
+    if producer is None or producer.domain not in ONNX_DOMAINS or producer.op_type not in ops:
+        return None
+    return producer
+
+
+def strip(value: ir.Value) -> ir.Value:
+    """Return what ``value`` copies through Identity nodes (torch's ``clone`` / ``contiguous``) and Casts to the
+    type their input already has (TorchScript's ``.to(dtype)``), else itself."""
+    while (node := value.producer()) is not None and node.domain in ONNX_DOMAINS and node.inputs:
+        source = node.inputs[0]
+        if source is None:
+            break
+        if node.op_type == "Identity" or (
+            node.op_type == "Cast" and source.dtype is not None and source.dtype == value.dtype
+        ):
+            value = source
+            continue
+        break
+    return value
+
+
+def whole(value: ir.Value) -> ir.Value:
+    """Return what ``value`` is a whole-range Slice of (``t[:, :, :]``: starts 0, ends past any size, steps 1)."""
+    node = producer_of(value, "Slice")
+    if node is None:
+        return value
+    # a whole-range slice: every listed axis from 0 to past its end (a view, the same elements in the same order)
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    starts, ends = const_ints(inputs[1]), const_ints(inputs[2])
+    steps = const_ints(inputs[4]) if inputs[4] is not None else None
+    if starts is None or ends is None or any(starts) or any(e < 2**62 for e in ends):
+        return value
+    if inputs[4] is not None and (steps is None or any(step != 1 for step in steps)):
+        return value
+    return strip(inputs[0])
+
+
+def same(a: ir.Value | None, b: ir.Value | None) -> bool:
+    """Whether two values are one tensor, up to Identity copies."""
+    return a is not None and b is not None and whole(strip(a)) is whole(strip(b))
+
+
+def need(value: ir.Value | None, op: str, what: str) -> ir.Node:
+    node = producer_of(value, op)
+    if node is None:
+        found = producer_op(strip(value)) if value is not None else None
+        raise Refusal(f"{what} is not a {op} (found {found or 'a graph input or constant'})", value)
+    return node
+
+
+def const_ints(value: ir.Value | None) -> list[int] | None:
+    array = constant_array(value)
+    if array is None or array.dtype.kind not in "iu":
+        return None
+    return [int(v) for v in array.reshape(-1)]
+
+
+def perm_of(node: ir.Node) -> list[int] | None:
+    attr = node.attributes.get("perm")
+    return None if attr is None else [int(v) for v in attr.as_ints()]
+
+
+def axis_of(value: ir.Value | None, rank: int) -> int | None:
+    """The constant axis ``value`` holds (one element), normalized to [0, rank); None if not constant."""
+    axes = const_ints(value)
+    if axes is None or len(axes) != 1 or not -rank <= axes[0] < rank:
+        return None
+    return axes[0] % rank
+
+
+def mul_operands(node: ir.Node) -> list[tuple[ir.Value, ir.Value]]:
+    a, b = node.inputs[0], node.inputs[1]
+    return [(a, b), (b, a)]
+
+
+def unit_scaled(value: ir.Value) -> ir.Value:
+    """Return x for Div(x, 1) or Mul(x, 1) (torch's softplus with beta = 1, as dynamo writes it in bfloat16)."""
+    node = producer_of(value, "Div", "Mul")
+    if node is None:
+        return value
+    one = node.inputs[1]
+    if node.op_type == "Mul" and constant_limit(node.inputs[0]) == 1.0:
+        return node.inputs[1]
+    return node.inputs[0] if constant_limit(one) == 1.0 else value
+
+
+def constant_limit(value: ir.Value) -> float | None:
+    """A constant scalar, seen through a Cast / CastLike (rounded to the type cast to), else None."""
+    cast = producer_of(value, "Cast", "CastLike")
+    source = cast.inputs[0] if cast is not None else value
+    array = constant_array(source)
+    if array is None or array.size != 1:
+        return None
+    if cast is not None and value.dtype is not None and value.dtype in SUPPORTED_DTYPES:
+        return float(np.asarray(array.reshape(-1)[0:1]).astype(value.dtype.numpy())[0])
+    return float(array.reshape(-1)[0])
+
+
+def scalar_is(value: ir.Value | None, expected: float) -> bool:
+    array = constant_array(value)
+    if array is None or array.size != 1:
+        return False
+    got = float(array.reshape(-1)[0])
+    return got == expected or (np.isnan(expected) and np.isnan(got))
