@@ -33,12 +33,13 @@ $(shell [ $(STAMPS)/deps -nt pyproject.toml ] && for s in deps-runtime deps-test
 endif
 
 # What the library's build and the fusion need: the runtime dependencies (onnxruntime, onnx, onnx-ir,
-# onnxscript, numpy, ml_dtypes) and the build backend and tools (scikit-build-core, cmake, ninja), so that
-# rebuilding the library needs no isolated build environment. Re-run when pyproject.toml changes.
+# onnxscript, numpy, ml_dtypes) and the build backend and tools (scikit-build-core, cmake, ninja, and Eigen's
+# headers from cmeel-eigen for MambaChunkScan's kernel), so that rebuilding the library needs no isolated build
+# environment. Re-run when pyproject.toml changes.
 $(STAMPS)/deps-runtime: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install "scikit-build-core>=0.10" "cmake>=3.24" ninja
+	$(PIP) install "scikit-build-core>=0.10" "cmake>=3.24" ninja "cmeel-eigen>=3.4,<3.5"
 	$(PIP) install $(call requirements,)
 	@mkdir -p $(STAMPS) && touch $@
 
@@ -76,7 +77,8 @@ sanitize: $(STAMPS)/deps-test
 	LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	MAMBAFUSE_LIBRARY=$(abspath build/sanitize/libmambafuse_ops.so) \
-	  $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_cpu.py tests/test_causal_conv1d_update_kernel.py tests/test_selective_state_update_kernel.py
+	  $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_cpu.py tests/test_causal_conv1d_update_kernel.py tests/test_selective_state_update_kernel.py \
+	  tests/test_mamba_chunk_scan_kernel.py tests/test_causal_conv1d_kernel.py tests/test_prefill_ops_placement.py
 
 lint: $(STAMPS)/deps-runtime
 	$(PIP) install ruff

@@ -32,6 +32,11 @@ _LIBRARY_NAMES = {
 }
 #: Providers that cannot run a custom-op kernel: the fused node must reach them as its function body.
 PROVIDERS_WITHOUT_CUSTOM_OPS = frozenset({"CoreMLExecutionProvider"})
+#: The session config entry that turns the prefill ops' CPU kernels (MambaChunkScan, CausalConv1d: no GPU kernels
+#: yet) off. ``session`` sets it to "0" when the preferred provider is not the CPU's: ONNX Runtime would otherwise
+#: run those nodes on the CPU kernel and copy the prompt's tensors across; without a kernel it inlines their
+#: model-local functions on the GPU.
+PREFILL_CPU_KERNELS_KEY = "mambafuse.prefill_cpu_kernels"
 
 
 class LibraryNotFoundError(FileNotFoundError):
@@ -113,6 +118,14 @@ def register(session_options: onnxruntime.SessionOptions) -> onnxruntime.Session
     return session_options
 
 
+def _has_config_entry(options: onnxruntime.SessionOptions, key: str) -> bool:
+    try:
+        options.get_session_config_entry(key)
+    except RuntimeError:  # ORT raises for a key it does not have
+        return False
+    return True
+
+
 def wants_library(providers: Sequence[Any] | None) -> bool:
     """Return whether a session on ``providers`` should register the library.
 
@@ -142,6 +155,9 @@ def session(
     providers = list(providers) if providers else ["CPUExecutionProvider"]
     options = session_options if session_options is not None else ort.SessionOptions()
     if use_library if use_library is not None else wants_library(providers):
+        first = providers[0][0] if isinstance(providers[0], tuple) else providers[0]
+        if first != "CPUExecutionProvider" and not _has_config_entry(options, PREFILL_CPU_KERNELS_KEY):
+            options.add_session_config_entry(PREFILL_CPU_KERNELS_KEY, "0")
         register(options)
     if hasattr(model, "SerializeToString"):
         model = model.SerializeToString()  # type: ignore[union-attr]

@@ -1,14 +1,17 @@
 // Entry point of the mambafuse custom-op library: one domain (ai.mambafuse), its ops (GatedGroupRMSNorm,
-// CausalConv1dUpdate, SelectiveStateUpdate), one kernel per op and execution provider. Loaded by ONNX Runtime through
-// SessionOptions.register_custom_ops_library; the library does not link libonnxruntime.
+// CausalConv1dUpdate, SelectiveStateUpdate, MambaChunkScan, CausalConv1d), one kernel per op and execution
+// provider. Loaded by ONNX Runtime through SessionOptions.register_custom_ops_library; the library does not link
+// libonnxruntime.
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "common/ort_api.h"
+#include "cpu/causal_conv1d.h"
 #include "cpu/causal_conv1d_update.h"
 #include "cpu/gated_group_rms_norm.h"
+#include "cpu/mamba_chunk_scan.h"
 #include "cpu/selective_state_update.h"
 #if defined(MAMBAFUSE_WITH_CUDA)
 #include "cuda/causal_conv1d_update_cuda.h"
@@ -31,6 +34,8 @@ struct Registry {
   mambafuse::GatedGroupRMSNormCpuOp cpu_op;
   mambafuse::CausalConv1dUpdateCpuOp conv_update_op;
   mambafuse::SelectiveStateUpdateCpuOp state_update_op;
+  mambafuse::MambaChunkScanCpuOp chunk_scan_op;
+  mambafuse::CausalConv1dCpuOp conv_op;
 #if defined(MAMBAFUSE_WITH_CUDA)
   mambafuse::GatedGroupRMSNormCudaOp cuda_op;
   mambafuse::CausalConv1dUpdateCudaOp conv_update_cuda_op;
@@ -41,6 +46,23 @@ struct Registry {
 Registry& Ops() {
   static Registry registry;
   return registry;
+}
+
+// The session config entry that turns the prefill ops' CPU kernels off ("0"); absent or any other value: on.
+constexpr const char* kPrefillCpuKernelsKey = "mambafuse.prefill_cpu_kernels";
+
+bool PrefillCpuKernelsWanted(const OrtSessionOptions* options) {
+  const OrtApi& api = Ort::GetApi();
+  int has = 0;
+  Ort::ThrowOnError(api.HasSessionConfigEntry(options, kPrefillCpuKernelsKey, &has));
+  if (!has) return true;
+  char value[8] = {};
+  size_t size = sizeof(value);
+  if (OrtStatus* status = api.GetSessionConfigEntry(options, kPrefillCpuKernelsKey, value, &size)) {
+    api.ReleaseStatus(status);  // longer than any value that turns them off
+    return true;
+  }
+  return std::string(value) != "0";
 }
 
 }  // namespace
@@ -70,6 +92,14 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     domain.Add(&Ops().cpu_op);
     domain.Add(&Ops().conv_update_op);
     domain.Add(&Ops().state_update_op);
+    // The prefill ops have CPU kernels only so far. A session whose preferred provider is a GPU sets
+    // "mambafuse.prefill_cpu_kernels" = "0" (contrib_ops.session does): ORT would otherwise place those nodes on
+    // the CPU kernel and copy the prompt's tensors across, where without a kernel it inlines their model-local
+    // functions on the GPU.
+    if (PrefillCpuKernelsWanted(options)) {
+      domain.Add(&Ops().chunk_scan_op);
+      domain.Add(&Ops().conv_op);
+    }
 #if defined(MAMBAFUSE_WITH_CUDA)
     domain.Add(&Ops().cuda_op);
     domain.Add(&Ops().conv_update_cuda_op);

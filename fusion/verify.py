@@ -244,12 +244,32 @@ def _check_chunk_scan(arrays: list[np.ndarray | None], attrs: dict[str, Any]) ->
     )
 
 
+def _check_prompt_conv(arrays: list[np.ndarray | None], attrs: dict[str, Any]) -> tuple[bool, str]:
+    reference = importlib.import_module("fusion.reference.causal_conv1d")
+    *inputs, y, final_state = arrays
+    x, weight, bias, initial_state = [*inputs, None, None, None, None][:4]
+    activation = attrs.get("activation", b"silu")
+    activation = activation.decode() if isinstance(activation, bytes) else activation
+    return reference.budget_report(
+        y,
+        final_state,
+        x,
+        weight,
+        bias,
+        initial_state,
+        activation=activation,
+        channels_last=int(attrs.get("channels_last", 1)),
+        state_width=int(attrs["state_width"]),
+    )
+
+
 #: Per fused op type: how verify checks one node's real inputs and outputs against the op's reference budget.
 _NODE_CHECKS = {
     OP_TYPE: _check_gated_norm,
     "CausalConv1dUpdate": _check_conv_update,
     "SelectiveStateUpdate": _check_state_update,
     "MambaChunkScan": _check_chunk_scan,
+    "CausalConv1d": _check_prompt_conv,
 }
 
 

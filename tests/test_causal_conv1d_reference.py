@@ -319,6 +319,30 @@ def test_the_function_body_channels_first_and_other_state_widths(t: np.dtype, st
 
 
 @pytest.mark.parametrize("t", DTYPES, ids=str)
+@pytest.mark.parametrize(("state_width", "channels_last"), [(WIDTH, 1), (WIDTH - 1, 0), (WIDTH + 2, 1)])
+def test_the_function_body_over_several_chunks(t: np.dtype, state_width: int, channels_last: int) -> None:
+    """A prompt of several chunks a batch row (L = 300, C = 1024: R = 64 rows, the last chunk 44 rows and
+    padding): the chunks' windows meet at their K - 1 shared rows, the state feeds only the first chunk of each
+    batch row, the padding rows leave no trace."""
+    length, channels = 300, 1024
+    rows = conv_function.CHUNK_ELEMENTS // channels
+    assert 2 * rows < length and length % rows, "the prompt must span several chunks, the last one partial"
+    inputs = _inputs(
+        np.random.default_rng(300),
+        t,
+        batch=3,
+        length=length,
+        channels=channels,
+        state_width=state_width,
+        channels_last=channels_last,
+    )
+    for activation in ("silu", "none"):
+        y, state = _run_function(inputs, activation, channels_last=channels_last, state_width=state_width)
+        ok, summary = budget_report(y, state, **inputs, **_attributes(state_width, activation, channels_last))
+        assert ok, f"{activation}: {summary}"
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", ["silu", "none"])
 def test_one_token_is_the_decode_step(t: np.dtype, activation: str) -> None:
     """L = 1 with a state: CausalConv1dUpdate's reference step, the function body and this op's reference agree

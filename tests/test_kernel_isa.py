@@ -40,6 +40,8 @@ KERNEL_SUITES = (
     "tests/test_kernel_cpu.py",
     "tests/test_causal_conv1d_update_kernel.py",
     "tests/test_selective_state_update_kernel.py",
+    "tests/test_mamba_chunk_scan_kernel.py",
+    "tests/test_causal_conv1d_kernel.py",
 )
 
 

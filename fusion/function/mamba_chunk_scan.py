@@ -186,7 +186,7 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("Concat", ["state0_c", "chunk_states"], ["states_from"], axis=1),
         node("Einsum", ["carry", "states_from"], ["states_at"], equation="bhcz,bzhpn->bchpn"),
         node("Slice", ["states_at", "zero", "minus_one", "one"], ["starts"]),  # (B, c, H, P, N)
-        node("Gather", ["states_at", "last_axis"], ["final_state"], axis=1),  # (B, H, P, N)
+        node("Gather", ["states_at", "last_axis"], ["final_state_gathered"], axis=1),  # (B, H, P, N)
         # from the chunk's start state: exp(s_l) C_l . S
         node("Einsum", ["C_c", "starts"], ["read"], equation="bclhn,bchpn->bclhp"),
         node("Exp", ["s"], ["decay_start"]),
@@ -201,7 +201,12 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("Cast", ["D"], ["D_f"], to=_FLOAT),
         node("Unsqueeze", ["D_f", "axes013"], ["D4"]),  # (1, 1, H, 1)
         node("Mul", ["D4", "x_f"], ["skip"]),
-        node("Add", ["y", "skip"], ["out"]),
+        node("Add", ["y", "skip"], ["out_sum"]),
+        # out has x's shape and final_state the initial state's: said by a Reshape to them (no data moves), so that a
+        # graph whose optimizer inlined this body still proves the shapes after it (docs/shapes.md)
+        node("Reshape", ["out_sum", "x_shape"], ["out"]),
+        node("Shape", ["initial_state"], ["state_dims"]),
+        node("Reshape", ["final_state_gathered", "state_dims"], ["final_state"]),
     ]
     return op_function(
         OP_TYPE,

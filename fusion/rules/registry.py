@@ -22,12 +22,14 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from fusion.function import causal_conv1d as prompt_conv_function
 from fusion.function import causal_conv1d_update as conv_function
 from fusion.function import gated_group_rms_norm as norm_function
 from fusion.function import mamba_chunk_scan as scan_function
 from fusion.function import selective_state_update as state_function
 from fusion.function._common import import_domain, model_onnx_opset, put_function
 from fusion.reference._common import DOMAIN
+from fusion.rules import causal_conv1d as prompt_conv_rules
 from fusion.rules import causal_conv1d_update as conv_rules
 from fusion.rules import gated_group_rms_norm as norm_rules
 from fusion.rules import mamba_chunk_scan as scan_rules
@@ -130,8 +132,27 @@ MAMBA_CHUNK_SCAN = Fusion(
     min_opset=scan_function.MIN_OPSET,
 )
 
-#: Every fusion, in the order the rewriter tries them in each round.
-FUSIONS: tuple[Fusion, ...] = (GATED_GROUP_RMS_NORM, CAUSAL_CONV1D_UPDATE, SELECTIVE_STATE_UPDATE, MAMBA_CHUNK_SCAN)
+CAUSAL_CONV1D = Fusion(
+    name="causal_conv1d",
+    op_type="CausalConv1d",
+    counts="prompt convs",
+    rules=(prompt_conv_rules.causal_conv1d_rules,),
+    fuse=prompt_conv_rules.fuse_causal_conv1d,
+    find_anchors=prompt_conv_rules.find_anchors,
+    make_function=prompt_conv_function.make_function,
+    min_opset=prompt_conv_function.MIN_OPSET,
+    function_domains=(("ai.onnx.ml", prompt_conv_function.ML_OPSET),),
+)
+
+#: Every fusion, in the order the rewriter tries them in each round (the decode conv before the prompt conv: a decode
+#: step's conv is the update's).
+FUSIONS: tuple[Fusion, ...] = (
+    GATED_GROUP_RMS_NORM,
+    CAUSAL_CONV1D_UPDATE,
+    SELECTIVE_STATE_UPDATE,
+    MAMBA_CHUNK_SCAN,
+    CAUSAL_CONV1D,
+)
 
 
 def fusion_of(op_type: str) -> Fusion | None:
@@ -224,6 +245,7 @@ def all_rewrite_rules() -> AllRulesSet:
 
 
 __all__ = [
+    "CAUSAL_CONV1D",
     "CAUSAL_CONV1D_UPDATE",
     "DOMAIN",
     "FUSIONS",

@@ -613,6 +613,10 @@ _OWN_OPS: dict[str, tuple[int, int | None, int]] = {
     "GatedGroupRMSNorm": (0, None, 0),
     "CausalConv1dUpdate": (0, 1, 2),
     "SelectiveStateUpdate": (1, 0, 3),
+    # the prefill ops: the final state has the initial state's dims (the rules always pass one); x and it share the
+    # batch (CausalConv1d's x may be channels-last, so only axis 0 is shared in either layout)
+    "MambaChunkScan": (0, 7, 1),
+    "CausalConv1d": (0, 3, 1),
 }
 
 

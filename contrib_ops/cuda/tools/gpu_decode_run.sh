@@ -13,7 +13,8 @@
 #   STEPS="build cpubench" CPUBENCH_ARGS="--cold" ...   # the CPU state update on the GPU machine's host CPU
 #   PYTEST_ARGS="tests/test_attention_rule.py -k cuda" picks the pytest step's tests
 #
-# Needs: nvcc and CMake; ONNX Runtime's headers in $ONNXRUNTIME_ROOT (default ./.ort-headers); for pytest and the
+# Needs: nvcc and CMake; ONNX Runtime's headers in $ONNXRUNTIME_ROOT (default ./.ort-headers); Eigen's headers where
+# the build finds them (EIGEN_DIR=<the directory holding Eigen/Core> on a machine without cmeel-eigen); for pytest and the
 # ORT rows of the benchmark onnxruntime-gpu importable (e.g. PYTHONPATH=/root/ortgpu); torch with CUDA; for
 # the Triton column the folder $MAMBA_SSM_TRITON (default .bench-vendor/mamba_ssm_triton) with mamba_ssm's
 # ops/triton selective_state_update.py and softplus.py. CUDA_ARCHS (default 90-real) is what the build targets.
@@ -45,6 +46,7 @@ build_library() {
   log=$(mktemp)
   cmake -S contrib_ops -B "$build" -G Ninja -DMAMBAFUSE_CUDA=ON -DMAMBAFUSE_CUDA_TOOLS=ON -DMAMBAFUSE_WERROR=ON \
     -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90-real}" -DONNXRUNTIME_ROOT="${ONNXRUNTIME_ROOT:-$PWD/.ort-headers}" \
+    ${EIGEN_DIR:+-DMAMBAFUSE_EIGEN_INCLUDE_DIR="$EIGEN_DIR"} \
     2>&1 | tee "$log" || return 1
   cmake --build "$build" --parallel "$(nproc)" 2>&1 | tee -a "$log" || return 1
   # warning-free in contrib_ops/cuda, as tests/test_build_cuda.py demands

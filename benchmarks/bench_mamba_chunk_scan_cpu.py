@@ -1,0 +1,377 @@
+"""MambaChunkScan on CPU: the kernel vs the op's function body vs the exported chunked scan, and ORT's MatMul rate.
+
+One process, one setup per (width, type, prompt length), the variants interleaved, at 1 and 2 intra-op threads:
+
+- fused: the one-node model with the library registered (the kernel; its chunk size, or each of ``--chunk-sizes``
+  through MAMBAFUSE_CHUNK_SCAN_CHUNK, which the kernel reads per call);
+- function body: the same node without the library, so ONNX Runtime inlines the op's model-local function
+  (fusion/function/mamba_chunk_scan.py, a token-by-token Scan); seconds a call, so timed after one warm-up
+  ``--function-repeats`` times on its own, up to ``--function-max-length`` tokens;
+- exported: transformers' own torch fallback ``mamba2_chunk_scan`` (the function every Mamba-2 prefill export
+  traces) exported with ``torch.onnx.export(dynamo=True, optimize=True)`` at the model's chunk size
+  (Nemotron-H-8B 128, Zamba2-2.7B 256: their configs) and run in ONNX Runtime;
+- ORT MatMul: one float32 MatMul [M, 256] x [256, 256] of the same nominal FLOP count as the kernel's work,
+  2 T (G Q N + H Q P + 2 H N P) at the kernel's chunk size Q, so the kernel's arithmetic rate reads as a share
+  of ORT's (MLAS's) GEMM rate on this CPU (target >= 50 %). The count is the SSD algorithm's with the full
+  Q x Q intra-chunk product; the kernel computes only its causal half, so the share is a conservative one.
+
+Inputs and outputs are bound to fixed buffers (IO binding). Peak memory (``--memory``): each variant in a fresh
+process, the resident set's high-water mark during one Run above the resident set before it (VmHWM reset through
+/proc/self/clear_refs): what the Run allocates (ORT's arena, the outputs) beyond the inputs and the session.
+
+    python -m benchmarks.bench_mamba_chunk_scan_cpu [--lengths 512 2048] [--threads 1 2] [--memory] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+
+from benchmarks._common import append_results, environment_line
+from benchmarks.bench_selective_state_update_cpu import bound_runner, measure
+
+F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+NP = {F32: np.float32, F16: np.float16}
+TYPE_NAMES = {F32: "fp32", F16: "fp16"}
+DOMAIN = "ai.mambafuse"
+CHUNK_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CHUNK"
+#: The kernel's default chunk size (contrib_ops/cpu/mamba_chunk_scan_impl.h).
+KERNEL_CHUNK = 64
+#: The MatMul's K and N: a shape at which MLAS runs at its full rate.
+MATMUL_WIDTH = 256
+
+
+@dataclass(frozen=True)
+class Width:
+    name: str
+    heads: int
+    head_dim: int
+    groups: int
+    state_size: int
+    model_chunk: int  # the config's chunk_size: what the export traces
+
+    def flops(self, length: int, chunk: int) -> int:
+        """The SSD algorithm's nominal FLOP count at chunk size ``chunk``: C Bᵀ per group, the intra-chunk
+        product, the readout of the carried state and the chunk state per head."""
+        g, h, p, n = self.groups, self.heads, self.head_dim, self.state_size
+        return 2 * length * (g * chunk * n + h * chunk * p + 2 * h * n * p)
+
+
+WIDTHS = {
+    # NVIDIA Nemotron-H-8B-Base-8K: 128 Mamba heads of 64, 8 groups, d_state 128, chunk_size 128.
+    "Nemotron-H-8B": Width("Nemotron-H-8B", heads=128, head_dim=64, groups=8, state_size=128, model_chunk=128),
+    # Zyphra Zamba2-2.7B: 80 Mamba heads of 64, 1 group, d_state 64, chunk_size 256.
+    "Zamba2-2.7B": Width("Zamba2-2.7B", heads=80, head_dim=64, groups=1, state_size=64, model_chunk=256),
+}
+NAMES = ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")
+
+
+def _vi(name: str, elem: int, shape: list[int]) -> onnx.ValueInfoProto:
+    return oh.make_tensor_value_info(name, elem, shape)
+
+
+def _input_infos(w: Width, t: int, length: int) -> list[onnx.ValueInfoProto]:
+    h, p, g, n = w.heads, w.head_dim, w.groups, w.state_size
+    return [
+        _vi("x", t, [1, length, h, p]),
+        _vi("dt", t, [1, length, h]),
+        _vi("dt_bias", t, [h]),
+        _vi("A", F32, [h]),
+        _vi("B", t, [1, length, g, n]),
+        _vi("C", t, [1, length, g, n]),
+        _vi("D", F32, [h]),
+        _vi("initial_state", F32, [1, h, p, n]),
+    ]
+
+
+def _outputs(w: Width, length: int) -> list[onnx.ValueInfoProto]:
+    return [
+        _vi("out", F32, [1, length, w.heads, w.head_dim]),
+        _vi("final_state", F32, [1, w.heads, w.head_dim, w.state_size]),
+    ]
+
+
+def op_model(w: Width, t: int, length: int, *, with_function: bool) -> onnx.ModelProto:
+    """The one-node model: without the initial state (a prompt with no cache) for the kernel; the function body
+    takes every input (zeros for the state)."""
+    from fusion.function.mamba_chunk_scan import make_function
+
+    infos = _input_infos(w, t, length)
+    if not with_function:
+        infos = infos[:-1]
+    node = oh.make_node("MambaChunkScan", [i.name for i in infos], ["out", "final_state"], domain=DOMAIN)
+    graph = oh.make_graph([node], "chunk_scan", infos, _outputs(w, length))
+    return oh.make_model(
+        graph,
+        opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(DOMAIN, 1)],
+        ir_version=10,
+        functions=[make_function(18)] if with_function else [],
+    )
+
+
+def exported_model(w: Width, t: int, length: int, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """transformers' mamba2_chunk_scan at the model's chunk size, through torch.onnx.export(dynamo=True,
+    optimize=True), inputs named as the op's."""
+    import torch
+    from transformers.models.mamba2 import modeling_mamba2
+
+    scan = getattr(modeling_mamba2.mamba2_chunk_scan, "__wrapped__", modeling_mamba2.mamba2_chunk_scan)
+
+    class ChunkScan(torch.nn.Module):
+        def forward(self, x, dt, dt_bias, A, B, C, D):  # noqa: N803 (the op's names)
+            return scan(x, dt, A, B, C, w.model_chunk, D=D, dt_bias=dt_bias, dt_softplus=True, return_final_states=True)
+
+    names = NAMES[:-1]
+    args = tuple(torch.from_numpy(feeds[n]) for n in names)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "exported.onnx"
+        torch.onnx.export(
+            ChunkScan(),
+            args,
+            str(path),
+            dynamo=True,
+            optimize=True,
+            input_names=list(names),
+            output_names=["out", "final_state"],
+            external_data=False,
+        )
+        model = onnx.load(str(path))
+    return model
+
+
+def matmul_model(rows: int) -> onnx.ModelProto:
+    node = oh.make_node("MatMul", ["a", "b"], ["c"])
+    graph = oh.make_graph(
+        [node],
+        "matmul",
+        [_vi("a", F32, [rows, MATMUL_WIDTH]), _vi("b", F32, [MATMUL_WIDTH, MATMUL_WIDTH])],
+        [_vi("c", F32, [rows, MATMUL_WIDTH])],
+    )
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=10)
+
+
+def make_feeds(w: Width, t: int, length: int) -> dict[str, np.ndarray]:
+    """Seeded inputs with a prompt's magnitudes (dt in softplus' range, A < 0)."""
+    rng = np.random.default_rng(0)
+    h, p, g, n = w.heads, w.head_dim, w.groups, w.state_size
+    dtype = NP[t]
+    return {
+        "x": rng.standard_normal((1, length, h, p)).astype(dtype),
+        "dt": (rng.standard_normal((1, length, h)) - 2).astype(dtype),
+        "dt_bias": rng.standard_normal(h).astype(dtype),
+        "A": -np.exp(rng.uniform(-1, 2, h)).astype(np.float32),
+        "B": rng.standard_normal((1, length, g, n)).astype(dtype),
+        "C": rng.standard_normal((1, length, g, n)).astype(dtype),
+        "D": rng.standard_normal(h).astype(np.float32),
+        "initial_state": np.zeros((1, h, p, n), np.float32),
+    }
+
+
+def feeds_for(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    wanted = {i.name for i in model.graph.input}
+    return {k: v for k, v in feeds.items() if k in wanted}
+
+
+def with_chunk(run: Callable[[], None], chunk: int | None) -> Callable[[], None]:
+    """``run`` with the kernel's chunk size set to ``chunk`` (None: the kernel's own) for the call."""
+
+    def call() -> None:
+        if chunk is None:
+            os.environ.pop(CHUNK_VARIABLE, None)
+        else:
+            os.environ[CHUNK_VARIABLE] = str(chunk)
+        try:
+            run()
+        finally:
+            os.environ.pop(CHUNK_VARIABLE, None)
+
+    return call
+
+
+def peak_memory_mb(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads: int, library: bool) -> float:
+    """Run ``model`` once in a fresh process; return the resident set's high-water mark during the Run above the
+    resident set before it, in MB."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path, feeds_path = Path(tmp) / "model.onnx", Path(tmp) / "feeds.npz"
+        onnx.save(model, str(model_path))
+        np.savez(feeds_path, **feeds)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.bench_mamba_chunk_scan_cpu",
+                "--memory-child",
+                str(model_path),
+                str(feeds_path),
+                str(threads),
+                "1" if library else "0",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+    return json.loads(result.stdout.strip().splitlines()[-1])["peak_mb"]
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def memory_child(model_path: str, feeds_path: str, threads: int, library: bool) -> None:
+    import onnxruntime as ort
+
+    import contrib_ops
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    sess = contrib_ops.session(model_path, session_options=options, use_library=library)
+    feeds = dict(np.load(feeds_path))
+    before = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    sess.run(None, feeds)
+    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
+    parser.add_argument("--types", nargs="+", default=["fp32", "fp16"], choices=["fp32", "fp16"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--chunk-sizes", type=int, nargs="*", default=[], help="also time the kernel at these")
+    parser.add_argument("--function-max-length", type=int, default=2048, help="longest prompt timed for the body")
+    parser.add_argument("--function-repeats", type=int, default=1)
+    parser.add_argument("--no-export", action="store_true", help="leave out the exported chunked scan")
+    parser.add_argument("--memory", action="store_true", help="measure each variant's peak memory (subprocesses)")
+    parser.add_argument("--note", action="append", default=[], help="a line for the recorded section (repeatable)")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--memory-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        model_path, feeds_path, threads, library = args.memory_child
+        memory_child(model_path, feeds_path, int(threads), library == "1")
+        return
+
+    import torch
+
+    lines = [*args.note, *([""] if args.note else [])]
+    lines += [f"- {environment_line(t)}" for t in args.threads[:1]]
+    lines.append(
+        f"- torch {torch.__version__}, batch 1, {args.repeats} interleaved repeats ({args.function_repeats} for the "
+        f"function body, timed up to {args.function_max_length} tokens); ms = milliseconds per call (min / median); "
+        f"the kernel's chunk size {KERNEL_CHUNK}; GFLOP/s at the nominal count 2T(GQN + HQP + 2HNP), Q = "
+        f"{KERNEL_CHUNK}; peak MB: a Run's resident-set high-water mark above the resident set before it"
+    )
+    lines += [
+        "",
+        "| width | type | T | threads | variant | min ms | median ms | vs fused (median) | GFLOP/s | peak MB | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for width_name in args.widths:
+        w = WIDTHS[width_name]
+        for type_name in args.types:
+            t = F32 if type_name == "fp32" else F16
+            for length in args.lengths:
+                feeds = make_feeds(w, t, length)
+                flops = w.flops(length, KERNEL_CHUNK)
+                models: dict[str, tuple[onnx.ModelProto, bool]] = {
+                    "fused": (op_model(w, t, length, with_function=False), True)
+                }
+                export_note = ""
+                if not args.no_export:
+                    try:
+                        models["exported"] = (exported_model(w, t, length, feeds), False)
+                        export_note = f"chunk {w.model_chunk}, {len(models['exported'][0].graph.node)} nodes"
+                    except Exception as error:  # reported in the table, not fatal: the other rows still stand
+                        export_note = f"export failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+                body = op_model(w, t, length, with_function=True)
+                rows = max(1, round(flops / (2 * MATMUL_WIDTH * MATMUL_WIDTH)))
+                matmul = matmul_model(rows)
+                rng = np.random.default_rng(1)
+                matmul_feeds = {
+                    "a": rng.standard_normal((rows, MATMUL_WIDTH)).astype(np.float32),
+                    "b": rng.standard_normal((MATMUL_WIDTH, MATMUL_WIDTH)).astype(np.float32),
+                }
+                for threads in args.threads:
+                    runners: dict[str, Callable[[], None]] = {}
+                    fused, _ = models["fused"]
+                    runners["fused"] = with_chunk(bound_runner(fused, threads, True, feeds_for(fused, feeds)), None)
+                    for chunk in args.chunk_sizes:
+                        runners[f"fused, chunk {chunk}"] = with_chunk(
+                            bound_runner(fused, threads, True, feeds_for(fused, feeds)), chunk
+                        )
+                    notes = {"exported": export_note}
+                    if "exported" in models:
+                        exported, _ = models["exported"]
+                        try:
+                            runners["exported"] = bound_runner(exported, threads, False, feeds_for(exported, feeds))
+                        except Exception as error:
+                            notes["exported"] = (
+                                f"ORT failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                            )
+                    runners["ORT MatMul"] = bound_runner(matmul, threads, False, matmul_feeds)
+                    notes["ORT MatMul"] = f"[{rows}, {MATMUL_WIDTH}] x [{MATMUL_WIDTH}, {MATMUL_WIDTH}], same FLOPs"
+                    times = {k: [v / 1e3 for v in ts] for k, ts in measure(runners, args.repeats).items()}
+                    if length <= args.function_max_length:
+                        # Seconds a call: one warm-up, then its own few repeats (not interleaved with the rest).
+                        body_run = bound_runner(body, threads, False, feeds_for(body, feeds))
+                        times["function body"] = []
+                        for _ in range(args.function_repeats):
+                            start = time.perf_counter()
+                            body_run()
+                            times["function body"].append((time.perf_counter() - start) * 1e3)
+                    else:
+                        notes["function body"] = f"not timed past {args.function_max_length} tokens"
+                    fused_median = float(np.median(times["fused"]))
+                    matmul_rate = flops / (min(times["ORT MatMul"]) * 1e-3) / 1e9
+                    for name in [*times, *(n for n in notes if n not in times)]:
+                        ts = times.get(name)
+                        note = notes.get(name, "")
+                        rate = f"{flops / (min(ts) * 1e-3) / 1e9:.1f}" if ts else ""
+                        if name == "fused" and ts:
+                            share = flops / (min(ts) * 1e-3) / 1e9 / matmul_rate
+                            note = f"{share:.0%} of ORT MatMul's rate (min)"
+                        peak = ""
+                        if args.memory and ts and name in ("fused", "exported", "function body", "ORT MatMul"):
+                            model, library = {
+                                "fused": models["fused"],
+                                "function body": (body, False),
+                                "ORT MatMul": (matmul, False),
+                            }.get(name) or models[name]
+                            peak_feeds = matmul_feeds if name == "ORT MatMul" else feeds_for(model, feeds)
+                            peak = f"{peak_memory_mb(model, peak_feeds, threads, library):.0f}"
+                        timing = (
+                            f"{min(ts):.1f} | {np.median(ts):.1f} | {np.median(ts) / fused_median:.2f}x"
+                            if ts
+                            else " | | "
+                        )
+                        row = (
+                            f"| {w.name} | {type_name} | {length} | {threads} | {name} | {timing} | {rate} | "
+                            f"{peak} | {note} |"
+                        )
+                        print(row, flush=True)
+                        lines.append(row)
+    if args.record:
+        append_results("MambaChunkScan on CPU: kernel vs function body vs exported chunked scan (issue 41)", lines)
+
+
+if __name__ == "__main__":
+    main()
