@@ -617,12 +617,13 @@ def test_a_width_only_forward_inference_proves_fuses_without_the_guard() -> None
 )
 def test_dynamo_dynamic_prefill_exports_fuse_without_the_guard(path: str) -> None:
     """The fixtures' dynamic-sequence dynamo exports (optimized, not optimized, opset 23): every chain's widths
-    are proven from the graph, so the fused model has no Expand that the original did not have."""
+    are proven from the graph, so the fused model has no Expand that the original did not have (the fused scans take
+    theirs with them: fewer remain)."""
     model = onnx.load(path)
     fused, report = rewrite_model(model)
     assert report.fused >= 2, report.summary()
-    count = lambda m: sum(n.op_type == "Expand" for n in m.graph.node)  # noqa: E731
-    assert count(fused) == count(model)
+    expands = lambda m: {n.output[0] for n in m.graph.node if n.op_type == "Expand"}  # noqa: E731
+    assert expands(fused) <= expands(model)
 
 
 def test_a_number_beside_an_unproven_dim_broadcasts_to_the_number() -> None:
