@@ -808,11 +808,9 @@ class _Proof:
         reshape = producer_of(value, "Reshape")
         if reshape is None:
             return self.widened(value, name), heads, state_size
-        repeat = (
-            need(reshape.inputs[0], "Expand", f"{name}'s repeat")
-            if producer_of(reshape.inputs[0], "Expand")
-            else need(reshape.inputs[0], "Tile", f"{name}'s repeat")
-        )
+        repeat = producer_of(reshape.inputs[0], "Expand", "Tile")
+        if repeat is None:
+            raise Refusal(f"{name}'s repeat to heads is not an Expand or a Tile", reshape.inputs[0])
         source = self.unsqueezed(repeat.inputs[0], 3, f"{name}'s repeat")
         src_dims = self.dims(source, name)
         if len(src_dims) != 4 or not isinstance(src_dims[2], int) or src_dims[3] != state_size:
