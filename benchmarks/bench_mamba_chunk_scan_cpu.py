@@ -10,6 +10,15 @@ One process, one setup per (width, type, prompt length), the variants interleave
 - exported: transformers' own torch fallback ``mamba2_chunk_scan`` (the function every Mamba-2 prefill export
   traces) exported with ``torch.onnx.export(dynamo=True, optimize=True)`` at the model's chunk size
   (Nemotron-H-8B 128, Zamba2-2.7B 256: their configs) and run in ONNX Runtime;
+- ORT LinearAttention: ``com.microsoft::LinearAttention(update_rule="gated")``, the node mobius builds run the
+  scan as (one node, float only), on the same work in its own form: q = C and k = B repeated to the heads
+  (B, T, H N), v = u = x d (B, T, H P), decay = a = A d (B, T, H), all computed beforehand at the op's rounding
+  points, and the zero state in its (B, H, N, P) layout. It does less than the kernel (no softplus, no x d, no group
+  repeat, no D skip). Before timing, a small case checks that it and the kernel compute the same outputs within the
+  op's budget (``linear_attention_check``); the column is left out where that fails;
+- fused, LA layout: what fusion/rules/linear_attention_scan.py writes in place of that node: a Transpose of the
+  (B, H, N, P) state in, the kernel on x, the time step d (``dt_softplus=0``), A, B, C, and a Transpose of its final
+  state back; with ``--lengths 1`` this is a decode step (T = 1) against LinearAttention's;
 - ORT MatMul: one float32 MatMul [M, 256] x [256, 256] of the same nominal FLOP count as the kernel's work,
   2 T (G Q N + H Q P + 2 H N P) at the kernel's chunk size Q, so the kernel's arithmetic rate reads as a share
   of ORT's (MLAS's) GEMM rate on this CPU (target >= 50 %). The count is the SSD algorithm's with the full
@@ -20,6 +29,7 @@ process, the resident set's high-water mark during one Run above the resident se
 /proc/self/clear_refs): what the Run allocates (ORT's arena, the outputs) beyond the inputs and the session.
 
     python -m benchmarks.bench_mamba_chunk_scan_cpu [--lengths 512 2048] [--threads 1 2] [--memory] [--record]
+    python -m benchmarks.bench_mamba_chunk_scan_cpu --types fp32 --lengths 1 --no-export --function-max-length 0
 """
 
 from __future__ import annotations
@@ -119,6 +129,124 @@ def op_model(w: Width, t: int, length: int, *, with_function: bool) -> onnx.Mode
         ir_version=10,
         functions=[make_function(18)] if with_function else [],
     )
+
+
+def linear_attention_model(w: Width, length: int) -> onnx.ModelProto:
+    """ORT's ``LinearAttention(update_rule="gated")`` on the scan's work (float only): q = C and k = B repeated to
+    the heads, v = x d, decay = A d, the state (B, H, N, P)."""
+    h, p, n = w.heads, w.head_dim, w.state_size
+    node = oh.make_node(
+        "LinearAttention",
+        ["q", "k", "v", "past_state", "decay"],
+        ["o", "present_state"],
+        domain="com.microsoft",
+        update_rule="gated",
+        q_num_heads=h,
+        kv_num_heads=h,
+        scale=1.0,
+    )
+    infos = [
+        _vi("q", F32, [1, length, h * n]),
+        _vi("k", F32, [1, length, h * n]),
+        _vi("v", F32, [1, length, h * p]),
+        _vi("past_state", F32, [1, h, n, p]),
+        _vi("decay", F32, [1, length, h]),
+    ]
+    outputs = [_vi("o", F32, [1, length, h * p]), _vi("present_state", F32, [1, h, n, p])]
+    graph = oh.make_graph([node], "linear_attention", infos, outputs)
+    return oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid("com.microsoft", 1)], ir_version=10
+    )
+
+
+def linear_attention_feeds(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """LinearAttention's inputs for the op's ``feeds`` (float32): the contract's d, a and u, B and C repeated to the
+    heads, the initial state transposed to (B, H, N, P)."""
+    from fusion.reference.mamba_chunk_scan import discretize
+
+    x = feeds["x"]
+    batch, length, heads, head_dim = x.shape
+    _, a, u = discretize(x, feeds["dt"], feeds["dt_bias"], feeds["A"])
+
+    def by_head(value: np.ndarray) -> np.ndarray:
+        return np.repeat(value, heads // value.shape[2], axis=2).reshape(batch, length, -1)
+
+    return {
+        "q": by_head(feeds["C"]),
+        "k": by_head(feeds["B"]),
+        "v": u.reshape(batch, length, heads * head_dim),
+        "past_state": np.ascontiguousarray(feeds["initial_state"].transpose(0, 1, 3, 2)),
+        "decay": a,
+    }
+
+
+def la_layout_model(w: Width, length: int) -> onnx.ModelProto:
+    """The kernel where linear_attention_scan.py puts it: Transpose of the (B, H, N, P) state in, MambaChunkScan on
+    the time step d (no softplus, no bias, no D), Transpose of the final state back (float only)."""
+    h, p, g, n = w.heads, w.head_dim, w.groups, w.state_size
+    nodes = [
+        oh.make_node("Transpose", ["past_state"], ["initial_state"], perm=[0, 1, 3, 2]),
+        oh.make_node(
+            "MambaChunkScan",
+            ["x", "d", "", "A", "B", "C", "", "initial_state"],
+            ["out", "final_state"],
+            domain=DOMAIN,
+            dt_softplus=0,
+        ),
+        oh.make_node("Transpose", ["final_state"], ["present_state"], perm=[0, 1, 3, 2]),
+    ]
+    infos = [
+        _vi("x", F32, [1, length, h, p]),
+        _vi("d", F32, [1, length, h]),
+        _vi("A", F32, [h]),
+        _vi("B", F32, [1, length, g, n]),
+        _vi("C", F32, [1, length, g, n]),
+        _vi("past_state", F32, [1, h, n, p]),
+    ]
+    outputs = [_vi("out", F32, [1, length, h, p]), _vi("present_state", F32, [1, h, n, p])]
+    graph = oh.make_graph(nodes, "la_layout", infos, outputs)
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(DOMAIN, 1)], ir_version=10)
+
+
+def la_layout_feeds(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    from fusion.reference.mamba_chunk_scan import discretize
+
+    d, _, _ = discretize(feeds["x"], feeds["dt"], feeds["dt_bias"], feeds["A"])
+    return {
+        "x": feeds["x"],
+        "d": d,
+        "A": feeds["A"],
+        "B": feeds["B"],
+        "C": feeds["C"],
+        "past_state": np.ascontiguousarray(feeds["initial_state"].transpose(0, 1, 3, 2)),
+    }
+
+
+def linear_attention_check() -> str:
+    """Return "" where ORT's LinearAttention and the kernel (in LA's layout) both meet the op's budget on a small
+    case with an initial state, 2 groups of 4 heads and 150 tokens; else what failed."""
+    import contrib_ops
+    from fusion.reference.mamba_chunk_scan import budget_report
+
+    w = Width("check", heads=8, head_dim=16, groups=2, state_size=8, model_chunk=64)
+    length = 150
+    feeds = make_feeds(w, F32, length)
+    feeds["initial_state"] = np.random.default_rng(2).standard_normal(feeds["initial_state"].shape).astype(np.float32)
+    x, D = feeds["x"], feeds["D"]
+    args = (x, feeds["dt"], feeds["dt_bias"], feeds["A"], feeds["B"], feeds["C"], D, feeds["initial_state"])
+    failures = []
+    la = contrib_ops.session(linear_attention_model(w, length), use_library=False)
+    o, present = la.run(None, linear_attention_feeds(feeds))
+    out = o.reshape(x.shape) + D[None, None, :, None] * x
+    ok, summary = budget_report(out, present.transpose(0, 1, 3, 2), *args)
+    if not ok:
+        failures.append(f"LinearAttention: {summary}")
+    fused = contrib_ops.session(la_layout_model(w, length), use_library=True)
+    out, present = fused.run(None, la_layout_feeds(feeds))
+    ok, summary = budget_report(out + D[None, None, :, None] * x, present.transpose(0, 1, 3, 2), *args)
+    if not ok:
+        failures.append(f"fused, LA layout: {summary}")
+    return "; ".join(failures)
 
 
 def exported_model(w: Width, t: int, length: int, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -248,6 +376,11 @@ def memory_child(model_path: str, feeds_path: str, threads: int, library: bool) 
     print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
 
 
+def _ms(value: float) -> str:
+    """Milliseconds with a tenth's resolution, or three decimals below 10 ms (a decode step's)."""
+    return f"{value:.1f}" if value >= 10 else f"{value:.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--widths", nargs="+", default=list(WIDTHS), choices=list(WIDTHS))
@@ -259,6 +392,9 @@ def main() -> None:
     parser.add_argument("--function-max-length", type=int, default=2048, help="longest prompt timed for the body")
     parser.add_argument("--function-repeats", type=int, default=1)
     parser.add_argument("--no-export", action="store_true", help="leave out the exported chunked scan")
+    parser.add_argument(
+        "--no-linear-attention", action="store_true", help="leave out ORT's LinearAttention and the LA-layout kernel"
+    )
     parser.add_argument("--memory", action="store_true", help="measure each variant's peak memory (subprocesses)")
     parser.add_argument("--note", action="append", default=[], help="a line for the recorded section (repeatable)")
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
@@ -273,6 +409,17 @@ def main() -> None:
 
     lines = [*args.note, *([""] if args.note else [])]
     lines += [f"- {environment_line(t)}" for t in args.threads[:1]]
+    la_failure = "" if args.no_linear_attention else linear_attention_check()
+    if not args.no_linear_attention:
+        lines.append(
+            "- ORT LinearAttention: "
+            + (
+                f"left out, it does not compute the op's outputs within the budget: {la_failure}"
+                if la_failure
+                else "it and the kernel in its layout meet the op's budget on a check case (150 tokens, 8 heads in "
+                "2 groups, an initial state)"
+            )
+        )
     lines.append(
         f"- torch {torch.__version__}, batch 1, {args.repeats} interleaved repeats ({args.function_repeats} for the "
         f"function body, timed up to {args.function_max_length} tokens); ms = milliseconds per call (min / median); "
@@ -296,7 +443,15 @@ def main() -> None:
                     "fused": (op_model(w, t, length, with_function=False), True)
                 }
                 export_note = ""
-                if not args.no_export:
+                with_la = t == F32 and not args.no_linear_attention and not la_failure
+                if with_la:  # ORT's CPU LinearAttention is float only
+                    models["fused, LA layout"] = (la_layout_model(w, length), True)
+                    models["ORT LinearAttention"] = (linear_attention_model(w, length), False)
+                la_feeds = {
+                    "fused, LA layout": la_layout_feeds(feeds) if with_la else {},
+                    "ORT LinearAttention": linear_attention_feeds(feeds) if with_la else {},
+                }
+                if not args.no_export and length > 1:
                     try:
                         models["exported"] = (exported_model(w, t, length, feeds), False)
                         export_note = f"chunk {w.model_chunk}, {len(models['exported'][0].graph.node)} nodes"
@@ -318,7 +473,13 @@ def main() -> None:
                         runners[f"fused, chunk {chunk}"] = with_chunk(
                             bound_runner(fused, threads, True, feeds_for(fused, feeds)), chunk
                         )
-                    notes = {"exported": export_note}
+                    notes = {"exported": export_note} if export_note else {}
+                    for name in la_feeds:
+                        if name in models:
+                            model, library = models[name]
+                            runners[name] = bound_runner(model, threads, library, la_feeds[name])
+                    if "ORT LinearAttention" in models:
+                        notes["ORT LinearAttention"] = "one node, q k v decay computed beforehand"
                     if "exported" in models:
                         exported, _ = models["exported"]
                         try:
@@ -350,16 +511,26 @@ def main() -> None:
                             share = flops / (min(ts) * 1e-3) / 1e9 / matmul_rate
                             note = f"{share:.0%} of ORT MatMul's rate (min)"
                         peak = ""
-                        if args.memory and ts and name in ("fused", "exported", "function body", "ORT MatMul"):
+                        if (
+                            args.memory
+                            and ts
+                            and name in ("fused", "exported", "function body", "ORT MatMul", *la_feeds)
+                        ):
                             model, library = {
                                 "fused": models["fused"],
                                 "function body": (body, False),
                                 "ORT MatMul": (matmul, False),
                             }.get(name) or models[name]
-                            peak_feeds = matmul_feeds if name == "ORT MatMul" else feeds_for(model, feeds)
+                            peak_feeds = (
+                                matmul_feeds
+                                if name == "ORT MatMul"
+                                else la_feeds[name]
+                                if name in la_feeds
+                                else feeds_for(model, feeds)
+                            )
                             peak = f"{peak_memory_mb(model, peak_feeds, threads, library):.0f}"
                         timing = (
-                            f"{min(ts):.1f} | {np.median(ts):.1f} | {np.median(ts) / fused_median:.2f}x"
+                            f"{_ms(min(ts))} | {_ms(float(np.median(ts)))} | {np.median(ts) / fused_median:.2f}x"
                             if ts
                             else " | | "
                         )

@@ -105,6 +105,13 @@ def cpu_isa() -> str:
     return library.MambafuseCpuIsa().decode()
 
 
+def has_cuda_kernels() -> bool:
+    """Return whether the library was built with its CUDA kernels (``MAMBAFUSE_CUDA=ON``)."""
+    import ctypes
+
+    return bool(ctypes.CDLL(library_path()).MambafuseCudaKernels())
+
+
 #: SessionOptions that already hold the library: ONNX Runtime refuses a second registration of the
 #: domain ("Domain already set in registry"), so registering is made idempotent here.
 _REGISTERED: weakref.WeakSet[onnxruntime.SessionOptions] = weakref.WeakSet()

@@ -9,3 +9,12 @@
 #endif
 
 extern "C" MAMBAFUSE_EXPORT const char* MambafuseCpuIsa() { return mambafuse::SelectedIsa(); }
+
+// 1 when the library holds the CUDA kernels (built with MAMBAFUSE_CUDA), else 0.
+extern "C" MAMBAFUSE_EXPORT int MambafuseCudaKernels() {
+#if defined(MAMBAFUSE_WITH_CUDA)
+  return 1;
+#else
+  return 0;
+#endif
+}

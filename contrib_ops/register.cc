@@ -14,8 +14,10 @@
 #include "cpu/mamba_chunk_scan.h"
 #include "cpu/selective_state_update.h"
 #if defined(MAMBAFUSE_WITH_CUDA)
+#include "cuda/causal_conv1d_cuda.h"
 #include "cuda/causal_conv1d_update_cuda.h"
 #include "cuda/gated_group_rms_norm_cuda.h"
+#include "cuda/mamba_chunk_scan_cuda.h"
 #include "cuda/selective_state_update_cuda.h"
 #endif
 
@@ -40,6 +42,8 @@ struct Registry {
   mambafuse::GatedGroupRMSNormCudaOp cuda_op;
   mambafuse::CausalConv1dUpdateCudaOp conv_update_cuda_op;
   mambafuse::SelectiveStateUpdateCudaOp state_update_cuda_op;
+  mambafuse::MambaChunkScanCudaOp chunk_scan_cuda_op;
+  mambafuse::CausalConv1dCudaOp conv_cuda_op;
 #endif
 };
 
@@ -92,10 +96,9 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     domain.Add(&Ops().cpu_op);
     domain.Add(&Ops().conv_update_op);
     domain.Add(&Ops().state_update_op);
-    // The prefill ops have CPU kernels only so far. A session whose preferred provider is a GPU sets
-    // "mambafuse.prefill_cpu_kernels" = "0" (contrib_ops.session does): ORT would otherwise place those nodes on
-    // the CPU kernel and copy the prompt's tensors across, where without a kernel it inlines their model-local
-    // functions on the GPU.
+    // A session whose preferred provider is a GPU sets "mambafuse.prefill_cpu_kernels" = "0" (contrib_ops.session
+    // does): ORT would otherwise place a prefill node its GPU provider has no kernel for on the CPU kernel and copy
+    // the prompt's tensors across. On CUDA the library's own prefill kernels take the nodes.
     if (PrefillCpuKernelsWanted(options)) {
       domain.Add(&Ops().chunk_scan_op);
       domain.Add(&Ops().conv_op);
@@ -104,6 +107,8 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     domain.Add(&Ops().cuda_op);
     domain.Add(&Ops().conv_update_cuda_op);
     domain.Add(&Ops().state_update_cuda_op);
+    domain.Add(&Ops().chunk_scan_cuda_op);
+    domain.Add(&Ops().conv_cuda_op);
 #endif
     Ort::UnownedSessionOptions session_options(options);
     session_options.Add(domain);

@@ -1,9 +1,52 @@
-"""Inputs for running prefill fixtures in the prefill rule tests (tests/test_*_rules.py)."""
+"""Helpers the prefill rule tests share (tests/test_mamba_chunk_scan_rules.py, tests/test_causal_conv1d_rules.py): the
+prefill fixtures, a fused model with its op's model-local function, a CPU session, and prompt inputs."""
 
 from __future__ import annotations
 
+import glob
+import os
+from pathlib import Path
+
 import numpy as np
+import onnx
+import onnx_ir as ir
 import onnxruntime as ort
+
+FIXTURES = Path(__file__).parent / "fixtures" / "models"
+
+
+def prefill_fixtures() -> list[Path]:
+    """Every prefill fixture: transformers 5.24 and 5.25, the other families, the exports traced at a chunk multiple."""
+    patterns = (
+        "*prefill*.onnx",
+        "transformers-5.25/*prefill*.onnx",
+        "families/*prefill*.onnx",
+        "padded/*prefill*.onnx",
+    )
+    return sorted(Path(p) for pattern in patterns for p in glob.glob(str(FIXTURES / pattern)))
+
+
+def fixture_id(path: Path) -> str:
+    return os.path.relpath(path, FIXTURES)
+
+
+def with_function(model: ir.Model, function: onnx.FunctionProto) -> onnx.ModelProto:
+    """``model`` as a proto carrying ``function`` (a fused op's model-local body), with the opsets it imports."""
+    proto = ir.serde.serialize_model(model)
+    proto.functions.append(function)
+    domains = {o.domain for o in proto.opset_import}
+    for domain, version in ((function.domain, 1), *((o.domain, o.version) for o in function.opset_import)):
+        if domain not in domains:
+            proto.opset_import.append(onnx.helper.make_opsetid(domain, version))
+            domains.add(domain)
+    return proto
+
+
+def session(proto: onnx.ModelProto) -> ort.InferenceSession:
+    """An ONNX Runtime CPU session of ``proto`` (without the mambafuse library: fused ops run their functions)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 def prompt_feeds(session: ort.InferenceSession, length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -201,21 +201,16 @@ def test_every_fixture_fuses_its_norms_again(name: str, stem: str, inline: str) 
     """Inlined by onnx-ir's InlinePass (which leaves the bodies untyped: they are typed from their producers'
     schemas, the weight's width proven through its Casts), every fixture fuses again node for node. The body's
     Constants then hold value_int / value_float (the group size and epsilon come from the node's attributes),
-    on which ONNX Runtime's symbolic shape inference raises; the rewriter hands it a copy with those as tensors,
-    or the TorchScript bf16 prefills, whose y width only that tool derives, stayed unfused."""
+    on which ONNX Runtime's symbolic shape inference raises; the rewriter hands it a copy with those as tensors.
+    The TorchScript bf16 prefills' norms fuse again too, now that their scans fuse: their y is the scan node's
+    output, whose width is proven through its inlined body, where the exported scan's width was derived only by that
+    tool (which does not see through the inlined prompt conv's Loop)."""
     record = MANIFESTS[name]["fixtures"][stem]
     fused, report = rewrite_model(onnx.load(SETS[name] / record["file"]))
     inlined = INLINERS[inline](fused)
     assert not _fused(inlined), "the inliner kept a fused node: this test no longer shows the inlining"
     again, second = rewrite_model(inlined)
     first_nodes, second_nodes = [_attributes(n) for n in _fused(fused)], [_attributes(n) for n in _fused(again)]
-    if inline == "InlinePass" and "torchscript-bf16-prefill" in stem:
-        # A known limit: these norms' y width is derived only by ONNX Runtime's symbolic shape inference, which does
-        # not see through the inlined body of the prompt conv (CausalConv1d: a Loop over chunks, inside an If) that
-        # now precedes them; the norms stay unfused, for that stated reason, and the model keeps its values.
-        assert not second_nodes and first_nodes, second.summary()
-        assert all("unknown" in reason for _, reason in second.refused), second.summary()
-        return
     if inline == "InlinePass":
         assert second_nodes == first_nodes, second.summary()
         return

@@ -91,6 +91,31 @@ def test_the_budget_rejects_wrong_math() -> None:
     assert not budget_report(nan, state, **inputs)[0]
 
 
+@pytest.mark.parametrize(
+    ("dims", "empty"),
+    [
+        ({"batch": 0}, ("out", "final_state")),
+        ({"head_dim": 0}, ("out", "final_state")),
+        ({"state_size": 0}, ("final_state",)),
+        ({"heads": 0, "groups": 1}, ("out", "final_state")),
+    ],
+    ids=["B0", "P0", "N0", "H0"],
+)
+def test_the_budget_of_empty_outputs(dims: dict[str, int], empty: tuple[str, ...]) -> None:
+    """B, P, N or H = 0: an empty output is reported ("0 of 0"), not an exception; a wrong shape still fails, and
+    with N = 0 the output (the skip D x alone) is still checked."""
+    inputs = _inputs(np.random.default_rng(13), **dims)
+    out, state = mamba_chunk_scan(**inputs, chunk_size=16)
+    ok, summary = budget_report(out, state, **inputs)
+    assert ok, summary
+    for name in empty:
+        assert f"{name}: 0 of 0 outside the budget" in summary, summary
+    assert not budget_report(out, state[..., None], **inputs)[0]
+    if "out" not in empty:
+        assert out.size > 0
+        assert not budget_report(out * np.float32(1 + 1e-3), state, **inputs)[0]
+
+
 @pytest.mark.parametrize("t", DTYPES, ids=str)
 def test_a_prompt_in_pieces_equals_the_prompt_at_once(t: np.dtype) -> None:
     """Chunked prefill: 37 tokens as 10 + 1 + 26, each piece from the state the last one left."""

@@ -1,7 +1,8 @@
 """Where the prefill ops run: their CPU kernels are registered unless the session turns them off
 (``mambafuse.prefill_cpu_kernels`` = "0"), which ``contrib_ops.session`` does when the preferred provider is not the
-CPU's: the ops have no GPU kernels yet, and ONNX Runtime would place such a node on the CPU kernel and copy the
-prompt's tensors across, where without a kernel it inlines the node's model-local function on the GPU."""
+CPU's: ONNX Runtime would place a node that its GPU provider has no kernel for on the CPU kernel and copy the
+prompt's tensors across, where without a kernel it inlines the node's model-local function on the GPU. With the
+library's CUDA kernels (MambaChunkScan) the node itself runs on the GPU."""
 
 from __future__ import annotations
 
@@ -78,7 +79,15 @@ def test_turned_off_the_kernel_is_not_registered():
 
 
 def test_turned_off_the_function_runs_the_node():
+    """With the CPU kernels off, a CPU session inlines the node's function. A library built with its CUDA kernels
+    declares MambaChunkScan to every session (its CUDA kernel's registration), so ORT no longer inlines the function
+    on the CPU: the session then fails naming the op — the setting is for GPU-first sessions, which run that kernel."""
     feeds = _inputs()
+    if contrib_ops.has_cuda_kernels():
+        with pytest.raises(Exception, match="MambaChunkScan"):
+            session = contrib_ops.session(_model(True), session_options=_options("0"), use_library=True)
+            session.run(None, feeds)
+        return
     session = contrib_ops.session(_model(True), session_options=_options("0"), use_library=True)
     out, state = session.run(None, feeds)
     ok, summary = budget_report(out, state, **feeds)
@@ -129,6 +138,10 @@ def test_on_cuda_the_fused_prefill_runs_on_the_gpu(tmp_path):
         if e.get("cat") == "Node" and e.get("args", {}).get("provider") == "CPUExecutionProvider"
     }
     assert not on_cpu & {"MambaChunkScan", "CausalConv1d"}, on_cpu
+    on_cuda = {
+        e["args"].get("op_name") for e in events if e.get("cat") == "Node" and e.get("args", {}).get("provider") == CUDA
+    }
+    assert {"MambaChunkScan", "CausalConv1d"} <= on_cuda, f"ran as function bodies, not on the CUDA kernels: {on_cuda}"
     original = with_supported_ir(onnx.load(str(source)))
     (expected,) = ort.InferenceSession(original.SerializeToString(), providers=[CUDA]).run(None, feeds)
     scale = float(np.max(np.abs(expected.astype(np.float64))))

@@ -17,20 +17,12 @@ constexpr const char* kOp = "CausalConv1d";
 // 655360; a channels-first item is one channel's prompt).
 constexpr int64_t kMinOutputsPerChunk = 1 << 16;
 
-struct ParallelWork {
-  const CausalConv1dCpuArgs* args;
-  int64_t items;
-  int64_t chunks;
-};
+}  // namespace
 
-void RunChunk(void* user_data, size_t chunk) {
-  const auto& work = *static_cast<const ParallelWork*>(user_data);
-  const auto c = static_cast<int64_t>(chunk);
-  CausalConv1dCpu(*work.args, work.items * c / work.chunks, work.items * (c + 1) / work.chunks);
-}
-
-Ort::Status PrepareArgs(Ort::KernelContext& context, int64_t state_width, bool silu, bool channels_last,
-                        CausalConv1dCpuArgs& a) {
+Ort::Status PrepareCausalConv1dArgs(Ort::KernelContext& context, const CausalConv1dAttrs& attrs,
+                                    CausalConv1dCpuArgs& a) {
+  const int64_t state_width = attrs.state_width;
+  const bool channels_last = attrs.channels_last;
   const size_t count = context.GetInputCount();
   if (count < 2) {
     return OpError(kOp, "expects the inputs x, weight, bias (optional), initial_state (optional); got " +
@@ -87,7 +79,7 @@ Ort::Status PrepareArgs(Ort::KernelContext& context, int64_t state_width, bool s
   a.length = length;
   a.state_len = state_width;
   a.width = width;
-  a.silu = silu;
+  a.silu = attrs.silu;
   a.channels_last = channels_last;
   a.x = data[0];
   a.weight = data[1];
@@ -108,13 +100,11 @@ Ort::Status PrepareArgs(Ort::KernelContext& context, int64_t state_width, bool s
   return Ort::Status{};
 }
 
-}  // namespace
-
 OrtStatusPtr CausalConv1dCpuKernel::ComputeV2(OrtKernelContext* raw_context) {
   return GuardStatus([&]() -> Ort::Status {
     Ort::KernelContext context(raw_context);
     CausalConv1dCpuArgs args;
-    if (Ort::Status status = PrepareArgs(context, state_width_, silu_, channels_last_, args); !status.IsOK()) {
+    if (Ort::Status status = PrepareCausalConv1dArgs(context, attrs_, args); !status.IsOK()) {
       return status;
     }
     if (args.width > kCausalConv1dMaxWidth) {
@@ -134,53 +124,53 @@ OrtStatusPtr CausalConv1dCpuKernel::ComputeV2(OrtKernelContext* raw_context) {
     if (items == 0) return Ort::Status{};
     const int64_t outputs_per_item = args.channels_last ? args.channels * kCausalConv1dTokenBlock : args.length;
     const int64_t chunks = std::clamp<int64_t>(items * outputs_per_item / kMinOutputsPerChunk, 1, items);
-    if (chunks == 1) {
-      CausalConv1dCpu(args, 0, items);
-      return Ort::Status{};
-    }
-    ParallelWork work{&args, items, chunks};
-    context.ParallelFor(&RunChunk, static_cast<size_t>(chunks), static_cast<size_t>(chunks), &work);
+    RunInChunks(context, &CausalConv1dCpu, args, items, chunks);
     return Ort::Status{};
   });
 }
 
+OrtStatusPtr InferCausalConv1dShapes(OrtShapeInferContext* context) {
+  // y: x's type and shape; final_state: initial_state's, where the node has one (the rules always pass it).
+  if (OrtStatusPtr status = ForwardTypeShape(context, 0, 0)) return status;
+  return ForwardTypeShape(context, 3, 1);
+}
+
 CausalConv1dCpuOp::CausalConv1dCpuOp() {
   InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) -> OrtStatusPtr {
-    // y: x's type and shape; final_state: initial_state's, where the node has one (the rules always pass it).
-    if (OrtStatusPtr status = ForwardTypeShape(context, 0, 0)) return status;
-    return ForwardTypeShape(context, 3, 1);
+    return InferCausalConv1dShapes(context);
   };
+}
+
+Ort::Status ReadCausalConv1dAttrs(const OrtKernelInfo* info, CausalConv1dAttrs& attrs) {
+  const Ort::ConstKernelInfo kernel_info(info);
+  const std::string where = "node '" + kernel_info.GetNodeName() + "': ";
+  const OrtApi& ort = Ort::GetApi();
+  int64_t state_width = -1;
+  if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "state_width", &state_width)) {
+    ort.ReleaseStatus(status);
+    return OpError(kOp, where + "the attribute state_width (the conv state's columns, K - 1 or more) is required");
+  }
+  int64_t channels_last = 1;
+  if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "channels_last", &channels_last)) {
+    ort.ReleaseStatus(status);  // optional: absent means 1
+    channels_last = 1;
+  }
+  if (channels_last != 0 && channels_last != 1) {
+    return OpError(kOp, where + "channels_last must be 0 or 1, got " + std::to_string(channels_last));
+  }
+  bool silu = true;
+  if (Ort::Status status = ReadSiluActivation(info, kOp, silu); !status.IsOK()) return status;
+  attrs.state_width = state_width;
+  attrs.silu = silu;
+  attrs.channels_last = channels_last == 1;
+  return Ort::Status{};
 }
 
 OrtStatusPtr CausalConv1dCpuOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info, void** kernel) const {
   return GuardStatus([&]() -> Ort::Status {
-    const Ort::ConstKernelInfo kernel_info(info);
-    const std::string where = "node '" + kernel_info.GetNodeName() + "': ";
-    const OrtApi& ort = Ort::GetApi();
-    int64_t state_width = -1;
-    if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "state_width", &state_width)) {
-      ort.ReleaseStatus(status);
-      return OpError(kOp, where + "the attribute state_width (the conv state's columns, K - 1 or more) is required");
-    }
-    int64_t channels_last = 1;
-    if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "channels_last", &channels_last)) {
-      ort.ReleaseStatus(status);  // optional: absent means 1
-      channels_last = 1;
-    }
-    if (channels_last != 0 && channels_last != 1) {
-      return OpError(kOp, where + "channels_last must be 0 or 1, got " + std::to_string(channels_last));
-    }
-    std::string activation = "silu";
-    size_t size = 0;
-    if (OrtStatus* status = ort.KernelInfoGetAttribute_string(info, "activation", nullptr, &size)) {
-      ort.ReleaseStatus(status);  // optional: absent means silu
-    } else {
-      activation = kernel_info.GetAttribute<std::string>("activation");
-    }
-    if (activation != "silu" && activation != "none") {
-      return OpError(kOp, where + "activation must be \"silu\" or \"none\", got \"" + activation + "\"");
-    }
-    *kernel = std::make_unique<CausalConv1dCpuKernel>(state_width, activation == "silu", channels_last == 1).release();
+    CausalConv1dAttrs attrs;
+    if (Ort::Status status = ReadCausalConv1dAttrs(info, attrs); !status.IsOK()) return status;
+    *kernel = std::make_unique<CausalConv1dCpuKernel>(attrs).release();
     return Ort::Status{};
   });
 }

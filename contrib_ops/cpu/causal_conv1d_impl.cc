@@ -1,35 +1,13 @@
-// Validation, preparation and instruction-set dispatch of CausalConv1d's CPU math core (the level SelectedIsa()
-// names, as for every op of the library).
-#include <cstring>
-
+// Validation, preparation and instruction-set dispatch of CausalConv1d's CPU math core (isa_dispatch.h).
 #include "causal_conv1d_impl.h"
 #include "decode_step_vector.h"  // LoadScalar
+#include "isa_dispatch.h"
 
 namespace mambafuse {
 
-#define MAMBAFUSE_DECLARE_ISA(ns) \
-  namespace ns {                  \
-  void CausalConv1dItems(const CausalConv1dCpuArgs& a, int64_t first_item, int64_t last_item); \
-  }
-MAMBAFUSE_DECLARE_ISA(isa_generic)
-#if defined(MAMBAFUSE_X86_DISPATCH)
-MAMBAFUSE_DECLARE_ISA(isa_avx2)
-MAMBAFUSE_DECLARE_ISA(isa_avx512)
-#endif
-#undef MAMBAFUSE_DECLARE_ISA
+MAMBAFUSE_DECLARE_ISA_ITEMS(CausalConv1dCpuArgs, CausalConv1dItems)
 
 namespace {
-
-using ItemsFn = void (*)(const CausalConv1dCpuArgs&, int64_t, int64_t);
-
-ItemsFn Choose() {
-#if defined(MAMBAFUSE_X86_DISPATCH)
-  const char* isa = SelectedIsa();
-  if (std::strcmp(isa, "avx512") == 0) return &isa_avx512::CausalConv1dItems;
-  if (std::strcmp(isa, "avx2") == 0) return &isa_avx2::CausalConv1dItems;
-#endif
-  return &isa_generic::CausalConv1dItems;
-}
 
 template <int kT>
 void Widen(const CausalConv1dCpuArgs& a, float* weight_kc, float* bias_c) {
@@ -75,8 +53,8 @@ void PrepareChannelsLast(const CausalConv1dCpuArgs& a, float* weight_kc, float* 
 }
 
 void CausalConv1dCpu(const CausalConv1dCpuArgs& args, int64_t first_item, int64_t last_item) {
-  static const ItemsFn fn = Choose();
-  fn(args, first_item, last_item);
+  static const auto items = ForSelectedIsa(MAMBAFUSE_ISA_ITEMS(CausalConv1dItems));
+  items(args, first_item, last_item);
 }
 
 }  // namespace mambafuse

@@ -16,18 +16,6 @@ constexpr const char* kOp = "CausalConv1dUpdate";
 // (Nemotron-H-8B decode: 10240 channels, 2 chunks).
 constexpr int64_t kMinChannelsPerChunk = 4096;
 
-struct ParallelWork {
-  const CausalConv1dUpdateCpuArgs* args;
-  int64_t items;
-  int64_t chunks;
-};
-
-void RunChunk(void* user_data, size_t chunk) {
-  const auto& work = *static_cast<const ParallelWork*>(user_data);
-  const auto c = static_cast<int64_t>(chunk);
-  CausalConv1dUpdateCpu(*work.args, work.items * c / work.chunks, work.items * (c + 1) / work.chunks);
-}
-
 Ort::Status PrepareArgs(Ort::KernelContext& context, bool silu, CausalConv1dUpdateCpuArgs& a) {
   const size_t count = context.GetInputCount();
   if (count < 3) {
@@ -111,12 +99,7 @@ OrtStatusPtr CausalConv1dUpdateCpuKernel::ComputeV2(OrtKernelContext* raw_contex
     const int64_t items = args.batch * args.channels;
     if (items == 0) return Ort::Status{};
     const int64_t chunks = std::clamp<int64_t>(items / kMinChannelsPerChunk, 1, items);
-    if (chunks == 1) {
-      CausalConv1dUpdateCpu(args, 0, items);
-      return Ort::Status{};
-    }
-    ParallelWork work{&args, items, chunks};
-    context.ParallelFor(&RunChunk, static_cast<size_t>(chunks), static_cast<size_t>(chunks), &work);
+    RunInChunks(context, &CausalConv1dUpdateCpu, args, items, chunks);
     return Ort::Status{};
   });
 }
@@ -132,20 +115,9 @@ CausalConv1dUpdateCpuOp::CausalConv1dUpdateCpuOp() {
 OrtStatusPtr CausalConv1dUpdateCpuOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info,
                                                      void** kernel) const {
   return GuardStatus([&]() -> Ort::Status {
-    const Ort::ConstKernelInfo kernel_info(info);
-    std::string activation = "silu";
-    const OrtApi& ort = Ort::GetApi();
-    size_t size = 0;
-    if (OrtStatus* status = ort.KernelInfoGetAttribute_string(info, "activation", nullptr, &size)) {
-      ort.ReleaseStatus(status);  // optional: absent means silu
-    } else {
-      activation = kernel_info.GetAttribute<std::string>("activation");
-    }
-    if (activation != "silu" && activation != "none") {
-      return OpError(kOp, "node '" + kernel_info.GetNodeName() + "': activation must be \"silu\" or \"none\", got \"" +
-                              activation + "\"");
-    }
-    *kernel = std::make_unique<CausalConv1dUpdateCpuKernel>(activation == "silu").release();
+    bool silu = true;
+    if (Ort::Status status = ReadSiluActivation(info, kOp, silu); !status.IsOK()) return status;
+    *kernel = std::make_unique<CausalConv1dUpdateCpuKernel>(silu).release();
     return Ort::Status{};
   });
 }

@@ -1,36 +1,10 @@
-// Validation and instruction-set dispatch of CausalConv1dUpdate's CPU math core (the level SelectedIsa()
-// names, as for every op of the library).
-#include <cstring>
-
+// Validation and instruction-set dispatch of CausalConv1dUpdate's CPU math core (isa_dispatch.h).
 #include "causal_conv1d_update_impl.h"
+#include "isa_dispatch.h"
 
 namespace mambafuse {
 
-#define MAMBAFUSE_DECLARE_ISA(ns) \
-  namespace ns {                  \
-  void CausalConv1dUpdateItems(const CausalConv1dUpdateCpuArgs& a, int64_t first_item, int64_t last_item); \
-  }
-MAMBAFUSE_DECLARE_ISA(isa_generic)
-#if defined(MAMBAFUSE_X86_DISPATCH)
-MAMBAFUSE_DECLARE_ISA(isa_avx2)
-MAMBAFUSE_DECLARE_ISA(isa_avx512)
-#endif
-#undef MAMBAFUSE_DECLARE_ISA
-
-namespace {
-
-using ItemsFn = void (*)(const CausalConv1dUpdateCpuArgs&, int64_t, int64_t);
-
-ItemsFn Choose() {
-#if defined(MAMBAFUSE_X86_DISPATCH)
-  const char* isa = SelectedIsa();
-  if (std::strcmp(isa, "avx512") == 0) return &isa_avx512::CausalConv1dUpdateItems;
-  if (std::strcmp(isa, "avx2") == 0) return &isa_avx2::CausalConv1dUpdateItems;
-#endif
-  return &isa_generic::CausalConv1dUpdateItems;
-}
-
-}  // namespace
+MAMBAFUSE_DECLARE_ISA_ITEMS(CausalConv1dUpdateCpuArgs, CausalConv1dUpdateItems)
 
 const char* ValidateArgs(const CausalConv1dUpdateCpuArgs& a) {
   if (!IsSupportedElemType(static_cast<int64_t>(a.type))) return "unsupported element type";
@@ -48,8 +22,8 @@ const char* ValidateArgs(const CausalConv1dUpdateCpuArgs& a) {
 }
 
 void CausalConv1dUpdateCpu(const CausalConv1dUpdateCpuArgs& args, int64_t first_item, int64_t last_item) {
-  static const ItemsFn fn = Choose();
-  fn(args, first_item, last_item);
+  static const auto items = ForSelectedIsa(MAMBAFUSE_ISA_ITEMS(CausalConv1dUpdateItems));
+  items(args, first_item, last_item);
 }
 
 }  // namespace mambafuse

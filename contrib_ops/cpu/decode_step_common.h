@@ -1,6 +1,7 @@
-// ONNX Runtime-facing helpers shared by the decode-step ops (CausalConv1dUpdate, SelectiveStateUpdate):
-// errors that name the op, an input's dims in one query, and an output's type and shape copied from an
-// input in type and shape inference.
+// ONNX Runtime-facing helpers shared by the CPU ops of the Mamba-2 mixer (the decode steps CausalConv1dUpdate and
+// SelectiveStateUpdate, the prefill ops CausalConv1d and MambaChunkScan): errors that name the op, an input's dims
+// in one query, an output's type and shape copied from an input in type and shape inference, the convs'
+// activation attribute, and a work split over ORT's thread pool.
 #pragma once
 
 #include <cstdint>
@@ -83,6 +84,51 @@ inline OrtStatusPtr ForwardTypeShape(OrtShapeInferContext* context, size_t in, s
     Ort::ThrowOnError(api.ShapeInferContext_SetOutputTypeShape(context, out, raw_out));
     return Ort::Status{};
   });
+}
+
+// Reads the optional attribute `activation` of the causal convs: "silu" (also when absent) or "none", as `silu`.
+// Any other value is an error naming the node.
+inline Ort::Status ReadSiluActivation(const OrtKernelInfo* info, const char* op, bool& silu) {
+  const Ort::ConstKernelInfo kernel_info(info);
+  const OrtApi& ort = Ort::GetApi();
+  std::string activation = "silu";
+  size_t size = 0;
+  if (OrtStatus* status = ort.KernelInfoGetAttribute_string(info, "activation", nullptr, &size)) {
+    ort.ReleaseStatus(status);  // optional: absent means silu
+  } else {
+    activation = kernel_info.GetAttribute<std::string>("activation");
+  }
+  if (activation != "silu" && activation != "none") {
+    return OpError(op, "node '" + kernel_info.GetNodeName() + "': activation must be \"silu\" or \"none\", got \"" +
+                           activation + "\"");
+  }
+  silu = activation == "silu";
+  return Ort::Status{};
+}
+
+// Runs compute(args, first, last) over the items [0, items) as `chunks` contiguous ranges of nearly equal size
+// (chunk c: [items c / chunks, items (c + 1) / chunks)): on this thread when chunks <= 1, else one range per task
+// of ORT's intra-op thread pool. Every item is computed by one call, whatever the split.
+template <typename Args>
+void RunInChunks(const Ort::KernelContext& context, void (*compute)(const Args&, int64_t, int64_t), const Args& args,
+                 int64_t items, int64_t chunks) {
+  if (chunks <= 1) {
+    compute(args, 0, items);
+    return;
+  }
+  struct Work {
+    void (*compute)(const Args&, int64_t, int64_t);
+    const Args* args;
+    int64_t items;
+    int64_t chunks;
+  };
+  Work work{compute, &args, items, chunks};
+  const auto run_chunk = [](void* user_data, size_t chunk) {
+    const Work& w = *static_cast<const Work*>(user_data);
+    const auto c = static_cast<int64_t>(chunk);
+    w.compute(*w.args, w.items * c / w.chunks, w.items * (c + 1) / w.chunks);
+  };
+  context.ParallelFor(run_chunk, static_cast<size_t>(chunks), static_cast<size_t>(chunks), &work);
 }
 
 }  // namespace mambafuse

@@ -8,19 +8,11 @@
 #include <string>
 
 #include "gated_group_rms_norm_impl.h"
+#include "isa_dispatch.h"  // MAMBAFUSE_DECLARE_ISA_ITEMS; the other cores follow the level chosen here
 
 namespace mambafuse {
 
-#define MAMBAFUSE_DECLARE_ISA(ns) \
-  namespace ns {                  \
-  void ComputeItems(const GatedGroupRMSNormArgs& a, int64_t first_item, int64_t last_item); \
-  }
-MAMBAFUSE_DECLARE_ISA(isa_generic)
-#if defined(MAMBAFUSE_X86_DISPATCH)
-MAMBAFUSE_DECLARE_ISA(isa_avx2)
-MAMBAFUSE_DECLARE_ISA(isa_avx512)
-#endif
-#undef MAMBAFUSE_DECLARE_ISA
+MAMBAFUSE_DECLARE_ISA_ITEMS(GatedGroupRMSNormArgs, ComputeItems)
 
 namespace {
 

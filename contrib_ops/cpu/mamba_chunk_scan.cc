@@ -34,7 +34,10 @@ int64_t MinItems() {
   return 4 * static_cast<int64_t>(hardware > 0 ? hardware : 1);
 }
 
-Ort::Status PrepareArgs(Ort::KernelContext& context, const MambaChunkScanAttrs& attrs, MambaChunkScanCpuArgs& a) {
+}  // namespace
+
+Ort::Status PrepareMambaChunkScanArgs(Ort::KernelContext& context, const MambaChunkScanAttrs& attrs,
+                                      MambaChunkScanCpuArgs& a) {
   if (const size_t count = context.GetInputCount(); count < 6) {
     const std::string expected =
         "expects the inputs x, dt, dt_bias (optional), A, B, C, D (optional), initial_state (optional); got ";
@@ -121,11 +124,6 @@ Ort::Status PrepareArgs(Ort::KernelContext& context, const MambaChunkScanAttrs& 
   a.C = data[5];
   a.D = present[6] ? data[6] : nullptr;
   a.initial_state = present[7] ? data[7] : nullptr;
-  a.chunk_size = ChunkScanChunkSize();
-  if (a.chunk_size < 1) {
-    return OpError(kOp, "MAMBAFUSE_CHUNK_SCAN_CHUNK must be a whole number of tokens from 1 to 4096 (or unset)");
-  }
-  a.heads_per_block = ChunkScanHeadsPerBlock(a, MinItems());
   const int64_t state_dims[4] = {batch, heads, head_dim, state_size};
   Ort::UnownedValue out = context.GetOutput(0, x.data(), x.rank());
   Ort::UnownedValue final_state = context.GetOutput(1, state_dims, 4);
@@ -138,12 +136,10 @@ Ort::Status PrepareArgs(Ort::KernelContext& context, const MambaChunkScanAttrs& 
   }
   a.out = ElementCount(x) > 0 ? out.GetTensorMutableData<float>() : nullptr;
   a.final_state = batch * heads * head_dim * state_size > 0 ? final_state.GetTensorMutableData<float>() : nullptr;
-  if (const char* problem = ValidateArgs(a)) return OpError(kOp, problem);
   return Ort::Status{};
 }
 
-// Shape inference: out is float with x's shape; final_state float [B, H, P, N] from x's and B's dims (names kept).
-OrtStatusPtr InferShapes(OrtShapeInferContext* context) {
+OrtStatusPtr InferMambaChunkScanShapes(OrtShapeInferContext* context) {
   return GuardStatus([&]() -> Ort::Status {
     const OrtApi& api = Ort::GetApi();
     size_t count = 0;
@@ -189,13 +185,17 @@ OrtStatusPtr InferShapes(OrtShapeInferContext* context) {
   });
 }
 
-}  // namespace
-
 OrtStatusPtr MambaChunkScanCpuKernel::ComputeV2(OrtKernelContext* raw_context) {
   return GuardStatus([&]() -> Ort::Status {
     Ort::KernelContext context(raw_context);
     MambaChunkScanCpuArgs args;
-    if (Ort::Status status = PrepareArgs(context, attrs_, args); !status.IsOK()) return status;
+    if (Ort::Status status = PrepareMambaChunkScanArgs(context, attrs_, args); !status.IsOK()) return status;
+    args.chunk_size = ChunkScanChunkSize();
+    if (args.chunk_size < 1) {
+      return OpError(kOp, "MAMBAFUSE_CHUNK_SCAN_CHUNK must be a whole number of tokens from 1 to 4096 (or unset)");
+    }
+    args.heads_per_block = ChunkScanHeadsPerBlock(args, MinItems());
+    if (const char* problem = ValidateArgs(args)) return OpError(kOp, problem);
     if (args.batch * args.heads == 0) return Ort::Status{};
     const int64_t items = ChunkScanItemCount(args);
     if (items == 1) {
@@ -211,33 +211,38 @@ OrtStatusPtr MambaChunkScanCpuKernel::ComputeV2(OrtKernelContext* raw_context) {
 MambaChunkScanCpuOp::MambaChunkScanCpuOp() {
   // ORT ignores a status returned from here; the kernel's checks report bad inputs.
   InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* context) -> OrtStatusPtr {
-    return InferShapes(context);
+    return InferMambaChunkScanShapes(context);
   };
+}
+
+Ort::Status ReadMambaChunkScanAttrs(const OrtKernelInfo* info, MambaChunkScanAttrs& attrs) {
+  const Ort::ConstKernelInfo kernel_info(info);
+  const std::string where = "node '" + kernel_info.GetNodeName() + "': ";
+  const OrtApi& ort = Ort::GetApi();
+  int64_t dt_softplus = 1;
+  if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "dt_softplus", &dt_softplus)) {
+    ort.ReleaseStatus(status);  // optional: absent means 1
+    dt_softplus = 1;
+  }
+  if (dt_softplus != 0 && dt_softplus != 1) {
+    return OpError(kOp, where + "dt_softplus must be 0 or 1, got " + std::to_string(dt_softplus));
+  }
+  attrs.dt_softplus = dt_softplus == 1;
+  attrs.dt_max = INFINITY;
+  for (auto [name, value] : {std::pair<const char*, float*>{"dt_min", &attrs.dt_min}, {"dt_max", &attrs.dt_max}}) {
+    if (OrtStatus* status = ort.KernelInfoGetAttribute_float(info, name, value)) {
+      ort.ReleaseStatus(status);  // optional: the default stays
+    }
+    if (std::isnan(*value)) return OpError(kOp, where + name + " must be a number, got NaN");
+  }
+  return Ort::Status{};
 }
 
 OrtStatusPtr MambaChunkScanCpuOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info,
                                                  void** kernel) const {
   return GuardStatus([&]() -> Ort::Status {
-    const Ort::ConstKernelInfo kernel_info(info);
-    const std::string where = "node '" + kernel_info.GetNodeName() + "': ";
-    const OrtApi& ort = Ort::GetApi();
-    int64_t dt_softplus = 1;
-    if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "dt_softplus", &dt_softplus)) {
-      ort.ReleaseStatus(status);  // optional: absent means 1
-      dt_softplus = 1;
-    }
-    if (dt_softplus != 0 && dt_softplus != 1) {
-      return OpError(kOp, where + "dt_softplus must be 0 or 1, got " + std::to_string(dt_softplus));
-    }
     MambaChunkScanAttrs attrs;
-    attrs.dt_softplus = dt_softplus == 1;
-    attrs.dt_max = INFINITY;
-    for (auto [name, value] : {std::pair<const char*, float*>{"dt_min", &attrs.dt_min}, {"dt_max", &attrs.dt_max}}) {
-      if (OrtStatus* status = ort.KernelInfoGetAttribute_float(info, name, value)) {
-        ort.ReleaseStatus(status);  // optional: the default stays
-      }
-      if (std::isnan(*value)) return OpError(kOp, where + name + " must be a number, got NaN");
-    }
+    if (Ort::Status status = ReadMambaChunkScanAttrs(info, attrs); !status.IsOK()) return status;
     *kernel = std::make_unique<MambaChunkScanCpuKernel>(attrs).release();
     return Ort::Status{};
   });

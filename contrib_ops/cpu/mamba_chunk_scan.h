@@ -1,9 +1,11 @@
 // ONNX Runtime-facing MambaChunkScan for the CPU execution provider (docs/mamba_chunk_scan.md): attribute and
 // input validation, output allocation, and the split of (batch row, group, block of heads) items over ORT's
-// thread pool. The math lives in mamba_chunk_scan_impl.h (no ORT types).
+// thread pool. The math lives in mamba_chunk_scan_impl.h (no ORT types). The validation, the attributes and the
+// shape inference are shared with the CUDA op (contrib_ops/cuda/mamba_chunk_scan_cuda.cc).
 #pragma once
 
 #include "common/ort_api.h"
+#include "mamba_chunk_scan_impl.h"
 
 namespace mambafuse {
 
@@ -12,6 +14,18 @@ struct MambaChunkScanAttrs {
   float dt_min = 0.f;
   float dt_max = 0.f;  // +Inf unless the node sets it
 };
+
+// Reads dt_softplus, dt_min and dt_max (absent: 1, 0, +Inf); an error names a bad value and the node.
+Ort::Status ReadMambaChunkScanAttrs(const OrtKernelInfo* info, MambaChunkScanAttrs& attrs);
+
+// Checks the inputs' presence, types and shapes (an error names the input), allocates both outputs and fills
+// `args` with the dims, types, attributes and data pointers (device pointers on a GPU provider). Leaves the CPU
+// kernel's chunk_size and heads_per_block alone.
+Ort::Status PrepareMambaChunkScanArgs(Ort::KernelContext& context, const MambaChunkScanAttrs& attrs,
+                                      MambaChunkScanCpuArgs& args);
+
+// Shape inference: out is float with x's shape; final_state float [B, H, P, N] from x's and B's dims (names kept).
+OrtStatusPtr InferMambaChunkScanShapes(OrtShapeInferContext* context);
 
 class MambaChunkScanCpuKernel {
  public:

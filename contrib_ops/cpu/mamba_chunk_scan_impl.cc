@@ -1,36 +1,16 @@
-// Validation, work split and instruction-set dispatch of MambaChunkScan's CPU math core. The level is the one the
-// gated norm's dispatcher chose (SelectedIsa), so every op of the library runs on one level in a process.
+// Validation, work split and instruction-set dispatch of MambaChunkScan's CPU math core (isa_dispatch.h).
 #include "mamba_chunk_scan_impl.h"
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
+
+#include "isa_dispatch.h"
 
 namespace mambafuse {
 
-#define MAMBAFUSE_DECLARE_ISA(ns)                                                                  \
-  namespace ns {                                                                                   \
-  void MambaChunkScanItems(const MambaChunkScanCpuArgs& a, int64_t first_item, int64_t last_item); \
-  }
-MAMBAFUSE_DECLARE_ISA(isa_generic)
-#if defined(MAMBAFUSE_X86_DISPATCH)
-MAMBAFUSE_DECLARE_ISA(isa_avx2)
-MAMBAFUSE_DECLARE_ISA(isa_avx512)
-#endif
-#undef MAMBAFUSE_DECLARE_ISA
+MAMBAFUSE_DECLARE_ISA_ITEMS(MambaChunkScanCpuArgs, MambaChunkScanItems)
 
 namespace {
-
-using ItemsFn = void (*)(const MambaChunkScanCpuArgs&, int64_t, int64_t);
-
-ItemsFn Choose() {
-#if defined(MAMBAFUSE_X86_DISPATCH)
-  const char* isa = SelectedIsa();
-  if (std::strcmp(isa, "avx512") == 0) return &isa_avx512::MambaChunkScanItems;
-  if (std::strcmp(isa, "avx2") == 0) return &isa_avx2::MambaChunkScanItems;
-#endif
-  return &isa_generic::MambaChunkScanItems;
-}
 
 bool IsFloatOr(ElemType t, ElemType other) { return t == ElemType::kFloat || t == other; }
 
@@ -84,8 +64,8 @@ const char* ValidateArgs(const MambaChunkScanCpuArgs& a) {
 }
 
 void MambaChunkScanCpu(const MambaChunkScanCpuArgs& args, int64_t first_item, int64_t last_item) {
-  static const ItemsFn fn = Choose();
-  fn(args, first_item, last_item);
+  static const auto items = ForSelectedIsa(MAMBAFUSE_ISA_ITEMS(MambaChunkScanItems));
+  items(args, first_item, last_item);
 }
 
 }  // namespace mambafuse

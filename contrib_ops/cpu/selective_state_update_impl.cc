@@ -1,35 +1,12 @@
-// Validation and instruction-set dispatch of SelectiveStateUpdate's CPU math core. The level is the one
-// the gated norm's dispatcher chose (SelectedIsa: the CPU's widest, or MAMBAFUSE_CPU_ISA's), so every op of
-// the library runs on one level in a process.
-#include <cstring>
-
+// Validation and instruction-set dispatch of SelectiveStateUpdate's CPU math core (isa_dispatch.h).
+#include "isa_dispatch.h"
 #include "selective_state_update_impl.h"
 
 namespace mambafuse {
 
-#define MAMBAFUSE_DECLARE_ISA(ns) \
-  namespace ns {                  \
-  void SelectiveStateUpdateItems(const SelectiveStateUpdateCpuArgs& a, int64_t first_item, int64_t last_item); \
-  }
-MAMBAFUSE_DECLARE_ISA(isa_generic)
-#if defined(MAMBAFUSE_X86_DISPATCH)
-MAMBAFUSE_DECLARE_ISA(isa_avx2)
-MAMBAFUSE_DECLARE_ISA(isa_avx512)
-#endif
-#undef MAMBAFUSE_DECLARE_ISA
+MAMBAFUSE_DECLARE_ISA_ITEMS(SelectiveStateUpdateCpuArgs, SelectiveStateUpdateItems)
 
 namespace {
-
-using ItemsFn = void (*)(const SelectiveStateUpdateCpuArgs&, int64_t, int64_t);
-
-ItemsFn Choose() {
-#if defined(MAMBAFUSE_X86_DISPATCH)
-  const char* isa = SelectedIsa();
-  if (std::strcmp(isa, "avx512") == 0) return &isa_avx512::SelectiveStateUpdateItems;
-  if (std::strcmp(isa, "avx2") == 0) return &isa_avx2::SelectiveStateUpdateItems;
-#endif
-  return &isa_generic::SelectiveStateUpdateItems;
-}
 
 bool IsFloatOr(ElemType t, ElemType other) { return t == ElemType::kFloat || t == other; }
 
@@ -51,8 +28,8 @@ const char* ValidateArgs(const SelectiveStateUpdateCpuArgs& a) {
 }
 
 void SelectiveStateUpdateCpu(const SelectiveStateUpdateCpuArgs& args, int64_t first_item, int64_t last_item) {
-  static const ItemsFn fn = Choose();
-  fn(args, first_item, last_item);
+  static const auto items = ForSelectedIsa(MAMBAFUSE_ISA_ITEMS(SelectiveStateUpdateItems));
+  items(args, first_item, last_item);
 }
 
 }  // namespace mambafuse

@@ -5,36 +5,30 @@
 //                                         inputs state x dt [dt_bias] A B C [D] -> out, present_state
 //   decode_step_golden_test conv <dir>   meta.txt: T B C L S K silu has_bias
 //                                         inputs x conv_state weight [bias]     -> y, present_state
-// Each file <dir>/<name>.bin holds the raw little-endian elements (bfloat16 / float16 as 16-bit patterns).
+// The files: contrib_ops/tests/raw_tensor_files.h.
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
-#include <iterator>
 #include <string>
 #include <vector>
 
 #include "causal_conv1d_update_impl.h"
+#include "raw_tensor_files.h"
 #include "selective_state_update_impl.h"
 
 namespace {
 
-std::vector<char> Read(const std::string& dir, const char* name) {
-  std::ifstream in(dir + "/" + name + ".bin", std::ios::binary);
-  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
-}
-
-void Write(const std::string& dir, const char* name, const std::vector<char>& data) {
-  std::ofstream(dir + "/" + name + ".bin", std::ios::binary).write(data.data(), static_cast<std::streamsize>(data.size()));
-}
-
-size_t Size(int64_t type) { return type == 1 ? 4 : 2; }
+using mambafuse::golden::ElementBytes;
+using mambafuse::golden::ReadTensor;
+using mambafuse::golden::WriteTensor;
 
 int RunStateUpdate(const std::string& dir) {
   std::ifstream meta(dir + "/meta.txt");
   int64_t t, s, d, batch, heads, head_dim, n_state, groups, softplus, has_bias, has_d;
   meta >> t >> s >> d >> batch >> heads >> head_dim >> n_state >> groups >> softplus >> has_bias >> has_d;
-  const auto state = Read(dir, "state"), x = Read(dir, "x"), dt = Read(dir, "dt"), dt_bias = Read(dir, "dt_bias"),
-             A = Read(dir, "A"), B = Read(dir, "B"), C = Read(dir, "C"), D = Read(dir, "D");
+  const auto state = ReadTensor(dir, "state"), x = ReadTensor(dir, "x"), dt = ReadTensor(dir, "dt"),
+             dt_bias = ReadTensor(dir, "dt_bias"), A = ReadTensor(dir, "A"), B = ReadTensor(dir, "B"),
+             C = ReadTensor(dir, "C"), D = ReadTensor(dir, "D");
   mambafuse::SelectiveStateUpdateCpuArgs a;
   a.type = static_cast<mambafuse::ElemType>(t);
   a.state_type = static_cast<mambafuse::ElemType>(s);
@@ -45,7 +39,7 @@ int RunStateUpdate(const std::string& dir) {
   a.state_size = n_state;
   a.groups = groups;
   a.dt_softplus = softplus != 0;
-  std::vector<char> out(static_cast<size_t>(batch * heads * head_dim) * Size(t));
+  std::vector<char> out(static_cast<size_t>(batch * heads * head_dim) * ElementBytes(t));
   std::vector<char> present(state.size());
   a.state = state.data();
   a.x = x.data();
@@ -62,8 +56,8 @@ int RunStateUpdate(const std::string& dir) {
     return 2;
   }
   mambafuse::SelectiveStateUpdateCpu(a, 0, batch * heads);
-  Write(dir, "out", out);
-  Write(dir, "present_state", present);
+  WriteTensor(dir, "out", out);
+  WriteTensor(dir, "present_state", present);
   return 0;
 }
 
@@ -71,8 +65,8 @@ int RunConvUpdate(const std::string& dir) {
   std::ifstream meta(dir + "/meta.txt");
   int64_t t, batch, channels, cols, state_len, width, silu, has_bias;
   meta >> t >> batch >> channels >> cols >> state_len >> width >> silu >> has_bias;
-  const auto x = Read(dir, "x"), state = Read(dir, "conv_state"), weight = Read(dir, "weight"),
-             bias = Read(dir, "bias");
+  const auto x = ReadTensor(dir, "x"), state = ReadTensor(dir, "conv_state"), weight = ReadTensor(dir, "weight"),
+             bias = ReadTensor(dir, "bias");
   mambafuse::CausalConv1dUpdateCpuArgs a;
   a.type = static_cast<mambafuse::ElemType>(t);
   a.batch = batch;
@@ -93,8 +87,8 @@ int RunConvUpdate(const std::string& dir) {
     return 2;
   }
   mambafuse::CausalConv1dUpdateCpu(a, 0, batch * channels);
-  Write(dir, "y", y);
-  Write(dir, "present_state", present);
+  WriteTensor(dir, "y", y);
+  WriteTensor(dir, "present_state", present);
   return 0;
 }
 

@@ -272,7 +272,8 @@ def budget_report(
 ) -> tuple[bool, str]:
     """Return (within the budget, a one-line summary): ``out`` and ``final_state`` against the float64 evaluation.
 
-    Defined where every input and the float64 evaluation are finite; a non-finite result there is outside it.
+    Defined where every input and the float64 evaluation are finite; a non-finite result there is outside it. An
+    empty output (B, P or N = 0) is within the budget when its shape is right ("0 of 0 outside").
     """
     ref_out, ref_state, tol_out, tol_state = budget_bounds(
         x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, dt_min, dt_max
@@ -284,9 +285,8 @@ def budget_report(
             return False, f"{name}: shape {list(actual.shape)}, expected {list(ref.shape)}"
         error = np.abs(actual - ref)
         bad = ~(error <= tol)  # NaN counts as outside
-        worst = float(
-            np.max(np.where(tol > 0, error / np.maximum(tol, np.finfo(F64).tiny), np.where(error > 0, np.inf, 0)))
-        )
+        ratio = np.where(tol > 0, error / np.maximum(tol, np.finfo(F64).tiny), np.where(error > 0, np.inf, 0))
+        worst = float(np.max(ratio, initial=0.0))  # initial: an empty output (B, P or N = 0) has no worst element
         ok &= not bad.any()
         lines.append(f"{name}: {int(bad.sum())} of {bad.size} outside the budget (worst {worst:.3g} of it)")
     return ok, "; ".join(lines)

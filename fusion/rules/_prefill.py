@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusion.rules._decode import Refusal, producer_op
+from fusion.rules._decode import _BOOL_OPS, _SAME_TYPE_AS, Refusal, producer_op
 from fusion.shapes.dims import constant_array
 
 SUPPORTED_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
@@ -123,3 +123,61 @@ def scalar_is(value: ir.Value | None, expected: float) -> bool:
         return False
     got = float(array.reshape(-1)[0])
     return got == expected or (np.isnan(expected) and np.isnan(got))
+
+
+#: Ops whose every output has the type of one input (ONNX's schemas), beyond those ``type_untyped_values`` types
+#: (``_SAME_TYPE_AS``, whose tables this module reads):
+#: TorchScript exports leave a prefill chain's Conv, Clip, Pad, Tile, CumSum and OneHot outputs untyped.
+_OUTPUTS_TYPED_AS = {
+    **dict.fromkeys(
+        (
+            "Clip",
+            "Pad",
+            "Tile",
+            "CumSum",
+            "Trilu",
+            "Einsum",
+            "Max",
+            "Min",
+            "Split",
+            "Softplus",
+            "Relu",
+            "Abs",
+            "Log",
+            "Conv",
+        ),
+        0,
+    ),
+    "OneHot": 2,
+}
+
+
+def type_prefill_values(graph: ir.Graph) -> None:
+    """Type the values of ``graph`` that ONNX inference left untyped, by their producers' schemas: what
+    ``type_untyped_values`` types, and every output of the prefill chains' ops (``_OUTPUTS_TYPED_AS``), in one pass
+    in graph order (a value's producer comes before its readers)."""
+    for node in graph:
+        if node.domain not in ONNX_DOMAINS:
+            continue
+        for position, output in enumerate(node.outputs):
+            if output.dtype is None:
+                dtype = _schema_type(node, position)
+                if dtype is not None:
+                    output.type = ir.TensorType(dtype)
+
+
+def _schema_type(node: ir.Node, position: int) -> ir.DataType | None:
+    """The type ``node``'s schema gives its output ``position`` from its typed inputs and attributes, else None."""
+    op = node.op_type
+    if op in _OUTPUTS_TYPED_AS or position == 0 and op in _SAME_TYPE_AS:
+        index = _OUTPUTS_TYPED_AS.get(op, _SAME_TYPE_AS.get(op))
+        source = node.inputs[index] if index is not None and len(node.inputs) > index else None
+        return None if source is None else source.dtype
+    if position != 0:
+        return None
+    if op == "Cast":
+        to = node.attributes.get("to")  # a reference in a function body (to=@output_dtype): not known here
+        return None if to is None or to.is_ref() else ir.DataType(to.as_int())
+    if op in _BOOL_OPS:
+        return ir.DataType.BOOL
+    return ir.DataType.INT64 if op == "Shape" else None

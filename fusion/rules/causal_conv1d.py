@@ -33,7 +33,6 @@ from fusion.rules._decode import (
     apply_with_log,
     dtype_name,
     negative_zeros,
-    type_untyped_values,
 )
 from fusion.rules._log import FusionLog
 from fusion.rules._prefill import (
@@ -45,6 +44,8 @@ from fusion.rules._prefill import (
     perm_of,
     producer_of,
     same,
+    strip,
+    type_prefill_values,
 )
 from fusion.shapes.dims import ForwardShapes, dims_equal, resolve_shape_tensor
 
@@ -87,14 +88,17 @@ class CausalConv1dFusion(PlannedRule):
 
     def check(self, context, y, out, **_: Any) -> pattern.MatchResult:
         result = pattern.MatchResult()
+        if _conv_of(out.producer(), self._root) is None:
+            return result.fail("not a prompt conv's output")
+        if self._shapes is None:
+            # typed before the chain's end is decided: a later node continues it through Casts to the type a value
+            # already has (TorchScript's copies between the SiLU and the Transpose back), seen only once typed
+            type_prefill_values(out.graph)
+            self._shapes = ForwardShapes(out.graph)
         conv = _conv_behind(out.producer(), self._root)
         if conv is None:
             return result.fail("not a prompt conv's output")
         try:
-            graph = out.graph
-            if self._shapes is None:
-                type_untyped_values(graph)
-                self._shapes = ForwardShapes(graph)
             self._plan = _prove(self._shapes, conv, out.producer(), self._root)
         except Refusal as refusal:
             return self.refused(result, conv, refusal)
@@ -150,16 +154,27 @@ def _conv_behind(root: ir.Node, kind: str) -> ir.Node | None:
     conv = _conv_of(root, kind)
     if conv is None or kind == "Transpose":
         return conv
-    for user, _ in root.outputs[0].uses():
+    for user in _readers(root.outputs[0]):
         if user.domain not in ONNX_DOMAINS or user.op_type not in ("Transpose", "Mul"):
             continue
         if _conv_of(user, user.op_type) is conv:
             return None
         if user.op_type == "Mul" and any(
-            later.op_type == "Transpose" and _conv_of(later, "Transpose") is conv for later, _ in user.outputs[0].uses()
+            later.op_type == "Transpose" and _conv_of(later, "Transpose") is conv for later in _readers(user.outputs[0])
         ):
             return None
     return conv
+
+
+def _readers(value: ir.Value) -> list[ir.Node]:
+    """The nodes that read ``value``, seen through its copies (Identity, a Cast to the type it has: ``strip``)."""
+    readers = []
+    for user, _ in value.uses():
+        if user.domain in ONNX_DOMAINS and user.op_type in ("Identity", "Cast") and strip(user.outputs[0]) is value:
+            readers.extend(_readers(user.outputs[0]))
+        else:
+            readers.append(user)
+    return readers
 
 
 def _silu_input(mul: ir.Node | None) -> ir.Value | None:

@@ -1,7 +1,7 @@
 """Fuse the Mamba-2 prefill scan (the chunked SSD algorithm) into ``ai.mambafuse::MambaChunkScan``.
 
 The chain, as transformers' ``mamba2_chunk_scan`` torch fallback exports it (5.24 and 5.25, every Mamba-2 family;
-dynamo optimized and not, transformers' exporter), per layer about 80 nodes. With ``chunk(v)`` =
+dynamo optimized and not, transformers' exporter, TorchScript), per layer about 80 nodes. With ``chunk(v)`` =
 ``Reshape(Pad(v, zeros at the end of axis 1), [b, -1, Q, ...])``, ``segsum(v)`` = transformers' masked cumulative
 sum (``Expand(Unsqueeze(v, -1))``, ``Where`` with the strictly-lower mask, ``CumSum`` over the rows, ``Where``
 with the lower mask and -inf) and T the activations' type::
@@ -20,18 +20,22 @@ with the lower mask and -inf) and T the activations' type::
 
 Every node is checked (op, constant attributes and operands, which input is which) and every shape is the one the
 graph proves (``fusion.shapes``; declared shapes are hints): the chunk padding is zeros at the end of the time axis,
-of a length proven non-negative and the same for every operand, the chunk reshapes keep the batch and the trailing
-dims, the masks are the lower triangles of the size they mask, the zero state is zeros of one chunk's state, and the
-output slice ends at the prompt's length. Then the zero-padded tokens change nothing the slice keeps (their decay is
-exp(0) = 1 and their input 0), so the node computes the recurrence of docs/mamba_chunk_scan.md on the unpadded
-prompt. A graph that computes something else — a chunk-level decay or zero state fixed to the traced prompt's
-chunk count (an export specialized to one chunk), another mask, another chunk per operand — is refused with the
-step that differs.
+of a length proven non-negative, the same for every operand and making every prompt whole chunks, the chunk reshapes
+keep the batch and the trailing dims, the masks are the lower triangles of the size they mask, the zero state is
+zeros of one chunk's state, and the output slice ends at the prompt's length. Then the zero-padded tokens change
+nothing the slice keeps (their decay is exp(0) = 1 and their input 0), so the node computes the recurrence of
+docs/mamba_chunk_scan.md on the unpadded prompt. A graph that computes something else — a chunk-level decay or zero
+state fixed to the traced prompt's chunk count (an export specialized to one chunk), another mask, another chunk per
+operand — is refused with the step that differs. TorchScript writes the padding's length, ``F.pad``'s lists, the
+group-to-head repeat (``Tile`` by a ``OneHot``) and ``expand``'s targets as shape arithmetic that fusion.shapes
+follows, and the softplus as ONNX's ``Softplus`` without torch's threshold (the same function up to rounding: see
+``time_step``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -45,8 +49,8 @@ from fusion.rules._decode import (
     apply_with_log,
     dtype_name,
     negative_zeros,
+    producer_op,
     take_over,
-    type_untyped_values,
 )
 from fusion.rules._log import FusionLog, location
 from fusion.rules._prefill import (
@@ -61,15 +65,20 @@ from fusion.rules._prefill import (
     producer_of,
     same,
     scalar_is,
+    strip,
+    type_prefill_values,
     unit_scaled,
     whole,
 )
+from fusion.shapes import arith
 from fusion.shapes.dims import (
     Dim,
     ForwardShapes,
+    as_expression,
     constant_array,
     dims_equal,
     resolve_shape_tensor,
+    simplified,
 )
 
 FORM = "prefill"
@@ -174,7 +183,7 @@ class MambaChunkScanFusion(PlannedRule):
     def _make_plan(self, anchor: ir.Node, slice_node: ir.Node | None, y: ir.Value) -> _Plan:
         graph = y.graph
         if self._shapes is None:
-            type_untyped_values(graph)
+            type_prefill_values(graph)
             self._shapes = ForwardShapes(graph)
         return _Proof(self._shapes).run(anchor, slice_node, y)
 
@@ -225,6 +234,17 @@ class MambaChunkScanFusion(PlannedRule):
         if plan.final_state is not None:
             take_over(plan.final_state, final_state)
         return out
+
+
+def _counterexample(length: arith.QuasiAffine | None, pad: arith.QuasiAffine | None, chunk: int) -> str:
+    """': at T = t it pads p tokens (t + p is not a multiple of Q)' for the first prompt length that shows it."""
+    if length is None or pad is None or not length.is_symbol():
+        return ""
+    for size in range(1, 2 * math.lcm(pad.period, chunk) + 1):
+        tokens = pad.at(size)
+        if (size + tokens) % chunk:
+            return f": at T = {size} it pads {tokens} tokens ({size + tokens} is not a multiple of {chunk})"
+    return ""
 
 
 def _diag_of(y: ir.Value) -> ir.Node | None:
@@ -284,7 +304,7 @@ class _Proof:
         reshape = need(value, "Reshape", f"the chunked {what}")
         pad = need(reshape.inputs[0], "Pad", f"the padded {what}")
         source = pad.inputs[0]
-        self.zero_padded(pad, 1, what)
+        length = self.zero_padded(pad, 1, what)
         source_dims = self.dims(source, what)
         out_dims = self.dims(value, f"the chunked {what}")
         if len(out_dims) != len(source_dims) + 1:
@@ -297,6 +317,19 @@ class _Proof:
         elif chunk != self.chunk:
             raise Refusal(f"{what} is chunked by {chunk} tokens, another operand by {self.chunk}", value)
         self.same_dims([out_dims[0], *out_dims[3:]], [source_dims[0], *source_dims[2:]], f"the chunked {what}", value)
+        # the padding makes every prompt whole chunks: (T + pad) = chunks * Q for every T (else the graph's Reshape
+        # fails for some prompts, and the padding is not the one the chunked algorithm pads by)
+        padded = as_expression(source_dims[1]) if len(source_dims) > 1 else None
+        pad_length = as_expression(length)
+        chunks = as_expression(out_dims[1])
+        total = None if padded is None or pad_length is None else arith.add(padded, pad_length)
+        whole = None if chunks is None else arith.multiply(chunks, arith.QuasiAffine.constant(chunk))
+        if total is None or whole is None or not dims_equal(simplified(total), simplified(whole)):
+            raise Refusal(
+                f"the chunk padding of {what} is not proven to make every prompt a whole number of {chunk}-token"
+                f" chunks{_counterexample(padded, pad_length, chunk)}",
+                pad.outputs[0],
+            )
         return source
 
     def zero_padded(self, pad: ir.Node, axis: int, what: str) -> Dim:
@@ -469,6 +502,10 @@ class _Proof:
         if scores_node is None:
             raise Refusal("the masked scores are not Einsum(C, B) * decays", mul.outputs[0])
         Cc, Bc = scores_node.inputs
+        # the operands' chunking first: the chunk padding's arithmetic decides every chunk-level shape after it
+        xdt = self.chunked(Xc, "x·dt")
+        b_heads = self.chunked(Bc, "B")
+        c_heads = self.chunked(Cc, "C")
         Ah = self.segsum(
             self.exp_of(self.transposed(decay_t, [0, 2, 3, 4, 1], "the decays"), "the decays"), "the decays"
         )
@@ -516,9 +553,13 @@ class _Proof:
                 ) from None
             raise refusal
         pad = need(padded_last, "Pad", "the chunk totals padded by one")
-        amounts = const_ints(pad.inputs[1])
-        if amounts != [0, 0, 1, 0, 0, 0] or (
-            len(pad.inputs) > 2 and pad.inputs[2] is not None and not scalar_is(pad.inputs[2], 0.0)
+        # a constant list, or TorchScript's F.pad list reordered in the graph (fusion/shapes: _shape_matrix)
+        amounts = resolve_shape_tensor(pad.inputs[1], self.aliases)
+        if (
+            amounts != [0, 0, 1, 0, 0, 0]
+            or pad.attributes.get_string("mode", "constant") != "constant"
+            or (len(pad.inputs) > 2 and pad.inputs[2] is not None and not scalar_is(pad.inputs[2], 0.0))
+            or (len(pad.inputs) > 3 and pad.inputs[3] is not None)
         ):
             raise Refusal(f"the chunk totals are padded by {amounts}, not one zero in front", padded_last)
         gather = need(pad.inputs[0], "Gather", "the chunk totals")
@@ -575,10 +616,7 @@ class _Proof:
         if new.is_graph_output():
             raise Refusal("the passed states are a graph output", new)
         # the operands: x·dt, A·dt, B and C by head, chunked alike
-        xdt = self.chunked(Xc, "x·dt")
         adt = self.chunked(Ac, "A·dt")
-        b_heads = self.chunked(Bc, "B")
-        c_heads = self.chunked(Cc, "C")
         x32, d_col = self.product_with_dt(xdt, 4, "x·dt")
         x = self.widened(x32, "x")
         self.t = x.dtype
@@ -727,17 +765,31 @@ class _Proof:
         return producer_of(probe, "Clip", "Where", "Min", "Max") is not None
 
     def time_step(self, d: ir.Value, heads: int) -> tuple[ir.Value, np.ndarray | None, int, float, float]:
-        """Prove d = Clip(Where(v > 20, v, Softplus(v)), lo, hi), v = dt + dt_bias; return dt and the rest."""
+        """Prove d = Clip(Where(v > 20, v, Softplus(v)), lo, hi) or Clip(Softplus(v), lo, hi), v = dt + dt_bias;
+        return dt and the rest."""
         lo, hi, value = self.limits(d)
-        where = need(value, "Where", "softplus(dt)")
-        condition, above, below = where.inputs
-        greater = need(condition, "Greater", "softplus's threshold")
-        v = unit_scaled(greater.inputs[0])
-        if constant_limit(greater.inputs[1]) != SOFTPLUS_THRESHOLD or not same(above, v):
-            raise Refusal("the time step's softplus has another threshold than torch's 20", condition)
-        softplus = need(unit_scaled(below), "Softplus", "softplus(dt)")
-        if not same(unit_scaled(softplus.inputs[0]), v):
-            raise Refusal("softplus(dt) reads another value than its threshold test", below)
+        plain = producer_of(unit_scaled(value), "Softplus")
+        if plain is not None:
+            # TorchScript writes torch's softplus as ONNX's Softplus, log(1 + exp(v)), without the threshold: above
+            # 20 that is v + log1p(exp(-v)), within 2.1e-9 of v, which is far below half an ulp of v (2^-20 in
+            # float32) in every supported type: the threshold is a rounding detail of the same function.
+            v = unit_scaled(plain.inputs[0])
+        else:
+            if producer_of(value, "Where") is None:
+                found = producer_op(strip(value)) or "a graph input or constant"
+                raise Refusal(
+                    f"softplus(dt) is neither Softplus(v) nor torch's Where(v > 20, v, Softplus(v)) (found {found})",
+                    value,
+                )
+            where = need(value, "Where", "softplus(dt)")
+            condition, above, below = where.inputs
+            greater = need(condition, "Greater", "softplus's threshold")
+            v = unit_scaled(greater.inputs[0])
+            if constant_limit(greater.inputs[1]) != SOFTPLUS_THRESHOLD or not same(above, v):
+                raise Refusal("the time step's softplus has another threshold than torch's 20", condition)
+            softplus = need(unit_scaled(below), "Softplus", "softplus(dt)")
+            if not same(unit_scaled(softplus.inputs[0]), v):
+                raise Refusal("softplus(dt) reads another value than its threshold test", below)
         dt, dt_bias = v, None
         add = producer_of(v, "Add")
         if add is not None:
@@ -821,8 +873,9 @@ class _Proof:
         repeated = self.dims(repeat.outputs[0], f"{name}'s repeat")
         expected = [src_dims[0], src_dims[1], groups, heads // groups, state_size]
         if repeat.op_type == "Tile":
-            reps = const_ints(repeat.inputs[1])
-            if reps is None or reps[:3] + reps[4:] != [1, 1, 1, 1]:
+            # constant repeats, or TorchScript's repeat_interleave: Reshape(OneHot([3], 5, [1, H // G]), [-1])
+            reps = resolve_shape_tensor(repeat.inputs[1], self.aliases)
+            if reps is None or len(reps) != 5 or reps[:3] + reps[4:] != [1, 1, 1, 1]:
                 raise Refusal(f"{name}'s repeat tiles {reps}", repeat.outputs[0])
         self.same_dims(repeated, expected, f"{name}'s repeat", repeat.outputs[0])
         self.same_dims(dims, [src_dims[0], src_dims[1], heads, state_size], f"{name} by head", value)

@@ -32,6 +32,7 @@ from fusion.reference._common import DOMAIN
 from fusion.rules import causal_conv1d as prompt_conv_rules
 from fusion.rules import causal_conv1d_update as conv_rules
 from fusion.rules import gated_group_rms_norm as norm_rules
+from fusion.rules import linear_attention_scan as linear_attention_rules
 from fusion.rules import mamba_chunk_scan as scan_rules
 from fusion.rules import selective_state_update as state_rules
 from fusion.rules._log import FusionLog
@@ -144,6 +145,20 @@ CAUSAL_CONV1D = Fusion(
     function_domains=(("ai.onnx.ml", prompt_conv_function.ML_OPSET),),
 )
 
+#: mobius' ``LinearAttention(update_rule="gated")`` run as MambaChunkScan between Transposes of genai's state: faster
+#: on a CPU prompt (1.3-2.2x, benchmarks/RESULTS.md) but 3-4x slower on each decode step, which the same node serves,
+#: and not measured against ORT's CUDA LinearAttention; so not in ``FUSIONS``: a caller opts in with its ``fuse``.
+LINEAR_ATTENTION_SCAN = Fusion(
+    name="linear_attention_scan",
+    op_type="MambaChunkScan",
+    counts="LinearAttention scans",
+    rules=(linear_attention_rules.linear_attention_scan_rules,),
+    fuse=linear_attention_rules.fuse_linear_attention_scan,
+    find_anchors=linear_attention_rules.find_anchors,
+    make_function=scan_function.make_function,
+    min_opset=scan_function.MIN_OPSET,
+)
+
 #: Every fusion, in the order the rewriter tries them in each round (the decode conv before the prompt conv: a decode
 #: step's conv is the update's).
 FUSIONS: tuple[Fusion, ...] = (
@@ -153,6 +168,9 @@ FUSIONS: tuple[Fusion, ...] = (
     MAMBA_CHUNK_SCAN,
     CAUSAL_CONV1D,
 )
+
+#: Fusions that are right but not faster everywhere the fused model runs: never applied by default.
+OPT_IN_FUSIONS: tuple[Fusion, ...] = (LINEAR_ATTENTION_SCAN,)
 
 
 def fusion_of(op_type: str) -> Fusion | None:
@@ -250,8 +268,10 @@ __all__ = [
     "DOMAIN",
     "FUSIONS",
     "GATED_GROUP_RMS_NORM",
+    "LINEAR_ATTENTION_SCAN",
     "MAMBA_CHUNK_SCAN",
     "OPSET_VERSION",
+    "OPT_IN_FUSIONS",
     "SELECTIVE_STATE_UPDATE",
     "AllRulesSet",
     "Fusion",

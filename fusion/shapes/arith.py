@@ -73,6 +73,13 @@ class QuasiAffine:
             pieces.append((a * factor, a * ((r_new - r) // self.period) + b))
         return QuasiAffine(self.symbol, period, tuple(pieces))
 
+    def at(self, size: int) -> int:
+        """Return the value for the symbol equal to ``size`` (>= 1)."""
+        if size < 1 and self.symbol is not None:
+            raise ValueError(f"a symbolic size is >= 1, not {size}")
+        a, b = self.pieces[size % self.period]
+        return a * (size // self.period) + b
+
     def lower_bound(self) -> int | None:
         """Return the minimum over the domain, or None when it decreases without bound."""
         lowest = None

@@ -202,7 +202,17 @@ def resolve_shape_tensor(
             if scalar is not _UNRESOLVED:
                 return [scalar]
             one = int(target.reshape(-1)[0]) == 1 or _proven_one_element(inputs[0], aliases)
-            return [None] if one else None
+            if one:
+                return [None]
+        if resolve_shape_tensor(inputs[1], aliases, depth + 1) == [-1]:
+            # Flattened: a 2-D shape tensor (TorchScript's pad list reordered as a matrix, its repeat_interleave's
+            # OneHot) row by row, or a 1-D one as it is.
+            matrix = _shape_matrix(inputs[0], aliases, depth + 1)
+            if matrix is not None:
+                return [dim for row in matrix for dim in row]
+            operand = _vector(inputs[0], aliases, depth + 1)
+            return None if operand is None else operand[0]
+        return None
     if op == "Cast" and producer.attributes.get_int("to", 0) == ir.DataType.BOOL:
         source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         if source is None:
@@ -226,11 +236,20 @@ def resolve_shape_tensor(
             return None
     if op in (*_ARITHMETIC, "Div", "Mod") and len(inputs) == 2:
         # Elementwise on two one-element tensors (torch's exporter computes a length as Max(Sub(Shape, Shape),
-        # c) this way): one element, the value resolve_scalar follows. Other lengths broadcast: not followed.
-        if not all(_one_element(v, aliases, depth + 1) for v in inputs):
-            return None
-        element = resolve_scalar(value, aliases, depth + 1)
-        return [None if element is _UNRESOLVED else element]
+        # c) this way): one element, the value resolve_scalar follows.
+        if all(_one_element(v, aliases, depth + 1) for v in inputs):
+            element = resolve_scalar(value, aliases, depth + 1)
+            return [None if element is _UNRESOLVED else element]
+        # Longer 1-D tensors, element by element (TorchScript's expand: Mul(ConstantOfShape(n), -1)).
+        return _elementwise(op, [_vector(v, aliases, depth + 1) for v in inputs], producer)
+    if op == "Equal" and len(inputs) == 2:
+        return _elementwise(op, [_vector(v, aliases, depth + 1) for v in inputs], producer)
+    if op == "Where" and len(inputs) == 3:
+        # TorchScript's expand replaces each -1 of its target by 1: Where(Equal(shape, -1s), 1s, shape)
+        return _where([_vector(v, aliases, depth + 1) for v in inputs])
+    if op == "ConstantOfShape" and inputs:
+        shape = _vector(inputs[0], aliases, depth + 1)
+        return None if shape is None or shape[1] else _constant_of_shape(producer, shape[0])
     if op == "Slice":
         source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         starts = constant_array(inputs[1]) if len(inputs) > 1 else None
@@ -243,6 +262,199 @@ def resolve_shape_tensor(
         end = int(ends.reshape(-1)[0])
         end = min(end, len(source)) if end >= 0 else end
         return source[_normalized_slice(len(source), int(starts.reshape(-1)[0]), end)]
+    return None
+
+
+#: Longest shape tensor that ConstantOfShape is followed to (a pad list is twice a rank).
+_MAX_SHAPE_LENGTH = 64
+
+
+def _constant_of_shape(node: ir.Node, shape: list[Dim] | None) -> list[Dim] | None:
+    """ConstantOfShape's elements for a 1-D constant length (TorchScript fills a pad list out with its zeros)."""
+    if shape is None or len(shape) != 1 or not isinstance(shape[0], int) or not 0 <= shape[0] <= _MAX_SHAPE_LENGTH:
+        return None
+    attr = node.attributes.get("value")
+    if attr is None:
+        return None  # float zeros: not a shape tensor
+    fill = attr.as_tensor().numpy()
+    if fill.size != 1 or fill.dtype.kind not in "iub":
+        return None
+    return [int(fill.reshape(-1)[0])] * shape[0]
+
+
+def _vector(
+    value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int
+) -> tuple[list[Dim], bool] | None:
+    """A shape tensor's elements and whether it is a scalar, where its proven dims confirm them: a 1-D tensor of that
+    many elements, or a scalar for one. ``resolve_shape_tensor`` assumes its value is a valid 1-D shape (what its
+    readers require); element-wise ops and a flattening Reshape take tensors of any rank, so they check."""
+    elements = resolve_shape_tensor(value, aliases, depth)
+    if value is None or elements is None or (value.producer() is not None and value not in aliases):
+        return None
+    dims = value_dims(value, aliases)  # proven (ProvenAliases), or a graph input's or initializer's own
+    if dims == [len(elements)]:
+        return elements, False
+    return (elements, True) if dims == [] and len(elements) == 1 else None
+
+
+def _broadcast_lists(operands: Sequence[tuple[list[Dim], bool] | None]) -> list[list[Dim]] | None:
+    """Scalars and 1-D shape tensors of one length, broadcast to it (a 1-D tensor of one element beside a longer one
+    is not followed), or None."""
+    if any(operand is None for operand in operands):
+        return None
+    lengths = {len(elements) for elements, scalar in operands if not scalar}  # type: ignore[misc]
+    if len(lengths) > 1:
+        return None
+    length = lengths.pop() if lengths else 1
+    return [elements if len(elements) == length else elements * length for elements, _ in operands]  # type: ignore[misc]
+
+
+def _provably_different(left: Dim, right: Dim) -> bool:
+    """Whether two dims differ for every size: their difference is bounded away from 0 on one side."""
+    a, b = as_expression(left), as_expression(right)
+    if a is None or b is None:
+        return False
+    for difference in (_arith.add(a, b, sign=-1), _arith.add(b, a, sign=-1)):
+        low = None if difference is None else difference.lower_bound()
+        if low is not None and low >= 1:
+            return True
+    return False
+
+
+def _elementwise(op: str, operands: Sequence[tuple[list[Dim], bool] | None], node: ir.Node) -> list[Dim] | None:
+    """Integer arithmetic (``_ARITHMETIC``, Div, Mod) or Equal (as 0 / 1), element by element, on 1-D shape tensors
+    that broadcast; an element not proven is None."""
+    lists = _broadcast_lists(operands)
+    if lists is None:
+        return None
+    result: list[Dim] = []
+    for left, right in zip(*lists, strict=True):
+        if op == "Equal":
+            equal = 1 if dims_equal(left, right) else 0 if _provably_different(left, right) else None
+            result.append(equal)
+            continue
+        a, b = as_expression(left), as_expression(right)
+        if a is None or b is None:
+            result.append(None)
+            continue
+        if op == "Div":
+            # ONNX integer Div truncates toward zero: equal to the floor only for non-negative operands.
+            low_a, low_b = a.lower_bound(), b.lower_bound()
+            combined = _arith.floor_divide(a, b) if low_a is not None and low_a >= 0 and low_b and low_b >= 1 else None
+        elif op == "Mod":
+            combined = _arith.modulo(a, b) if node.attributes.get_int("fmod", 0) == 0 else None
+        else:
+            combined = _ARITHMETIC[op](a, b)
+        result.append(None if combined is None else simplified(combined))
+    return result
+
+
+def _where(operands: Sequence[tuple[list[Dim], bool] | None]) -> list[Dim] | None:
+    """Where (condition, then, else) on 1-D shape tensors: an element whose condition is not a proven 0 / 1 is None."""
+    lists = _broadcast_lists(operands)
+    if lists is None:
+        return None
+    return [a if c == 1 else b if c == 0 else None for c, a, b in zip(*lists, strict=True)]
+
+
+def _slice_range(length: int, start: int, end: int, step: int) -> range | None:
+    """The indices ONNX Slice takes along an axis of ``length`` (negative steps included), None for step 0."""
+    if step == 0:
+        return None
+    start = start + length if start < 0 else start
+    end = end + length if end < 0 else end
+    if step > 0:
+        return range(min(max(start, 0), length), min(max(end, 0), length), step)
+    return range(min(max(start, 0), length - 1), min(max(end, -1), length - 1), step)
+
+
+def _shape_matrix(
+    value: ir.Value | None, aliases: Mapping[ir.Value, Sequence[Dim]], depth: int
+) -> list[list[Dim]] | None:
+    """The rows of a 2-D int shape tensor, or None.
+
+    TorchScript writes ``F.pad``'s list (torch's order: the last axis first, (begin, end) pairs) in ONNX's order as
+    ``Reshape(Transpose(Slice(Reshape(pads, [-1, 2]), -1::-1 on axis 0), [1, 0]), [-1])``, and torch's
+    ``repeat_interleave`` its repeats as ``OneHot``: a constant 2-D tensor, a 1-D one reshaped to two axes, a Slice
+    of one by constant starts, ends and steps, its transpose and a OneHot of constant indices are followed.
+    """
+    if value is None or depth > _MAX_DEPTH:
+        return None
+    array = constant_array(value)
+    if array is not None:
+        if array.ndim != 2 or array.dtype.kind not in "iu" or array.size > _MAX_FOLDED_ELEMENTS:
+            return None
+        return [[int(v) for v in row] for row in array]
+    producer = value.producer()
+    if producer is None or producer.domain not in ("", "ai.onnx"):
+        return None
+    op, inputs = producer.op_type, producer.inputs
+    if op in ("Cast", "CastLike", "Identity"):
+        return _shape_matrix(inputs[0], aliases, depth + 1) if _keeps_value(producer) else None
+    if op == "Reshape" and len(inputs) > 1:
+        target = _constant_ints(inputs[1])
+        operand = _vector(inputs[0], aliases, depth + 1)
+        if target is None or len(target) != 2 or operand is None or producer.attributes.get_int("allowzero", 0):
+            return None
+        flat = operand[0]
+        rows, columns = target
+        if columns == -1 and rows > 0 and len(flat) % rows == 0:
+            columns = len(flat) // rows
+        elif rows == -1 and columns > 0 and len(flat) % columns == 0:
+            rows = len(flat) // columns
+        if rows < 0 or columns < 0 or rows * columns != len(flat):
+            return None
+        return [flat[r * columns : (r + 1) * columns] for r in range(rows)]
+    if op == "Transpose":
+        matrix = _shape_matrix(inputs[0], aliases, depth + 1)
+        perm = producer.attributes.get("perm")
+        if matrix is None or (perm is not None and list(perm.as_ints()) != [1, 0]):
+            return None
+        return [list(column) for column in zip(*matrix, strict=True)] if matrix else None
+    if op == "Slice" and len(inputs) > 2:
+        matrix = _shape_matrix(inputs[0], aliases, depth + 1)
+        starts, ends = _constant_ints(inputs[1]), _constant_ints(inputs[2])
+        axes = _constant_ints(inputs[3]) if len(inputs) > 3 and inputs[3] is not None else None
+        steps = _constant_ints(inputs[4]) if len(inputs) > 4 and inputs[4] is not None else None
+        if matrix is None or not matrix or starts is None or ends is None or len(starts) != len(ends):
+            return None
+        axes = list(range(len(starts))) if axes is None else _normalized_axes(axes, 2)
+        steps = [1] * len(starts) if steps is None else steps
+        if axes is None or len(axes) != len(starts) or len(steps) != len(starts):
+            return None
+        for axis, start, end, step in zip(axes, starts, ends, steps, strict=True):
+            kept = _slice_range(len(matrix) if axis == 0 else len(matrix[0]), start, end, step)
+            if kept is None:
+                return None
+            matrix = [matrix[i] for i in kept] if axis == 0 else [[row[i] for i in kept] for row in matrix]
+            if not matrix:
+                return None
+        return matrix
+    if op == "OneHot" and len(inputs) == 3:
+        indices = constant_array(inputs[0])
+        depth_value = resolve_shape_tensor(inputs[1], aliases, depth + 1)
+        operand = _vector(inputs[2], aliases, depth + 1)
+        values = None if operand is None or operand[1] else operand[0]
+        if (
+            indices is None
+            or indices.ndim != 1
+            or indices.dtype.kind not in "iu"
+            or producer.attributes.get_int("axis", -1) not in (-1, 1)
+            or depth_value is None
+            or len(depth_value) != 1
+            or not isinstance(depth_value[0], int)
+            or not 1 <= depth_value[0] <= _MAX_SHAPE_LENGTH
+            or values is None
+            or len(values) != 2
+        ):
+            return None
+        size = depth_value[0]
+        off, on = values
+        # ONNX OneHot: index i (i < 0: i + depth) is "on"; an index outside [-depth, depth) gives a row of "off"
+        return [
+            [on if int(i) % size == column and -size <= int(i) < size else off for column in range(size)]
+            for i in indices
+        ]
     return None
 
 
@@ -867,6 +1079,8 @@ def _infer_dims(
         return [len(source[_normalized_slice(len(source), start, None if end_attr is None else end_attr.as_int())])]
     if op == "ConstantOfShape":
         return resolve_shape_tensor(inputs[0], aliases)
+    if op == "OneHot" and len(inputs) == 3:
+        return _one_hot_dims(node, dims(0), resolve_shape_tensor(inputs[1], aliases))
     if op == "Range" and len(inputs) == 3:
         return _range_dims(inputs, aliases)
     if op == "GatherND" and len(inputs) > 1:
@@ -878,6 +1092,18 @@ def _infer_dims(
     if op == "SequenceAt" and len(inputs) > 1:
         return _sequence_at_dims(node, dims_of)
     return None
+
+
+def _one_hot_dims(node: ir.Node, indices: list[Dim] | None, depth: list[Dim] | None) -> list[Dim] | None:
+    """OneHot's output: the indices' dims with the (constant, positive) depth inserted at ``axis``."""
+    if indices is None or depth is None or len(depth) != 1 or not isinstance(depth[0], int) or depth[0] < 1:
+        return None
+    rank = len(indices) + 1
+    axis = node.attributes.get_int("axis", -1)
+    if not -rank <= axis < rank:
+        return None
+    axis = axis + rank if axis < 0 else axis
+    return [*indices[:axis], depth[0], *indices[axis:]]
 
 
 def _own_op_dims(node: ir.Node, index: int, dims_of: Callable[[ir.Value | None], list[Dim] | None]) -> list[Dim] | None:

@@ -1,0 +1,88 @@
+// C entry points to the prefill CUDA launchers (MambaChunkScan, CausalConv1d), for benchmarks that drive the kernels directly
+// (ctypes, with buffers and a stream from PyTorch, inside PyTorch's CUDA graphs, next to other libraries' kernels
+// timed the same way). Built only with MAMBAFUSE_CUDA_TOOLS=ON; not part of the shipped library. Types are ONNX
+// element type numbers (1 float, 10 float16, 16 bfloat16).
+#include <cstdint>
+
+#include "causal_conv1d_launcher.h"
+#include "mamba_chunk_scan_launcher.h"
+
+#define MAMBAFUSE_BENCH_EXPORT extern "C" __attribute__((visibility("default")))
+
+// MambaChunkScan on `stream`. dt_bias, d and initial_state may be null. path: 0 auto, 1 chunked, 2 sequential.
+// Returns a cudaError_t (0 = success), or -1 when CheckMambaChunkScanCudaArgs rejects the arguments.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch(const void* x, const void* dt, const void* dt_bias,
+                                                       const float* a, const void* b, const void* c, const void* d,
+                                                       const void* initial_state, float* out, float* final_state,
+                                                       int type, int d_type, int state_type, int64_t batch,
+                                                       int64_t length, int64_t heads, int64_t head_dim,
+                                                       int64_t groups, int64_t state_size, int softplus,
+                                                       float dt_min, float dt_max, int path, void* stream) {
+  using mambafuse::ElemType;
+  mambafuse::MambaChunkScanCpuArgs args;
+  args.x = x;
+  args.dt = dt;
+  args.dt_bias = dt_bias;
+  args.A = a;
+  args.B = b;
+  args.C = c;
+  args.D = d;
+  args.initial_state = initial_state;
+  args.out = out;
+  args.final_state = final_state;
+  args.type = static_cast<ElemType>(type);
+  args.d_type = static_cast<ElemType>(d_type);
+  args.state_type = static_cast<ElemType>(state_type);
+  args.batch = batch;
+  args.length = length;
+  args.heads = heads;
+  args.head_dim = head_dim;
+  args.groups = groups;
+  args.state_size = state_size;
+  args.dt_softplus = softplus != 0;
+  args.dt_min = dt_min;
+  args.dt_max = dt_max;
+  if (mambafuse::CheckMambaChunkScanCudaArgs(args) != nullptr) return -1;
+  const auto chosen = path == 1   ? mambafuse::ChunkScanCudaPath::kChunked
+                      : path == 2 ? mambafuse::ChunkScanCudaPath::kSequential
+                                  : mambafuse::ChunkScanCudaPath::kAuto;
+  return static_cast<int>(mambafuse::LaunchMambaChunkScan(args, chosen, static_cast<cudaStream_t>(stream)));
+}
+
+// The kernel the launcher runs for these sizes on the current device: 1 chunked, 2 sequential.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_path(int64_t head_dim, int64_t state_size, int path) {
+  mambafuse::MambaChunkScanCpuArgs args;
+  args.head_dim = head_dim;
+  args.state_size = state_size;
+  const auto requested = path == 1   ? mambafuse::ChunkScanCudaPath::kChunked
+                         : path == 2 ? mambafuse::ChunkScanCudaPath::kSequential
+                                     : mambafuse::ChunkScanCudaPath::kAuto;
+  return mambafuse::ResolveChunkScanCudaPath(args, requested) == mambafuse::ChunkScanCudaPath::kChunked ? 1 : 2;
+}
+
+// CausalConv1d on `stream`: x and y [B, L, C] (channels_last) or [B, C, L], weight [C, K], bias and initial_state
+// optional (null), final_state [B, C, S]. Returns a cudaError_t (0 = success), or -1 when CheckCausalConv1dCudaArgs
+// rejects the arguments.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_causal_conv1d_launch(const void* x, const void* weight, const void* bias,
+                                                          const void* initial_state, void* y, void* final_state,
+                                                          int type, int64_t batch, int64_t channels, int64_t length,
+                                                          int64_t state_len, int64_t width, int silu,
+                                                          int channels_last, void* stream) {
+  mambafuse::CausalConv1dCpuArgs args;
+  args.x = x;
+  args.weight = weight;
+  args.bias = bias;
+  args.initial_state = initial_state;
+  args.y = y;
+  args.final_state = final_state;
+  args.type = static_cast<mambafuse::ElemType>(type);
+  args.batch = batch;
+  args.channels = channels;
+  args.length = length;
+  args.state_len = state_len;
+  args.width = width;
+  args.silu = silu != 0;
+  args.channels_last = channels_last != 0;
+  if (mambafuse::CheckCausalConv1dCudaArgs(args) != nullptr) return -1;
+  return static_cast<int>(mambafuse::LaunchCausalConv1d(args, static_cast<cudaStream_t>(stream)));
+}

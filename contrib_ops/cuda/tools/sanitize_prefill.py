@@ -1,0 +1,92 @@
+"""The prefill CUDA kernels (MambaChunkScan's chunked and sequential kernels, CausalConv1d's three) on a list of
+cases, for compute-sanitizer: memcheck (out-of-range global and shared accesses), racecheck (shared-memory
+hazards between the chunked kernel's phases) and synccheck. Launched through libmambafuse_cuda_prefill_bench.so
+on PyTorch's buffers; the results are checked by the pytest suites (tests/test_mamba_chunk_scan_cuda.py,
+tests/test_causal_conv1d_cuda.py): this only runs the kernels.
+
+    compute-sanitizer --tool racecheck python3 contrib_ops/cuda/tools/sanitize_prefill.py <bench lib> [--quick]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import sys
+
+import torch
+
+TYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
+
+
+def main() -> int:
+    lib = ctypes.CDLL(sys.argv[1])
+    quick = "--quick" in sys.argv
+    launch = lib.mambafuse_chunk_scan_launch
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    launch.argtypes = [p] * 10 + [ctypes.c_int] * 3 + [i64] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
+    launch.argtypes += [ctypes.c_int, p]
+    shapes = [(2, 70, 4, 8, 2, 16), (1, 130, 2, 17, 1, 33), (1, 129, 2, 64, 2, 128), (1, 3, 2, 5, 1, 300)]
+    if quick:
+        shapes = shapes[:2]
+    cases = 0
+    for (batch, length, heads, head_dim, groups, n), type_id, path, extras in itertools.product(
+        shapes, TYPES, (1, 2), (False, True)
+    ):
+        t = TYPES[type_id]
+        dev = "cuda"
+        x = torch.randn(batch, length, heads, head_dim, device=dev).to(t)
+        dt = torch.randn(batch, length, heads, device=dev).to(t)
+        bias = torch.randn(heads, device=dev).to(t) if extras else None
+        a = -torch.rand(heads, device=dev) - 0.5
+        bm = torch.randn(batch, length, groups, n, device=dev).to(t)
+        cm = torch.randn(batch, length, groups, n, device=dev).to(t)
+        d = torch.randn(heads, device=dev) if extras else None
+        init = torch.randn(batch, heads, head_dim, n, device=dev).to(t) if extras else None
+        out = torch.empty(batch, length, heads, head_dim, device=dev)
+        state = torch.empty(batch, heads, head_dim, n, device=dev)
+
+        def ptr(v):
+            return None if v is None else v.data_ptr()
+
+        rc = launch(
+            ptr(x), ptr(dt), ptr(bias), ptr(a), ptr(bm), ptr(cm), ptr(d), ptr(init), ptr(out), ptr(state),
+            type_id, 1, type_id, batch, length, heads, head_dim, groups, n, 1, 0.0, float("inf"), path,
+            torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        if rc != 0:
+            print(f"launch failed ({rc}): {(batch, length, heads, head_dim, groups, n)} type {type_id} path {path}")
+            return 1
+        cases += 1
+    conv = lib.mambafuse_causal_conv1d_launch
+    conv.argtypes = [p] * 6 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int] * 2 + [p]
+    conv_shapes = [(2, 16, 37, 4), (1, 5, 3, 4), (1, 24, 70, 3), (3, 8, 1, 4)]
+    for (batch, channels, length, width), type_id, last, extras in itertools.product(
+        conv_shapes, TYPES, (1, 0), (False, True)
+    ):
+        t = TYPES[type_id]
+        dev = "cuda"
+        shape = (batch, length, channels) if last else (batch, channels, length)
+        x = torch.randn(shape, device=dev).to(t)
+        w = torch.randn(channels, width, device=dev).to(t)
+        bias = torch.randn(channels, device=dev).to(t) if extras else None
+        init = torch.randn(batch, channels, width, device=dev).to(t) if extras else None
+        y = torch.empty_like(x)
+        state_len = width if extras else width - 1
+        state = torch.empty(batch, channels, state_len, device=dev).to(t)
+        rc = conv(
+            x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
+            None if init is None else init.data_ptr(), y.data_ptr(), state.data_ptr(), type_id, batch, channels,
+            length, state_len, width, 1, last, torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        if rc != 0:
+            print(f"conv launch failed ({rc}): {(batch, channels, length, width)} type {type_id} last {last}")
+            return 1
+        cases += 1
+    print(f"{cases} launches ran")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

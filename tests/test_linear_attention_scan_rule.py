@@ -1,0 +1,366 @@
+"""fusion/rules/linear_attention_scan.py: a mobius build's ``LinearAttention(update_rule="gated")`` run as
+``MambaChunkScan`` between Transposes of genai's state.
+
+- the mobius form built in code (every group count, prompts of 1, 17 and 150 tokens, an initial state): one node
+  fused, the LinearAttention and its glue gone, and the fused node's outputs within MambaChunkScan's budget
+  (docs/mamba_chunk_scan.md) of the recurrence on the graph's own d, A, x, B and C, as the original's are;
+- a graph that computes something else (another scale, a decay that may grow, a time step that may be negative,
+  groups interleaved instead of repeated, a beta input, an unknown attribute) is refused with that step named,
+  and left unchanged; another update rule is not a candidate;
+- every CPU mobius fixture build: every gated LinearAttention replaced, genai's inputs and outputs unchanged, and
+  a prompt then decode steps (T = 1) fed state to state give the original's outputs within the whole-model
+  tolerance; through onnxruntime-genai the greedy tokens are the default fused folder's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx_ir as ir
+import pytest
+
+import contrib_ops
+from fusion.reference.mamba_chunk_scan import budget_report
+from fusion.rules._log import FusionLog
+from fusion.rules.linear_attention_scan import fuse_linear_attention_scan
+from fusion.rules.registry import FUSIONS, LINEAR_ATTENTION_SCAN, OPT_IN_FUSIONS, attach_functions
+from models.mobius import extract_builds, load_manifest, next_step_inputs, present_name, sample_feeds
+
+F32 = onnx.TensorProto.FLOAT
+MANIFEST = load_manifest()
+RECORDS = {r["stem"]: r for r in MANIFEST["builds"]}
+CPU_BUILDS = sorted(
+    r["stem"] for r in MANIFEST["builds"] if r["target"] == "cpu" and r["dtype"] in ("f32", "f16") and "error" not in r
+)
+GENAI_BUILDS = sorted(
+    r["stem"]
+    for r in MANIFEST["builds"]
+    if r.get("runtime") == "ort-genai" and r["target"] == "cpu" and "error" not in r
+)
+#: Whole-model outputs, fused vs original, max |difference| / max |output| (tests/test_mobius_fixtures.py's bounds).
+MODEL_TOLERANCE = {"f32": 1e-5, "f16": 4e-3}
+DECODE_STEPS = 3
+
+
+# --- the mobius form, built in code ---------------------------------------------------------------------------
+
+
+def mobius_mixer(
+    heads: int = 8,
+    head_dim: int = 4,
+    groups: int = 2,
+    state_size: int = 8,
+    *,
+    scale: float | None = 1.0,
+    clip_min: float | None = 0.001,
+    softplus: bool = True,
+    decay_rate: str = "neg_exp",
+    repeat: str = "expand",
+    update_rule: str = "gated",
+    beta: bool = False,
+    extra_attribute: bool = False,
+) -> onnx.ModelProto:
+    """The scan of one mobius Mamba-2 mixer, node for node as mobius 0.1.0 writes it (tests/fixtures/mobius), from
+    the in_proj's x, dt, B and C to LinearAttention's outputs (genai's present state among them)."""
+    h, p, g, n = heads, head_dim, groups, state_size
+    rng = np.random.default_rng(3)
+    inits = [
+        oh.make_tensor("dt_bias", F32, [h], rng.standard_normal(h).astype(np.float32)),
+        oh.make_tensor("A_log", F32, [h], rng.uniform(-1, 2, h).astype(np.float32)),
+        oh.make_tensor("x_shape", onnx.TensorProto.INT64, [4], [0, 0, h, p]),
+        oh.make_tensor("v_shape", onnx.TensorProto.INT64, [3], [0, 0, h * p]),
+        oh.make_tensor("minus_one", onnx.TensorProto.INT64, [1], [-1]),
+    ]
+    if g != h or repeat != "expand":
+        group_shape, repeats = (
+            ([0, 0, g, 1, n], [1, 1, 1, h // g, 1]) if repeat == "expand" else ([0, 0, 1, g, n], [1, 1, h // g, 1, 1])
+        )
+        inits += [
+            oh.make_tensor("group_shape", onnx.TensorProto.INT64, [5], group_shape),
+            oh.make_tensor("repeat_shape", onnx.TensorProto.INT64, [5], repeats),
+            oh.make_tensor("head_shape", onnx.TensorProto.INT64, [3], [0, 0, h * n]),
+        ]
+    nodes = [oh.make_node("Add", ["dt", "dt_bias"], ["dt_biased"])]
+    nodes.append(
+        oh.make_node("Softplus", ["dt_biased"], ["soft"])
+        if softplus
+        else oh.make_node("Identity", ["dt_biased"], ["soft"])
+    )
+    if clip_min is None:
+        nodes.append(oh.make_node("Identity", ["soft"], ["d"]))
+    else:
+        nodes += [
+            oh.make_node("Constant", [], ["clip_min"], value_float=clip_min),
+            oh.make_node("Clip", ["soft", "clip_min"], ["d"]),
+        ]
+    if decay_rate == "neg_exp":
+        nodes += [oh.make_node("Exp", ["A_log"], ["A_exp"]), oh.make_node("Neg", ["A_exp"], ["A"])]
+    elif decay_rate == "exp":  # a growing state: not Mamba-2's
+        nodes.append(oh.make_node("Exp", ["A_log"], ["A"]))
+    nodes += [
+        oh.make_node("Mul", ["A", "d"], ["decay"]),
+        oh.make_node("Unsqueeze", ["d", "minus_one"], ["d4"]),
+        oh.make_node("Reshape", ["x_flat", "x_shape"], ["x"]),
+        oh.make_node("Mul", ["d4", "x"], ["u"]),
+        oh.make_node("Reshape", ["u", "v_shape"], ["v"]),
+    ]
+    for source, name in (("C_flat", "q"), ("B_flat", "k")):
+        if g == h and repeat == "expand":
+            nodes.append(oh.make_node("Identity", [source], [name]))
+            continue
+        nodes += [
+            oh.make_node("Reshape", [source, "group_shape"], [f"{name}_5"]),
+            oh.make_node("Expand", [f"{name}_5", "repeat_shape"], [f"{name}_e"]),
+            oh.make_node("Reshape", [f"{name}_e", "head_shape"], [name]),
+        ]
+    attributes = dict(update_rule=update_rule, q_num_heads=h, kv_num_heads=h)
+    if scale is not None:
+        attributes["scale"] = scale
+    if extra_attribute:
+        attributes["chunk_size"] = 64
+    inputs = ["q", "k", "v", "past_state", "decay"] + (["beta"] if beta else [])
+    nodes.append(oh.make_node("LinearAttention", inputs, ["o", "present_state"], domain="com.microsoft", **attributes))
+    graph_inputs = [
+        oh.make_tensor_value_info("x_flat", F32, ["batch", "seq", h * p]),
+        oh.make_tensor_value_info("dt", F32, ["batch", "seq", h]),
+        oh.make_tensor_value_info("B_flat", F32, ["batch", "seq", g * n]),
+        oh.make_tensor_value_info("C_flat", F32, ["batch", "seq", g * n]),
+        oh.make_tensor_value_info("past_state", F32, ["batch", h, n, p]),
+    ]
+    if beta:
+        graph_inputs.append(oh.make_tensor_value_info("beta", F32, ["batch", "seq", h]))
+    graph = oh.make_graph(
+        nodes,
+        "mobius_mixer",
+        graph_inputs,
+        [
+            oh.make_tensor_value_info("o", F32, ["batch", "seq", h * p]),
+            oh.make_tensor_value_info("present_state", F32, ["batch", h, n, p]),
+        ],
+        initializer=inits,
+    )
+    model = oh.make_model(
+        graph, opset_imports=[oh.make_opsetid("", 24), oh.make_opsetid("com.microsoft", 1)], ir_version=11
+    )
+    return onnx.shape_inference.infer_shapes(model)  # the value types mobius writes
+
+
+def fuse(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int, FusionLog]:
+    ir_model = ir.from_proto(model)
+    log = FusionLog()
+    count = fuse_linear_attention_scan(ir_model, log)
+    attach_functions(ir_model)
+    return ir.to_proto(ir_model), count, log
+
+
+def mixer_feeds(model: onnx.ModelProto, batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in model.graph.input:
+        shape = [
+            batch if d.dim_param == "batch" else length if d.dim_param == "seq" else d.dim_value
+            for d in value.type.tensor_type.shape.dim
+        ]
+        shift = -2.0 if value.name == "dt" else 0.0
+        feeds[value.name] = (rng.standard_normal(shape) + shift).astype(np.float32)
+    return feeds
+
+
+def graph_scan_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The graph's own d and A (ONNX Runtime's Softplus and Clip, the A it computes) and x, B, C by group."""
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    del probe.graph.output[:]
+    probe.graph.output.extend([oh.make_tensor_value_info(name, F32, None) for name in ("d", "A")])
+    d, A = contrib_ops.session(probe, use_library=False).run(None, feeds)
+    batch, length, _ = feeds["dt"].shape
+    heads, head_dim, state_size = (
+        feeds["past_state"].shape[1],
+        feeds["past_state"].shape[3],
+        feeds["past_state"].shape[2],
+    )
+    groups = feeds["B_flat"].shape[2] // state_size
+    return {
+        "x": feeds["x_flat"].reshape(batch, length, heads, head_dim),
+        "dt": d,
+        "A": A,
+        "B": feeds["B_flat"].reshape(batch, length, groups, state_size),
+        "C": feeds["C_flat"].reshape(batch, length, groups, state_size),
+        "initial_state": np.ascontiguousarray(feeds["past_state"].transpose(0, 1, 3, 2)),
+    }
+
+
+def within_budget(model: onnx.ModelProto, feeds: dict[str, np.ndarray], library: bool) -> tuple[bool, str]:
+    """Run ``model``; return budget_report of its (o, present) against the recurrence on the graph's inputs."""
+    o, present = contrib_ops.session(model, use_library=library).run(None, feeds)
+    inputs = graph_scan_inputs(model, feeds)
+    out = o.reshape(inputs["x"].shape)
+    return budget_report(
+        out,
+        present.transpose(0, 1, 3, 2),
+        inputs["x"],
+        inputs["dt"],
+        None,
+        inputs["A"],
+        inputs["B"],
+        inputs["C"],
+        None,
+        inputs["initial_state"],
+        dt_softplus=0,
+    )
+
+
+def test_the_rule_is_registered_opt_in() -> None:
+    assert LINEAR_ATTENTION_SCAN in OPT_IN_FUSIONS and LINEAR_ATTENTION_SCAN not in FUSIONS
+    assert LINEAR_ATTENTION_SCAN.op_type == "MambaChunkScan"
+
+
+@pytest.mark.parametrize(("heads", "groups"), [(8, 1), (8, 2), (8, 8)])
+@pytest.mark.parametrize("length", [1, 17, 150])
+def test_the_mobius_form_fuses_within_the_budget(heads: int, groups: int, length: int, library: str) -> None:
+    model = mobius_mixer(heads=heads, groups=groups)
+    fused, count, log = fuse(model)
+    assert count == 1, log
+    ops = [n.op_type for n in fused.graph.node]
+    assert "LinearAttention" not in ops and ops.count("MambaChunkScan") == 1
+    assert "Expand" not in ops, "the groups' repeat to heads stays in the fused graph"
+    scan = next(n for n in fused.graph.node if n.op_type == "MambaChunkScan")
+    assert next(a.i for a in scan.attribute if a.name == "dt_softplus") == 0
+    assert [i.name for i in fused.graph.input] == [i.name for i in model.graph.input]
+    assert [o.name for o in fused.graph.output] == [o.name for o in model.graph.output]
+    feeds = mixer_feeds(model, batch=2, length=length)
+    for label, candidate, use_library in (("original", model, False), ("fused", fused, True)):
+        ok, summary = within_budget(candidate, feeds, use_library)
+        assert ok, f"{label}: {summary}"
+
+
+def test_a_prompt_in_pieces_carries_the_state(library: str) -> None:
+    model = mobius_mixer()
+    fused, count, _ = fuse(model)
+    assert count == 1
+    feeds = mixer_feeds(model, batch=1, length=40, seed=5)
+    whole = contrib_ops.session(fused, use_library=True).run(None, feeds)
+    session = contrib_ops.session(fused, use_library=True)
+    state, outs = feeds["past_state"], []
+    for start, end in ((0, 25), (25, 26), (26, 40)):  # a prompt, one decode step, a second prompt
+        piece = {k: v[:, start:end] for k, v in feeds.items() if k != "past_state"} | {"past_state": state}
+        o, state = session.run(None, piece)
+        outs.append(o)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), whole[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(state, whole[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (dict(scale=None), "scale is None, not 1"),
+        (dict(scale=0.5), "scale is 0.5, not 1"),
+        (dict(decay_rate="exp"), "A is not -exp(.)"),
+        (dict(softplus=False), "d is not a Softplus"),
+        (dict(clip_min=-0.5), "Clip limit -0.5 is not a constant >= 0"),
+        (dict(repeat="interleaved"), "not its groups repeated to the heads"),
+        (dict(beta=True), "beta input"),
+        (dict(extra_attribute=True), "attributes the proof does not read: ['chunk_size']"),
+    ],
+)
+def test_a_different_computation_is_refused(change: dict, reason: str) -> None:
+    model = mobius_mixer(**change)
+    fused, count, log = fuse(model)
+    assert count == 0
+    reasons = [record.reason for record in log.chains.values()]
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    assert [n.op_type for n in fused.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def test_another_update_rule_is_not_a_candidate() -> None:
+    fused, count, log = fuse(mobius_mixer(update_rule="linear"))
+    assert count == 0 and not log.chains
+    assert sum(n.op_type == "LinearAttention" for n in fused.graph.node) == 1
+
+
+# --- the mobius fixture builds ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return extract_builds(tmp_path_factory.mktemp("mobius-builds"))
+
+
+def fused_build(source: Path) -> tuple[onnx.ModelProto, onnx.ModelProto, int]:
+    original = onnx.load(source / "model.onnx")  # the weights in memory: the fused copy embeds them
+    fused, count, log = fuse(original)
+    assert not [r.reason for r in log.chains.values() if not r.fused], log
+    return original, fused, count
+
+
+def _io(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    return [(v.name, str(v.type)) for v in [*model.graph.input, *model.graph.output]]
+
+
+def _steps(session, feeds: dict[str, np.ndarray], cache: list[str], tokens: list[int] | None) -> list[dict]:
+    """The prompt step, then DECODE_STEPS decode steps fed the session's own state (the tokens given, or greedy)."""
+    names = [o.name for o in session.get_outputs()]
+    outputs = [dict(zip(names, session.run(None, feeds), strict=True))]
+    step_feeds = feeds
+    for index in range(DECODE_STEPS):
+        step = next_step_inputs(step_feeds, outputs[-1])
+        if tokens is not None:
+            step["input_ids"] = np.array([[tokens[index]]], np.int64)
+        step_feeds = step | {name: outputs[-1][present_name(name)] for name in cache}
+        outputs.append(dict(zip(names, session.run(None, step_feeds), strict=True)))
+    return outputs
+
+
+@pytest.mark.parametrize("stem", CPU_BUILDS)
+def test_every_mobius_scan_replaced_and_outputs_kept(stem: str, builds: Path, library: str) -> None:
+    original, fused, count = fused_build(builds / stem)
+    layers = sum(n.op_type == "LinearAttention" for n in original.graph.node)
+    assert layers == RECORDS[stem]["mamba_layers"] and count == layers
+    assert not any(n.op_type == "LinearAttention" for n in fused.graph.node)
+    assert _io(fused) == _io(original), "genai's inputs and outputs changed"
+    feeds, cache = sample_feeds(builds / stem / "model.onnx", RECORDS[stem]["checkpoint"])
+    reference = _steps(contrib_ops.session(original, use_library=False), feeds, cache, None)
+    tokens = [int(step["logits"][0, -1].astype(np.float32).argmax()) for step in reference[:-1]]
+    got = _steps(contrib_ops.session(fused, use_library=True), feeds, cache, tokens)
+    tolerance = MODEL_TOLERANCE[RECORDS[stem]["dtype"]]
+    for index, (want, have) in enumerate(zip(reference, got, strict=True)):
+        for name, value in want.items():
+            scale = float(np.abs(value.astype(np.float32)).max()) or 1.0
+            difference = float(np.abs(have[name].astype(np.float32) - value.astype(np.float32)).max())
+            assert difference <= tolerance * scale, (
+                f"step {index} ({'prompt' if index == 0 else 'decode'}) {name}: "
+                f"{difference:.3g} > {tolerance} x {scale:.3g}"
+            )
+
+
+@pytest.mark.parametrize("stem", GENAI_BUILDS)
+def test_genai_greedy_tokens_unchanged(stem: str, builds: Path, tmp_path: Path, library: str) -> None:
+    og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+    from fusion import genai as fusion_genai
+    from tests.test_genai import generate
+
+    default = tmp_path / "default"
+    assert fusion_genai.main([str(builds / stem), str(default), "--genai-config-edit"]) == 0
+    opted = tmp_path / "opted"
+    shutil.copytree(default, opted)
+    model = onnx.load(opted / "model.onnx")
+    fused, count, _ = fuse(model)
+    assert count == RECORDS[stem]["mamba_layers"]
+    for data in opted.glob("*.data"):
+        data.unlink()
+    onnx.save(fused, opted / "model.onnx")
+    assert json.loads((opted / "genai_config.json").read_text()) == json.loads(
+        (default / "genai_config.json").read_text()
+    )
+    del og
+    tokens, logits = generate(default)
+    assert len(set(tokens)) > 4, f"degenerate generation {tokens}: the comparison would prove little"
+    opted_tokens, opted_logits = generate(opted)
+    assert opted_tokens == tokens
+    limit = MODEL_TOLERANCE[RECORDS[stem]["dtype"]] * float(np.abs(logits).max())
+    assert float(np.abs(opted_logits - logits).max()) <= limit

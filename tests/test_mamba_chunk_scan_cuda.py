@@ -1,0 +1,253 @@
+"""The CUDA kernels of ai.mambafuse::MambaChunkScan against the op's float64 budget
+(fusion/reference/mamba_chunk_scan.py, ``budget_report``) — not against the CPU kernel: both kernels (the chunked one
+on tensor cores and the sequential one, picked with MAMBAFUSE_CHUNK_SCAN_CUDA), every type and optional input,
+prompt lengths around the chunk size (64), groups and batch, dims that are not multiples of 16 and the real
+widths, the time step's attributes, a prompt in four pieces against the prompt at once, a one-token prompt replayed
+in ORT's CUDA graph, a NaN kept in its head, and bad inputs named.
+
+Needs onnxruntime with the CUDA execution provider, a GPU and the library built with -DMAMBAFUSE_CUDA=ON
+($MAMBAFUSE_LIBRARY). Every session forbids CPU fallback, and the CPU prefill kernels are not registered in a
+GPU-first session, so a library without the CUDA kernel fails here instead of running something else.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import contrib_ops
+from fusion.reference.mamba_chunk_scan import budget_report
+from tests._cuda import CUDA, cuda_problem, with_supported_ir
+from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
+from tests.test_mamba_chunk_scan_kernel import NAMES, OUTPUTS, make_inputs
+
+ort = pytest.importorskip("onnxruntime")
+_problem = cuda_problem(ort)
+pytestmark = pytest.mark.skipif(_problem is not None, reason=str(_problem))
+
+OP = "MambaChunkScan"
+PATH_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA"
+PATHS = ["chunked", "sequential"]
+WARPS_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS"
+
+
+def cuda_session(model: onnx.ModelProto, **provider_options: str) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    return contrib_ops.session(
+        with_supported_ir(model), providers=[(CUDA, provider_options)], session_options=options, use_library=True
+    )
+
+
+def feeds_of(inputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+    """numpy feeds: bfloat16 values enter as float32 (one_node_model casts them on the GPU, exactly)."""
+    return {n: (v.astype(np.float32) if v.dtype == BFLOAT16 else v) for n, v in inputs.items() if v is not None}
+
+
+def run_cuda(inputs: dict[str, np.ndarray | None], **attrs: object) -> list[np.ndarray]:
+    sess = cuda_session(one_node_model(OP, [(n, inputs[n]) for n in NAMES], OUTPUTS, **attrs))
+    return sess.run(None, feeds_of(inputs))
+
+
+def check(inputs: dict[str, np.ndarray | None], **attrs: object) -> list[np.ndarray]:
+    out, state = run_cuda(inputs, **attrs)
+    assert out.dtype == state.dtype == FLOAT
+    ok, summary = budget_report(out, state, **inputs, **attrs)
+    assert ok, summary
+    return [out, state]
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(PATH_VARIABLE, request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("d_kind", ["D-f32", "D-T", "no-D"])
+@pytest.mark.parametrize("state_kind", ["S-f32", "S-T", "no-state"])
+@pytest.mark.parametrize("dt_bias", [True, False], ids=["bias", "no-bias"])
+def test_types_and_optional_inputs(path: str, t: np.dtype, d_kind: str, state_kind: str, dt_bias: bool) -> None:
+    """70 tokens: a full chunk and a short one; P = 8 and N = 16 (the chunked kernel pads P to 16)."""
+    d_type = {"D-f32": FLOAT, "D-T": t, "no-D": None}[d_kind]
+    state_type = {"S-f32": FLOAT, "S-T": t, "no-state": None}[state_kind]
+    rng = np.random.default_rng(1)
+    check(make_inputs(rng, t, dt_bias=dt_bias, d_type=d_type, state_type=state_type))
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 127, 128, 129, 300])
+def test_prompt_lengths(path: str, t: np.dtype, length: int) -> None:
+    check(make_inputs(np.random.default_rng(length), t, length=length, batch=1))
+
+
+@pytest.mark.parametrize(("heads", "groups", "batch"), [(4, 1, 1), (6, 2, 3), (4, 4, 2), (3, 3, 1)])
+def test_groups_and_batch(path: str, heads: int, groups: int, batch: int) -> None:
+    check(make_inputs(np.random.default_rng(heads * 7 + groups), FLOAT16, heads=heads, groups=groups, batch=batch))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "state_size"),
+    [(5, 7), (17, 33), (64, 128), (64, 64), (128, 128), (64, 256), (1, 1)],
+    ids=["5x7", "17x33", "nemotron-64x128", "zamba2-64x64", "128x128", "64x256", "1x1"],
+)
+@pytest.mark.parametrize("t", [FLOAT, BFLOAT16], ids=DTYPE_IDS.get)
+def test_dims(path: str, t: np.dtype, head_dim: int, state_size: int) -> None:
+    """Dims not multiples of 16, the real widths, and sizes whose chunked shared memory does not fit (the kernel
+    then runs the sequential path, whatever was asked)."""
+    rng = np.random.default_rng(head_dim + state_size)
+    check(make_inputs(rng, t, head_dim=head_dim, state_size=state_size, length=150, batch=1, heads=2, groups=1))
+
+
+@pytest.mark.parametrize("t", [FLOAT, FLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize(
+    "attrs", [{"dt_min": 0.01, "dt_max": 0.2}, {"dt_softplus": 0}, {"dt_max": 0.05}], ids=["limits", "raw", "max"]
+)
+def test_time_step_attributes(path: str, t: np.dtype, attrs: dict[str, float]) -> None:
+    rng = np.random.default_rng(5)
+    inputs = make_inputs(rng, t)
+    if attrs.get("dt_softplus") == 0:
+        inputs["dt"] = np.abs(inputs["dt"])  # the budget is defined for a non-negative time step
+    check(inputs, **attrs)
+
+
+def test_time_steps_around_the_softplus_threshold(path: str) -> None:
+    rng = np.random.default_rng(9)
+    inputs = make_inputs(rng, FLOAT16, dt_bias=False)
+    inputs["dt"] = rng.uniform(-12, 24, inputs["dt"].shape).astype(FLOAT16)
+    check(inputs)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+def test_a_prompt_in_pieces_equals_the_prompt_at_once(path: str, t: np.dtype) -> None:
+    """2 × 130 tokens fed in four pieces (two inside one chunk, two across chunk ends), the state carried as float."""
+    rng = np.random.default_rng(3)
+    inputs = make_inputs(rng, t, length=260, state_type=FLOAT)
+    whole_out, whole_state = check(inputs)
+    state = inputs["initial_state"]
+    outs = []
+    for start, stop in [(0, 10), (10, 64), (64, 200), (200, 260)]:
+        piece = dict(inputs)
+        for name in ("x", "dt", "B", "C"):
+            piece[name] = inputs[name][:, start:stop]
+        piece["initial_state"] = state
+        out, state = check(piece)
+        outs.append(out)
+    ok, summary = budget_report(np.concatenate(outs, axis=1), state, **inputs)
+    assert ok, summary
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), whole_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state, whole_state, rtol=1e-4, atol=1e-4)
+
+
+def test_the_two_kernels_agree_at_real_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nemotron-H-8B's head and state widths (P 64, N 128, 16 heads a group), 300 tokens in float16: both kernels
+    within the budget, and within 1e-4 of each other."""
+    rng = np.random.default_rng(11)
+    inputs = make_inputs(rng, FLOAT16, batch=1, length=300, heads=16, head_dim=64, groups=1, state_size=128)
+    results = {}
+    for name in PATHS:
+        monkeypatch.setenv(PATH_VARIABLE, name)
+        results[name] = check(inputs)
+    for a, b in zip(results["chunked"], results["sequential"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("length", [1, 64, 129])
+def test_the_chunked_kernel_with_eight_warps(monkeypatch: pytest.MonkeyPatch, t: np.dtype, length: int) -> None:
+    """The chunked kernel's 8-warp build (a benchmark's comparison), at real widths: staged loads for float16 and
+    bfloat16, plain ones for float."""
+    monkeypatch.setenv(PATH_VARIABLE, "chunked")
+    monkeypatch.setenv(WARPS_VARIABLE, "8")
+    rng = np.random.default_rng(length)
+    check(make_inputs(rng, t, batch=2, length=length, heads=4, head_dim=64, groups=2, state_size=128))
+
+
+def test_misaligned_tensors_take_the_plain_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P = 12 float16 values (24 bytes a row) are not whole 16-byte copies: the kernel loads them one by one."""
+    monkeypatch.setenv(PATH_VARIABLE, "chunked")
+    check(make_inputs(np.random.default_rng(13), FLOAT16, head_dim=12, state_size=40, length=90))
+
+
+def test_a_nan_stays_in_its_head(path: str) -> None:
+    rng = np.random.default_rng(4)
+    inputs = make_inputs(rng, FLOAT, batch=1, length=100, heads=4, groups=2)
+    inputs["dt"][0, 70, 1] = np.nan
+    out, state = run_cuda(inputs)
+    assert np.isnan(out[0, 70:, 1]).all() and np.isnan(state[0, 1]).all()
+    assert not np.isnan(out[0, :64, 1]).any(), "tokens of earlier chunks stay finite"
+    others = [0, 2, 3]
+    assert np.isfinite(out[:, :, others]).all() and np.isfinite(state[:, others]).all()
+    clean = dict(inputs, dt=inputs["dt"].copy())
+    clean["dt"][0, 70, 1] = 0
+    ref_out, ref_state = run_cuda(clean)
+    np.testing.assert_array_equal(out[:, :, others], ref_out[:, :, others])
+    np.testing.assert_array_equal(state[:, others], ref_state[:, others])
+
+
+def test_a_one_token_prompt_in_a_cuda_graph(path: str) -> None:
+    """ORT's CUDA graph: captured at the first Run, replayed with new values written into the bound buffers; every
+    replay's one-token answer is within the budget (a stale or garbled replay is not)."""
+    rng = np.random.default_rng(6)
+    first = make_inputs(rng, FLOAT16, batch=2, length=1, heads=8, head_dim=16, groups=4, state_size=64)
+    sess = cuda_session(one_node_model(OP, [(n, first[n]) for n in NAMES], OUTPUTS), enable_cuda_graph="1")
+    binding = sess.io_binding()
+    bound = {}
+    for name, value in feeds_of(first).items():
+        bound[name] = ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0)
+        binding.bind_ortvalue_input(name, bound[name])
+    out_value = ort.OrtValue.ortvalue_from_shape_and_type(first["x"].shape, np.float32, "cuda", 0)
+    state_value = ort.OrtValue.ortvalue_from_shape_and_type(first["initial_state"].shape, np.float32, "cuda", 0)
+    binding.bind_ortvalue_output("out", out_value)
+    binding.bind_ortvalue_output("final_state", state_value)
+    for step in range(4):
+        inputs = (
+            first
+            if step == 0
+            else make_inputs(rng, FLOAT16, batch=2, length=1, heads=8, head_dim=16, groups=4, state_size=64)
+        )
+        for name, value in feeds_of(inputs).items():
+            bound[name].update_inplace(value)
+        sess.run_with_iobinding(binding)
+        ok, summary = budget_report(out_value.numpy(), state_value.numpy(), **inputs)
+        assert ok, f"replay {step}: {summary}"
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+def test_an_empty_batch_no_state_or_no_head_channels(path: str, t: np.dtype) -> None:
+    """B = 0 and P = 0: empty outputs; N = 0: the output is the skip D·x alone (one float32 product: exact)."""
+    rng = np.random.default_rng(8)
+    out, state = run_cuda(make_inputs(rng, t, batch=0))
+    assert out.shape == (0, 70, 4, 8) and state.shape == (0, 4, 8, 16)
+    inputs = make_inputs(rng, t, state_size=0)
+    out, state = run_cuda(inputs)
+    assert state.shape == (2, 4, 8, 0)
+    skip = inputs["D"].astype(FLOAT)[None, None, :, None] * inputs["x"].astype(FLOAT)
+    np.testing.assert_array_equal(out, skip)
+    out, state = run_cuda(make_inputs(rng, t, head_dim=0))
+    assert out.shape == (2, 70, 4, 0) and state.shape == (2, 4, 0, 16)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda i: i.update(B=i["B"][:, :5]), "B must have shape"),
+        (lambda i: i.update(C=i["C"][:, :, :1]), "B and C must have the same shape"),
+        (lambda i: i.update(A=i["A"].astype(np.float16)), "A must be float"),
+        (lambda i: i.update(dt=i["dt"][:, :, :2]), "dt must have shape"),
+        (lambda i: i.update(initial_state=i["initial_state"][:, :, :3]), "initial_state must have shape"),
+    ],
+    ids=["B-length", "C-shape", "A-type", "dt-shape", "state-shape"],
+)
+def test_bad_inputs_name_the_input(change, message: str) -> None:
+    inputs = make_inputs(np.random.default_rng(2), FLOAT16)
+    change(inputs)
+    with pytest.raises(Exception, match=message):
+        run_cuda(inputs)
+
+
+def test_a_bad_kernel_choice_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PATH_VARIABLE, "tensor")
+    with pytest.raises(Exception, match=PATH_VARIABLE):
+        run_cuda(make_inputs(np.random.default_rng(2), FLOAT16))
