@@ -24,7 +24,7 @@ import contrib_ops
 from fusion._chains import ChainSpec, build_chain, chain_inputs
 from fusion.rewrite import rewrite_model
 from fusion.shapes import arith as _arith
-from fusion.shapes.dims import ForwardShapes, forward_dims
+from fusion.shapes.dims import ForwardShapes, forward_dims, resolve_shape_tensor
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTHS = (1, 2, 3, 4, 5, 15, 16, 17, 31, 33)
@@ -695,6 +695,30 @@ def test_an_element_of_unproven_size_is_not_one_element() -> None:
     inits = [_int("c8", 8), _int("c32", 32), _int("flat", [-1]), _int("one", [1]), _int("axis0", [0])]
     model = _model(nodes, [_x("x", 1, "seq", 8)], "y", inits)
     assert _proven(model, "y") is None
+
+
+def test_an_unsqueezed_vector_is_not_one_element() -> None:
+    """Unsqueeze of a three-element shape is a 1 x 3 tensor, not a one-element shape: a row Gathered from it and
+    flattened is three elements, so the target below is [1, 1, seq, 8] (what ONNX Runtime makes), never a
+    two-element shape."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Unsqueeze", ["shape", "axis0"], ["shape_2d"]),
+        helper.make_node("Gather", ["shape_2d", "first"], ["row"], axis=0),
+        helper.make_node("Reshape", ["row", "flat"], ["row_1d"]),
+        helper.make_node("Concat", ["one", "row_1d"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    inits = [_int("flat", [-1]), _int("one", [1]), _int("axis0", [0]), _int("first", [0])]
+    model = _model(nodes, [_x("x", 1, "seq", 8)], "y", inits)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.run(None, {"x": np.zeros((1, 5, 8), np.float32)})[0].shape == (1, 1, 5, 8)
+    assert _proven(model, "y") in (None, [1, 1, "seq", 8])
+    graph = ir.from_proto(model).graph
+    aliases = ForwardShapes(graph).aliases({})
+    for name in ("shape_2d", "row"):  # 1 x 3 tensors: no one-element claim
+        value = next(v for node in graph for v in node.outputs if v.name == name)
+        assert resolve_shape_tensor(value, aliases) is None, name
 
 
 def _quantized_matmul_model(fmt: str) -> onnx.ModelProto:

@@ -222,9 +222,13 @@ def resolve_shape_tensor(
     if op in ("Cast", "CastLike", "Identity"):
         return resolve_shape_tensor(inputs[0], aliases, depth + 1) if _keeps_value(producer) else None
     if op == "Unsqueeze":
-        # The result is a valid 1-D shape only when the input is a scalar: one element, known or not.
+        # The result is a valid 1-D shape only when the input is a scalar: one element, known or not. A value not
+        # resolved as a scalar counts as one element only where its data or its proven dims say so (a 1-D input
+        # of k elements would make k, which a one-element claim would miscount further on).
         scalar = resolve_scalar(inputs[0], aliases, depth + 1)
-        return [None if scalar is _UNRESOLVED else scalar]
+        if scalar is not _UNRESOLVED:
+            return [scalar]
+        return [None] if _proven_one_element(inputs[0], aliases) else None
     if op == "Gather":
         source = resolve_shape_tensor(inputs[0], aliases, depth + 1)
         indices = constant_array(inputs[1]) if len(inputs) > 1 else None
