@@ -23,6 +23,7 @@ import contrib_ops
 from fusion.reference.causal_conv1d import budget_report
 from tests._cuda import CUDA, cuda_problem, with_supported_ir
 from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
+from tests.test_causal_conv1d_kernel import make_inputs as kernel_inputs
 
 ort = pytest.importorskip("onnxruntime")
 _problem = cuda_problem(ort)
@@ -33,26 +34,11 @@ NAMES = ("x", "weight", "bias", "initial_state")
 
 
 def make_inputs(
-    rng: np.random.Generator,
-    *,
-    t: np.dtype,
-    batch: int = 2,
-    channels: int = 40,
-    length: int = 24,
-    width: int = 4,
-    state_width: int = 4,
-    bias: bool = True,
-    state: bool = True,
-    channels_last: int = 1,
+    rng: np.random.Generator, *, t: np.dtype, channels: int = 40, length: int = 24, **sizes: object
 ) -> dict[str, np.ndarray | None]:
-    """Seeded inputs: x and the state standard normal, the weight and bias at a conv's scale."""
-    x_shape = (batch, length, channels) if channels_last else (batch, channels, length)
-    return {
-        "x": rng.standard_normal(x_shape).astype(t),
-        "weight": (0.3 * rng.standard_normal((channels, 1, width))).astype(t),
-        "bias": (0.1 * rng.standard_normal(channels)).astype(t) if bias else None,
-        "initial_state": rng.standard_normal((batch, channels, state_width)).astype(t) if state else None,
-    }
+    """The CPU kernel tests' seeded inputs (x and the state standard normal, the weight and bias at a conv's scale),
+    with 40 channels (five 8-wide float16 vectors) and 24 tokens by default."""
+    return kernel_inputs(rng, t=t, channels=channels, length=length, **sizes)
 
 
 def cuda_session(model: onnx.ModelProto, profile_prefix: str | None = None, **provider_options: str):
