@@ -37,6 +37,7 @@
 #include <type_traits>
 
 #include "causal_conv1d_launcher.h"
+#include "elem_convert.cuh"
 
 namespace mambafuse {
 namespace {
@@ -62,34 +63,6 @@ struct Params {
   int channels_last;  // the layout, for WindowAt
   int tile;           // ChannelsLastKernel: tokens per block
 };
-
-__device__ __forceinline__ float Widen(float v) { return v; }
-__device__ __forceinline__ float Widen(__half v) { return __half2float(v); }
-__device__ __forceinline__ float Widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T Narrow(float f);
-template <>
-__device__ __forceinline__ float Narrow<float>(float f) {
-  return f;
-}
-template <>
-__device__ __forceinline__ __half Narrow<__half>(float f) {
-  return __float2half_rn(f);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 Narrow<__nv_bfloat16>(float f) {
-  return __float2bfloat16_rn(f);
-}
-
-template <typename T>
-__device__ __forceinline__ float RoundTo(float f) {
-  if constexpr (std::is_same_v<T, float>) {
-    return f;
-  } else {
-    return Widen(Narrow<T>(f));
-  }
-}
 
 // 1 / d within 1 float32 ulp (MUFU.RCP). Callers pass d = 1 + e in [1, 2^116) or NaN: no subnormal in or out.
 __device__ __forceinline__ float ApproxReciprocal(float d) {

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "causal_conv1d_update_launcher.h"
+#include "elem_convert.cuh"
 
 namespace mambafuse {
 namespace {
@@ -36,34 +37,6 @@ struct Params {
   int kernel_size;
   int silu;
 };
-
-__device__ __forceinline__ float Widen(float v) { return v; }
-__device__ __forceinline__ float Widen(__half v) { return __half2float(v); }
-__device__ __forceinline__ float Widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename X>
-__device__ __forceinline__ X Narrow(float f);
-template <>
-__device__ __forceinline__ float Narrow<float>(float f) {
-  return f;
-}
-template <>
-__device__ __forceinline__ __half Narrow<__half>(float f) {
-  return __float2half_rn(f);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 Narrow<__nv_bfloat16>(float f) {
-  return __float2bfloat16_rn(f);
-}
-
-template <typename X>
-__device__ __forceinline__ float RoundTo(float f) {
-  if constexpr (std::is_same_v<X, float>) {
-    return f;
-  } else {
-    return Widen(Narrow<X>(f));
-  }
-}
 
 // The activation of one conv output v (already rounded to T): SiLU as the exported Sigmoid and Mul.
 template <typename T>

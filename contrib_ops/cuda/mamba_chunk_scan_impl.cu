@@ -26,6 +26,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "elem_convert.cuh"
 #include "mamba_chunk_scan_launcher.h"
 
 namespace mambafuse {
@@ -56,21 +57,6 @@ struct Params {
   int p16, n16;  // the chunked kernel's P and N rounded up to 16
   int staged;    // the chunked kernel copies x, B and C asynchronously, 16 bytes at a time
 };
-
-__device__ __forceinline__ float Widen(float v) { return v; }
-__device__ __forceinline__ float Widen(__half v) { return __half2float(v); }
-__device__ __forceinline__ float Widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ float RoundTo(float v) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(__float2half_rn(v));
-  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(__float2bfloat16_rn(v));
-  } else {
-    return v;
-  }
-}
 
 template <typename T>
 __device__ __forceinline__ float Load(const void* p, int64_t i) {
@@ -493,10 +479,16 @@ int SharedOptinLimit() {
   return limit;
 }
 
-bool IsFloatOrT(ElemType t, ElemType type) { return t == ElemType::kFloat || t == type; }
+// The chunked kernel's plan where `requested` and the arguments let it run, read once per launch (it queries the
+// device's shared-memory limit); false: the sequential kernel.
+bool ChunkedPlanFor(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath requested, ChunkedPlan& plan) {
+  if (requested == ChunkScanCudaPath::kSequential || args.head_dim == 0 || args.state_size == 0) return false;
+  return PlanChunked(args, SharedOptinLimit(), plan);
+}
 
+// Launches the chunked kernel with `chunked`'s plan, or the sequential one where it is null.
 template <typename T>
-cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args, ChunkScanCudaPath path,
+cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args, const ChunkedPlan* chunked,
                         cudaStream_t stream) {
   const int64_t blocks = args.batch * args.heads;
   // Above 48 KB of dynamic shared memory a kernel must opt in, per device: a host-side attribute, not a stream
@@ -506,11 +498,8 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
                                                     static_cast<int>(bytes))
                              : cudaSuccess;
   };
-  if (path == ChunkScanCudaPath::kChunked) {
-    ChunkedPlan plan;
-    if (!PlanChunked(args, SharedOptinLimit(), plan)) return cudaErrorInvalidValue;  // resolved before: unreachable
-    Params staged = params;
-    staged.staged = plan.staged;
+  if (chunked != nullptr) {
+    const ChunkedPlan& plan = *chunked;
     // 16 warps by default; MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS=8 runs 8 (a benchmark's comparison).
     const char* warps = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS");
     const bool eight = warps != nullptr && std::strcmp(warps, "8") == 0;
@@ -519,9 +508,9 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
     if (const cudaError_t error = opt_in(kernel, plan.bytes); error != cudaSuccess) return error;
     const dim3 grid(static_cast<unsigned>(blocks));
     if (eight) {
-      ChunkedScan<T, 8><<<grid, 8 * 32, plan.bytes, stream>>>(staged);
+      ChunkedScan<T, 8><<<grid, 8 * 32, plan.bytes, stream>>>(params);
     } else {
-      ChunkedScan<T, 16><<<grid, 16 * 32, plan.bytes, stream>>>(staged);
+      ChunkedScan<T, 16><<<grid, 16 * 32, plan.bytes, stream>>>(params);
     }
   } else {
     const size_t bytes = static_cast<size_t>(kSeqWarps) * static_cast<size_t>(args.state_size) * sizeof(float);
@@ -538,20 +527,16 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
 }  // namespace
 
 ChunkScanCudaPath ResolveChunkScanCudaPath(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath requested) {
-  if (requested == ChunkScanCudaPath::kSequential || args.head_dim == 0 || args.state_size == 0) {
-    return ChunkScanCudaPath::kSequential;
-  }
   ChunkedPlan plan;
-  return PlanChunked(args, SharedOptinLimit(), plan) ? ChunkScanCudaPath::kChunked : ChunkScanCudaPath::kSequential;
+  return ChunkedPlanFor(args, requested, plan) ? ChunkScanCudaPath::kChunked : ChunkScanCudaPath::kSequential;
 }
 
 const char* CheckMambaChunkScanCudaArgs(const MambaChunkScanCpuArgs& a) {
-  if (!IsSupportedElemType(static_cast<int64_t>(a.type))) return "unsupported element type of x";
-  if (!IsFloatOrT(a.d_type, a.type)) return "D's type must be float or x's type";
-  if (!IsFloatOrT(a.state_type, a.type)) return "initial_state's type must be float or x's type";
-  if (a.batch < 0 || a.heads < 0 || a.head_dim < 0 || a.state_size < 0) return "negative dimension";
-  if (a.length < 1) return "the prompt must have at least one token";
-  if (a.groups < 1 || a.heads % a.groups != 0) return "the heads H must be a multiple of the groups G >= 1";
+  // The op's own checks are the CPU kernel's (types, dims, pointers); its chunking fields do not apply here.
+  MambaChunkScanCpuArgs common = a;
+  common.chunk_size = kCudaChunkSize;
+  common.heads_per_block = 1;
+  if (const char* problem = ValidateArgs(common)) return problem;
   constexpr int64_t kIntMax = 0x7fffffff;
   if (a.heads > kIntMax || a.head_dim > kIntMax || a.state_size > kIntMax || a.batch * a.heads > kIntMax) {
     return "a dimension is too large for the CUDA kernel (B·H, H, P and N must be below 2^31)";
@@ -559,11 +544,6 @@ const char* CheckMambaChunkScanCudaArgs(const MambaChunkScanCpuArgs& a) {
   if (static_cast<int64_t>(kSeqWarps) * a.state_size * 4 > 227 * 1024) {
     return "the state size N is too large for the CUDA kernel (at most 14528)";
   }
-  if (a.batch * a.heads == 0) return nullptr;
-  if (a.dt == nullptr || a.A == nullptr) return "null data pointer";
-  if (a.state_size > 0 && (a.B == nullptr || a.C == nullptr)) return "null data pointer";
-  if (a.head_dim > 0 && (a.x == nullptr || a.out == nullptr)) return "null data pointer";
-  if (a.head_dim * a.state_size > 0 && a.final_state == nullptr) return "null data pointer";
   return nullptr;
 }
 
@@ -593,14 +573,16 @@ cudaError_t LaunchMambaChunkScan(const MambaChunkScanCpuArgs& args, ChunkScanCud
   params.dt_max = args.dt_max;
   params.p16 = static_cast<int>(RoundUp16(args.head_dim));
   params.n16 = static_cast<int>(RoundUp16(args.state_size));
-  path = ResolveChunkScanCudaPath(args, path);
+  ChunkedPlan plan;
+  const ChunkedPlan* chunked = ChunkedPlanFor(args, path, plan) ? &plan : nullptr;
+  params.staged = chunked != nullptr && plan.staged;
   switch (args.type) {
     case ElemType::kFloat16:
-      return LaunchTyped<__half>(params, args, path, stream);
+      return LaunchTyped<__half>(params, args, chunked, stream);
     case ElemType::kBFloat16:
-      return LaunchTyped<__nv_bfloat16>(params, args, path, stream);
+      return LaunchTyped<__nv_bfloat16>(params, args, chunked, stream);
     default:
-      return LaunchTyped<float>(params, args, path, stream);
+      return LaunchTyped<float>(params, args, chunked, stream);
   }
 }
 

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "elem_convert.cuh"
 #include "selective_state_update_launcher.h"
 
 namespace mambafuse {
@@ -80,34 +81,6 @@ void LaunchTyped(const Params& params, const SelectiveStateUpdateLaunch& launch,
 #if defined(MAMBAFUSE_SSU_T)
 
 // --- conversions (exact widening, round-to-nearest-even narrowing) ---------------------------------
-__device__ __forceinline__ float Widen(float v) { return v; }
-__device__ __forceinline__ float Widen(__half v) { return __half2float(v); }
-__device__ __forceinline__ float Widen(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename X>
-__device__ __forceinline__ X Narrow(float f);
-template <>
-__device__ __forceinline__ float Narrow<float>(float f) {
-  return f;
-}
-template <>
-__device__ __forceinline__ __half Narrow<__half>(float f) {
-  return __float2half_rn(f);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 Narrow<__nv_bfloat16>(float f) {
-  return __float2bfloat16_rn(f);
-}
-
-template <typename X>
-__device__ __forceinline__ float RoundTo(float f) {
-  if constexpr (std::is_same_v<X, float>) {
-    return f;
-  } else {
-    return Widen(Narrow<X>(f));
-  }
-}
-
 // kN elements of X in one aligned access (16 bytes for the state, 8 or 16 for B and C).
 template <typename X, int kN>
 struct alignas(sizeof(X) * kN) Pack {
