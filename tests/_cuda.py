@@ -1,11 +1,17 @@
-"""Whether ONNX Runtime can run the CUDA execution provider here: one check for every GPU test module."""
+"""Whether ONNX Runtime can run the CUDA execution provider here (one check for every GPU test module), and the
+sessions and feeds the CUDA kernel tests share."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
+import numpy as np
 import onnx
 import onnx.helper as oh
+
+import contrib_ops
+from fusion.reference._bounds import bfloat16
 
 CUDA = "CUDAExecutionProvider"
 
@@ -39,3 +45,23 @@ def cuda_problem(ort) -> str | None:
     except Exception as error:  # noqa: BLE001
         return f"the CUDA execution provider cannot create a session: {str(error).splitlines()[0][:300]}"
     return None
+
+
+def cuda_session(model: onnx.ModelProto, profile_prefix: str | None = None, **provider_options: str):
+    """A CUDA session with the library and no CPU fallback (a node without a CUDA kernel fails the session)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return contrib_ops.session(
+        with_supported_ir(model), providers=[(CUDA, provider_options)], session_options=options, use_library=True
+    )
+
+
+def feeds_of(inputs: Iterable[tuple[str, np.ndarray | None]]) -> dict[str, np.ndarray]:
+    """numpy feeds of (name, value) pairs, absent ones left out: bfloat16 values enter as float32 (the tests'
+    one-node models cast them on the GPU, exactly)."""
+    return {name: (v.astype(np.float32) if v.dtype == bfloat16 else v) for name, v in inputs if v is not None}

@@ -19,10 +19,9 @@ import numpy as np
 import onnx
 import pytest
 
-import contrib_ops
 from fusion.reference.causal_conv1d import budget_report
-from tests._cuda import CUDA, cuda_problem, with_supported_ir
-from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
+from tests._cuda import CUDA, cuda_problem, cuda_session, feeds_of
+from tests._decode_step import DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
 from tests.test_causal_conv1d_kernel import make_inputs as kernel_inputs
 
 ort = pytest.importorskip("onnxruntime")
@@ -41,23 +40,6 @@ def make_inputs(
     return kernel_inputs(rng, t=t, channels=channels, length=length, **sizes)
 
 
-def cuda_session(model: onnx.ModelProto, profile_prefix: str | None = None, **provider_options: str):
-    """A CUDA session with the library and no CPU fallback (a node without a CUDA kernel fails the session)."""
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    if profile_prefix is not None:
-        options.enable_profiling = True
-        options.profile_file_prefix = profile_prefix
-    return contrib_ops.session(
-        with_supported_ir(model), providers=[(CUDA, provider_options)], session_options=options, use_library=True
-    )
-
-
-def feeds_of(inputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
-    """numpy feeds: bfloat16 values enter as float32 (one_node_model casts them on the GPU, exactly)."""
-    return {n: (v.astype(np.float32) if v.dtype == BFLOAT16 else v) for n, v in inputs.items() if v is not None}
-
-
 def node_model(inputs: dict[str, np.ndarray | None], **attrs: object) -> onnx.ModelProto:
     t = inputs["x"].dtype
     return one_node_model(OP, [(n, inputs[n]) for n in NAMES], [("y", t), ("final_state", t)], **attrs)
@@ -66,7 +48,7 @@ def node_model(inputs: dict[str, np.ndarray | None], **attrs: object) -> onnx.Mo
 def run_cuda(inputs: dict[str, np.ndarray | None], **attrs: object) -> list[np.ndarray]:
     """Return (y, final_state) of the op on the CUDA EP, in x's type."""
     t = inputs["x"].dtype
-    results = cuda_session(node_model(inputs, **attrs)).run(None, feeds_of(inputs))
+    results = cuda_session(node_model(inputs, **attrs)).run(None, feeds_of(inputs.items()))
     return [r.astype(t) for r in results]
 
 
@@ -193,7 +175,7 @@ def test_one_run_in_a_cuda_graph():
     sess = cuda_session(node_model(first, state_width=4), enable_cuda_graph="1")
     binding = sess.io_binding()
     bound = {}
-    for name, value in feeds_of(first).items():
+    for name, value in feeds_of(first.items()).items():
         bound[name] = ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0)
         binding.bind_ortvalue_input(name, bound[name])
     y_value = ort.OrtValue.ortvalue_from_shape_and_type(first["x"].shape, np.float16, "cuda", 0)
@@ -202,7 +184,7 @@ def test_one_run_in_a_cuda_graph():
     binding.bind_ortvalue_output("final_state", state_value)
     for step in range(3):
         inputs = first if step == 0 else make_inputs(rng, t=FLOAT16, batch=1, channels=64, length=40)
-        for name, value in feeds_of(inputs).items():
+        for name, value in feeds_of(inputs.items()).items():
             bound[name].update_inplace(value)
         sess.run_with_iobinding(binding)
         ok, message = budget_report(y_value.numpy(), state_value.numpy(), *(inputs[n] for n in NAMES), state_width=4)
@@ -214,7 +196,7 @@ def test_the_node_runs_on_the_cuda_provider(tmp_path: Path):
     function body: the one-node model has none)."""
     inputs = make_inputs(np.random.default_rng(3), t=FLOAT16)
     sess = cuda_session(node_model(inputs, state_width=4), profile_prefix=str(tmp_path / "profile"))
-    sess.run(None, feeds_of(inputs))
+    sess.run(None, feeds_of(inputs.items()))
     events = json.loads(Path(sess.end_profiling()).read_text())
     providers = {
         e["args"].get("provider") for e in events if e.get("cat") == "Node" and e.get("args", {}).get("op_name") == OP
@@ -239,7 +221,7 @@ def test_bad_inputs_are_errors(case):
     change(inputs)
     model = one_node_model(OP, [(n, inputs[n]) for n in NAMES], [("y", FLOAT), ("final_state", FLOAT)], state_width=4)
     with pytest.raises(Exception, match=f"CausalConv1d: .*{message}"):
-        cuda_session(model).run(None, feeds_of(inputs))
+        cuda_session(model).run(None, feeds_of(inputs.items()))
 
 
 def test_state_width_below_the_kernel_is_an_error():

@@ -24,15 +24,13 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 
-import contrib_ops
 from fusion.reference.causal_conv1d_update import budget_report as conv_budget_report
 from fusion.reference.causal_conv1d_update import causal_conv1d_update
 from fusion.reference.selective_state_update import budget_report as ssu_budget_report
 from fusion.reference.selective_state_update import selective_state_update
-from tests._cuda import CUDA, cuda_problem, with_supported_ir
+from tests._cuda import cuda_problem, cuda_session, feeds_of
 from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
 from tests.test_selective_state_update_special import special_cases
 
@@ -54,19 +52,6 @@ SSU_NAMES = ("state", "x", "dt", "dt_bias", "A", "B", "C", "D")
 CONV_NAMES = ("x", "conv_state", "weight", "bias")
 TYPE_COMBOS = [(t, s) for t in DTYPES for s in dict.fromkeys((FLOAT, t))]
 TYPE_IDS = [f"T{DTYPE_IDS[t]}-S{DTYPE_IDS[s]}" for t, s in TYPE_COMBOS]
-
-
-def cuda_session(model: onnx.ModelProto, **provider_options: str) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    return contrib_ops.session(
-        with_supported_ir(model), providers=[(CUDA, provider_options)], session_options=options, use_library=True
-    )
-
-
-def feeds_of(inputs: list[tuple[str, np.ndarray | None]]) -> dict[str, np.ndarray]:
-    """numpy feeds: bfloat16 values enter as float32 (one_node_model casts them on the GPU, exactly)."""
-    return {name: (v.astype(np.float32) if v.dtype == BFLOAT16 else v) for name, v in inputs if v is not None}
 
 
 def run_cuda(op: str, inputs: list[tuple[str, np.ndarray | None]], outputs: list[tuple[str, np.dtype]], **attrs):

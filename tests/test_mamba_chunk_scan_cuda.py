@@ -13,12 +13,10 @@ GPU-first session, so a library without the CUDA kernel fails here instead of ru
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 
-import contrib_ops
 from fusion.reference.mamba_chunk_scan import budget_report
-from tests._cuda import CUDA, cuda_problem, with_supported_ir
+from tests._cuda import cuda_problem, cuda_session, feeds_of
 from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
 from tests.test_mamba_chunk_scan_kernel import NAMES, OUTPUTS, make_inputs
 
@@ -32,22 +30,9 @@ PATHS = ["chunked", "sequential"]
 WARPS_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS"
 
 
-def cuda_session(model: onnx.ModelProto, **provider_options: str) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    return contrib_ops.session(
-        with_supported_ir(model), providers=[(CUDA, provider_options)], session_options=options, use_library=True
-    )
-
-
-def feeds_of(inputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
-    """numpy feeds: bfloat16 values enter as float32 (one_node_model casts them on the GPU, exactly)."""
-    return {n: (v.astype(np.float32) if v.dtype == BFLOAT16 else v) for n, v in inputs.items() if v is not None}
-
-
 def run_cuda(inputs: dict[str, np.ndarray | None], **attrs: object) -> list[np.ndarray]:
     sess = cuda_session(one_node_model(OP, [(n, inputs[n]) for n in NAMES], OUTPUTS, **attrs))
-    return sess.run(None, feeds_of(inputs))
+    return sess.run(None, feeds_of(inputs.items()))
 
 
 def check(inputs: dict[str, np.ndarray | None], **attrs: object) -> list[np.ndarray]:
@@ -194,7 +179,7 @@ def test_a_one_token_prompt_in_a_cuda_graph(path: str) -> None:
     sess = cuda_session(one_node_model(OP, [(n, first[n]) for n in NAMES], OUTPUTS), enable_cuda_graph="1")
     binding = sess.io_binding()
     bound = {}
-    for name, value in feeds_of(first).items():
+    for name, value in feeds_of(first.items()).items():
         bound[name] = ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0)
         binding.bind_ortvalue_input(name, bound[name])
     out_value = ort.OrtValue.ortvalue_from_shape_and_type(first["x"].shape, np.float32, "cuda", 0)
@@ -207,7 +192,7 @@ def test_a_one_token_prompt_in_a_cuda_graph(path: str) -> None:
             if step == 0
             else make_inputs(rng, FLOAT16, batch=2, length=1, heads=8, head_dim=16, groups=4, state_size=64)
         )
-        for name, value in feeds_of(inputs).items():
+        for name, value in feeds_of(inputs.items()).items():
             bound[name].update_inplace(value)
         sess.run_with_iobinding(binding)
         ok, summary = budget_report(out_value.numpy(), state_value.numpy(), **inputs)

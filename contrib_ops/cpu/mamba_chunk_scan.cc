@@ -14,16 +14,6 @@ namespace {
 
 constexpr const char* kOp = "MambaChunkScan";
 
-struct ParallelWork {
-  const MambaChunkScanCpuArgs* args;
-};
-
-void RunItem(void* user_data, size_t item) {
-  const auto& work = *static_cast<const ParallelWork*>(user_data);
-  const auto i = static_cast<int64_t>(item);
-  MambaChunkScanCpu(*work.args, i, i + 1);
-}
-
 std::string TypeName(int64_t type) { return ElemTypeName(type); }
 
 // The items the heads are split into: four per hardware thread, so that ORT's pool (whatever its size up to the
@@ -198,12 +188,7 @@ OrtStatusPtr MambaChunkScanCpuKernel::ComputeV2(OrtKernelContext* raw_context) {
     if (const char* problem = ValidateArgs(args)) return OpError(kOp, problem);
     if (args.batch * args.heads == 0) return Ort::Status{};
     const int64_t items = ChunkScanItemCount(args);
-    if (items == 1) {
-      MambaChunkScanCpu(args, 0, 1);
-      return Ort::Status{};
-    }
-    ParallelWork work{&args};
-    context.ParallelFor(&RunItem, static_cast<size_t>(items), static_cast<size_t>(items), &work);
+    RunInChunks(context, &MambaChunkScanCpu, args, items, items);  // one item a task
     return Ort::Status{};
   });
 }
