@@ -56,6 +56,19 @@ def without_output_identity(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+def status_kb(field: str) -> int:
+    """A field of this process's /proc/self/status in kB (VmRSS: the resident set; VmHWM: its high-water mark)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Reset this process's resident-set high-water mark (VmHWM) to the current resident set (Linux)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def environment_line(threads: int) -> str:
     """Return one line saying where the numbers come from."""
     env = report.environment(threads)

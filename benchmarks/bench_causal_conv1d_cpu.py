@@ -10,6 +10,8 @@ One process, one setup per width, the variants interleaved, at 1 and 2 intra-op 
   Transpose back);
 - ORT: ``com.microsoft::CausalConvWithState(activation="silu")`` on the same work in its channels-first layout
   (``(B, C, L)`` in and out, no Transposes: it does less than the chain; float only);
+- ORT, mobius form: the same node between the two Transposes a mobius build writes around it (``(B, L, C)`` in and
+  out): what ``--opt-in causal_conv_with_state`` replaces with the fused node (float only);
 - copy: ORT's ``Identity`` of x (one read, one write of the bytes the op must move at least), the floor.
 
 Outputs are bound to preallocated buffers (IO binding).
@@ -84,6 +86,23 @@ def conv_models(conv_dim: int, width: int, t: int, batch: int, length: int) -> d
             [_vi("y", t, [batch, conv_dim, length])],
             ms=True,
         )
+        models["ORT CausalConvWithState, mobius form"] = _model(
+            [
+                *zero_state,
+                oh.make_node("Transpose", ["x"], ["x_cf"], perm=[0, 2, 1]),
+                oh.make_node(
+                    "CausalConvWithState",
+                    ["x_cf", "weight", "bias", "zero_state"],
+                    ["y_cf", "present_state"],
+                    domain="com.microsoft",
+                    activation="silu",
+                ),
+                oh.make_node("Transpose", ["y_cf"], ["y"], perm=[0, 2, 1]),
+            ],
+            [x, weight, bias],
+            [y],
+            ms=True,
+        )
     return models
 
 
@@ -121,7 +140,7 @@ def main() -> None:
                     runners = {}
                     for name, model in {"fused": models["fused"], "function": models["fused"], **models}.items():
                         f = {"x": x} if name == "copy" else dict(feeds)
-                        if name.startswith("ORT"):
+                        if name == "ORT CausalConvWithState":  # its channels-first layout
                             f["x"] = np.ascontiguousarray(x.transpose(0, 2, 1))
                         runners[name] = bound_runner(model, threads, name == "fused", f)
                     times = interleaved(runners, args.repeats)
@@ -129,7 +148,7 @@ def main() -> None:
                     for name, ts in times.items():
                         row = (
                             f"| {w.name} | {w.conv_dim} | {length} | {NAMES[t]} | {threads} | {name} "
-                            f"| {min(ts) / 1e3:.2f} | {np.median(ts) / 1e3:.2f} | {np.median(ts) / fused_median:.2f}x |"
+                            f"| {min(ts) / 1e3:.3f} | {np.median(ts) / 1e3:.3f} | {np.median(ts) / fused_median:.2f}x |"
                         )
                         print(row, flush=True)
                         lines.append(row)

@@ -49,7 +49,7 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 
-from benchmarks._common import append_results, environment_line
+from benchmarks._common import append_results, environment_line, reset_peak_rss, status_kb
 from benchmarks.bench_selective_state_update_cpu import bound_runner, measure
 
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
@@ -354,13 +354,6 @@ def peak_memory_mb(model: onnx.ModelProto, feeds: dict[str, np.ndarray], threads
     return json.loads(result.stdout.strip().splitlines()[-1])["peak_mb"]
 
 
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def memory_child(model_path: str, feeds_path: str, threads: int, library: bool) -> None:
     import onnxruntime as ort
 
@@ -370,10 +363,10 @@ def memory_child(model_path: str, feeds_path: str, threads: int, library: bool) 
     options.intra_op_num_threads = threads
     sess = contrib_ops.session(model_path, session_options=options, use_library=library)
     feeds = dict(np.load(feeds_path))
-    before = _status_kb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
+    before = status_kb("VmRSS")
+    reset_peak_rss()
     sess.run(None, feeds)
-    print(json.dumps({"peak_mb": (_status_kb("VmHWM") - before) / 1024}))
+    print(json.dumps({"peak_mb": (status_kb("VmHWM") - before) / 1024}))
 
 
 def _ms(value: float) -> str:

@@ -55,7 +55,7 @@ from typing import Any
 
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
 from fusion.progress import progress, track
-from fusion.rewrite import Report, rewrite_model
+from fusion.rewrite import Report, add_opt_in_argument, rewrite_model
 
 CONFIG_NAME = "genai_config.json"
 
@@ -168,8 +168,10 @@ def fuse_folder(
     function: bool = True,
     library: bool = True,
     genai_config_edit: bool | None = None,
+    opt_in: Sequence[str] = (),
 ) -> tuple[Report, dict[str, Any]]:
     """Write OUT_FOLDER from a genai model folder (module docstring); return the rewrite report and a summary.
+    ``opt_in``: the opt-in fusions to run too (``rewrite_model``'s).
 
     ``genai_config_edit``: None (the default) edits the config when genai 0.18 does not know the model
     type, True requires the edit, False keeps the config's model type. ``library=False`` writes no
@@ -215,7 +217,7 @@ def fuse_folder(
             ) from None
     # The input model and its data files are replaced by the fused model and its own data file.
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
-    fused, report = rewrite_model(model, function=function)
+    fused, report = rewrite_model(model, function=function, opt_in=opt_in)
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
     try:
@@ -364,6 +366,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="write that config edit alone, no fusion: the folder with its model unfused and no library, which "
         "genai 0.18 can load (the baseline to compare the fused folder with)",
     )
+    add_opt_in_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--debug", action="store_true", help="tracebacks for unexpected errors")
     return parser
@@ -381,6 +384,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
                 ("--no-library", args.no_library),
                 ("--no-function", args.no_function),
                 ("--keep-model-type", args.keep_model_type),
+                ("--opt-in", bool(args.opt_in)),
             )
             if given
         ]
@@ -399,6 +403,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
                     function=not args.no_function,
                     library=not args.no_library,
                     genai_config_edit=edit,
+                    opt_in=args.opt_in,
                 )
     except Interrupted as interrupted:
         print(f"{prog}: interrupted ({interrupted}); no output folder was written", file=sys.stderr)

@@ -694,13 +694,18 @@ def _unit_transposes(model: ir.Model) -> tuple[dict[str, int], list[str]]:
 
 
 def optimize_model(
-    model: ModelT, *, ort_fusions: bool = True, function: bool = True, assume_equal_widths: bool = False
+    model: ModelT,
+    *,
+    ort_fusions: bool = True,
+    function: bool = True,
+    assume_equal_widths: bool = False,
+    opt_in: Sequence[str] = (),
 ) -> tuple[ModelT, OptimizeReport]:
     """Return ``model`` optimized for ONNX Runtime, and an OptimizeReport.
 
-    Passes, in order: every mambafuse fusion (``rewrite_model``, with ``function`` and ``assume_equal_widths`` as
-    there), on the graph as given; onnxscript's ORT fusions (``optimize_for_ort``'s, one at a time, each undone
-    with its reason when it leaves a graph ONNX Runtime would refuse or cannot load; skipped with
+    Passes, in order: every mambafuse fusion (``rewrite_model``, with ``function``, ``assume_equal_widths`` and
+    ``opt_in`` as there), on the graph as given; onnxscript's ORT fusions (``optimize_for_ort``'s, one at a time,
+    each undone with its reason when it leaves a graph ONNX Runtime would refuse or cannot load; skipped with
     ``ort_fusions=False``); mambafuse's decode attention fusion (GroupQueryAttention, with the chains it refused
     and why); every mambafuse fusion again, for chains the passes before made provable; the float16 residual norms
     (after the mambafuse fusions, whose nodes carry a symbolic batch to the residual Adds) and the unit-axis
@@ -715,7 +720,11 @@ def optimize_model(
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
         ir_model, report = optimize_model(
-            ir.from_proto(copy), ort_fusions=ort_fusions, function=function, assume_equal_widths=assume_equal_widths
+            ir.from_proto(copy),
+            ort_fusions=ort_fusions,
+            function=function,
+            assume_equal_widths=assume_equal_widths,
+            opt_in=opt_in,
         )
         return ir.to_proto(ir_model), report
     report = OptimizeReport()
@@ -724,7 +733,7 @@ def optimize_model(
     # rewrite some chains into spellings the rules do not prove (Falcon-H1's grouped norm, whose RMS their
     # rms_normalization takes). A chain fusable only after them is fused in a second mambafuse pass.
     before = _node_count(model)
-    model, first = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
+    model, first = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths, opt_in=opt_in)
     report.passes.append(
         PassResult("mambafuse", fused=_fused_ops(first), nodes_before=before, nodes_after=_node_count(model))
     )
@@ -738,7 +747,7 @@ def optimize_model(
     report.passes.append(result)
     report.passes.append(_own_pass("mambafuse attention", model, _attention))
     before = _node_count(model)
-    model, second = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths)
+    model, second = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths, opt_in=opt_in)
     if second.fused or second.decode_fused:
         report.passes.append(
             PassResult(
@@ -890,6 +899,7 @@ def _transform(model: ir.Model, args) -> tuple[ir.Model, OptimizeReport]:
         ort_fusions=not args.no_ort_fusions,
         function=not args.no_function,
         assume_equal_widths=args.assume_equal_widths,
+        opt_in=args.opt_in,
     )
 
 

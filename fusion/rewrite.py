@@ -151,13 +151,19 @@ def _node_count(model: ir.Model) -> int:
 
 
 def rewrite_model(
-    model: ModelT, *, function: bool = True, assume_equal_widths: bool = False, decode_steps: bool = True
+    model: ModelT,
+    *,
+    function: bool = True,
+    assume_equal_widths: bool = False,
+    decode_steps: bool = True,
+    opt_in: Sequence[str] = (),
 ) -> tuple[ModelT, Report]:
     """Return ``model`` with the chains of every registry op fused, and a Report.
 
     With ``decode_steps`` (the default) every op of the registry is fused (fusion/rules/registry.py: the gated
     norm, CausalConv1dUpdate and SelectiveStateUpdate, in rounds); ``decode_steps=False`` fuses the gated norm
-    alone.
+    alone. ``opt_in`` names fusions of ``registry.OPT_IN_FUSIONS`` to run as well (``--opt-in``): right, but not
+    faster everywhere the model runs (a ValueError names the choices for another name).
 
     A ModelProto is left untouched (a new one is returned). An ``ir.Model`` is rewritten in place and
     returned (copying it would load lazily-read external weights). With ``function``, fused models
@@ -173,7 +179,11 @@ def rewrite_model(
     if isinstance(model, onnx.ModelProto):
         ir_model = ir.from_proto(model)
         _, report = rewrite_model(
-            ir_model, function=function, assume_equal_widths=assume_equal_widths, decode_steps=decode_steps
+            ir_model,
+            function=function,
+            assume_equal_widths=assume_equal_widths,
+            decode_steps=decode_steps,
+            opt_in=opt_in,
         )
         if report.fused == 0 and report.decode_fused == 0:
             unchanged = onnx.ModelProto()
@@ -181,6 +191,7 @@ def rewrite_model(
             return unchanged, report
         return ir.to_proto(ir_model), report
 
+    opted = opt_in_fusions(opt_in)
     opset = _onnx_opset(model)
     report = Report(nodes_before=_node_count(model))
     if model.opset_imports.get(DOMAIN, fused_function.OPSET_VERSION) != fused_function.OPSET_VERSION:
@@ -203,9 +214,10 @@ def rewrite_model(
             inference_log.setLevel(previous_level)
         _check_existing_fused_nodes(model)
         fusions = registry.FUSIONS if decode_steps else tuple(f for f in registry.FUSIONS if f.op_type == OP_TYPE)
+        fusions = (*fusions, *opted)
         logs, counts = _fuse_in_rounds(model, fusions, {"assume_equal_widths": assume_equal_widths})
         for fusion in fusions:
-            _report_fusion(model, fusion, logs[fusion.op_type], counts[fusion.op_type], report)
+            _report_fusion(model, fusion, logs[fusion.name], counts[fusion.name], report)
     for output in model.graph.outputs:
         if output.name in declared_outputs:
             output.type, output.shape = declared_outputs[output.name]
@@ -240,8 +252,8 @@ def _check_existing_fused_nodes(model: ir.Model) -> None:
 def _fuse_in_rounds(
     model: ir.Model, fusions: Sequence[Fusion], options: dict[str, Any]
 ) -> tuple[dict[str, FusionLog], dict[str, int]]:
-    """Run ``fusions`` (registry order) in rounds until one fuses nothing or no chain is left; return each op's
-    log and count.
+    """Run ``fusions`` (registry order) in rounds until one fuses nothing or no chain is left; return each fusion's
+    log and count, by its name.
 
     Rounds, because a chain may be proven only through ops fused after it in a round: a symbolic batch reaches the
     next layer through the previous layer's fused ops, and a transformers 5.25 decode export proves the gated
@@ -249,26 +261,29 @@ def _fuse_in_rounds(
     tried once more after ONNX Runtime's symbolic shape inference when it left chains refused (TorchScript
     exports lose dims through their shape arithmetic; ORT's inference often recovers them), once per rewrite.
     """
-    logs = {fusion.op_type: FusionLog() for fusion in fusions}
+    logs = {fusion.name: FusionLog() for fusion in fusions}
     counts = dict.fromkeys(logs, 0)
     symbolic_tried = False
 
     def fuse(fusion: Fusion) -> int:
-        return fusion.fuse(model, logs[fusion.op_type], **{name: options[name] for name in fusion.options})
+        return fusion.fuse(model, logs[fusion.name], **{name: options[name] for name in fusion.options})
 
-    while True:
+    # Bounded like AllRulesSet: each round fuses at least one chain, and a model's layers are proven one round
+    # apart at most; a rule that kept "fusing" a chain it left in place could not loop forever.
+    for _ in range(registry.AllRulesSet.MAX_ROUNDS):
         progress = 0
         for fusion in fusions:
             fused = fuse(fusion)
-            refused_left = any(not chain.fused for chain in logs[fusion.op_type].chains.values())
+            refused_left = any(not chain.fused for chain in logs[fusion.name].chains.values())
             if fusion.retry_with_symbolic_shapes and not symbolic_tried and refused_left:
                 symbolic_tried = True
                 if symbolic_shapes(model):
                     fused += fuse(fusion)
-            counts[fusion.op_type] += fused
+            counts[fusion.name] += fused
             progress += fused
         if not progress or not any(fusion.find_anchors(model.graph) for fusion in fusions):
-            return logs, counts
+            break
+    return logs, counts
 
 
 def _report_fusion(model: ir.Model, fusion: Fusion, log: FusionLog, fused: int, report: Report) -> None:
@@ -293,15 +308,39 @@ def _report_fusion(model: ir.Model, fusion: Fusion, log: FusionLog, fused: int, 
             report.chains_found[form] = report.chains_found.get(form, 0) + 1
         return
     builder = _builder_fused(model.graph, fusion)
-    if fused or refused or builder:
-        report.decode[fusion.op_type] = {
-            "counts": fusion.counts,
-            "found": fused + len(refused),
-            "fused": fused,
-            "refused": refused,
-            "fused_chains": [{k: v for k, v in chain.items() if k != "form"} for chain in fused_chains],
-            "builder_fused": builder,
+    if not (fused or refused or builder):
+        return
+    entry = {
+        "counts": fusion.counts,
+        "found": fused + len(refused),
+        "fused": fused,
+        "refused": refused,
+        "fused_chains": [{k: v for k, v in chain.items() if k != "form"} for chain in fused_chains],
+        "builder_fused": builder,
+    }
+    earlier = report.decode.get(fusion.op_type)
+    if earlier is not None:  # another fusion to the same op (an opt-in one): one entry for the op, both counted
+        entry = {
+            "counts": f"{earlier['counts']} and {fusion.counts}",
+            "found": earlier["found"] + entry["found"],
+            "fused": earlier["fused"] + fused,
+            "refused": [*earlier["refused"], *refused],
+            "fused_chains": [*earlier["fused_chains"], *entry["fused_chains"]],
+            "builder_fused": {**earlier["builder_fused"], **builder},
         }
+    report.decode[fusion.op_type] = entry
+
+
+def opt_in_fusions(names: Sequence[str]) -> tuple[Fusion, ...]:
+    """Return the fusions of ``registry.OPT_IN_FUSIONS`` that ``names`` names (each once, in the registry's
+    order); a ValueError names the choices for any other name."""
+    known = {fusion.name: fusion for fusion in registry.OPT_IN_FUSIONS}
+    if isinstance(names, str):
+        names = [names]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"no opt-in fusion named {', '.join(map(repr, unknown))} (choices: {', '.join(known)})")
+    return tuple(fusion for fusion in registry.OPT_IN_FUSIONS if fusion.name in names)
 
 
 def attach_function(model: ir.Model, onnx_opset: int | None = None) -> None:
@@ -347,7 +386,9 @@ class Command:
 
 
 def _rewrite_transform(model: ir.Model, args: argparse.Namespace) -> tuple[ir.Model, Report]:
-    return rewrite_model(model, function=not args.no_function, assume_equal_widths=args.assume_equal_widths)
+    return rewrite_model(
+        model, function=not args.no_function, assume_equal_widths=args.assume_equal_widths, opt_in=args.opt_in
+    )
 
 
 REWRITE = Command(
@@ -404,6 +445,7 @@ def _parser(prog: str = "python -m fusion.rewrite", command: Command = REWRITE) 
         help="where the graph does not prove y's width equals the gate's (dynamo prefill exports), assume it: "
         "no broadcast guard (faster); a width-1 y is then rejected at run time instead of broadcast",
     )
+    add_opt_in_argument(parser)
     parser.add_argument("--verify", action="store_true", help="run both models in ONNX Runtime and compare")
     parser.add_argument("--debug", action="store_true", help="explain every chain that was not fused")
     parser.add_argument(
@@ -423,6 +465,21 @@ def _parser(prog: str = "python -m fusion.rewrite", command: Command = REWRITE) 
     # Hook for fusion/report.py (dispatch and latency before/after): it adds its flag here.
     _add_report_arguments(parser)
     return parser
+
+
+def add_opt_in_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--opt-in NAME`` (repeatable): fusions of ``registry.OPT_IN_FUSIONS`` to run too."""
+    parser.add_argument(
+        "--opt-in",
+        action="append",
+        default=[],
+        metavar="NAME",
+        choices=[fusion.name for fusion in registry.OPT_IN_FUSIONS],
+        help="also run this fusion, which is right but not faster everywhere (repeatable; choices: %(choices)s). "
+        "For mobius builds on the CPU: linear_attention_scan runs LinearAttention as MambaChunkScan (faster "
+        "prompts, 3-4x slower decode steps); causal_conv_with_state runs float32 CausalConvWithState as "
+        "CausalConv1d (faster prompts, decode steps up to 10 us a layer slower). docs/cli.md",
+    )
 
 
 def _add_report_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -220,6 +219,64 @@ def test_the_rule_is_registered_opt_in() -> None:
     assert LINEAR_ATTENTION_SCAN.op_type == "MambaChunkScan"
 
 
+# --- opting in: the API and the command lines --------------------------------------------------------------
+
+
+def test_rewrite_model_runs_it_only_when_named() -> None:
+    from fusion.rewrite import rewrite_model
+
+    model = mobius_mixer()
+    default, report = rewrite_model(model)
+    assert [n.op_type for n in default.graph.node].count("LinearAttention") == 1
+    assert "MambaChunkScan" not in report.decode
+    opted, report = rewrite_model(model, opt_in=["linear_attention_scan"])
+    ops = [n.op_type for n in opted.graph.node]
+    assert "LinearAttention" not in ops and ops.count("MambaChunkScan") == 1
+    assert report.decode["MambaChunkScan"]["fused"] == 1 and report.function_attached
+    assert [n.op_type for n in model.graph.node].count("LinearAttention") == 1, "the input model was modified"
+    feeds = mixer_feeds(model, batch=2, length=70)
+    ok, detail = within_budget(opted, feeds, library=True)
+    assert ok, detail
+
+
+def test_an_unknown_opt_in_name_is_an_error_naming_the_choices() -> None:
+    from fusion.rewrite import rewrite_model
+
+    with pytest.raises(ValueError, match="no opt-in fusion named 'linear_attention'.*choices: linear_attention_scan"):
+        rewrite_model(mobius_mixer(), opt_in=["linear_attention"])
+
+
+@pytest.mark.parametrize("command", ["rewrite", "optimize"])
+def test_the_command_lines_opt_in(command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fusion import optimize, rewrite
+
+    main = rewrite.main if command == "rewrite" else optimize.main
+    source = tmp_path / "mixer.onnx"
+    onnx.save(mobius_mixer(), source)
+    default, opted = tmp_path / "default.onnx", tmp_path / "opted.onnx"
+    assert main([str(source), "-o", str(default)]) == 0
+    assert "LinearAttention" in [n.op_type for n in onnx.load(default).graph.node]
+    capsys.readouterr()
+    assert main([str(source), "-o", str(opted), "--opt-in", "linear_attention_scan", "--verify"]) == 0
+    printed = capsys.readouterr().out
+    assert "LinearAttention scans found: 1 (ai.mambafuse::MambaChunkScan), fused: 1" in printed, printed
+    ops = [n.op_type for n in onnx.load(opted).graph.node]
+    assert "LinearAttention" not in ops and "MambaChunkScan" in ops
+
+
+def test_a_wrong_opt_in_name_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fusion import rewrite
+
+    source = tmp_path / "mixer.onnx"
+    onnx.save(mobius_mixer(), source)
+    with pytest.raises(SystemExit) as exit_info:
+        rewrite.main([str(source), "-o", str(tmp_path / "out.onnx"), "--opt-in", "linear_attention"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--opt-in" in error and "linear_attention_scan" in error and "Traceback" not in error
+    assert not (tmp_path / "out.onnx").exists()
+
+
 @pytest.mark.parametrize(("heads", "groups"), [(8, 1), (8, 2), (8, 8)])
 @pytest.mark.parametrize("length", [1, 17, 150])
 def test_the_mobius_form_fuses_within_the_budget(heads: int, groups: int, length: int, library: str) -> None:
@@ -347,13 +404,12 @@ def test_genai_greedy_tokens_unchanged(stem: str, builds: Path, tmp_path: Path, 
     default = tmp_path / "default"
     assert fusion_genai.main([str(builds / stem), str(default), "--genai-config-edit"]) == 0
     opted = tmp_path / "opted"
-    shutil.copytree(default, opted)
-    model = onnx.load(opted / "model.onnx")
-    fused, count, _ = fuse(model)
-    assert count == RECORDS[stem]["mamba_layers"]
-    for data in opted.glob("*.data"):
-        data.unlink()
-    onnx.save(fused, opted / "model.onnx")
+    assert (
+        fusion_genai.main([str(builds / stem), str(opted), "--genai-config-edit", "--opt-in", "linear_attention_scan"])
+        == 0
+    )
+    ops = [n.op_type for n in onnx.load(opted / "model.onnx", load_external_data=False).graph.node]
+    assert "LinearAttention" not in ops and ops.count("MambaChunkScan") == RECORDS[stem]["mamba_layers"]
     assert json.loads((opted / "genai_config.json").read_text()) == json.loads(
         (default / "genai_config.json").read_text()
     )

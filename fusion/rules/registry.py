@@ -31,6 +31,7 @@ from fusion.function._common import import_domain, model_onnx_opset, put_functio
 from fusion.reference._common import DOMAIN
 from fusion.rules import causal_conv1d as prompt_conv_rules
 from fusion.rules import causal_conv1d_update as conv_rules
+from fusion.rules import causal_conv_with_state as conv_with_state_rules
 from fusion.rules import gated_group_rms_norm as norm_rules
 from fusion.rules import linear_attention_scan as linear_attention_rules
 from fusion.rules import mamba_chunk_scan as scan_rules
@@ -147,7 +148,8 @@ CAUSAL_CONV1D = Fusion(
 
 #: mobius' ``LinearAttention(update_rule="gated")`` run as MambaChunkScan between Transposes of genai's state: faster
 #: on a CPU prompt (1.3-2.2x, benchmarks/RESULTS.md) but 3-4x slower on each decode step, which the same node serves,
-#: and not measured against ORT's CUDA LinearAttention; so not in ``FUSIONS``: a caller opts in with its ``fuse``.
+#: and not measured against ORT's CUDA LinearAttention; so not in ``FUSIONS``: ``--opt-in linear_attention_scan``
+#: (``rewrite_model(..., opt_in=[...])``) runs it.
 LINEAR_ATTENTION_SCAN = Fusion(
     name="linear_attention_scan",
     op_type="MambaChunkScan",
@@ -157,6 +159,22 @@ LINEAR_ATTENTION_SCAN = Fusion(
     find_anchors=linear_attention_rules.find_anchors,
     make_function=scan_function.make_function,
     min_opset=scan_function.MIN_OPSET,
+)
+
+#: mobius' ``CausalConvWithState`` run as CausalConv1d (float32 builds; channels-last where Transposes surround it):
+#: on the CPU 3.9-9.8x faster on a prompt, up to 10 us a layer slower on a decode step (benchmarks/RESULTS.md), not
+#: compared on CUDA;
+#: ``--opt-in causal_conv_with_state``.
+CAUSAL_CONV_WITH_STATE = Fusion(
+    name="causal_conv_with_state",
+    op_type="CausalConv1d",
+    counts="CausalConvWithState convs",
+    rules=(conv_with_state_rules.causal_conv_with_state_rules,),
+    fuse=conv_with_state_rules.fuse_causal_conv_with_state,
+    find_anchors=conv_with_state_rules.find_anchors,
+    make_function=prompt_conv_function.make_function,
+    min_opset=prompt_conv_function.MIN_OPSET,
+    function_domains=(("ai.onnx.ml", prompt_conv_function.ML_OPSET),),
 )
 
 #: Every fusion, in the order the rewriter tries them in each round (the decode conv before the prompt conv: a decode
@@ -170,7 +188,7 @@ FUSIONS: tuple[Fusion, ...] = (
 )
 
 #: Fusions that are right but not faster everywhere the fused model runs: never applied by default.
-OPT_IN_FUSIONS: tuple[Fusion, ...] = (LINEAR_ATTENTION_SCAN,)
+OPT_IN_FUSIONS: tuple[Fusion, ...] = (LINEAR_ATTENTION_SCAN, CAUSAL_CONV_WITH_STATE)
 
 
 def fusion_of(op_type: str) -> Fusion | None:
@@ -265,6 +283,7 @@ def all_rewrite_rules() -> AllRulesSet:
 __all__ = [
     "CAUSAL_CONV1D",
     "CAUSAL_CONV1D_UPDATE",
+    "CAUSAL_CONV_WITH_STATE",
     "DOMAIN",
     "FUSIONS",
     "GATED_GROUP_RMS_NORM",

@@ -1,0 +1,251 @@
+"""Run a mobius build's conv as ``ai.mambafuse::CausalConv1d`` where it runs ORT's ``CausalConvWithState``.
+
+Microsoft's mobius builder writes each Mamba-2 mixer's causal conv as one
+``com.microsoft::CausalConvWithState(activation="silu")`` node that serves the prompt and every decode step, between
+two Transposes of the in_proj's xBC part::
+
+    xt           = Transpose(xBC, perm=[0, 2, 1])                            # (B, L, C) -> (B, C, L)
+    y, present   = CausalConvWithState(xt, weight, bias, past_conv_state)    # weight (C, 1, K), state (B, C, K - 1)
+    out          = Transpose(y, perm=[0, 2, 1])
+
+ORT's op is CausalConv1d's math (docs/causal_conv1d.md) with ``state_width = K - 1``: the window of the state's
+K - 1 columns and the input, the depthwise sums plus the bias, the activation, and the window's last K - 1 columns
+as the next state. The rule proves what the two ops share from the graph: ORT's defaults for every attribute but
+``activation`` (1-D, undilated, no state window, channels-first, no speculative capture), an activation both know
+("swish" is ORT's other name for SiLU), a constant (C, 1, K) weight, no reader of ORT's optional third output,
+and float32 values. Float16 and bfloat16 are refused: ORT's kernel rounds the activation's output once to the
+type, where CausalConv1d rounds as the exported graphs do (the conv, the sigmoid and the product, each), so the
+two differ in the last bit of a third of the outputs. With the Transposes on both sides (each with no other
+reader) the node reads and writes the (B, L, C) values themselves (``channels_last = 1``) and the Transposes go;
+otherwise it takes ORT's layout (``channels_last = 0``). genai's inputs and outputs keep their names and layout:
+the state is (B, C, K - 1) in both ops.
+
+On the CPU the kernel is 3.9-9.8x faster than ORT's node and its Transposes on a prompt at Nemotron-H and Zamba2
+widths, and up to 10 us slower on a decode step (0.87-1.02x; benchmarks/RESULTS.md); on CUDA the two are not
+compared, so the rule is opt-in (``fusion.rules.registry.OPT_IN_FUSIONS``: ``--opt-in causal_conv_with_state``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+
+from fusion.function.causal_conv1d import MIN_OPSET
+from fusion.reference._common import DOMAIN
+from fusion.rules._decode import (
+    PlannedRule,
+    Refusal,
+    apply_with_log,
+    dtype_name,
+    negative_zeros,
+    type_untyped_values,
+)
+from fusion.rules._log import FusionLog
+
+FORM = "CausalConvWithState"
+BUILDER_DOMAIN = "com.microsoft"
+#: ORT's attributes other than ``activation`` and the values that keep its op CausalConv1d's math: any other value
+#: (a dilation, a state window, a channels-last state, a channel slice) is refused rather than translated.
+_DEFAULTS: dict[str, tuple[int, ...]] = {
+    "ndim": (1,),
+    "dilation": (1,),
+    "state_window": (0,),
+    "state_update_capacity": (0,),
+    "channels_last": (0,),
+    "state_channels_last": (-1, 0),
+    "input_channel_offset": (0,),
+    "input_channels": (0,),
+}
+#: ORT's activations and CausalConv1d's names for them ("none" is ORT's default)
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "none": "none"}
+_TRANSPOSED = [0, 2, 1]
+
+
+@dataclasses.dataclass
+class _Plan:
+    anchor: ir.Node
+    x: ir.Value
+    weight: ir.Value
+    bias: ir.Value | None
+    past: ir.Value | None
+    channels: int
+    width: int
+    activation: str
+    channels_last: int
+    leftovers: list[ir.Value]
+    attributes: dict[str, Any]
+
+
+class CausalConvWithStateFusion(PlannedRule):
+    """Rewrites one ``CausalConvWithState`` into a CausalConv1d node; ``transposed``: the form between Transposes
+    (rewritten channels-last, the Transposes dropped)."""
+
+    FORM = FORM
+
+    def __init__(self, name: str, *, transposed: bool) -> None:
+        super().__init__(name)
+        self._transposed = transposed
+
+    def pattern(self, op, x, weight):
+        conv_input = op.Transpose(x, perm=_TRANSPOSED) if self._transposed else x
+        y, present = op.CausalConvWithState(
+            conv_input,
+            weight,
+            _domain=BUILDER_DOMAIN,
+            _allow_other_attributes=True,
+            _allow_other_inputs=True,
+            _outputs=["y", "present"],
+        )
+        if self._transposed:
+            return op.Transpose(y, perm=_TRANSPOSED, _outputs=["out"]), present
+        return y, present
+
+    def check(self, context, x, weight, present, **_: Any) -> pattern.MatchResult:
+        result = pattern.MatchResult()
+        anchor = present.producer()
+        if anchor is None or anchor.op_type != "CausalConvWithState":
+            return result.fail("not a CausalConvWithState")
+        if not self._transposed and _between_transposes(anchor):
+            # the channels-last rule takes it (it comes later in the graph's order, at the Transpose after)
+            return result.fail("left to the form between Transposes")
+        try:
+            type_untyped_values(present.graph)
+            self._plan = _prove(anchor, x, weight, self._transposed)
+        except Refusal as refusal:
+            return self.refused(result, anchor, refusal)
+        return result
+
+    def rewrite(self, op, **_: Any):
+        plan: _Plan = self.take_plan()
+        # The model-local function takes every input: -0.0s for an absent bias (adding them is the identity) and
+        # zeros for an absent state (ORT's op starts from zeros too).
+        bias, past = plan.bias, plan.past
+        if bias is None:
+            zeros = negative_zeros(f"{plan.anchor.name or 'causal_conv'}_bias", plan.channels, ir.DataType.FLOAT)
+            bias = op.initializer(zeros.const_value, name=zeros.name)
+        if past is None:
+            batch = op.Shape(plan.x, start=0, end=1)
+            rest = op.Constant(value_ints=[plan.channels, plan.width - 1])
+            past = op.ConstantOfShape(op.Concat(batch, rest, axis=0), value=ir.tensor(np.zeros(1, np.float32)))
+        y, present = op.CausalConv1d(
+            plan.x,
+            plan.weight,
+            bias,
+            past,
+            _domain=DOMAIN,
+            _version=1,
+            _outputs=2,
+            state_width=plan.width - 1,
+            activation=plan.activation,
+            channels_last=plan.channels_last,
+        )
+        return y, present
+
+
+def _between_transposes(node: ir.Node) -> bool:
+    """Whether ``node`` is the form between Transposes: its input a Transpose swapping the last two axes that
+    nothing else reads, its output read by such a Transpose alone (neither value a graph output)."""
+
+    def swaps(transpose: ir.Node | None) -> bool:
+        if transpose is None or transpose.op_type != "Transpose" or transpose.domain not in ("", "ai.onnx"):
+            return False
+        perm = transpose.attributes.get("perm")
+        return perm is not None and list(perm.as_ints()) == _TRANSPOSED
+
+    def only_reader(value: ir.Value | None) -> ir.Node | None:
+        users = [] if value is None else [user for user, _ in value.uses()]
+        return users[0] if value is not None and len(users) == 1 and not value.is_graph_output() else None
+
+    conv_input = node.inputs[0] if node.inputs else None
+    return (
+        conv_input is not None
+        and swaps(conv_input.producer())
+        and only_reader(conv_input) is node
+        and swaps(only_reader(node.outputs[0]))
+    )
+
+
+def _prove(anchor: ir.Node, x: ir.Value, weight: ir.Value, transposed: bool) -> _Plan:
+    for name, attribute in anchor.attributes.items():
+        if name == "activation":
+            continue
+        if name not in _DEFAULTS:
+            raise Refusal(f"CausalConvWithState's attribute {name!r} is not one the rule knows", anchor)
+        if attribute.type != ir.AttributeType.INT or attribute.as_int() not in _DEFAULTS[name]:
+            raise Refusal(f"CausalConvWithState's {name} is not ORT's default (CausalConv1d's math)", anchor)
+    activation = anchor.attributes.get_string("activation", "none")
+    if activation not in _ACTIVATIONS:
+        raise Refusal(f"CausalConvWithState's activation {activation!r} is not silu, swish or none", anchor)
+    if len(anchor.outputs) > 2 and (anchor.outputs[2].uses() or anchor.outputs[2].is_graph_output()):
+        raise Refusal("CausalConvWithState's state_update output is read (CausalConv1d has none)", anchor)
+    opset = anchor.graph.opset_imports.get("", anchor.graph.opset_imports.get("ai.onnx")) if anchor.graph else None
+    if opset is None or opset < MIN_OPSET:
+        raise Refusal(f"the model's ONNX opset {opset} is below {MIN_OPSET}, which CausalConv1d's function needs")
+    values = [x, *anchor.inputs[1:4]]
+    for value in values:
+        if value is not None and value.dtype != ir.DataType.FLOAT:
+            raise Refusal(
+                f"{value.name} is {dtype_name(value.dtype)}: only float32 is the same computation (ORT's kernel "
+                "rounds a float16 or bfloat16 activation once, CausalConv1d at each of the exported graph's steps)",
+                value,
+            )
+    if weight.const_value is None:
+        raise Refusal("the conv weight is not a constant", weight)
+    shape = list(weight.const_value.shape)
+    if len(shape) != 3 or shape[1] != 1 or shape[0] < 1 or shape[2] < 1:
+        raise Refusal(f"the conv weight's shape {shape} is not (C, 1, K)", weight)
+    bias = anchor.inputs[2] if len(anchor.inputs) > 2 else None
+    past = anchor.inputs[3] if len(anchor.inputs) > 3 else None
+    return _Plan(
+        anchor=anchor,
+        x=x,
+        weight=weight,
+        bias=bias,
+        past=past,
+        channels=int(shape[0]),
+        width=int(shape[2]),
+        activation=_ACTIVATIONS[activation],
+        channels_last=1 if transposed else 0,
+        # ORT's node, then the Transposes around it, once nothing reads them
+        leftovers=[*anchor.outputs, *(user.outputs[0] for user, _ in anchor.outputs[0].uses())],
+        attributes={
+            "channels": int(shape[0]),
+            "kernel": int(shape[2]),
+            "activation": _ACTIVATIONS[activation],
+            "channels_last": 1 if transposed else 0,
+        },
+    )
+
+
+causal_conv_with_state_rules = pattern.RewriteRuleSet(
+    [
+        CausalConvWithStateFusion.rule("CausalConvWithState[Transposed]", transposed=True),
+        CausalConvWithStateFusion.rule("CausalConvWithState", transposed=False),
+    ]
+)
+
+
+def fuse_causal_conv_with_state(model: ir.Model, log: FusionLog | None = None) -> int:
+    """Replace every proven CausalConvWithState of ``model`` in place; return how many were replaced."""
+    return apply_with_log(causal_conv_with_state_rules, model, log)
+
+
+def find_anchors(graph: ir.Graph) -> list[ir.Node]:
+    """Return every CausalConvWithState left in ``graph``."""
+    return [
+        node
+        for node in ir.traversal.RecursiveGraphIterator(graph)
+        if node.op_type == "CausalConvWithState" and node.domain == BUILDER_DOMAIN
+    ]
+
+
+__all__ = [
+    "CausalConvWithStateFusion",
+    "causal_conv_with_state_rules",
+    "find_anchors",
+    "fuse_causal_conv_with_state",
+]

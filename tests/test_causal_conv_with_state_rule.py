@@ -1,0 +1,252 @@
+"""fusion/rules/causal_conv_with_state.py: a mobius build's ``com.microsoft::CausalConvWithState`` run as
+``CausalConv1d`` (opt-in: ``--opt-in causal_conv_with_state``).
+
+- the node built in code, alone (channels-first) and between the Transposes mobius writes (channels-last, the
+  Transposes gone), with and without bias and state, every activation ORT names, prompts of 1, 3 and 37 tokens: the
+  fused model gives ORT's outputs within float32 rounding, through the library and through the function;
+- what is not the same computation is refused with the reason and left unchanged: float16 (ORT rounds once, the
+  op at each exported step), a dilation, a state window, an unknown attribute, a read third output, a weight that
+  is not a constant (C, 1, K);
+- every float32 CPU mobius fixture build: every CausalConvWithState replaced, genai's inputs and outputs
+  unchanged, a prompt then decode steps fed state to state give the original's outputs; with the LinearAttention
+  opt-in as well; through onnxruntime-genai the greedy tokens of a folder written with both options are the
+  default fused folder's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import pytest
+
+import contrib_ops
+from fusion.rewrite import rewrite_model
+from fusion.rules.registry import CAUSAL_CONV_WITH_STATE, FUSIONS, OPT_IN_FUSIONS
+from models.mobius import extract_builds, load_manifest, next_step_inputs, present_name, sample_feeds
+
+F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
+OPT_IN = ["causal_conv_with_state"]
+MANIFEST = load_manifest()
+RECORDS = {r["stem"]: r for r in MANIFEST["builds"]}
+F32_CPU_BUILDS = sorted(
+    r["stem"] for r in MANIFEST["builds"] if r["target"] == "cpu" and r["dtype"] == "f32" and "error" not in r
+)
+GENAI_F32_BUILDS = sorted(
+    r["stem"]
+    for r in MANIFEST["builds"]
+    if r.get("runtime") == "ort-genai" and r["target"] == "cpu" and r["dtype"] == "f32" and "error" not in r
+)
+#: Float32 outputs, fused vs ORT's node: a different sigmoid and summation order, a few ulps (max |y| ~ 10).
+TOLERANCE = 1e-5
+DECODE_STEPS = 3
+CHANNELS, KERNEL = 24, 4
+
+
+# --- the node built in code -----------------------------------------------------------------------------------
+
+
+def conv_model(
+    *,
+    transposed: bool = True,
+    bias: bool = True,
+    state: bool = True,
+    activation: str | None = "silu",
+    elem: int = F32,
+    attributes: dict | None = None,
+    read_third: bool = False,
+    weight_input: bool = False,
+) -> onnx.ModelProto:
+    """One CausalConvWithState, between Transposes of a (B, L, C) input when ``transposed``."""
+    np_type = onnx.helper.tensor_dtype_to_np_dtype(elem)
+    rng = np.random.default_rng(7)
+    weight = oh.make_tensor("weight", elem, [CHANNELS, 1, KERNEL], (rng.standard_normal(CHANNELS * KERNEL) * 0.5))
+    initializers = [] if weight_input else [weight]
+    if bias:
+        initializers.append(oh.make_tensor("bias", elem, [CHANNELS], rng.standard_normal(CHANNELS).astype(np_type)))
+    nodes = []
+    conv_input = "x"
+    if transposed:
+        nodes.append(oh.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]))
+        conv_input = "xt"
+    inputs = [conv_input, "weight", "bias" if bias else "", "past" if state else ""]
+    while inputs[-1] == "":
+        inputs.pop()
+    outputs = ["y", "present", *(["update"] if read_third else [])]
+    attrs = dict(attributes or {})
+    if activation is not None:
+        attrs["activation"] = activation
+    nodes.append(oh.make_node("CausalConvWithState", inputs, outputs, domain="com.microsoft", **attrs))
+    if transposed:
+        nodes.append(oh.make_node("Transpose", ["y"], ["out"], perm=[0, 2, 1]))
+    x_shape = ["batch", "seq", CHANNELS] if transposed else ["batch", CHANNELS, "seq"]
+    graph_inputs = [oh.make_tensor_value_info("x", elem, x_shape)]
+    if weight_input:
+        graph_inputs.append(oh.make_tensor_value_info("weight", elem, [CHANNELS, 1, KERNEL]))
+    if state:
+        graph_inputs.append(oh.make_tensor_value_info("past", elem, ["batch", CHANNELS, KERNEL - 1]))
+    graph_outputs = [
+        oh.make_tensor_value_info("out" if transposed else "y", elem, x_shape),
+        oh.make_tensor_value_info("present", elem, ["batch", CHANNELS, KERNEL - 1]),
+    ]
+    if read_third:
+        graph_outputs.append(oh.make_tensor_value_info("update", elem, None))
+    graph = oh.make_graph(nodes, "conv", graph_inputs, graph_outputs, initializers)
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20), oh.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model
+
+
+def conv_feeds(model: onnx.ModelProto, batch: int, length: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(length)
+    feeds = {}
+    for value in model.graph.input:
+        dims = [
+            batch if d.dim_param == "batch" else length if d.dim_param == "seq" else d.dim_value
+            for d in value.type.tensor_type.shape.dim
+        ]
+        np_type = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        feeds[value.name] = (rng.standard_normal(dims) * 2).astype(np_type)
+    return feeds
+
+
+def test_the_rule_is_registered_opt_in() -> None:
+    assert CAUSAL_CONV_WITH_STATE in OPT_IN_FUSIONS and CAUSAL_CONV_WITH_STATE not in FUSIONS
+    assert CAUSAL_CONV_WITH_STATE.op_type == "CausalConv1d"
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize(
+    ("bias", "state", "activation"),
+    [(True, True, "silu"), (False, True, "swish"), (True, False, None), (False, False, "none")],
+)
+@pytest.mark.parametrize("length", [1, 3, 37])
+@pytest.mark.parametrize("use_library", [True, False])
+def test_the_node_runs_as_causal_conv1d(
+    transposed: bool, bias: bool, state: bool, activation: str | None, length: int, use_library: bool, library: str
+) -> None:
+    model = conv_model(transposed=transposed, bias=bias, state=state, activation=activation)
+    default, _ = rewrite_model(model)
+    assert [n.op_type for n in default.graph.node].count("CausalConvWithState") == 1, "fused without opting in"
+    fused, report = rewrite_model(model, opt_in=OPT_IN)
+    assert report.decode["CausalConv1d"]["fused"] == 1, report.summary()
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("CausalConv1d") == 1 and not {"CausalConvWithState", "Transpose"} & set(ops), ops
+    node = next(n for n in fused.graph.node if n.op_type == "CausalConv1d")
+    channels_last = next(a.i for a in node.attribute if a.name == "channels_last")
+    assert channels_last == (1 if transposed else 0)
+    assert [v.name for v in fused.graph.output] == [v.name for v in model.graph.output]
+    feeds = conv_feeds(model, batch=2, length=length)
+    want = contrib_ops.session(model, use_library=False).run(None, feeds)
+    got = contrib_ops.session(fused, use_library=use_library).run(None, feeds)
+    for name, w, g in zip(("y", "present"), want, got, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert float(np.abs(g - w).max()) <= TOLERANCE, f"{name}: {np.abs(g - w).max():.3g}"
+    assert np.array_equal(got[1], want[1]), "the state is a copy of the window's last columns"
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"elem": F16}, "is float16: only float32 is the same computation"),
+        ({"attributes": {"dilation": 2}}, "dilation is not ORT's default"),
+        ({"attributes": {"state_window": 2}}, "state_window is not ORT's default"),
+        ({"attributes": {"made_up": 1}}, "attribute 'made_up' is not one the rule knows"),
+        ({"read_third": True}, "state_update output is read"),
+        ({"weight_input": True}, "the conv weight is not a constant"),
+        ({"activation": "gelu"}, "activation 'gelu' is not silu, swish or none"),
+    ],
+)
+def test_another_computation_is_refused(change: dict, reason: str) -> None:
+    model = conv_model(**change)
+    fused, report = rewrite_model(model, opt_in=OPT_IN)
+    refused = report.decode["CausalConv1d"]["refused"]
+    assert len(refused) == 1 and reason in refused[0][1], refused
+    assert [n.op_type for n in fused.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def test_a_transpose_read_elsewhere_keeps_the_channels_first_form(library: str) -> None:
+    """The Transpose before the node also feeds a graph output: the node takes ORT's layout, the Transposes stay."""
+    model = conv_model()
+    model.graph.output.append(oh.make_tensor_value_info("xt", F32, None))
+    fused, report = rewrite_model(model, opt_in=OPT_IN)
+    assert report.decode["CausalConv1d"]["fused_chains"][0]["channels_last"] == 0
+    ops = [n.op_type for n in fused.graph.node]
+    assert ops.count("Transpose") == 2 and "CausalConv1d" in ops
+    feeds = conv_feeds(model, batch=1, length=9)
+    want = contrib_ops.session(model, use_library=False).run(None, feeds)
+    got = contrib_ops.session(fused, use_library=True).run(None, feeds)
+    for w, g in zip(want, got, strict=True):
+        assert float(np.abs(g - w).max()) <= TOLERANCE
+
+
+# --- the mobius fixture builds ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return extract_builds(tmp_path_factory.mktemp("mobius-builds"))
+
+
+def _io(model: onnx.ModelProto) -> list[tuple[str, str]]:
+    return [(v.name, str(v.type)) for v in [*model.graph.input, *model.graph.output]]
+
+
+def _steps(session, feeds: dict[str, np.ndarray], cache: list[str], tokens: list[int] | None) -> list[dict]:
+    """The prompt step, then DECODE_STEPS decode steps fed the session's own state (the tokens given, or greedy)."""
+    names = [o.name for o in session.get_outputs()]
+    outputs = [dict(zip(names, session.run(None, feeds), strict=True))]
+    step_feeds = feeds
+    for index in range(DECODE_STEPS):
+        step = next_step_inputs(step_feeds, outputs[-1])
+        if tokens is not None:
+            step["input_ids"] = np.array([[tokens[index]]], np.int64)
+        step_feeds = step | {name: outputs[-1][present_name(name)] for name in cache}
+        outputs.append(dict(zip(names, session.run(None, step_feeds), strict=True)))
+    return outputs
+
+
+@pytest.mark.parametrize("stem", F32_CPU_BUILDS)
+@pytest.mark.parametrize("opt_in", [OPT_IN, [*OPT_IN, "linear_attention_scan"]], ids=["conv", "conv+scan"])
+def test_every_mobius_conv_replaced_and_outputs_kept(stem: str, opt_in: list[str], builds: Path, library: str) -> None:
+    original = onnx.load(builds / stem / "model.onnx")
+    fused, report = rewrite_model(original, opt_in=opt_in)
+    layers = sum(n.op_type == "CausalConvWithState" for n in original.graph.node)
+    assert layers == RECORDS[stem]["mamba_layers"]
+    assert report.decode["CausalConv1d"]["fused"] == layers, report.summary()
+    ops = [n.op_type for n in fused.graph.node]
+    assert "CausalConvWithState" not in ops and ops.count("CausalConv1d") == layers
+    assert _io(fused) == _io(original), "genai's inputs and outputs changed"
+    feeds, cache = sample_feeds(builds / stem / "model.onnx", RECORDS[stem]["checkpoint"])
+    reference = _steps(contrib_ops.session(original, use_library=False), feeds, cache, None)
+    tokens = [int(step["logits"][0, -1].argmax()) for step in reference[:-1]]
+    got = _steps(contrib_ops.session(fused, use_library=True), feeds, cache, tokens)
+    for index, (want, have) in enumerate(zip(reference, got, strict=True)):
+        for name, value in want.items():
+            scale = float(np.abs(value).max()) or 1.0
+            difference = float(np.abs(have[name] - value).max())
+            assert difference <= TOLERANCE * scale, (
+                f"step {index} ({'prompt' if index == 0 else 'decode'}) {name}: {difference:.3g} > "
+                f"{TOLERANCE} x {scale:.3g}"
+            )
+
+
+@pytest.mark.parametrize("stem", GENAI_F32_BUILDS)
+def test_genai_greedy_tokens_unchanged(stem: str, builds: Path, tmp_path: Path, library: str) -> None:
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed")
+    from fusion import genai as fusion_genai
+    from tests.test_genai import generate
+
+    default, opted = tmp_path / "default", tmp_path / "opted"
+    assert fusion_genai.main([str(builds / stem), str(default), "--genai-config-edit"]) == 0
+    options = ["--opt-in", "causal_conv_with_state", "--opt-in", "linear_attention_scan"]
+    assert fusion_genai.main([str(builds / stem), str(opted), "--genai-config-edit", *options]) == 0
+    ops = [n.op_type for n in onnx.load(opted / "model.onnx", load_external_data=False).graph.node]
+    assert "CausalConvWithState" not in ops and "LinearAttention" not in ops
+    tokens, logits = generate(default)
+    assert len(set(tokens)) > 4, f"degenerate generation {tokens}: the comparison would prove little"
+    opted_tokens, opted_logits = generate(opted)
+    assert opted_tokens == tokens
+    assert float(np.abs(opted_logits - logits).max()) <= TOLERANCE * float(np.abs(logits).max())
