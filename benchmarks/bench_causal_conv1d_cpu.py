@@ -14,7 +14,8 @@ One process, one setup per width, the variants interleaved, at 1 and 2 intra-op 
   out): what ``--opt-in causal_conv_with_state`` replaces with the fused node (float only);
 - copy: ORT's ``Identity`` of x (one read, one write of the bytes the op must move at least), the floor.
 
-Outputs are bound to preallocated buffers (IO binding).
+The weight and bias are initializers, as in a model (a kernel may lay them out once); outputs are bound to
+preallocated buffers (IO binding).
 
     python -m benchmarks.bench_causal_conv1d_cpu [--record] [--repeats 20] [--lengths 512 2048]
 """
@@ -24,7 +25,9 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import onnx
 import onnx.helper as oh
+from onnx import numpy_helper
 
 from benchmarks._common import append_results, environment_line
 from benchmarks.bench_selective_state_update_cpu import F16, F32, NAMES, NP, WIDTHS, _const, _model, _vi, bound_runner
@@ -106,6 +109,16 @@ def conv_models(conv_dim: int, width: int, t: int, batch: int, length: int) -> d
     return models
 
 
+def weights_as_initializers(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """``model`` with its graph inputs named in ``values`` other than x made initializers of those values."""
+    moved = [v.name for v in model.graph.input if v.name in values and v.name != "x"]
+    model.graph.initializer.extend(numpy_helper.from_array(values[name], name) for name in moved)
+    kept = [v for v in model.graph.input if v.name not in moved]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -136,10 +149,12 @@ def main() -> None:
                     "weight": (0.3 * rng.standard_normal((w.conv_dim, 1, w.conv_kernel))).astype(NP[t]),
                     "bias": (0.1 * rng.standard_normal(w.conv_dim)).astype(NP[t]),
                 }
+                # the weight and bias as the models hold them: initializers (kernels may lay them out once)
+                models = {name: weights_as_initializers(model, feeds) for name, model in models.items()}
                 for threads in args.threads:
                     runners = {}
                     for name, model in {"fused": models["fused"], "function": models["fused"], **models}.items():
-                        f = {"x": x} if name == "copy" else dict(feeds)
+                        f = {"x": x}
                         if name == "ORT CausalConvWithState":  # its channels-first layout
                             f["x"] = np.ascontiguousarray(x.transpose(0, 2, 1))
                         runners[name] = bound_runner(model, threads, name == "fused", f)

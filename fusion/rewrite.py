@@ -478,7 +478,7 @@ def add_opt_in_argument(parser: argparse.ArgumentParser) -> None:
         help="also run this fusion, which is right but not faster everywhere (repeatable; choices: %(choices)s). "
         "For mobius builds on the CPU: linear_attention_scan runs LinearAttention as MambaChunkScan (faster "
         "prompts, 3-4x slower decode steps); causal_conv_with_state runs float32 CausalConvWithState as "
-        "CausalConv1d (faster prompts, decode steps up to 10 us a layer slower). docs/cli.md",
+        "CausalConv1d (faster prompts and decode steps; not compared on CUDA). docs/cli.md",
     )
 
 

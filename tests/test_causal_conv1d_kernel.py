@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fusion.reference.causal_conv1d import budget_report
-from tests._decode_step import DTYPE_IDS, DTYPES, FLOAT, FLOAT16, run
+from tests._decode_step import DTYPE_IDS, DTYPES, FLOAT, FLOAT16, bfloat16, one_node_model, run, session
 
 OP = "CausalConv1d"
 NAMES = ("x", "weight", "bias", "initial_state")
@@ -146,3 +146,80 @@ def test_missing_state_width_is_an_error_at_session_creation():
     inputs = make_inputs(np.random.default_rng(0), t=FLOAT, state=False)
     with pytest.raises(Exception, match="the attribute state_width .* is required"):
         run(OP, [(n, inputs[n]) for n in NAMES], [("y", FLOAT), ("final_state", FLOAT)])
+
+
+# --- a constant weight and bias, laid out once when the kernel is created -----------------------------------------
+
+
+def _with_constants(model, inputs: dict, names: tuple[str, ...]):
+    """``model`` with the graph inputs ``names`` made initializers holding ``inputs``' values (a bfloat16 value
+    enters through its Cast, which ONNX Runtime folds into a constant)."""
+    from onnx import numpy_helper
+
+    for name in names:
+        value = inputs[name]
+        if value.dtype == bfloat16:
+            value = value.astype(np.float32)
+        model.graph.initializer.append(numpy_helper.from_array(value, name))
+        kept = [v for v in model.graph.input if v.name != name]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+    return model
+
+
+def _run_model(model, inputs: dict) -> list[np.ndarray]:
+    names = {v.name for v in model.graph.input}
+    feeds = {
+        n: (v.astype(np.float32) if v.dtype == bfloat16 else v)
+        for n, v in inputs.items()
+        if v is not None and n in names
+    }
+    return session(model).run(None, feeds)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize(
+    "constants", [("weight", "bias"), ("weight",), ("weight", "no bias")], ids=["w+b", "w", "w-only"]
+)
+@pytest.mark.parametrize("length", [1, 65])
+def test_constant_weight_and_bias(t, constants, length):
+    """A channels-last node whose weight (and bias) are initializers computes what it does with them as inputs: the
+    kernel lays them out once at creation (a bias computed in the graph, or absent, is handled as well)."""
+    rng = np.random.default_rng(length)
+    inputs = make_inputs(rng, t=t, length=length, channels=45, bias="no bias" not in constants)
+    outputs = [("y", t), ("final_state", t)]
+    attrs = {"state_width": 4, "channels_last": 1, "activation": "silu"}
+    as_inputs = one_node_model(OP, [(n, inputs[n]) for n in NAMES], outputs, **attrs)
+    want = _run_model(as_inputs, inputs)
+    folded = tuple(n for n in constants if n != "no bias")
+    constant = _with_constants(one_node_model(OP, [(n, inputs[n]) for n in NAMES], outputs, **attrs), inputs, folded)
+    got = _run_model(constant, inputs)
+    for w, g in zip(want, got, strict=True):
+        assert np.array_equal(w, g, equal_nan=True)
+    ok, message = budget_report(
+        got[0].astype(t),
+        got[1].astype(t),
+        *(inputs[n] for n in NAMES),
+        activation="silu",
+        channels_last=1,
+        state_width=4,
+    )
+    assert ok, message
+
+
+def test_a_constant_weight_of_other_channels_is_an_error():
+    """The weight laid out at creation does not hide a call whose x has other channels: the call's check names it."""
+    rng = np.random.default_rng(3)
+    inputs = make_inputs(rng, t=FLOAT, channels=12)
+    model = one_node_model(
+        OP,
+        [(n, inputs[n]) for n in NAMES],
+        [("y", FLOAT), ("final_state", FLOAT)],
+        dynamic=True,
+        state_width=4,
+        channels_last=1,
+    )
+    model = _with_constants(model, inputs, ("weight", "bias"))
+    other = make_inputs(rng, t=FLOAT, channels=13)
+    with pytest.raises(Exception, match="weight must have shape"):
+        _run_model(model, {"x": other["x"], "initial_state": other["initial_state"]})

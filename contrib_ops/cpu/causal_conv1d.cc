@@ -112,7 +112,10 @@ OrtStatusPtr CausalConv1dCpuKernel::ComputeV2(OrtKernelContext* raw_context) {
                               std::to_string(kCausalConv1dMaxWidth));
     }
     std::vector<float> weight_kc, bias_c;
-    if (args.channels_last && args.channels > 0) {
+    if (args.channels_last && args.channels > 0 && prepared_.Fits(args)) {
+      args.weight_kc = prepared_.weight_kc.data();
+      args.bias_c = prepared_.bias_c.data();
+    } else if (args.channels_last && args.channels > 0) {
       weight_kc.resize(static_cast<size_t>(args.width * args.channels));
       bias_c.resize(static_cast<size_t>(args.channels));
       PrepareChannelsLast(args, weight_kc.data(), bias_c.data());
@@ -166,11 +169,56 @@ Ort::Status ReadCausalConv1dAttrs(const OrtKernelInfo* info, CausalConv1dAttrs& 
   return Ort::Status{};
 }
 
+void CausalConv1dPrepared::Read(const OrtKernelInfo* info, const CausalConv1dAttrs& attrs) {
+  ready = false;
+  if (!attrs.channels_last) return;
+  const Ort::ConstKernelInfo kernel_info(info);
+  const size_t inputs = kernel_info.GetInputCount();
+  // A constant input of the node, or null (absent, or computed in the graph).
+  const auto constant = [&](size_t index) -> const OrtValue* {
+    if (index >= inputs) return nullptr;
+    int is_constant = 0;
+    const OrtValue* value = nullptr;
+    if (OrtStatus* status = Ort::GetApi().KernelInfoGetConstantInput_tensor(info, index, &is_constant, &value)) {
+      Ort::GetApi().ReleaseStatus(status);
+      return nullptr;
+    }
+    return is_constant != 0 && value != nullptr && Ort::ConstValue(value).IsTensor() ? value : nullptr;
+  };
+  const OrtValue* weight = constant(1);
+  if (weight == nullptr) return;
+  TensorDims w;
+  w.Read(weight);
+  if (!IsSupportedElemType(w.type()) || !(w.rank() == 2 || (w.rank() == 3 && w.data()[1] == 1))) return;
+  if (w.data()[0] < 1 || w.back() < 1 || w.back() > kCausalConv1dMaxWidth) return;
+  const bool has_bias = inputs > 2 && !kernel_info.GetInputName(2).empty();
+  const OrtValue* bias = has_bias ? constant(2) : nullptr;
+  if (has_bias && bias == nullptr) return;  // a bias computed in the graph: each call prepares both
+  TensorDims b;
+  if (bias != nullptr) {
+    b.Read(bias);
+    if (b.type() != w.type() || b.rank() != 1 || b.data()[0] != w.data()[0]) return;
+  }
+  CausalConv1dCpuArgs args;
+  args.type = static_cast<ElemType>(w.type());
+  args.channels = w.data()[0];
+  args.width = w.back();
+  args.weight = Ort::ConstValue(weight).GetTensorRawData();
+  args.bias = bias != nullptr ? Ort::ConstValue(bias).GetTensorRawData() : nullptr;
+  weight_kc.resize(static_cast<size_t>(args.width * args.channels));
+  bias_c.resize(static_cast<size_t>(args.channels));
+  PrepareChannelsLast(args, weight_kc.data(), bias_c.data());
+  channels = args.channels;
+  width = args.width;
+  type = args.type;
+  ready = true;
+}
+
 OrtStatusPtr CausalConv1dCpuOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info, void** kernel) const {
   return GuardStatus([&]() -> Ort::Status {
     CausalConv1dAttrs attrs;
     if (Ort::Status status = ReadCausalConv1dAttrs(info, attrs); !status.IsOK()) return status;
-    *kernel = std::make_unique<CausalConv1dCpuKernel>(attrs).release();
+    *kernel = std::make_unique<CausalConv1dCpuKernel>(attrs, info).release();
     return Ort::Status{};
   });
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "causal_conv1d_impl.h"
 #include "common/ort_api.h"
@@ -30,13 +31,34 @@ Ort::Status PrepareCausalConv1dArgs(Ort::KernelContext& context, const CausalCon
 // Shape inference: y gets x's type and shape; final_state initial_state's, where the node has one.
 OrtStatusPtr InferCausalConv1dShapes(OrtShapeInferContext* context);
 
+// A channels_last node's weight (and bias) as PrepareChannelsLast lays them out, made once when the kernel is created
+// from constant initializers, instead of on every call (a decode step's one-token call spends as much on that as on
+// its conv).
+struct CausalConv1dPrepared {
+  std::vector<float> weight_kc, bias_c;
+  int64_t channels = -1, width = -1;
+  ElemType type = ElemType::kFloat;
+  bool ready = false;
+
+  // Fills it where the node is channels_last, its weight a constant [C, K] or [C, 1, K] of a supported type and its
+  // bias absent or a constant [C] of that type; else leaves it not ready (each call prepares its own).
+  void Read(const OrtKernelInfo* info, const CausalConv1dAttrs& attrs);
+  // Whether it holds this call's weight and bias (the dims and type the call's checks accepted).
+  bool Fits(const CausalConv1dCpuArgs& args) const {
+    return ready && args.channels == channels && args.width == width && args.type == type;
+  }
+};
+
 class CausalConv1dCpuKernel {
  public:
-  explicit CausalConv1dCpuKernel(const CausalConv1dAttrs& attrs) : attrs_(attrs) {}
+  CausalConv1dCpuKernel(const CausalConv1dAttrs& attrs, const OrtKernelInfo* info) : attrs_(attrs) {
+    prepared_.Read(info, attrs);
+  }
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
 
  private:
   CausalConv1dAttrs attrs_;
+  CausalConv1dPrepared prepared_;
 };
 
 struct CausalConv1dCpuOp : Ort::CustomOpBase<CausalConv1dCpuOp, CausalConv1dCpuKernel, /*WithStatus=*/true> {

@@ -17,8 +17,8 @@ struct CausalConv1dCpuArgs {
   const void* initial_state = nullptr;  // [B, C, S]; optional (nullptr: zeros)
   void* y = nullptr;                    // x's shape
   void* final_state = nullptr;          // [B, C, S]
-  // channels_last only: the weight as float [K, C] and the bias as float [C] (zeros when absent), made once per
-  // call by PrepareChannelsLast
+  // channels_last only: the weight as float [K, C] and the bias as float [C] (zeros when absent), made by
+  // PrepareChannelsLast once per kernel (constant initializers) or once per call
   const float* weight_kc = nullptr;
   const float* bias_c = nullptr;
   ElemType type = ElemType::kFloat;  // T, of every input and output

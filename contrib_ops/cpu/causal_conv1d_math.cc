@@ -7,9 +7,9 @@
 //   final_state  = window[L .. S + L)
 //
 // channels_last (x [B, L, C], the in_proj's layout): an item is 64 tokens of one batch row, every channel; the
-// channels are the vector lanes (the weight widened once per call to float [K, C]), the K taps read rows
-// t - K + 1 .. t of x, or of the initial state's last K - 1 columns (gathered once per item into [K - 1, C]) before
-// the prompt. channels-first (x [B, C, L]): an item is one channel of one batch row; the tokens are the lanes. The
+// channels are the vector lanes (the weight widened to float [K, C], once per kernel where it is constant:
+// causal_conv1d.h), the K taps read rows t - K + 1 .. t of x, or of the initial state's last K - 1 columns
+// (gathered once per item into [K - 1, C]) before the prompt. channels-first (x [B, C, L]): an item is one channel of one batch row; the tokens are the lanes. The
 // item that owns a row's last tokens writes its final state.
 #include <cmath>
 #include <cstdint>

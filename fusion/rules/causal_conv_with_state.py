@@ -20,8 +20,8 @@ reader) the node reads and writes the (B, L, C) values themselves (``channels_la
 otherwise it takes ORT's layout (``channels_last = 0``). genai's inputs and outputs keep their names and layout:
 the state is (B, C, K - 1) in both ops.
 
-On the CPU the kernel is 3.9-9.8x faster than ORT's node and its Transposes on a prompt at Nemotron-H and Zamba2
-widths, and up to 10 us slower on a decode step (0.87-1.02x; benchmarks/RESULTS.md); on CUDA the two are not
+On the CPU the kernel is 3.9-9.2x faster than ORT's node and its Transposes on a prompt at Nemotron-H and Zamba2
+widths, and 1.3-1.5x faster on a decode step (benchmarks/RESULTS.md); on CUDA the two are not
 compared, so the rule is opt-in (``fusion.rules.registry.OPT_IN_FUSIONS``: ``--opt-in causal_conv_with_state``).
 """
 

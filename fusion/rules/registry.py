@@ -162,8 +162,8 @@ LINEAR_ATTENTION_SCAN = Fusion(
 )
 
 #: mobius' ``CausalConvWithState`` run as CausalConv1d (float32 builds; channels-last where Transposes surround it):
-#: on the CPU 3.9-9.8x faster on a prompt, up to 10 us a layer slower on a decode step (benchmarks/RESULTS.md), not
-#: compared on CUDA;
+#: on the CPU 3.9-9.2x faster on a prompt and 1.3-1.5x on a decode step (benchmarks/RESULTS.md), not compared on
+#: CUDA;
 #: ``--opt-in causal_conv_with_state``.
 CAUSAL_CONV_WITH_STATE = Fusion(
     name="causal_conv_with_state",
