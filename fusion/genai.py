@@ -30,6 +30,12 @@ writes the config unchanged instead (for a genai that knows the type), with a no
 load the folder. (``--genai-config-edit``, the opt-in of earlier versions, is accepted: it makes the edit
 required, an error for a model type it does not edit.)
 
+Fusions that are right but not faster on every execution provider (``--opt-in``) follow the folder's provider:
+a folder that runs on the CPU (no ``provider_options`` in its config) gets ``causal_conv_with_state`` by default,
+its ``CausalConvWithState`` nodes run as ``CausalConv1d`` (float32 builds; faster on the CPU on a prompt and on a
+decode step, benchmarks/RESULTS.md); a folder for another provider gets none. ``--opt-in NAME`` names the fusions
+instead; ``--keep-builder-ops`` asks for none.
+
 ``--config-only`` writes that config edit alone: OUT_FOLDER is IN_FOLDER with every file copied unchanged (the
 model unfused, no library) but ``genai_config.json``, declared as genai's ``decoder``. That is the baseline a
 fused folder is compared with, which genai 0.18 cannot load as mobius writes it. A folder whose model type
@@ -58,6 +64,10 @@ from fusion.progress import progress, track
 from fusion.rewrite import Report, add_opt_in_argument, rewrite_model
 
 CONFIG_NAME = "genai_config.json"
+
+#: The opt-in fusions (fusion.rules.registry.OPT_IN_FUSIONS) a folder for the CPU gets without ``--opt-in``: those
+#: measured faster there on every call the folder makes (prompt and decode step).
+CPU_FOLDER_OPT_IN = ("causal_conv_with_state",)
 
 #: Model types onnxruntime-genai 0.18 rejects ("Unsupported model_type in config.json: <type>").
 GENAI_UNSUPPORTED_TYPES = ("nemotron_h", "zamba2", "mamba2")
@@ -168,10 +178,11 @@ def fuse_folder(
     function: bool = True,
     library: bool = True,
     genai_config_edit: bool | None = None,
-    opt_in: Sequence[str] = (),
+    opt_in: Sequence[str] | None = None,
 ) -> tuple[Report, dict[str, Any]]:
     """Write OUT_FOLDER from a genai model folder (module docstring); return the rewrite report and a summary.
-    ``opt_in``: the opt-in fusions to run too (``rewrite_model``'s).
+    ``opt_in``: the opt-in fusions to run too (``rewrite_model``'s); None: the folder's provider's
+    (``CPU_FOLDER_OPT_IN`` for a CPU folder, none for another), reported as the summary's ``opt_in``.
 
     ``genai_config_edit``: None (the default) edits the config when genai 0.18 does not know the model
     type, True requires the edit, False keeps the config's model type. ``library=False`` writes no
@@ -217,6 +228,8 @@ def fuse_folder(
             ) from None
     # The input model and its data files are replaced by the fused model and its own data file.
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
+    if opt_in is None:
+        opt_in = CPU_FOLDER_OPT_IN if cpu_folder(config) else ()
     fused, report = rewrite_model(model, function=function, opt_in=opt_in)
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
@@ -251,8 +264,15 @@ def fuse_folder(
         model_type=config["model"].get("type"),
         config_changes=config_changes,
         genai_cannot_load=genai_support(config),
+        opt_in=list(opt_in),
     )
     return report, summary
+
+
+def cpu_folder(config: dict[str, Any]) -> bool:
+    """Whether a genai config runs its decoder on the CPU: no execution provider named in its provider_options."""
+    session_options = config["model"]["decoder"].get("session_options") or {}
+    return not session_options.get("provider_options")
 
 
 def edit_folder(source: Path, output: Path) -> dict[str, Any]:
@@ -367,6 +387,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "genai 0.18 can load (the baseline to compare the fused folder with)",
     )
     add_opt_in_argument(parser)
+    parser.add_argument(
+        "--keep-builder-ops",
+        action="store_true",
+        help="no opt-in fusion but those --opt-in names: by default a folder for the CPU gets "
+        + ", ".join(CPU_FOLDER_OPT_IN)
+        + " (its CausalConvWithState nodes as CausalConv1d, faster on the CPU)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--debug", action="store_true", help="tracebacks for unexpected errors")
     return parser
@@ -385,6 +412,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
                 ("--no-function", args.no_function),
                 ("--keep-model-type", args.keep_model_type),
                 ("--opt-in", bool(args.opt_in)),
+                ("--keep-builder-ops", args.keep_builder_ops),
             )
             if given
         ]
@@ -403,7 +431,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
                     function=not args.no_function,
                     library=not args.no_library,
                     genai_config_edit=edit,
-                    opt_in=args.opt_in,
+                    opt_in=args.opt_in if args.opt_in or args.keep_builder_ops else None,
                 )
     except Interrupted as interrupted:
         print(f"{prog}: interrupted ({interrupted}); no output folder was written", file=sys.stderr)
@@ -423,6 +451,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
             print(report.summary())
         for change in summary["config_changes"]:
             print(f"genai_config.json: {change}")
+        if report is not None and summary["opt_in"] and not args.opt_in:
+            print(f"opted in (the CPU folder's default; --keep-builder-ops: none): {', '.join(summary['opt_in'])}")
         if report is None:
             runs_with = "not fused: the model and every other file copied unchanged, only genai_config.json edited"
         elif summary["custom_ops_library"]:
