@@ -1,25 +1,25 @@
 // MambaChunkScan CUDA kernels (docs/mamba_chunk_scan.md, Kernel). The math and its rounding points are the op's:
 // d, a = A·d and u = x·d in float32 after the time step's T roundings, then the recurrence in float32.
 //
-// Chunked kernel (P and N up to about 128): one block of 8 warps per (batch row, head), walking the prompt in chunks
-// of Q = 64 tokens with the head's state S (P × N, float32) in shared memory. Per chunk, with cs the float32
-// cumulative sum of a from the chunk's first token:
+// Chunked kernel (P up to 128, N while the shared memory fits): one block of 16 warps per (batch row, head),
+// walking the prompt in chunks of Q = 64 tokens with the head's state S (P × N, float32) in shared memory. Per
+// chunk, with cs the float32 cumulative sum of a from the chunk's first token:
 //   W  = (exp(cs_l − cs_s)·d_s)[s ≤ l] ∘ C·Bᵀ                                     (Q × Q)
 //   y  = W·x + diag(exp(cs))·C·Sᵀ + D·x                                          (Q × P)
 //   S ← exp(cs_end)·S + (diag(exp(cs_end − cs))·u)ᵀ·B                            (P × N)
-// The four products run on tensor cores (WMMA, TF32 in, float32 accumulation). TF32 keeps 11 significant bits:
-// every float16 and bfloat16 value is exact in it, so x, B and C of those types enter as they are, while the
-// float32 operands (W, the scaled u, the state, and x, B, C of a float model) enter as two TF32 parts, v = hi + lo,
-// and the product is hi·hi + hi·lo + lo·hi (the dropped lo·lo and the part below lo are ~2⁻²² of v). So the
-// products keep float32 accuracy and the kernel stays within the op's float32 budget, which TF32 alone (2⁻¹¹) or a
-// float16 rounding of W would not (mamba_ssm's Triton kernels round W and the state to the input type).
+// The four products run on tensor cores (mma.sync m16n8k8, TF32 in, float32 accumulation), their fragments loaded
+// from shared memory by each lane and C·Sᵀ + W·x accumulated in registers. TF32 keeps 11 significant bits: every
+// float16 and bfloat16 value is exact in it, so x, B and C of those types enter as they are, while the float32
+// operands (W, the scaled u, the state, and x, B, C of a float model) enter as two TF32 parts, v = hi + lo, and
+// the product is hi·hi + hi·lo + lo·hi (the dropped lo·lo and the part below lo are ~2⁻²¹ of v). So the products
+// keep float32 accuracy and the kernel stays within the op's float32 budget, which TF32 alone (2⁻¹¹) or a float16
+// rounding of W would not (mamba_ssm's Triton kernels round W and the state to the input type).
 //
 // Sequential kernel (any P and N; also what the tests compare with): one warp per (batch row, head, channel p),
 // the recurrence token by token with the state row in shared memory, the readout a warp sum.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <mma.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -33,9 +33,6 @@ namespace mambafuse {
 namespace {
 
 constexpr int kQ = kCudaChunkSize;
-// Floats added to each shared-memory row, so that the rows of a 16-row tile start on different banks. A row
-// stays a multiple of 16 bytes and a tile's origin a multiple of 32 bytes, as WMMA's loads require.
-constexpr int kPad = 4;
 constexpr int kSeqWarps = 4;
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -90,67 +87,122 @@ __device__ __forceinline__ float TimeStep(const Params& p, int64_t bt, int h) {
 
 // --- chunked kernel ------------------------------------------------------------------------------------------
 
-namespace wmma = nvcuda::wmma;
-using Acc = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
-
-// hi = the TF32 rounding of each element; lo = the TF32 rounding of what hi leaves (kSplit), else untouched.
-template <bool kSplit, typename Frag>
-__device__ __forceinline__ void SplitTf32(Frag& hi, Frag& lo) {
-#pragma unroll
-  for (int i = 0; i < hi.num_elements; ++i) {
-    const float v = hi.x[i];
-    hi.x[i] = wmma::__float_to_tf32(v);
-    if constexpr (kSplit) lo.x[i] = wmma::__float_to_tf32(v - hi.x[i]);
-  }
+// The products are register-level mma.sync m16n8k8 TF32 (sm_80 and later). The fragments of lane (g = lane / 4,
+// t = lane % 4), from the PTX ISA: A (16 × 8, row) a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4];
+// B (8 × 8, column) b0 = B[t][g], b1 = B[t+4][g]; D (16 × 8) d0, d1 = D[g][2t, 2t+1], d2, d3 = D[g+8][2t, 2t+1].
+// The operands come from shared memory, by ldmatrix where a fragment's 4-element rows are contiguous (C, W, and
+// B and S as the second operand of C·Bᵀ and C·Sᵀ), else by 32-bit loads; the row strides are chosen so that the
+// 32 lanes hit 32 banks (see the strides in the kernel).
+__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// acc += A·B over k_steps steps of 8: A's 16 × 8 block k at a + k·a_step (leading dimension lda), B's 8 × 16
-// block at b + k·b_step. An operand marked kSplit enters as two TF32 parts; the small products go first.
-template <bool kSplitA, bool kSplitB, typename LayoutA, typename LayoutB>
-__device__ __forceinline__ void Mma(Acc& acc, const float* a, int lda, int a_step, const float* b, int ldb, int b_step,
-                                    int k_steps) {
-  wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, LayoutA> a_hi, a_lo;
-  wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, LayoutB> b_hi, b_lo;
-  for (int k = 0; k < k_steps; ++k) {
-    wmma::load_matrix_sync(a_hi, a + k * a_step, lda);
-    wmma::load_matrix_sync(b_hi, b + k * b_step, ldb);
-    SplitTf32<kSplitA>(a_hi, a_lo);
-    SplitTf32<kSplitB>(b_hi, b_lo);
-    if constexpr (kSplitA) wmma::mma_sync(acc, a_lo, b_hi, acc);
-    if constexpr (kSplitB) wmma::mma_sync(acc, a_hi, b_lo, acc);
-    wmma::mma_sync(acc, a_hi, b_hi, acc);
-  }
-}
-
-// acc0 += A·B0 and acc1 += A·B1 with B1 the 16 columns after B0 (row-major B), A split into two TF32 parts once for
-// both.
-template <bool kSplitB, typename LayoutA>
-__device__ __forceinline__ void Mma2(Acc& acc0, Acc& acc1, const float* a, int lda, int a_step, const float* b,
-                                     int ldb, int b_step, int k_steps) {
-  wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, LayoutA> a_hi, a_lo;
-  wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b_hi, b_lo;
-  for (int k = 0; k < k_steps; ++k) {
-    wmma::load_matrix_sync(a_hi, a + k * a_step, lda);
-    SplitTf32<true>(a_hi, a_lo);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      Acc& acc = half == 0 ? acc0 : acc1;
-      wmma::load_matrix_sync(b_hi, b + k * b_step + 16 * half, ldb);
-      SplitTf32<kSplitB>(b_hi, b_lo);
-      wmma::mma_sync(acc, a_lo, b_hi, acc);
-      if constexpr (kSplitB) wmma::mma_sync(acc, a_hi, b_lo, acc);
-      wmma::mma_sync(acc, a_hi, b_hi, acc);
+// kRegs operand registers of one lane: hi, and where the operand is split (kSplit), lo. The split is v = hi + lo
+// with hi the TF32 rounding of v to nearest, ties away from zero (cvt.rna's rounding, in two integer operations
+// where sm_90 emulates the cvt with four) and lo = v − hi exactly, which the tensor core reads truncated to TF32
+// (the low 13 bits of a .tf32 operand are ignored; CUTLASS's 3xTF32 passes its small part the same way). So the
+// product keeps ~2⁻²¹ of v, float32-level. A NaN v may round to a zero hi, but then lo = v − hi is NaN and the
+// product stays NaN; an infinite v gives lo = NaN, as the cvt-based split did.
+template <int kRegs, bool kSplit>
+struct Tf32Operand {
+  uint32_t hi[kRegs];
+  uint32_t lo[kSplit ? kRegs : 1];
+  __device__ __forceinline__ void Set(int i, float v) {
+    if constexpr (kSplit) {
+      const uint32_t rounded = (__float_as_uint(v) + 0x1000u) & 0xffffe000u;
+      hi[i] = rounded;
+      lo[i] = __float_as_uint(__fsub_rn(v, __uint_as_float(rounded)));
+    } else {
+      hi[i] = __float_as_uint(v);  // float16 and bfloat16 values are exact in TF32
     }
   }
+};
+
+// A's fragment where A[r][k] is at base[k·ld + r] (A stored transposed: uᵀ), one 32-bit load an element.
+template <bool kSplit>
+__device__ __forceinline__ void LoadATransposed(Tf32Operand<4, kSplit>& a, const float* base, int ld, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const float* q = base + t * ld + g;
+  a.Set(0, q[0]);
+  a.Set(1, q[8]);
+  a.Set(2, q[4 * ld]);
+  a.Set(3, q[4 * ld + 8]);
 }
 
-// The chunked kernel's shared memory in bytes, for P and N rounded up to 16: the float tiles, four per-token
-// arrays (two of them the next chunk's time step and a spare), and the staging buffer of the raw next chunk
-// (x, B and C as they are in global memory) where the loads are asynchronous.
+// B's fragment where B[k][n] is at base[k·ld + n] (B stored by rows of k: x, B), one 32-bit load an element.
+template <bool kSplit>
+__device__ __forceinline__ void LoadBRows(Tf32Operand<2, kSplit>& b, const float* base, int ld, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const float* q = base + t * ld + g;
+  b.Set(0, q[0]);
+  b.Set(1, q[4 * ld]);
+}
+
+// A·B with the split operands' parts: d += a_hi·b_hi, and small += a_lo·b_hi + a_hi·b_lo in a second accumulator
+// (added to d after the last step), so that the tensor core's operations form two independent chains, not one.
+template <bool kSplitA, bool kSplitB>
+__device__ __forceinline__ void MmaSplit(float (&d)[4], float (&small)[4], const Tf32Operand<4, kSplitA>& a,
+                                         const Tf32Operand<2, kSplitB>& b) {
+  if constexpr (kSplitA) MmaTf32(small, a.lo, b.hi[0], b.hi[1]);
+  if constexpr (kSplitB) MmaTf32(small, a.hi, b.lo[0], b.lo[1]);
+  MmaTf32(d, a.hi, b.hi[0], b.hi[1]);
+}
+
+// Four 8 × 4 blocks of 32-bit values from shared memory with one ldmatrix (a b16 8 × 8 matrix is 8 × 4 of 32
+// bits): lane i gives the 16-byte-aligned address of row i % 8 of block i / 8, and receives word lane % 4 of row
+// lane / 4 of block j in r[j] — the TF32 fragment layout, in one instruction instead of four loads.
+__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const float* row_address) {
+  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// A's fragment where A[r][k] is at base[r·ld + k], by ldmatrix: blocks rows 0-7 and 8-15 at k, then at k + 4.
+template <bool kSplit>
+__device__ __forceinline__ void LoadARows(Tf32Operand<4, kSplit>& a, const float* base, int ld, int lane) {
+  uint32_t r[4];
+  LoadMatrixX4(r, base + ((lane & 7) + (lane & 8)) * ld + (lane >> 4) * 4);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a.Set(i, __uint_as_float(r[i]));
+}
+
+// The fragments of two B tiles side by side (columns n 0-7 and 8-15) where B[k][n] is at base[n·ld + k], by
+// ldmatrix: blocks n 0-7 at k, at k + 4, then n 8-15 at k, at k + 4.
+template <bool kSplit>
+__device__ __forceinline__ void LoadBColumns2(Tf32Operand<2, kSplit> (&b)[2], const float* base, int ld, int lane) {
+  uint32_t r[4];
+  LoadMatrixX4(r, base + ((lane & 7) + (lane >> 4) * 8) * ld + (lane & 8) / 2);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) b[i / 2].Set(i % 2, __uint_as_float(r[i]));
+}
+
+// d += small, element by element (the second accumulator of MmaSplit).
+__device__ __forceinline__ void AddSmall(float (&d)[4], const float (&small)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) d[e] += small[e];
+}
+
+// The 16 × 16 output tiles of a chunk (Q × P) that the kernel carries in registers from C·Sᵀ to W·x: P up to 128.
+constexpr int kMaxOutputTiles = (kQ / 16) * (128 / 16);
+
+// Row strides in floats. x and u are read down their columns (B of W·x, A of uᵀ·B): a stride of 8 modulo 16 puts
+// the lanes' t·stride + g on 32 banks. C, B, S and W are read along their rows by ldmatrix (8 rows of 16 bytes a
+// phase): 4 modulo 8 puts those rows on 32 banks. B is also read down its columns (B of uᵀ·B), where 4 modulo 8
+// costs a 2-way conflict. Every row stays a multiple of 16 bytes (ldmatrix, the 16-byte conversion stores).
+__host__ __device__ constexpr int64_t ColumnStride(int64_t width16) { return width16 + 8; }
+__host__ __device__ constexpr int64_t RowStride(int64_t width16) { return width16 + 4; }
+
+// The chunked kernel's shared memory in bytes, for P and N rounded up to 16: the float tiles, the per-token arrays
+// (two chunks' d, cs, exp(cs), exp(cs_end − cs) and the next chunk's d), and the staging buffer of the raw next
+// chunk (x, B and C as they are in global memory) where the loads are asynchronous.
 __host__ __device__ constexpr int64_t ChunkedSharedBytesFor(int64_t p16, int64_t n16, int64_t elem_size,
                                                             bool staged) {
-  const int64_t floats =
-      3 * kQ * (p16 + kPad) + 2 * kQ * (n16 + kPad) + p16 * (n16 + kPad) + kQ * (kQ + kPad) + 6 * kQ;
+  const int64_t floats = 2 * kQ * ColumnStride(p16) + 2 * kQ * RowStride(n16) + p16 * RowStride(n16) +
+                         kQ * RowStride(kQ) + 9 * kQ;
   const int64_t raw = staged ? kQ * (p16 + 2 * n16) * elem_size : 0;
   return floats * 4 + raw;
 }
@@ -163,32 +215,105 @@ __device__ __forceinline__ void CopyAsync16(void* shared, const void* global) {
 __device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// The 16 / sizeof(T) elements of T at `raw` (16-byte aligned) in float.
+template <typename T>
+__device__ __forceinline__ void Widen16Bytes(const T* raw, float (&f)[16 / sizeof(T)]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(raw);
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      f[i] = __uint_as_float(words[i]);
+    } else if constexpr (std::is_same_v<T, __half>) {
+      __half2 pair;
+      memcpy(&pair, &words[i], 4);
+      const float2 wide = __half22float2(pair);
+      f[2 * i] = wide.x;
+      f[2 * i + 1] = wide.y;
+    } else {
+      __nv_bfloat162 pair;
+      memcpy(&pair, &words[i], 4);
+      const float2 wide = __bfloat1622float2(pair);
+      f[2 * i] = wide.x;
+      f[2 * i + 1] = wide.y;
+    }
+  }
+}
+
+// S[p0.., n0..] (16 × 8·kN8 of the state) ← exp(cs_end)·S + uᵀ·B over the chunk's Q tokens, one warp.
+template <int kN8, bool kSplitInput>
+__device__ __forceinline__ void UpdateStateTile(float* ss, int ldn, const float* us, int ldx, const float* bs,
+                                                int p0, int n0, float decay_chunk, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float acc[kN8][4];
+#pragma unroll
+  for (int n8 = 0; n8 < kN8; ++n8) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float2 s = *reinterpret_cast<const float2*>(ss + (p0 + g + 8 * r) * ldn + n0 + 8 * n8 + 2 * t);
+      acc[n8][2 * r] = s.x * decay_chunk;
+      acc[n8][2 * r + 1] = s.y * decay_chunk;
+    }
+  }
+  float small[kN8][4] = {};
+  for (int k0 = 0; k0 < kQ; k0 += 8) {
+    Tf32Operand<4, true> a;
+    LoadATransposed(a, us + k0 * ldx + p0, ldx, lane);
+#pragma unroll
+    for (int n8 = 0; n8 < kN8; ++n8) {
+      Tf32Operand<2, kSplitInput> b;
+      LoadBRows(b, bs + k0 * ldn + n0 + 8 * n8, ldn, lane);
+      MmaSplit(acc[n8], small[n8], a, b);
+    }
+  }
+#pragma unroll
+  for (int n8 = 0; n8 < kN8; ++n8) AddSmall(acc[n8], small[n8]);
+#pragma unroll
+  for (int n8 = 0; n8 < kN8; ++n8) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      *reinterpret_cast<float2*>(ss + (p0 + g + 8 * r) * ldn + n0 + 8 * n8 + 2 * t) =
+          make_float2(acc[n8][2 * r], acc[n8][2 * r + 1]);
+    }
+  }
+}
+
+// Three phases a chunk, a barrier after each:
+//   1. x, B and C of the chunk in float (from the staging buffer, 16 bytes a thread-step, or from global memory),
+//      and u·exp(cs_end − cs); then the next chunk's asynchronous loads start.
+//   2. C·Sᵀ into registers (each warp keeps its 16 × 16 output tiles there until phase 3); C·Bᵀ on the causal
+//      tiles, turned into W in registers and stored; the next chunk's time steps (the last two warps).
+//   3. y = exp(cs)·C·Sᵀ + W·x on the carried tiles, written out with D·x; S ← exp(cs_end)·S + uᵀ·B; the next
+//      chunk's cumulative sums (warp 0).
+// The per-token arrays alternate between two buffers by chunk parity, so phase 3 can fill the next chunk's while
+// this chunk's are read.
 template <typename T, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
   constexpr int kThreads = kWarps * 32;
   // Inputs of float16 and bfloat16 are exact in TF32; float inputs are split like the computed operands.
   constexpr bool kSplitInput = std::is_same_v<T, float>;
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements a 16-byte copy moves
+  constexpr int kTilesPerWarp = kMaxOutputTiles / kWarps;
+  constexpr int kCausalTiles = (kQ / 16) * (kQ / 16 + 1) / 2;  // the 16 × 16 tiles of C·Bᵀ with s ≤ l
+  constexpr int kStepThreads = (kCausalTiles < kWarps - 2 ? kCausalTiles : kWarps - 2) * 32;  // first of kQ
   extern __shared__ __align__(128) float smem[];
   const int p16 = p.p16, n16 = p.n16;
-  const int ldp = p16 + kPad, ldn = n16 + kPad, ldq = kQ + kPad;
-  float* const xs = smem;                  // [Q][ldp]  x, zeros past P and past the prompt
-  float* const us = xs + kQ * ldp;         // [Q][ldp]  u·exp(cs_end − cs)
-  float* const ys = us + kQ * ldp;         // [Q][ldp]  the chunk's output before the skip
-  float* const bs = ys + kQ * ldp;         // [Q][ldn]  B
-  float* const cm = bs + kQ * ldn;         // [Q][ldn]  C
-  float* const ss = cm + kQ * ldn;         // [p16][ldn] the state S[p][n]
-  float* const ws = ss + p16 * ldn;        // [Q][ldq]  C·Bᵀ, then W
-  float* const step = ws + kQ * ldq;       // [Q] d
-  float* const cumsum = step + kQ;         // [Q] cs
-  float* const decay_in = cumsum + kQ;     // [Q] exp(cs)
-  float* const decay_out = decay_in + kQ;  // [Q] exp(cs_end − cs)
-  float* const step_next = decay_out + kQ; // [Q] the next chunk's d
-  T* const raw_x = reinterpret_cast<T*>(step_next + 2 * kQ);  // [Q][p16] (staged loads only)
-  T* const raw_b = raw_x + kQ * p16;                          // [Q][n16]
-  T* const raw_c = raw_b + kQ * n16;                          // [Q][n16]
+  const int ldx = static_cast<int>(ColumnStride(p16)), ldn = static_cast<int>(RowStride(n16));
+  const int ldq = static_cast<int>(RowStride(kQ));
+  float* const xs = smem;                   // [Q][ldx]  x, zeros past P and past the prompt
+  float* const us = xs + kQ * ldx;          // [Q][ldx]  u·exp(cs_end − cs)
+  float* const bs = us + kQ * ldx;          // [Q][ldn]  B
+  float* const cm = bs + kQ * ldn;          // [Q][ldn]  C
+  float* const ss = cm + kQ * ldn;          // [p16][ldn] the state S[p][n]
+  float* const ws = ss + p16 * ldn;         // [Q][ldq]  W (its causal tiles)
+  float* const tokens = ws + kQ * ldq;      // [2][4][Q] by chunk parity: d, cs, exp(cs), exp(cs_end − cs)
+  float* const step_next = tokens + 8 * kQ;  // [Q] the next chunk's d
+  T* const raw_x = reinterpret_cast<T*>(step_next + kQ);  // [Q][p16] (staged loads only)
+  T* const raw_b = raw_x + kQ * p16;                      // [Q][n16]
+  T* const raw_c = raw_b + kQ * n16;                      // [Q][n16]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g8 = lane >> 2, t4 = lane & 3;
   const int64_t bh = blockIdx.x;
   const int64_t b = bh / p.heads;
   const int h = static_cast<int>(bh % p.heads);
@@ -221,6 +346,30 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
   const auto time_step = [&](int64_t t0, int l) {
     return t0 + l < len ? TimeStep<T>(p, b * len + t0 + l, h) : 0.f;
   };
+  const float a_h = p.a[h];
+  // Warp 0: the chunk's d, cs, exp(cs) and exp(cs_end − cs) into `tokens` from step_next, two tokens a lane.
+  const auto chunk_sums = [&](float* out) {
+    const int l0 = 2 * lane;
+    const float d0 = step_next[l0], d1 = step_next[l0 + 1];
+    const float a0 = __fmul_rn(a_h, d0), a1 = __fmul_rn(a_h, d1);
+    float inclusive = __fadd_rn(a0, a1);
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const float v = __shfl_up_sync(kFull, inclusive, offset);
+      if (lane >= offset) inclusive = __fadd_rn(inclusive, v);
+    }
+    float before = __shfl_up_sync(kFull, inclusive, 1);
+    if (lane == 0) before = 0.f;
+    const float c0 = __fadd_rn(before, a0), c1 = __fadd_rn(c0, a1);
+    const float end = __shfl_sync(kFull, c1, 31);
+    out[l0] = d0;
+    out[l0 + 1] = d1;
+    out[kQ + l0] = c0;
+    out[kQ + l0 + 1] = c1;
+    out[2 * kQ + l0] = expf(c0);
+    out[2 * kQ + l0 + 1] = expf(c1);
+    out[3 * kQ + l0] = expf(__fsub_rn(end, c0));
+    out[3 * kQ + l0 + 1] = expf(__fsub_rn(end, c1));
+  };
 
   if (p.staged) stage(0);
   // Element loops run rows over warps and columns over lanes: no index division, and whole rows a warp.
@@ -235,149 +384,211 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
   }
   if (tid < kQ) step_next[tid] = time_step(0, tid);
   __syncthreads();
+  if (warp == 0) chunk_sums(tokens);
+  if (p.staged) CopyAsyncWaitAll();
+  __syncthreads();
   bool state_zero = p.initial_state == nullptr;
-  const float a_h = p.a[h];
   const float skip = p.d != nullptr ? LoadFloatOrT<T>(p.d, p.d_is_float, h) : 0.f;
-  const int p_tiles = p16 / 16, n_tiles = n16 / 16, q_tiles = kQ / 16;
+  const int p_tiles = p16 / 16, q_tiles = kQ / 16;
+  const int out_tiles = q_tiles * p_tiles;  // at most kMaxOutputTiles: the host checks
+  const bool p_even = P % 2 == 0;
 
-  for (int64_t t0 = 0; t0 < len; t0 += kQ) {
+  int parity = 0;
+  for (int64_t t0 = 0; t0 < len; t0 += kQ, parity ^= 1) {
     const int q = static_cast<int>(len - t0 < kQ ? len - t0 : kQ);
-    // 1. The chunk's x, B and C in float, zero-padded (from the staging buffer, or straight from global memory);
-    // the cumulative sum of a (warp 0, two tokens a lane, from the time steps computed during the last chunk).
+    const float* const step = tokens + parity * 4 * kQ;
+    const float* const cumsum = step + kQ;
+    const float* const decay_in = step + 2 * kQ;
+    const float* const decay_out = step + 3 * kQ;
+
+    // 1. x, u, B and C in float, zero-padded.
     if (p.staged) {
-      CopyAsyncWaitAll();
-      __syncthreads();
-    }
-    for (int l = warp; l < kQ; l += kWarps) {
-      for (int col = lane; col < p16; col += 32) {
-        float v = 0.f;
-        if (l < q && col < P) {
-          v = p.staged ? Widen(raw_x[l * p16 + col]) : Load<T>(p.x, ((b * len + t0 + l) * p.heads + h) * P + col);
+      const int xv = p16 / kVec, nv = n16 / kVec;
+      for (int i = tid; i < kQ * xv; i += kThreads) {
+        const int l = i / xv, col = (i - l * xv) * kVec;
+        float f[kVec] = {};
+        if (l < q && col < P) Widen16Bytes(raw_x + l * p16 + col, f);
+        const float d_l = step[l], out_l = decay_out[l];
+        float u[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) u[e] = __fmul_rn(f[e], d_l) * out_l;
+#pragma unroll
+        for (int e = 0; e < kVec; e += 4) {
+          *reinterpret_cast<float4*>(xs + l * ldx + col + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+          *reinterpret_cast<float4*>(us + l * ldx + col + e) = make_float4(u[e], u[e + 1], u[e + 2], u[e + 3]);
         }
-        xs[l * ldp + col] = v;
       }
-      for (int n = lane; n < n16; n += 32) {
-        float bv = 0.f, cv = 0.f;
-        if (l < q && n < N) {
-          if (p.staged) {
-            bv = Widen(raw_b[l * n16 + n]);
-            cv = Widen(raw_c[l * n16 + n]);
-          } else {
+      for (int i = tid; i < kQ * nv; i += kThreads) {
+        const int l = i / nv, col = (i - l * nv) * kVec;
+        float fb[kVec] = {}, fc[kVec] = {};
+        if (l < q && col < N) {
+          Widen16Bytes(raw_b + l * n16 + col, fb);
+          Widen16Bytes(raw_c + l * n16 + col, fc);
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; e += 4) {
+          *reinterpret_cast<float4*>(bs + l * ldn + col + e) = make_float4(fb[e], fb[e + 1], fb[e + 2], fb[e + 3]);
+          *reinterpret_cast<float4*>(cm + l * ldn + col + e) = make_float4(fc[e], fc[e + 1], fc[e + 2], fc[e + 3]);
+        }
+      }
+    } else {
+      for (int l = warp; l < kQ; l += kWarps) {
+        const float d_l = step[l], out_l = decay_out[l];
+        for (int col = lane; col < p16; col += 32) {
+          const float v = l < q && col < P ? Load<T>(p.x, ((b * len + t0 + l) * p.heads + h) * P + col) : 0.f;
+          xs[l * ldx + col] = v;
+          us[l * ldx + col] = __fmul_rn(v, d_l) * out_l;
+        }
+        for (int n = lane; n < n16; n += 32) {
+          float bv = 0.f, cv = 0.f;
+          if (l < q && n < N) {
             const int64_t row = ((b * len + t0 + l) * p.groups + g) * N + n;
             bv = Load<T>(p.b, row);
             cv = Load<T>(p.c, row);
           }
+          bs[l * ldn + n] = bv;
+          cm[l * ldn + n] = cv;
         }
-        bs[l * ldn + n] = bv;
-        cm[l * ldn + n] = cv;
       }
-    }
-    if (warp == 0) {
-      const int l0 = 2 * lane;
-      const float d0 = step_next[l0], d1 = step_next[l0 + 1];
-      const float a0 = __fmul_rn(a_h, d0), a1 = __fmul_rn(a_h, d1);
-      float inclusive = __fadd_rn(a0, a1);
-      for (int offset = 1; offset < 32; offset *= 2) {
-        const float v = __shfl_up_sync(kFull, inclusive, offset);
-        if (lane >= offset) inclusive = __fadd_rn(inclusive, v);
-      }
-      float before = __shfl_up_sync(kFull, inclusive, 1);
-      if (lane == 0) before = 0.f;
-      const float c0 = __fadd_rn(before, a0), c1 = __fadd_rn(c0, a1);
-      const float end = __shfl_sync(kFull, c1, 31);
-      step[l0] = d0;
-      step[l0 + 1] = d1;
-      cumsum[l0] = c0;
-      cumsum[l0 + 1] = c1;
-      decay_in[l0] = expf(c0);
-      decay_in[l0 + 1] = expf(c1);
-      decay_out[l0] = expf(__fsub_rn(end, c0));
-      decay_out[l0 + 1] = expf(__fsub_rn(end, c1));
     }
     __syncthreads();
     // The raw buffer is free: the next chunk's loads run under this chunk's products.
     if (p.staged && t0 + kQ < len) stage(t0 + kQ);
 
-    // 2. C·Bᵀ on the causal tiles (s ≤ l), and the state's readout C·Sᵀ.
-    for (int tile = warp; tile < q_tiles * q_tiles; tile += kWarps) {
-      const int i = tile / q_tiles, j = tile % q_tiles;
-      if (j > i) continue;
-      Acc acc;
-      wmma::fill_fragment(acc, 0.f);
-      Mma<kSplitInput, kSplitInput, wmma::row_major, wmma::col_major>(acc, cm + i * 16 * ldn, ldn, 8,
-                                                                      bs + j * 16 * ldn, ldn, 8, n16 / 8);
-      wmma::store_matrix_sync(ws + i * 16 * ldq + j * 16, acc, ldq, wmma::mem_row_major);
+    // 2. The next chunk's time steps first (global loads and double math, under the other warps' products), by
+    // two warps without a C·Bᵀ tile where there are such.
+    if (tid >= kStepThreads && tid < kStepThreads + kQ) {
+      step_next[tid - kStepThreads] = time_step(t0 + kQ, tid - kStepThreads);
     }
-    if (!state_zero) {
-      for (int tile = warp; tile < q_tiles * p_tiles; tile += kWarps) {
-        const int i = tile / p_tiles, j = tile % p_tiles;
-        Acc acc;
-        wmma::fill_fragment(acc, 0.f);
-        Mma<kSplitInput, true, wmma::row_major, wmma::col_major>(acc, cm + i * 16 * ldn, ldn, 8, ss + j * 16 * ldn,
-                                                                 ldn, 8, n16 / 8);
-        wmma::store_matrix_sync(ys + i * 16 * ldp + j * 16, acc, ldp, wmma::mem_row_major);
-      }
-    }
-    __syncthreads();
-
-    // 3. W from C·Bᵀ; u·exp(cs_end − cs) for the state; the readout times exp(cs); the next chunk's time steps.
-    for (int l = warp; l < kQ; l += kWarps) {
-      const float cs_l = cumsum[l];
-      for (int s = lane; s < kQ; s += 32) {
-        float w = 0.f;
-        if (s <= l) w = ws[l * ldq + s] * expf(__fsub_rn(cs_l, cumsum[s])) * step[s];
-        ws[l * ldq + s] = w;
-      }
-      const float d_l = step[l], out_l = decay_out[l], in_l = decay_in[l];
-      for (int col = lane; col < p16; col += 32) {
-        us[l * ldp + col] = __fmul_rn(xs[l * ldp + col], d_l) * out_l;
-        ys[l * ldp + col] = state_zero ? 0.f : ys[l * ldp + col] * in_l;
-      }
-    }
-    if (tid >= kThreads - kQ) step_next[tid - (kThreads - kQ)] = time_step(t0 + kQ, tid - (kThreads - kQ));
-    __syncthreads();
-
-    // 4. y += W·x (row tile i needs s < 16(i + 1) only); S ← exp(cs_end)·S + uᵀ·B.
-    for (int tile = warp; tile < q_tiles * p_tiles; tile += kWarps) {
-      const int i = tile / p_tiles, j = tile % p_tiles;
-      Acc acc;
-      wmma::load_matrix_sync(acc, ys + i * 16 * ldp + j * 16, ldp, wmma::mem_row_major);
-      Mma<true, kSplitInput, wmma::row_major, wmma::row_major>(acc, ws + i * 16 * ldq, ldq, 8, xs + j * 16, ldp,
-                                                               8 * ldp, 2 * (i + 1));
-      wmma::store_matrix_sync(ys + i * 16 * ldp + j * 16, acc, ldp, wmma::mem_row_major);
-    }
-    const float decay_chunk = decay_in[kQ - 1];
-    // Two state tiles of one row of tiles a warp where there are enough tiles: they share uᵀ's split fragments.
-    const int pair = p_tiles * n_tiles >= 2 * kWarps && n_tiles % 2 == 0 ? 2 : 1;
-    for (int tile = warp; tile < p_tiles * n_tiles / pair; tile += kWarps) {
-      const int i = tile / (n_tiles / pair), j = tile % (n_tiles / pair) * pair;
-      Acc acc[2];
-      float* const s_tile = ss + i * 16 * ldn + j * 16;
-      for (int k = 0; k < pair; ++k) {
-        wmma::load_matrix_sync(acc[k], s_tile + 16 * k, ldn, wmma::mem_row_major);
+    // C·Sᵀ on this warp's output tiles, kept in registers.
+    float y[kTilesPerWarp][2][4];
 #pragma unroll
-        for (int e = 0; e < acc[k].num_elements; ++e) acc[k].x[e] *= decay_chunk;
+    for (int k = 0; k < kTilesPerWarp; ++k) {
+#pragma unroll
+      for (int n8 = 0; n8 < 2; ++n8) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[k][n8][e] = 0.f;
       }
-      if (pair == 2) {
-        Mma2<kSplitInput, wmma::col_major>(acc[0], acc[1], us + i * 16, ldp, 8 * ldp, bs + j * 16, ldn, 8 * ldn,
-                                          kQ / 8);
-      } else {
-        Mma<true, kSplitInput, wmma::col_major, wmma::row_major>(acc[0], us + i * 16, ldp, 8 * ldp, bs + j * 16, ldn,
-                                                                 8 * ldn, kQ / 8);
+      const int tile = warp + k * kWarps;
+      if (tile >= out_tiles || state_zero) continue;
+      const int i = tile / p_tiles, j = tile % p_tiles;
+      float small[2][4] = {};
+      for (int k0 = 0; k0 < n16; k0 += 8) {
+        Tf32Operand<4, kSplitInput> a;
+        LoadARows(a, cm + i * 16 * ldn + k0, ldn, lane);
+        Tf32Operand<2, true> s[2];
+        LoadBColumns2(s, ss + j * 16 * ldn + k0, ldn, lane);
+        MmaSplit(y[k][0], small[0], a, s[0]);
+        MmaSplit(y[k][1], small[1], a, s[1]);
       }
-      for (int k = 0; k < pair; ++k) wmma::store_matrix_sync(s_tile + 16 * k, acc[k], ldn, wmma::mem_row_major);
+      AddSmall(y[k][0], small[0]);
+      AddSmall(y[k][1], small[1]);
+    }
+    // C·Bᵀ on the causal tiles (s ≤ l), then W = (exp(cs_l − cs_s)·d_s)[s ≤ l] ∘ C·Bᵀ.
+    for (int tile = warp; tile < kCausalTiles; tile += kWarps) {
+      int i = 0, j = tile;
+      while (j > i) j -= ++i;
+      float w[2][4] = {}, small[2][4] = {};
+      for (int k0 = 0; k0 < n16; k0 += 8) {
+        Tf32Operand<4, kSplitInput> a;
+        LoadARows(a, cm + i * 16 * ldn + k0, ldn, lane);
+        Tf32Operand<2, kSplitInput> bt[2];
+        LoadBColumns2(bt, bs + j * 16 * ldn + k0, ldn, lane);
+        MmaSplit(w[0], small[0], a, bt[0]);
+        MmaSplit(w[1], small[1], a, bt[1]);
+      }
+      if constexpr (kSplitInput) {
+        AddSmall(w[0], small[0]);
+        AddSmall(w[1], small[1]);
+      }
+#pragma unroll
+      for (int n8 = 0; n8 < 2; ++n8) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int l = i * 16 + g8 + 8 * r, s = j * 16 + 8 * n8 + 2 * t4;
+          const float cs_l = cumsum[l];
+          float pair[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            pair[e] = s + e <= l ? w[n8][2 * r + e] * expf(__fsub_rn(cs_l, cumsum[s + e])) * step[s + e] : 0.f;
+          }
+          *reinterpret_cast<float2*>(ws + l * ldq + s) = make_float2(pair[0], pair[1]);
+        }
+      }
     }
     __syncthreads();
 
-    // 5. out = y + D·x for the chunk's tokens.
-    for (int l = warp; l < q; l += kWarps) {
-      float* const out_row = p.out + ((b * len + t0 + l) * p.heads + h) * P;
-      for (int col = lane; col < P; col += 32) {
-        const float y = ys[l * ldp + col];
-        out_row[col] = p.d != nullptr ? __fadd_rn(y, __fmul_rn(skip, xs[l * ldp + col])) : y;
+    // 3. y = exp(cs)·C·Sᵀ + W·x (row tile i needs s < 16(i + 1) only), out = y + D·x.
+#pragma unroll
+    for (int k = 0; k < kTilesPerWarp; ++k) {
+      const int tile = warp + k * kWarps;
+      if (tile >= out_tiles) continue;
+      const int i = tile / p_tiles, j = tile % p_tiles;
+      if (!state_zero) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float in_l = decay_in[i * 16 + g8 + 8 * r];
+#pragma unroll
+          for (int n8 = 0; n8 < 2; ++n8) {
+            y[k][n8][2 * r] *= in_l;
+            y[k][n8][2 * r + 1] *= in_l;
+          }
+        }
+      }
+      float small[2][4] = {};
+      for (int k0 = 0; k0 < 16 * (i + 1); k0 += 8) {
+        Tf32Operand<4, true> a;
+        LoadARows(a, ws + i * 16 * ldq + k0, ldq, lane);
+#pragma unroll
+        for (int n8 = 0; n8 < 2; ++n8) {
+          Tf32Operand<2, kSplitInput> xt;
+          LoadBRows(xt, xs + k0 * ldx + j * 16 + 8 * n8, ldx, lane);
+          MmaSplit(y[k][n8], small[n8], a, xt);
+        }
+      }
+      AddSmall(y[k][0], small[0]);
+      AddSmall(y[k][1], small[1]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int l = i * 16 + g8 + 8 * r;
+        if (l >= q) continue;
+        float* const out_row = p.out + ((b * len + t0 + l) * p.heads + h) * P;
+#pragma unroll
+        for (int n8 = 0; n8 < 2; ++n8) {
+          const int col = j * 16 + 8 * n8 + 2 * t4;
+          float v[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            v[e] = y[k][n8][2 * r + e];
+            if (p.d != nullptr) v[e] = __fadd_rn(v[e], __fmul_rn(skip, xs[l * ldx + col + e]));
+          }
+          if (p_even && col < P) {
+            *reinterpret_cast<float2*>(out_row + col) = make_float2(v[0], v[1]);
+          } else {
+            if (col < P) out_row[col] = v[0];
+            if (col + 1 < P) out_row[col + 1] = v[1];
+          }
+        }
       }
     }
+    // S ← exp(cs_end)·S + uᵀ·B, in tiles of 16 × 32 where N allows (uᵀ's split fragments serve four products).
+    const float decay_chunk = decay_in[kQ - 1];
+    if (n16 % 32 == 0) {
+      const int n_tiles = n16 / 32;
+      for (int tile = warp; tile < p_tiles * n_tiles; tile += kWarps) {
+        UpdateStateTile<4, kSplitInput>(ss, ldn, us, ldx, bs, tile / n_tiles * 16, tile % n_tiles * 32, decay_chunk,
+                                        lane);
+      }
+    } else {
+      const int n_tiles = n16 / 16;
+      for (int tile = warp; tile < p_tiles * n_tiles; tile += kWarps) {
+        UpdateStateTile<2, kSplitInput>(ss, ldn, us, ldx, bs, tile / n_tiles * 16, tile % n_tiles * 16, decay_chunk,
+                                        lane);
+      }
+    }
+    if (warp == 0 && t0 + kQ < len) chunk_sums(tokens + (parity ^ 1) * 4 * kQ);
     state_zero = false;
+    if (p.staged) CopyAsyncWaitAll();
     __syncthreads();
   }
   for (int row = warp; row < P; row += kWarps) {
@@ -458,6 +669,8 @@ bool PlanChunked(const MambaChunkScanCpuArgs& args, int64_t limit, ChunkedPlan& 
   const int64_t vec = 16 / elem;
   const bool vectors = args.head_dim % vec == 0 && args.state_size % vec == 0 && Aligned16(args.x) &&
                        Aligned16(args.B) && Aligned16(args.C);
+  // The output tiles a block carries in registers between its phases: P up to 128.
+  if ((kQ / 16) * (p16 / 16) > kMaxOutputTiles) return false;
   const int64_t staged = ChunkedSharedBytesFor(p16, n16, elem, true);
   const int64_t plain = ChunkedSharedBytesFor(p16, n16, elem, false);
   if (vectors && staged <= limit) {

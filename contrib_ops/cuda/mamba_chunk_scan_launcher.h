@@ -16,9 +16,10 @@ enum class ChunkScanCudaPath { kAuto, kChunked, kSequential };
 
 inline constexpr int kCudaChunkSize = 64;
 
-// The path `requested` resolves to for these dims on the current device: kAuto is the chunked kernel where its
-// shared memory fits (P and N up to about 128 each), else the sequential one; kChunked where it does not fit is
-// answered with kSequential too. Reads the device's shared-memory limit (no synchronization).
+// The path `requested` resolves to for these dims on the current device: kAuto is the chunked kernel where P is at
+// most 128 (its output tiles live in registers) and its shared memory fits (P and N up to 128 each), else the
+// sequential one; kChunked where it does not fit is answered with kSequential too. Reads the device's
+// shared-memory limit (no synchronization).
 ChunkScanCudaPath ResolveChunkScanCudaPath(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath requested);
 
 // Null when the arguments can be launched (pointers on the device), else what is wrong.
