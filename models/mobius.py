@@ -564,6 +564,23 @@ def run_steps(session: Any, feeds: dict[str, np.ndarray], cache: list[str]) -> l
     return [(feeds, prompt_out), (step, decode_out)]
 
 
+def decode_steps(
+    session: Any, feeds: dict[str, np.ndarray], cache: list[str], steps: int, tokens: list[int] | None = None
+) -> list[dict[str, np.ndarray]]:
+    """Return the outputs of the prompt step and of ``steps`` decode steps, each fed the one before's presents and
+    the token ``tokens`` gives (None: the greedy one)."""
+    names = [o.name for o in session.get_outputs()]
+    outputs = [dict(zip(names, session.run(None, feeds), strict=True))]
+    step_feeds = feeds
+    for index in range(steps):
+        step = next_step_inputs(step_feeds, outputs[-1])
+        if tokens is not None:
+            step["input_ids"] = np.array([[tokens[index]]], np.int64)
+        step_feeds = step | {name: outputs[-1][present_name(name)] for name in cache}
+        outputs.append(dict(zip(names, session.run(None, step_feeds), strict=True)))
+    return outputs
+
+
 def cpu_session(model_path: Path, library: bool = False) -> Any:
     """Return a one-thread ORT CPU session (with the mambafuse custom-op library when ``library``)."""
     import onnxruntime as ort

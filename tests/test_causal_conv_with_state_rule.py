@@ -25,7 +25,7 @@ import pytest
 import contrib_ops
 from fusion.rewrite import rewrite_model
 from fusion.rules.registry import CAUSAL_CONV_WITH_STATE, FUSIONS, OPT_IN_FUSIONS
-from models.mobius import extract_builds, load_manifest, next_step_inputs, present_name, sample_feeds
+from models.mobius import decode_steps, extract_builds, load_manifest, sample_feeds
 
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 OPT_IN = ["causal_conv_with_state"]
@@ -194,20 +194,6 @@ def _io(model: onnx.ModelProto) -> list[tuple[str, str]]:
     return [(v.name, str(v.type)) for v in [*model.graph.input, *model.graph.output]]
 
 
-def _steps(session, feeds: dict[str, np.ndarray], cache: list[str], tokens: list[int] | None) -> list[dict]:
-    """The prompt step, then DECODE_STEPS decode steps fed the session's own state (the tokens given, or greedy)."""
-    names = [o.name for o in session.get_outputs()]
-    outputs = [dict(zip(names, session.run(None, feeds), strict=True))]
-    step_feeds = feeds
-    for index in range(DECODE_STEPS):
-        step = next_step_inputs(step_feeds, outputs[-1])
-        if tokens is not None:
-            step["input_ids"] = np.array([[tokens[index]]], np.int64)
-        step_feeds = step | {name: outputs[-1][present_name(name)] for name in cache}
-        outputs.append(dict(zip(names, session.run(None, step_feeds), strict=True)))
-    return outputs
-
-
 @pytest.mark.parametrize("stem", F32_CPU_BUILDS)
 @pytest.mark.parametrize("opt_in", [OPT_IN, [*OPT_IN, "linear_attention_scan"]], ids=["conv", "conv+scan"])
 def test_every_mobius_conv_replaced_and_outputs_kept(stem: str, opt_in: list[str], builds: Path, library: str) -> None:
@@ -220,9 +206,9 @@ def test_every_mobius_conv_replaced_and_outputs_kept(stem: str, opt_in: list[str
     assert "CausalConvWithState" not in ops and ops.count("CausalConv1d") == layers
     assert _io(fused) == _io(original), "genai's inputs and outputs changed"
     feeds, cache = sample_feeds(builds / stem / "model.onnx", RECORDS[stem]["checkpoint"])
-    reference = _steps(contrib_ops.session(original, use_library=False), feeds, cache, None)
+    reference = decode_steps(contrib_ops.session(original, use_library=False), feeds, cache, DECODE_STEPS)
     tokens = [int(step["logits"][0, -1].argmax()) for step in reference[:-1]]
-    got = _steps(contrib_ops.session(fused, use_library=True), feeds, cache, tokens)
+    got = decode_steps(contrib_ops.session(fused, use_library=True), feeds, cache, DECODE_STEPS, tokens)
     for index, (want, have) in enumerate(zip(reference, got, strict=True)):
         for name, value in want.items():
             scale = float(np.abs(value).max()) or 1.0

@@ -28,7 +28,7 @@ from fusion.reference.mamba_chunk_scan import budget_report
 from fusion.rules._log import FusionLog
 from fusion.rules.linear_attention_scan import fuse_linear_attention_scan
 from fusion.rules.registry import FUSIONS, LINEAR_ATTENTION_SCAN, OPT_IN_FUSIONS, attach_functions
-from models.mobius import extract_builds, load_manifest, next_step_inputs, present_name, sample_feeds
+from models.mobius import decode_steps, extract_builds, load_manifest, sample_feeds
 
 F32 = onnx.TensorProto.FLOAT
 MANIFEST = load_manifest()
@@ -359,20 +359,6 @@ def _io(model: onnx.ModelProto) -> list[tuple[str, str]]:
     return [(v.name, str(v.type)) for v in [*model.graph.input, *model.graph.output]]
 
 
-def _steps(session, feeds: dict[str, np.ndarray], cache: list[str], tokens: list[int] | None) -> list[dict]:
-    """The prompt step, then DECODE_STEPS decode steps fed the session's own state (the tokens given, or greedy)."""
-    names = [o.name for o in session.get_outputs()]
-    outputs = [dict(zip(names, session.run(None, feeds), strict=True))]
-    step_feeds = feeds
-    for index in range(DECODE_STEPS):
-        step = next_step_inputs(step_feeds, outputs[-1])
-        if tokens is not None:
-            step["input_ids"] = np.array([[tokens[index]]], np.int64)
-        step_feeds = step | {name: outputs[-1][present_name(name)] for name in cache}
-        outputs.append(dict(zip(names, session.run(None, step_feeds), strict=True)))
-    return outputs
-
-
 @pytest.mark.parametrize("stem", CPU_BUILDS)
 def test_every_mobius_scan_replaced_and_outputs_kept(stem: str, builds: Path, library: str) -> None:
     original, fused, count = fused_build(builds / stem)
@@ -381,9 +367,9 @@ def test_every_mobius_scan_replaced_and_outputs_kept(stem: str, builds: Path, li
     assert not any(n.op_type == "LinearAttention" for n in fused.graph.node)
     assert _io(fused) == _io(original), "genai's inputs and outputs changed"
     feeds, cache = sample_feeds(builds / stem / "model.onnx", RECORDS[stem]["checkpoint"])
-    reference = _steps(contrib_ops.session(original, use_library=False), feeds, cache, None)
+    reference = decode_steps(contrib_ops.session(original, use_library=False), feeds, cache, DECODE_STEPS)
     tokens = [int(step["logits"][0, -1].astype(np.float32).argmax()) for step in reference[:-1]]
-    got = _steps(contrib_ops.session(fused, use_library=True), feeds, cache, tokens)
+    got = decode_steps(contrib_ops.session(fused, use_library=True), feeds, cache, DECODE_STEPS, tokens)
     tolerance = MODEL_TOLERANCE[RECORDS[stem]["dtype"]]
     for index, (want, have) in enumerate(zip(reference, got, strict=True)):
         for name, value in want.items():

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusion.rules._decode import _BOOL_OPS, _SAME_TYPE_AS, Refusal, producer_op
+from fusion.reference.causal_conv1d import DOMAIN
+from fusion.rules._decode import _BOOL_OPS, _SAME_TYPE_AS, Refusal, negative_zeros, producer_op
 from fusion.shapes.dims import constant_array
 
 SUPPORTED_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
@@ -181,3 +182,41 @@ def _schema_type(node: ir.Node, position: int) -> ir.DataType | None:
     if op in _BOOL_OPS:
         return ir.DataType.BOOL
     return ir.DataType.INT64 if op == "Shape" else None
+
+
+def causal_conv1d_node(
+    op,
+    x: ir.Value,
+    weight: ir.Value,
+    bias: ir.Value | None,
+    state: ir.Value | None,
+    *,
+    channels: int,
+    width: int,
+    activation: str,
+    channels_last: int,
+    dtype: ir.DataType,
+    name: str,
+):
+    """Write a CausalConv1d node (state_width = K - 1) with every input its model-local function takes: -0.0s for
+    an absent bias (adding them is the identity) and a zero (B, C, K - 1) state for an absent one; return its
+    (y, final_state)."""
+    if bias is None:
+        zeros = negative_zeros(f"{name}_bias", channels, dtype)
+        bias = op.initializer(zeros.const_value, name=zeros.name)
+    if state is None:
+        batch = op.Shape(x, start=0, end=1)
+        rest = op.Constant(value_ints=[channels, width - 1])
+        state = op.ConstantOfShape(op.Concat(batch, rest, axis=0), value=ir.tensor(np.zeros(1, dtype=dtype.numpy())))
+    return op.CausalConv1d(
+        x,
+        weight,
+        bias,
+        state,
+        _domain=DOMAIN,
+        _version=1,
+        _outputs=2,
+        state_width=width - 1,
+        activation=activation,
+        channels_last=channels_last,
+    )

@@ -22,23 +22,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from fusion.reference.causal_conv1d import DOMAIN
 from fusion.rules._decode import (
     PlannedRule,
     Refusal,
     apply_with_log,
     dtype_name,
-    negative_zeros,
 )
 from fusion.rules._log import FusionLog
 from fusion.rules._prefill import (
     ONNX_DOMAINS,
     SUPPORTED_DTYPES,
     axis_of,
+    causal_conv1d_node,
     const_ints,
     mul_operands,
     perm_of,
@@ -106,27 +104,18 @@ class CausalConv1dFusion(PlannedRule):
 
     def rewrite(self, op, **_: Any):
         plan: _Plan = self.take_plan()
-        t = plan.x.dtype
-        base = plan.anchor.name or "causal_conv1d"
-        if plan.bias is not None:
-            bias = plan.bias
-        else:
-            zeros = negative_zeros(f"{base}_bias", plan.channels, t)
-            bias = op.initializer(zeros.const_value, name=zeros.name)
-        batch = op.Shape(plan.x, start=0, end=1)
-        rest = op.Constant(value_ints=[plan.channels, plan.width - 1])
-        state = op.ConstantOfShape(op.Concat(batch, rest, axis=0), value=ir.tensor(np.zeros(1, dtype=t.numpy())))
-        y, _final_state = op.CausalConv1d(
+        y, _final_state = causal_conv1d_node(
+            op,
             plan.x,
             plan.weight,
-            bias,
-            state,
-            _domain=DOMAIN,
-            _version=1,
-            _outputs=2,
-            state_width=plan.width - 1,
+            plan.bias,
+            None,
+            channels=plan.channels,
+            width=plan.width,
             activation=plan.activation,
             channels_last=plan.channels_last,
+            dtype=plan.x.dtype,
+            name=plan.anchor.name or "causal_conv1d",
         )
         return y
 

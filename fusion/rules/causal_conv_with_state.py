@@ -30,21 +30,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from fusion.function.causal_conv1d import MIN_OPSET
-from fusion.reference._common import DOMAIN
 from fusion.rules._decode import (
     PlannedRule,
     Refusal,
     apply_with_log,
     dtype_name,
-    negative_zeros,
     type_untyped_values,
 )
 from fusion.rules._log import FusionLog
+from fusion.rules._prefill import causal_conv1d_node
 
 FORM = "CausalConvWithState"
 BUILDER_DOMAIN = "com.microsoft"
@@ -121,29 +119,20 @@ class CausalConvWithStateFusion(PlannedRule):
 
     def rewrite(self, op, **_: Any):
         plan: _Plan = self.take_plan()
-        # The model-local function takes every input: -0.0s for an absent bias (adding them is the identity) and
-        # zeros for an absent state (ORT's op starts from zeros too).
-        bias, past = plan.bias, plan.past
-        if bias is None:
-            zeros = negative_zeros(f"{plan.anchor.name or 'causal_conv'}_bias", plan.channels, ir.DataType.FLOAT)
-            bias = op.initializer(zeros.const_value, name=zeros.name)
-        if past is None:
-            batch = op.Shape(plan.x, start=0, end=1)
-            rest = op.Constant(value_ints=[plan.channels, plan.width - 1])
-            past = op.ConstantOfShape(op.Concat(batch, rest, axis=0), value=ir.tensor(np.zeros(1, np.float32)))
-        y, present = op.CausalConv1d(
+        # ORT's op starts from zeros without a state, as the zero state written for the function does
+        return causal_conv1d_node(
+            op,
             plan.x,
             plan.weight,
-            bias,
-            past,
-            _domain=DOMAIN,
-            _version=1,
-            _outputs=2,
-            state_width=plan.width - 1,
+            plan.bias,
+            plan.past,
+            channels=plan.channels,
+            width=plan.width,
             activation=plan.activation,
             channels_last=plan.channels_last,
+            dtype=ir.DataType.FLOAT,
+            name=plan.anchor.name or "causal_conv",
         )
-        return y, present
 
 
 def _between_transposes(node: ir.Node) -> bool:
