@@ -113,6 +113,19 @@ def measure_separately(source: Path, fused: Path, length: int, threads: int, run
     )
 
 
+def export_and_fuse(folder: Path, dtype: str, size: str) -> tuple[Path, Path]:
+    """Export the Nemotron-H prefill into ``folder`` and fuse it with ``rewrite``; return both models' paths."""
+    from models import export
+
+    folder.mkdir()
+    source = folder / "model.onnx"
+    export.export_model("nemotron_h", "dynamo", dtype, "prefill", size=size, out=source)
+    fused = folder / "model.fused.onnx"
+    if rewrite.main([str(source), "-o", str(fused)]) != 0:
+        raise SystemExit("the rewrite failed")
+    return source, fused
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtypes", default="fp32")
@@ -129,10 +142,8 @@ def main() -> None:
         model, length, threads, runs, logits_path, vocab = args.child
         child(model, int(length), int(threads), int(runs), logits_path, int(vocab))
         return
-    from models import export
-
     if args.separate:
-        main_separate(args, export)
+        main_separate(args)
         return
 
     rows = [
@@ -143,13 +154,7 @@ def main() -> None:
     env_lines = []
     with tempfile.TemporaryDirectory(prefix="nemotron-real-prefill-") as tmp:
         for dtype in args.dtypes.split(","):
-            folder = Path(tmp) / dtype
-            folder.mkdir()
-            source = folder / "model.onnx"
-            export.export_model("nemotron_h", "dynamo", dtype, "prefill", size=args.size, out=source)
-            fused = folder / "model.fused.onnx"
-            if rewrite.main([str(source), "-o", str(fused)]) != 0:
-                raise SystemExit("the rewrite failed")
+            source, fused = export_and_fuse(Path(tmp) / dtype, dtype, args.size)
             for length in [int(n) for n in args.lengths.split(",")]:
                 feeds = _feeds(length, VOCAB[args.size])
                 for threads in [int(t) for t in args.threads.split(",")]:
@@ -178,7 +183,7 @@ def main() -> None:
         append_results("CPU end to end: real-width Nemotron-H prefill", lines)
 
 
-def main_separate(args: argparse.Namespace, export) -> None:
+def main_separate(args: argparse.Namespace) -> None:
     rows = [
         "| tokens | threads | nodes before -> after | fused | Run median before (ms) | after (ms) | speed-up "
         "| peak MB of a Run before | after | memory ratio | max abs diff over logits |",
@@ -188,13 +193,7 @@ def main_separate(args: argparse.Namespace, export) -> None:
     sections = []
     with tempfile.TemporaryDirectory(prefix="nemotron-real-prefill-") as tmp:
         for dtype in args.dtypes.split(","):
-            folder = Path(tmp) / dtype
-            folder.mkdir()
-            source = folder / "model.onnx"
-            export.export_model("nemotron_h", "dynamo", dtype, "prefill", size=args.size, out=source)
-            fused = folder / "model.fused.onnx"
-            if rewrite.main([str(source), "-o", str(fused)]) != 0:
-                raise SystemExit("the rewrite failed")
+            source, fused = export_and_fuse(Path(tmp) / dtype, dtype, args.size)
             dtype_rows = list(rows)
             for length in [int(n) for n in args.lengths.split(",")]:
                 for threads in [int(t) for t in args.threads.split(",")]:

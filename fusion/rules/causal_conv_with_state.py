@@ -87,6 +87,11 @@ class CausalConvWithStateFusion(PlannedRule):
     def __init__(self, name: str, *, transposed: bool) -> None:
         super().__init__(name)
         self._transposed = transposed
+        self._typed = False
+
+    def setup(self) -> None:
+        super().setup()
+        self._typed = False
 
     def pattern(self, op, x, weight):
         conv_input = op.Transpose(x, perm=_TRANSPOSED) if self._transposed else x
@@ -111,7 +116,9 @@ class CausalConvWithStateFusion(PlannedRule):
             # the channels-last rule takes it (it comes later in the graph's order, at the Transpose after)
             return result.fail("left to the form between Transposes")
         try:
-            type_untyped_values(present.graph)
+            if not self._typed:  # once a pass: the types the proof reads do not change between matches
+                type_untyped_values(present.graph)
+                self._typed = True
             self._plan = _prove(anchor, x, weight, self._transposed)
         except Refusal as refusal:
             return self.refused(result, anchor, refusal)
