@@ -100,7 +100,11 @@ FLOAT_TYPES = {
 #: The ops whose weights ``run`` may replace with random values: the projections and the embedding. A step
 #: with random projection weights does the same work; a random A, dt bias or conv weight would not be what
 #: the fused graph reads (the rewrite bakes those into its nodes' inputs, and it proved them from the values).
-RANDOM_OK = {"MatMul", "Gemm", "Gather"}
+RANDOM_OK = {"MatMul", "Gemm", "Gather", "DecodeMatMul", "MatMulNBits", "DecodeMatMulNBits"}
+#: The 4-bit products, whose packed weights (uint8, input 1) are random bytes and whose scales (input 2) are drawn
+#: small enough that a dequantized weight has about the 16-bit weights' spread.
+NBITS_OPS = {"MatMulNBits", "DecodeMatMulNBits"}
+SCALE_STD = 0.005
 
 
 def _row_constant(array: np.ndarray) -> np.ndarray | None:
@@ -119,15 +123,21 @@ def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], loc
     values in the manifest ("fill": one per row) and are written exactly; any other stays in the graph, as
     does every integer tensor (random values would change what the graph computes)."""
     consumers: dict[str, set[str]] = {}
+    scales = set()
     for node in model.graph.node:
         for index, name in enumerate(node.input):
             consumers.setdefault(name, set()).add(node.op_type if node.op_type != "Gather" or index == 0 else "?")
+            if node.op_type in NBITS_OPS and index == 2:
+                scales.add(name)
+            elif node.op_type in NBITS_OPS and index > 2:  # zero points: kept exactly
+                consumers[name].add("?")
     manifest = []
     for tensor in model.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             raise SystemExit(f"{tensor.name}: export left external data; load it first")
         size = len(tensor.raw_data)
-        if size <= KEEP_BYTES or tensor.data_type not in FLOAT_TYPES:
+        packed = tensor.data_type == onnx.TensorProto.UINT8 and consumers.get(tensor.name, {"?"}) <= NBITS_OPS
+        if size <= KEEP_BYTES or (tensor.data_type not in FLOAT_TYPES and not packed):
             continue
         entry_fill = None
         if not consumers.get(tensor.name, {"?"}) <= RANDOM_OK:
@@ -148,6 +158,8 @@ def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], loc
             entry = tensor.external_data.add()
             entry.key, entry.value = key, value
         record = {"name": tensor.name, "dims": list(tensor.dims), "type": tensor.data_type}
+        if tensor.name in scales:
+            record["scales"] = True
         if entry_fill is not None:
             record["fill"] = entry_fill
         manifest.append(record)
@@ -159,9 +171,11 @@ def _write_meta(out: Path, dtype: str, builder: str, layout: dict, location: str
     ``write_weights``) and the graphs by ``<mode>-<before|after>``."""
     types = {w["name"]: w["type"] for entry in graphs.values() for w in entry["weights"]}
     fills = {w["name"]: w["fill"] for entry in graphs.values() for w in entry["weights"] if "fill" in w}
+    scales = sorted({w["name"] for entry in graphs.values() for w in entry["weights"] if w.get("scales")})
     size = max(o + n for o, n in layout.values())
     meta = {"builder": builder, "location": location, "bytes": size, "layout": layout, "types": types}
     meta["fill"] = fills
+    meta["scales"] = scales
     (out / f"{dtype}.json").write_text(json.dumps({**meta, "graphs": graphs}, indent=1))
 
 
@@ -180,20 +194,44 @@ def fuse(source: Path, fused: Path, label: str) -> int:
     return fused_count(fused)
 
 
+def quantize_int4(source: Path, target: Path) -> Path:
+    """Write the step at `source` with its projections in int4 as docs/models.md's policy says (ONNX Runtime's
+    ``MatMulNBitsQuantizer``, block 32, symmetric; the LM head kept in 16 bits) to `target`; return it."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(source))
+    head = [n.name for n in model.graph.node if n.op_type == "MatMul" and "logits" in n.output]
+    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=True, nodes_to_exclude=head)
+    quantizer.process()
+    onnx.save(quantizer.model.model, str(target), save_as_external_data=True, location=target.name + ".data")
+    return target
+
+
 def step_variant(source: Path, folder: Path, name: str) -> Path:
     """Write the ``name`` variant of the decode step at `source` into `folder` and return its path: "norm" is
     the gated norm alone fused (``rewrite_model(decode_steps=False)``), "optimize" is ``mambafuse optimize``
-    (onnxscript's ORT fusions, then every mambafuse fusion). ("after" is ``mambafuse rewrite``'s default:
-    every mambafuse fusion.)"""
+    (onnxscript's ORT fusions, then every mambafuse fusion), "gemv" that with ``--opt-in decode_matmul``;
+    "int4-before" the step quantized (``quantize_int4``), "int4-optimize" and "int4-gemv" (``--opt-in
+    decode_matmul_nbits``) that optimized. ("after" is ``mambafuse rewrite``'s default: every mambafuse fusion.)"""
     import onnx_ir as ir
 
     from fusion.optimize import optimize_model
     from fusion.rewrite import rewrite_model
 
+    if name.startswith("int4-"):
+        quantized = folder / "model.int4.onnx"
+        if not quantized.is_file():
+            quantize_int4(source, quantized)
+        if name == "int4-before":
+            return quantized
+        source = quantized
     if name == "norm":
         model, report = rewrite_model(ir.load(source), decode_steps=False)
-    elif name == "optimize":
+    elif name in ("optimize", "int4-optimize"):
         model, report = optimize_model(ir.load(source))
+    elif name in ("gemv", "int4-gemv"):
+        opt_in = "decode_matmul_nbits" if name == "int4-gemv" else "decode_matmul"
+        model, report = optimize_model(ir.load(source), opt_in=[opt_in])
     else:
         raise ValueError(f"unknown step variant {name!r}")
     target = folder / f"model.{name}.onnx"
@@ -241,7 +279,8 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
                 count = fuse(source, fused, f"{dtype} {key}")
                 variants = [("before", source), ("after", fused)]
                 if mode == "decode":  # the step's variants (``step``): norm only, and optimize
-                    variants += [(name, step_variant(source, Path(tmp), name)) for name in ("norm", "optimize")]
+                    names = ("norm", "optimize", "gemv", "int4-before", "int4-optimize", "int4-gemv")
+                    variants += [(name, step_variant(source, Path(tmp), name)) for name in names]
                 for name, path in variants:
                     target = out / f"{dtype}-{key}-{name}.onnx"
                     manifest = save_stripped(path, target, layout, location)
@@ -405,10 +444,17 @@ def write_weights(folder: Path, dtype: str) -> None:
     with open(target, "wb") as f:
         f.truncate(meta["bytes"])
         for name, (offset, length) in meta["layout"].items():
-            numpy_type = numpy_types[FLOAT_TYPES[meta.get("types", {}).get(name, default_type)]]
+            element = meta.get("types", {}).get(name, default_type)
             seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+            if element == onnx.TensorProto.UINT8:  # packed 4-bit weights: any bytes are weights
+                f.seek(offset)
+                f.write(np.random.default_rng(seed).integers(0, 256, length, dtype=np.uint8).tobytes())
+                continue
+            numpy_type = numpy_types[FLOAT_TYPES[element]]
             count = length // np.dtype(numpy_type).itemsize
-            if name in meta.get("fill", {}):  # exact: one value per row (_externalize)
+            if name in meta.get("scales", ()):
+                values = np.random.default_rng(seed).standard_normal(count, dtype=np.float32) * SCALE_STD
+            elif name in meta.get("fill", {}):  # exact: one value per row (_externalize)
                 fill = np.asarray(meta["fill"][name], np.float32)
                 values = np.repeat(fill, count // len(fill))
             else:
@@ -541,6 +587,10 @@ STEP_VARIANTS = {
     "norm": "gated norm fused",
     "after": "mambafuse rewrite",
     "optimize": "mambafuse optimize",
+    "gemv": "optimize + DecodeMatMul",
+    "int4-before": "int4 unfused",
+    "int4-optimize": "int4 optimize",
+    "int4-gemv": "int4 optimize + DecodeMatMulNBits",
 }
 #: Kernel families by CUPTI kernel name (first match wins): our three ops by their kernels' names, then what
 #: ONNX Runtime's CUDA EP and the libraries it calls name their kernels.
@@ -548,7 +598,24 @@ KERNEL_FAMILIES = (
     ("GatedGroupRMSNorm", ("cuda_kernels::WarpPathKernel", "cuda_kernels::VectorPathKernel")),
     ("SelectiveStateUpdate", ("ssu_kernels::",)),
     ("CausalConv1dUpdate", ("ConvUpdateKernel",)),
-    ("MatMul (GEMM/GEMV)", ("gemm", "gemv", "xmma", "cutlass", "cublas", "splitk", "splitK", "nvjet")),
+    (
+        "MatMul (GEMM/GEMV)",
+        (
+            "gemm",
+            "gemv",
+            "Gemv",
+            "DecodeMatMul",
+            "MatMulNBits",
+            "MatMulFloatInt4",
+            "Dequantize",
+            "xmma",
+            "cutlass",
+            "cublas",
+            "splitk",
+            "splitK",
+            "nvjet",
+        ),
+    ),
     ("Conv (cuDNN)", ("cudnn", "conv2d", "Conv")),
     ("copies and memsets", ("memcpy", "memset", "Memcpy", "Memset")),
     ("norms (ORT)", ("LayerNorm", "layer_norm", "SkipLayerNorm", "RMSNorm")),
@@ -687,7 +754,7 @@ def run_step(args: argparse.Namespace) -> None:
                 timing[graph] = {v: {"error": str(error).splitlines()[0][:200]} for v in paths}
         emit(
             "| variant | nodes | kernels per Run | GPU time per Run (µs) | Run, CUDA graph (µs) | speed-up "
-            "| x floor | Run, no CUDA graph (µs) | speed-up | logits vs unfused (max abs diff) |"
+            "| x floor | Run, no CUDA graph (µs) | speed-up | logits vs unfused (max abs diff; int4 vs int4) |"
         )
         emit("|---|---|---|---|---|---|---|---|---|---|")
         for v in names:
@@ -698,11 +765,13 @@ def run_step(args: argparse.Namespace) -> None:
                     cells += [stats.get("error", ""), "", ""] if graph else [stats.get("error", ""), ""]
                     continue
                 cells += [fmt(stats), f"{base['median'] / stats['median']:.2f}x"]
-                if graph:
-                    cells.append(f"{stats['median'] / floor_us:.2f}x")
+                if graph:  # against the floor of the bytes this variant reads (int4's are fewer)
+                    cells.append(f"{stats['median'] / (weight_bytes_per_step(graphs[v]) / copy_rate * 1e6):.2f}x")
+            # an int4 step against the int4 step unfused: quantization is not what the fusions may change
+            baseline = "int4-before" if v.startswith("int4-") and "int4-before" in outputs else "before"
             diff = max(
                 float(np.max(np.abs(a.astype(np.float32) - b.astype(np.float32)))) if a.size else 0.0
-                for a, b in zip(outputs[v][:1], outputs["before"][:1], strict=True)
+                for a, b in zip(outputs[v][:1], outputs[baseline][:1], strict=True)
             )
             emit(
                 f"| {STEP_VARIANTS[v]} | {len(graphs[v].graph.node)} | {gpu[v]['launches']:.0f} | "

@@ -732,8 +732,11 @@ def optimize_model(
     # that): onnxscript's fusions below set the model's functions aside and leave the fused nodes alone, but they
     # rewrite some chains into spellings the rules do not prove (Falcon-H1's grouped norm, whose RMS their
     # rms_normalization takes). A chain fusable only after them is fused in a second mambafuse pass.
+    opt_in = [opt_in] if isinstance(opt_in, str) else list(opt_in)
+    # The weight products run last (Fusion.after_rounds): onnxscript's fusions and the attention pass match MatMuls.
+    early_opt_in = [fusion.name for fusion in rewrite.opt_in_fusions(opt_in) if not fusion.after_rounds]
     before = _node_count(model)
-    model, first = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths, opt_in=opt_in)
+    model, first = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths, opt_in=early_opt_in)
     report.passes.append(
         PassResult("mambafuse", fused=_fused_ops(first), nodes_before=before, nodes_after=_node_count(model))
     )

@@ -270,9 +270,10 @@ def _fuse_in_rounds(
 
     # Bounded like AllRulesSet: each round fuses at least one chain, and a model's layers are proven one round
     # apart at most; a rule that kept "fusing" a chain it left in place could not loop forever.
+    in_rounds = [fusion for fusion in fusions if not fusion.after_rounds]
     for _ in range(registry.AllRulesSet.MAX_ROUNDS):
         progress = 0
-        for fusion in fusions:
+        for fusion in in_rounds:
             fused = fuse(fusion)
             refused_left = any(not chain.fused for chain in logs[fusion.name].chains.values())
             if fusion.retry_with_symbolic_shapes and not symbolic_tried and refused_left:
@@ -281,8 +282,13 @@ def _fuse_in_rounds(
                     fused += fuse(fusion)
             counts[fusion.name] += fused
             progress += fused
-        if not progress or not any(fusion.find_anchors(model.graph) for fusion in fusions):
+        if not progress or not any(fusion.find_anchors(model.graph) for fusion in in_rounds):
             break
+    # Once the rounds are done: a fusion that replaces nodes the others prove their chains' shapes through (the
+    # weight MatMuls) runs last.
+    for fusion in fusions:
+        if fusion.after_rounds:
+            counts[fusion.name] += fuse(fusion)
     return logs, counts
 
 

@@ -263,6 +263,19 @@ def _check_prompt_conv(arrays: list[np.ndarray | None], attrs: dict[str, Any]) -
     )
 
 
+def _check_weight_product(arrays: list[np.ndarray | None], attrs: dict[str, Any]) -> tuple[bool, str]:
+    reference = importlib.import_module("fusion.reference.decode_matmul")
+    *inputs, y = arrays
+    a, b = inputs[0], inputs[1]
+    if len(inputs) > 2:  # DecodeMatMulNBits: the weight from its blocks, scales and zero points
+        zero_points = inputs[3] if len(inputs) > 3 else None
+        b = reference.dequantize(
+            b, inputs[2], zero_points, k=int(attrs["K"]), n=int(attrs["N"]), block_size=int(attrs["block_size"])
+        )
+    outside, detail = reference.check_within_budget(y, a, b)
+    return outside == 0, (f"{outside} outputs outside the budget; " if outside else "") + detail
+
+
 #: Per fused op type: how verify checks one node's real inputs and outputs against the op's reference budget.
 _NODE_CHECKS = {
     OP_TYPE: _check_gated_norm,
@@ -270,6 +283,8 @@ _NODE_CHECKS = {
     "SelectiveStateUpdate": _check_state_update,
     "MambaChunkScan": _check_chunk_scan,
     "CausalConv1d": _check_prompt_conv,
+    "DecodeMatMul": _check_weight_product,
+    "DecodeMatMulNBits": _check_weight_product,
 }
 
 

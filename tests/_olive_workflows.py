@@ -10,6 +10,8 @@ with telemetry off and the Hugging Face hub offline, and check what it wrote to 
   with our surgeon; ``mobius_only/``: the same without the surgeon (the unfused reference).
 - ``olive_session_outputs.npz``: every output model run through Olive's own session factory
   (``olive.common.ort_inference.get_ort_inference_session``: no mambafuse library), and the feeds.
+- ``int4-<pass>/``: a transformers 5.25 decode export through each of Olive's weight-only int4 passes
+  (``INT4_PASSES``: RTN, k-quant, HQQ), for the tests to fuse.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "models" / "nemotron_h-dynamo-fp32-prefill.onnx"
 SEED = 0
+#: The decode export Olive's int4 passes quantize (models/fixtures: transformers 5.25, dynamo, float32).
+INT4_SOURCE = ROOT / "tests" / "fixtures" / "models" / "transformers-5.25" / "nemotron_h-dynamo-fp32-decode.onnx"
+#: Olive's weight-only quantization passes that write MatMulNBits, at block 32 (k-quant's default; RTN's and HQQ's
+#: is 128, wider than the fixture's rows).
+INT4_PASSES = {
+    "rtn": {"type": "OnnxBlockWiseRtnQuantization", "block_size": 32},
+    "kquant": {"type": "OnnxKQuantQuantization"},
+    "hqq": {"type": "OnnxHqqQuantization", "block_size": 32},
+}
 
 
 def _shim_mobius_local_tokenizer() -> None:
@@ -164,12 +175,17 @@ def main(out: Path) -> None:
         "registered": Surgeon.registry.get(fusion.olive.SURGEON.lower()) is fusion.olive.MambafuseGatedGroupRMSNorm
     }
     errors = []
-    for kwargs in ({"function": "yes"}, {"min_fused": -1}):
+    for kwargs in ({"function": "yes"}, {"min_fused": -1}, {"opt_in": ["nope"]}, {"opt_in": 3}):
         try:
             fusion.olive.MambafuseGatedGroupRMSNorm(**kwargs)
         except ValueError as error:
             errors.append(str(error))
     checks["argument_errors"] = errors
+    # an opt-in fusion through the surgeon: the fixture's weight MatMuls as DecodeMatMul
+    import onnx_ir as ir
+
+    opted = fusion.olive.MambafuseGatedGroupRMSNorm(opt_in=["decode_matmul"]).call_ir(ir.load(FIXTURE))
+    checks["opt_in_ops"] = sorted({node.op_type for node in opted.graph if node.domain == "ai.mambafuse"})
     strict = {k: v for k, v in config.items() if k not in ("evaluators", "evaluator", "data_configs")}
     strict["output_dir"] = str(out / "strict")
     strict["passes"] = {
@@ -181,6 +197,18 @@ def main(out: Path) -> None:
     except Exception as error:
         checks["min_fused_error"] = str(error)
     (out / "checks.json").write_text(json.dumps(checks, indent=2))
+
+    # 4b. Olive's int4 passes on a decode export (tests/test_olive.py fuses what they write).
+    for name, quantization in INT4_PASSES.items():
+        run(
+            {
+                "input_model": {"type": "ONNXModel", "model_path": str(INT4_SOURCE)},
+                "systems": _system(),
+                "passes": {"quantize": quantization},
+                "output_dir": str(out / f"int4-{name}"),
+                "cache_dir": str(out / "cache"),
+            }
+        )
 
     # 4. Olive's own sessions (no custom-op library) on every output model.
     arrays: dict[str, np.ndarray] = {}

@@ -30,6 +30,8 @@ from models.runtime import load_references
 
 #: Optimized vs original, max |difference| relative to the largest |output| (tests/test_optimize.py's fp16).
 TOLERANCE = 4e-3
+#: The suffix of a fixture quantized to int4 before the test (``_original``).
+INT4 = "@int4"
 #: fixture -> (directory, attention layers, batch sizes)
 FUSED = {
     "nemotron_h-dynamo-fp16-decode": (FIXTURE_DIR, 1, (1,)),
@@ -37,6 +39,9 @@ FUSED = {
     "granitemoehybrid-dynamo-fp16-decode": (FAMILY_FIXTURE_DIR, 1, (1,)),
     "nemotron_h-dynamo-fp16-batch-decode": (BATCH_FIXTURE_DIR, 1, (1, 2, 3)),
     "granitemoehybrid-dynamo-fp16-batch-decode": (BATCH_FIXTURE_DIR, 1, (1, 2, 3)),
+    # int4-quantized (ORT's MatMulNBitsQuantizer, block 32): the projections are MatMulNBits
+    "nemotron_h-dynamo-fp16-decode" + INT4: (FIXTURE_DIR, 1, (1,)),
+    "granitemoehybrid-dynamo-fp16-batch-decode" + INT4: (BATCH_FIXTURE_DIR, 1, (1, 2, 3)),
 }
 #: 0: an empty cache (GroupQueryAttention with seqlens_k 0) on the CPU; CUDA runs the others.
 PAST_LENGTHS = (0, 1, 8, 33)
@@ -44,12 +49,20 @@ _NP = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16, ir.DataTy
 
 
 def _path(stem: str, directory: Path = FIXTURE_DIR) -> Path:
-    return directory / f"{stem}.onnx"
+    return directory / f"{stem.removesuffix(INT4)}.onnx"
 
 
 @cache
 def _original(stem: str) -> onnx.ModelProto:
-    return onnx.load(_path(stem, FUSED[stem][0]))
+    model = onnx.load(_path(stem, FUSED[stem][0]))
+    if stem.endswith(INT4):
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=True)
+        quantizer.process()
+        model = quantizer.model.model
+        assert any(node.op_type == "MatMulNBits" for node in model.graph.node)
+    return model
 
 
 @cache
@@ -64,7 +77,7 @@ def _is_attention_cache(name: str) -> bool:
 def _feeds(stem: str, batch: int, past: int, seed: int) -> dict[str, np.ndarray]:
     """Seeded inputs: the fixture's sample step's shapes with ``batch`` rows and ``past`` cached tokens."""
     directory = FUSED[stem][0]
-    refs = load_references(directory)[stem]
+    refs = load_references(directory)[stem.removesuffix(INT4)]
     model = _original(stem)
     vocab = model.graph.output[0].type.tensor_type.shape.dim[-1].dim_value
     rng = np.random.default_rng(seed)
@@ -146,7 +159,7 @@ def test_rewrite_does_not_fuse_attention() -> None:
 
 def _prepared(stem: str, directory: Path = FIXTURE_DIR) -> ir.Model:
     """The fixture as the attention pass sees it: after onnxscript's ORT fusions."""
-    model, _ = _ort_fusions(ir.load(_path(stem, directory)))
+    model, _ = _ort_fusions(ir.from_proto(_original(stem)) if stem.endswith(INT4) else ir.load(_path(stem, directory)))
     return model
 
 

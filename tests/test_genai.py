@@ -367,6 +367,30 @@ def test_generation_same_before_and_after_fusion(stem: str, builds: Path, tmp_pa
         assert difference <= limit, f"{label}: {line}, over {limit:.3g}"
 
 
+def test_int4_folder_with_the_weight_products_generates_the_same(builds: Path, tmp_path: Path) -> None:
+    """An int4 folder (ORT's MatMulNBitsQuantizer) with ``--opt-in decode_matmul_nbits``: every 4-bit product is a
+    DecodeMatMulNBits node, and on the CPU (its function: the MatMulNBits it replaced) genai generates the same
+    tokens from the same logits, bit for bit, as the folder fused without it."""
+    from benchmarks.bench_genai import _quantized_copy
+
+    stem = next(s for s in GENAI_BUILDS if RECORDS[s]["dtype"] == "f32" and s.startswith("nemotron"))
+    int4 = _quantized_copy(builds / stem, tmp_path / "int4")
+    status, _, err = _fuse(int4, tmp_path / "plain")
+    assert status == 0, err
+    status, out, err = _fuse(
+        int4, tmp_path / "gemv", "--opt-in", "causal_conv_with_state", "--opt-in", "decode_matmul_nbits"
+    )
+    assert status == 0, err
+    graph = onnx.load(tmp_path / "gemv" / "model.onnx", load_external_data=False).graph
+    ops = [node.op_type for node in graph.node]
+    assert ops.count("DecodeMatMulNBits") > 0 and "MatMulNBits" not in ops, out
+    tokens, logits = generate(tmp_path / "plain")
+    assert len(set(tokens)) > 4, f"degenerate generation {tokens}"
+    gemv_tokens, gemv_logits = generate(tmp_path / "gemv")
+    assert gemv_tokens == tokens
+    np.testing.assert_array_equal(gemv_logits, logits)
+
+
 def test_refuses_a_folder_that_already_names_another_library(builds: Path, tmp_path: Path) -> None:
     source = tmp_path / "in"
     shutil.copytree(builds / GENAI_BUILDS[0], source)

@@ -150,6 +150,54 @@ def test_surgeon_is_registered_and_checks_its_arguments(olive_run: Path) -> None
     assert checks["argument_errors"] == [
         "MambafuseGatedGroupRMSNorm: 'function' must be true or false, got 'yes'",
         "MambafuseGatedGroupRMSNorm: 'min_fused' must be a non-negative integer, got -1",
+        "MambafuseGatedGroupRMSNorm: 'opt_in': no opt-in fusion named 'nope' (choices: linear_attention_scan, "
+        "causal_conv_with_state, decode_matmul, decode_matmul_nbits)",
+        "MambafuseGatedGroupRMSNorm: 'opt_in' must be a list of fusion names, got 3",
     ]
+    assert checks["opt_in_ops"] == ["CausalConv1d", "DecodeMatMul", "GatedGroupRMSNorm", "MambaChunkScan"]
     assert checks["min_fused_error"] is not None
     assert "MambafuseGatedGroupRMSNorm: fused 2 chains, min_fused is 3" in checks["min_fused_error"]
+
+
+#: Olive's int4 passes (tests/_olive_workflows.py: INT4_PASSES) and what DecodeMatMulNBits makes of their products:
+#: RTN and k-quant write MatMulNBits with packed uint8 zero points (or none), HQQ with float zero points, which the
+#: op does not take (each refused with that reason).
+INT4_ROUTES = {"rtn": True, "kquant": True, "hqq": False}
+
+
+@pytest.mark.parametrize(("route", "replaced"), sorted(INT4_ROUTES.items()))
+def test_olive_int4_routes_fuse_every_op(olive_run: Path, route: str, replaced: bool) -> None:
+    """A decode export quantized by Olive's int4 passes: every Mamba-2 op fused in every layer, with parity to the
+    quantized model; with ``--opt-in decode_matmul_nbits`` each 4-bit product it takes replaced, computing the same
+    bit for bit on the CPU (its function is the MatMulNBits it replaced)."""
+    from fusion.rewrite import rewrite_model
+    from models.fixtures import TF525_FIXTURE_DIR
+    from models.runtime import feeds, load_manifest, load_references
+    from tests.test_decode_step_rules import TOLERANCE, scaled_error
+
+    stem = "nemotron_h-dynamo-fp32-decode"
+    record = load_manifest(TF525_FIXTURE_DIR)["fixtures"][stem]
+    quantized = onnx.load(olive_run / f"int4-{route}" / "model.onnx")
+    products = sum(node.op_type == "MatMulNBits" for node in quantized.graph.node)
+    assert products > 0
+    plain, report = rewrite_model(quantized)
+    opted, opted_report = rewrite_model(quantized, opt_in=["decode_matmul_nbits"])
+    for model in (plain, opted):
+        counts = Counter(node.op_type for node in model.graph.node)
+        for op in ("GatedGroupRMSNorm", "CausalConv1dUpdate", "SelectiveStateUpdate"):
+            assert counts[op] == record["num_mamba_layers"], report.summary()
+    counts = Counter(node.op_type for node in opted.graph.node)
+    assert counts["DecodeMatMulNBits"] == (products if replaced else 0), opted_report.summary()
+    if not replaced:
+        assert "the zero points are float, not packed uint8" in opted_report.summary()
+    inputs = feeds(record, load_references(TF525_FIXTURE_DIR)[stem])
+
+    def outputs(model: onnx.ModelProto) -> list[np.ndarray]:
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, inputs)
+
+    expected = outputs(quantized)
+    for fused_value, opted_value, original in zip(outputs(plain), outputs(opted), expected, strict=True):
+        np.testing.assert_array_equal(opted_value, fused_value)
+        error, floor = scaled_error(np.asarray(fused_value), np.asarray(original))
+        assert error <= TOLERANCE["fp32"] + floor

@@ -39,7 +39,7 @@ try:
 except ImportError as error:
     raise ImportError(f"fusion.olive needs olive-ai: pip install 'mambafuse[olive]' ({error})") from error
 
-from fusion.rewrite import Report, rewrite_model
+from fusion.rewrite import Report, opt_in_fusions, rewrite_model
 
 # A child of the "olive" logger, so that the surgeon's lines appear where Olive shows its own.
 logger = logging.getLogger("olive.passes.mambafuse")
@@ -57,21 +57,31 @@ class MambafuseGatedGroupRMSNorm(Surgeon):
         min_fused: fail the pass when fewer chains are fused (default 0: a model without chains passes
             through unchanged). Set it to the number of Mamba layers to catch an export whose chains the
             rewriter does not know.
+        opt_in: names of opt-in fusions to run as well (``mambafuse rewrite --opt-in``'s choices, e.g.
+            ``["decode_matmul_nbits"]`` after an int4 quantization pass; default none).
     """
 
-    def __init__(self, function: bool = True, min_fused: int = 0) -> None:
+    def __init__(self, function: bool = True, min_fused: int = 0, opt_in: list[str] | None = None) -> None:
         super().__init__()
         if not isinstance(function, bool):
             raise ValueError(f"{SURGEON}: 'function' must be true or false, got {function!r}")
         if not isinstance(min_fused, int) or isinstance(min_fused, bool) or min_fused < 0:
             raise ValueError(f"{SURGEON}: 'min_fused' must be a non-negative integer, got {min_fused!r}")
+        names = [opt_in] if isinstance(opt_in, str) else opt_in if opt_in is not None else []
+        if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+            raise ValueError(f"{SURGEON}: 'opt_in' must be a list of fusion names, got {opt_in!r}")
+        try:
+            opt_in_fusions(names)
+        except ValueError as error:
+            raise ValueError(f"{SURGEON}: 'opt_in': {error}") from None
         self.function = function
         self.min_fused = min_fused
+        self.opt_in = list(names)
         #: The report of the last model this surgeon rewrote.
         self.report: Report | None = None
 
     def call_ir(self, model: ir.Model) -> ir.Model:
-        model, report = rewrite_model(model, function=self.function)
+        model, report = rewrite_model(model, function=self.function, opt_in=self.opt_in)
         self.report = report
         for line in report.summary().splitlines():
             logger.info("%s: %s", SURGEON, line)

@@ -14,9 +14,10 @@ without rotary embedding (Nemotron-H) for one new token, after onnxscript's ORT 
 What ``check`` proves from the graph (declared shapes of intermediate values are never read; the graph
 inputs' declared shapes are the model's interface):
 
-* the head split: q/k/v's MatMul outputs are (B, 1, Hq*D) / (B, 1, Hkv*D) with S = 1 and Hq*D, Hkv*D ints,
+* the head split: q/k/v's projections (MatMul by a 2-D weight, or an int4 model's MatMulNBits, or either as
+  DecodeMatMul / DecodeMatMulNBits) are (B, 1, Hq*D) / (B, 1, Hkv*D) with S = 1 and Hq*D, Hkv*D ints,
   their Reshapes proven (B, 1, H, D), so the row-major Reshape is the split of the last axis into heads;
-  the three MatMuls read the same h (one batch for all);
+  the three projections read the same h (one batch for all);
 * the cache: each present is Concat(past, new) along axis 2, past a graph input, present a graph output
   that nothing else reads; the Concat proves the past's (B, Hkv, D) to be the new key's;
 * the group mapping: Unsqueeze at axis 2, Expand to (B, Hkv, n, T, D), Reshape to (B, Hkv*n, T, D)
@@ -111,6 +112,23 @@ def _constant_equal(value: ir.Value | None, number: float) -> bool:
 _SAME_SHAPE_OPS = frozenset({"Cast", "Identity", "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"})
 
 
+#: The weight products a projection is written as: ONNX's MatMul by a 2-D weight, ORT's 4-bit MatMulNBits (an
+#: int4-quantized model's), and this project's DecodeMatMul / DecodeMatMulNBits (the same products).
+_PROJECTIONS = {("MatMul", ""), ("MatMul", "ai.onnx"), ("MatMulNBits", CONTRIB_DOMAIN)}
+_PROJECTIONS |= {("DecodeMatMul", "ai.mambafuse"), ("DecodeMatMulNBits", "ai.mambafuse")}
+
+
+def _projection_columns(node: ir.Node | None, shapes: ForwardShapes) -> Dim | None:
+    """Return N when ``node`` is a product of its input 0 by a (K, N) weight (``_PROJECTIONS``), else None."""
+    if node is None or (node.op_type, node.domain) not in _PROJECTIONS or len(node.inputs) < 2:
+        return None
+    if node.op_type.endswith("NBits"):
+        columns = node.attributes.get_int("N", 0)
+        return columns if columns > 0 else None
+    weight = shapes(node.inputs[1])
+    return weight[1] if weight is not None and len(weight) == 2 else None
+
+
 def _partial_dims(value: ir.Value | None, shapes: ForwardShapes, depth: int = 0) -> list[Dim] | None:
     """Return ``value``'s dims where ForwardShapes proves them, else per axis through a few ops: a dim is kept
     (None when not proven) where ForwardShapes gives up on the whole value.
@@ -127,14 +145,12 @@ def _partial_dims(value: ir.Value | None, shapes: ForwardShapes, depth: int = 0)
     op = producer.op_type
     if op in _SAME_SHAPE_OPS and producer.domain in (*_ONNX, CONTRIB_DOMAIN):
         return _partial_dims(producer.inputs[0], shapes, depth + 1)
+    columns = _projection_columns(producer, shapes)
+    if columns is not None:
+        source = _partial_dims(producer.inputs[0], shapes, depth + 1)
+        return None if source is None or len(source) < 2 else [*source[:-1], columns]
     if producer.domain not in _ONNX:
         return None
-    if op == "MatMul":
-        weight = shapes(producer.inputs[1])
-        source = _partial_dims(producer.inputs[0], shapes, depth + 1)
-        if weight is None or len(weight) != 2 or source is None or len(source) < 2:
-            return None
-        return [*source[:-1], weight[1]]
     if op in ("Add", "Sub", "Mul") and len(producer.inputs) == 2:
         left, right = (_partial_dims(v, shapes, depth + 1) for v in producer.inputs)
         if left is None or right is None:
@@ -490,16 +506,12 @@ def _plus_constant(value: ir.Value, number: int) -> ir.Value | None:
 
 
 def _same_input_projection(a: ir.Value, b: ir.Value) -> bool:
-    """Whether ``a`` and ``b`` are MatMuls of one input by 2-D constants (so their leading dims are one)."""
-    nodes = [_op(a, "MatMul"), _op(b, "MatMul")]
-    if any(node is None for node in nodes):
+    """Whether ``a`` and ``b`` are weight products (``_PROJECTIONS``) of one input (so their leading dims are
+    one)."""
+    nodes = [a.producer(), b.producer()]
+    if any(_projection_columns(node, ForwardShapes(None)) is None for node in nodes):
         return False
-    for node in nodes:
-        weight = node.inputs[1]
-        dims = ForwardShapes(None)(weight)
-        if dims is None or len(dims) != 2:
-            return False
-    return nodes[0].inputs[0] is nodes[1].inputs[0]
+    return nodes[0].inputs[0] is nodes[1].inputs[0]  # type: ignore[union-attr]
 
 
 group_query_attention_rules = pattern.RewriteRuleSet(

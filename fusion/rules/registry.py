@@ -24,6 +24,7 @@ from onnxscript.rewriter import pattern
 
 from fusion.function import causal_conv1d as prompt_conv_function
 from fusion.function import causal_conv1d_update as conv_function
+from fusion.function import decode_matmul as weight_function
 from fusion.function import gated_group_rms_norm as norm_function
 from fusion.function import mamba_chunk_scan as scan_function
 from fusion.function import selective_state_update as state_function
@@ -32,6 +33,7 @@ from fusion.reference._common import DOMAIN
 from fusion.rules import causal_conv1d as prompt_conv_rules
 from fusion.rules import causal_conv1d_update as conv_rules
 from fusion.rules import causal_conv_with_state as conv_with_state_rules
+from fusion.rules import decode_matmul as weight_rules
 from fusion.rules import gated_group_rms_norm as norm_rules
 from fusion.rules import linear_attention_scan as linear_attention_rules
 from fusion.rules import mamba_chunk_scan as scan_rules
@@ -83,6 +85,9 @@ class Fusion:
     #: ONNX Runtime's contrib op that builders (mobius) already run the op's step as: its domain, type and the
     #: attributes it must have. Such a layer has no chain to fuse; the report counts it apart.
     builder_op: tuple[str, str, dict[str, object]] | None = None
+    #: whether the fusion runs once after the others' rounds rather than in them: it replaces nodes (the weight
+    #: MatMuls) that the other rules prove their chains' shapes through
+    after_rounds: bool = False
 
 
 GATED_GROUP_RMS_NORM = Fusion(
@@ -177,6 +182,33 @@ CAUSAL_CONV_WITH_STATE = Fusion(
     function_domains=(("ai.onnx.ml", prompt_conv_function.ML_OPSET),),
 )
 
+#: A weight MatMul (a constant (K, N) B) as DecodeMatMul, and a 4-bit MatMulNBits as DecodeMatMulNBits: the same
+#: products, which the library's CUDA kernels run as a GEMV at up to 8 rows (a decode step) and with cuBLAS above.
+#: Opt-in (``--opt-in decode_matmul``, ``--opt-in decode_matmul_nbits``) until measured faster where they run.
+DECODE_MATMUL = Fusion(
+    name="decode_matmul",
+    op_type="DecodeMatMul",
+    counts="weight MatMuls",
+    rules=(weight_rules.decode_matmul_rules,),
+    fuse=weight_rules.fuse_decode_matmul,
+    find_anchors=weight_rules.find_anchors,
+    make_function=weight_function.make_function,
+    min_opset=weight_function.MIN_OPSET,
+    after_rounds=True,
+)
+DECODE_MATMUL_NBITS = Fusion(
+    name="decode_matmul_nbits",
+    op_type="DecodeMatMulNBits",
+    counts="4-bit MatMulNBits",
+    rules=(weight_rules.decode_matmul_nbits_rules,),
+    fuse=weight_rules.fuse_decode_matmul_nbits,
+    find_anchors=weight_rules.find_nbits_anchors,
+    make_function=weight_function.make_nbits_function,
+    min_opset=weight_function.MIN_OPSET,
+    function_domains=((weight_function.CONTRIB_DOMAIN, weight_function.CONTRIB_OPSET),),
+    after_rounds=True,
+)
+
 #: Every fusion, in the order the rewriter tries them in each round (the decode conv before the prompt conv: a decode
 #: step's conv is the update's).
 FUSIONS: tuple[Fusion, ...] = (
@@ -188,12 +220,21 @@ FUSIONS: tuple[Fusion, ...] = (
 )
 
 #: Fusions that are right but not faster everywhere the fused model runs: never applied by default.
-OPT_IN_FUSIONS: tuple[Fusion, ...] = (LINEAR_ATTENTION_SCAN, CAUSAL_CONV_WITH_STATE)
+OPT_IN_FUSIONS: tuple[Fusion, ...] = (LINEAR_ATTENTION_SCAN, CAUSAL_CONV_WITH_STATE, DECODE_MATMUL, DECODE_MATMUL_NBITS)
+
+
+def _by_op_type() -> dict[str, Fusion]:
+    """Return one fusion per op type, default ones first: the op's function and its imports are the same for
+    every fusion to it."""
+    ops: dict[str, Fusion] = {}
+    for fusion in (*FUSIONS, *OPT_IN_FUSIONS):
+        ops.setdefault(fusion.op_type, fusion)
+    return ops
 
 
 def fusion_of(op_type: str) -> Fusion | None:
-    """Return the fusion whose op is ``op_type``, else None."""
-    return next((f for f in FUSIONS if f.op_type == op_type), None)
+    """Return the fusion whose op is ``op_type`` (a default one before an opt-in one), else None."""
+    return _by_op_type().get(op_type)
 
 
 def attach_functions(model: ModelT, onnx_opset: int | None = None, *, only_missing: bool = False) -> list[str]:
@@ -230,7 +271,7 @@ def attach_functions(model: ModelT, onnx_opset: int | None = None, *, only_missi
             model.opset_imports.setdefault(domain, version)
 
     attached = []
-    for fusion in FUSIONS:
+    for fusion in _by_op_type().values():
         if fusion.op_type not in used or opset < fusion.min_opset or (only_missing and fusion.op_type in defined):
             continue
         add(fusion.make_function(opset))
@@ -256,8 +297,10 @@ class AllRulesSet(pattern.RewriteRuleSet):
     MAX_ROUNDS = 64
 
     def __init__(self) -> None:
-        self._rule_sets = [rule_set for fusion in FUSIONS for rule_set in fusion.rules]
-        super().__init__([rule for rule_set in self._rule_sets for rule in rule_set])
+        self._rule_sets = [rule_set for fusion in FUSIONS if not fusion.after_rounds for rule_set in fusion.rules]
+        self._final_sets = [rule_set for fusion in FUSIONS if fusion.after_rounds for rule_set in fusion.rules]
+        every = [*self._rule_sets, *self._final_sets]
+        super().__init__([rule for rule_set in every for rule in rule_set])
         self.remove_unused_nodes = False
 
     def apply_to_model(self, model: ir.Model, *, verbose: int | None = None, tracer=None) -> int:
@@ -268,6 +311,8 @@ class AllRulesSet(pattern.RewriteRuleSet):
             total += fused
             if not fused:
                 break
+        # then, once, the fusions that replace nodes the others prove their shapes through (Fusion.after_rounds)
+        total += sum(rule_set.apply_to_model(model, verbose=verbose, tracer=tracer) for rule_set in self._final_sets)
         return total
 
 

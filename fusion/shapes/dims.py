@@ -1112,7 +1112,15 @@ def _one_hot_dims(node: ir.Node, indices: list[Dim] | None, depth: list[Dim] | N
 
 def _own_op_dims(node: ir.Node, index: int, dims_of: Callable[[ir.Value | None], list[Dim] | None]) -> list[Dim] | None:
     """This project's fused ops, as their contracts (docs/) define their outputs (``_OWN_OPS``): output 0 has x's
-    shape, and a decode op's present state the past state's with x's batch (the kernels reject another)."""
+    shape, and a decode op's present state the past state's with x's batch (the kernels reject another). The weight
+    products are MatMul's and MatMulNBits' shapes (docs/decode_matmul.md)."""
+    if node.op_type == "DecodeMatMulNBits":
+        return _contrib_matmul_dims(node, index, dims_of) if index == 0 else None
+    if node.op_type == "DecodeMatMul":
+        left, right = dims_of(node.inputs[0]), dims_of(node.inputs[1]) if len(node.inputs) > 1 else None
+        if index != 0 or left is None or right is None or not left or len(right) != 2:
+            return None
+        return [*left[:-1], right[1]]
     x_index, state_index, _ = _OWN_OPS.get(node.op_type, (None, None, 0))
     if x_index is None or len(node.inputs) <= x_index:
         return None
@@ -1141,7 +1149,7 @@ def _contrib_matmul_dims(
     if index != 0 or len(node.inputs) < 2:
         return None
     left = dims_of(node.inputs[0])
-    if node.op_type == "MatMulNBits":
+    if node.op_type in ("MatMulNBits", "DecodeMatMulNBits"):
         n, k = node.attributes.get_int("N", 0), node.attributes.get_int("K", 0)
         if left is None or not left or n < 1 or k < 1 or (isinstance(left[-1], int) and left[-1] != k):
             return None
