@@ -9,7 +9,10 @@ f32 and f16), each as four genai folders, in one process:
 - ``int4 unfused`` / ``int4 fused``: the same, after ONNX Runtime's ``MatMulNBitsQuantizer`` (4 bits, block 32,
   symmetric, every MatMul with a constant weight) wrote the folder's model.
 
-Every folder's config pins one intra-op thread. Per round, each folder generates greedily from the same prompt
+``--folder PATH`` (repeatable) measures those genai build folders instead of the fixtures (a mobius build with
+``--runtime ort-genai``: the real-width model of ``benchmarks/_genai_real_width.py``), with the same four variants;
+``--work DIR`` keeps the variant folders there and reuses them in a later run (quantizing a real-width model takes
+minutes). Every folder's config pins ``--threads`` intra-op threads (default 1). Per round, each folder generates greedily from the same prompt
 (``--new`` tokens after it, min_length = max_length so the random model's EOS does not stop it), in a rotating
 order; after ``--warmup`` rounds, ``--rounds`` are measured. Time to first token = ``append_tokens`` (the
 prompt's forward pass) and the first ``generate_next_token``; tokens/s = the rest of the tokens over their time.
@@ -20,6 +23,7 @@ In mobius builds ONNX Runtime's own contrib ops already run the decode step (``C
 through genai on a tiny model (where per-node overhead is most of the time).
 
     python -m benchmarks.bench_genai [--rounds 7] [--warmup 2] [--new 32] [--only REGEX] [--markdown OUT.md]
+        [--folder PATH ...] [--work DIR] [--threads N]
 """
 
 from __future__ import annotations
@@ -59,11 +63,11 @@ def _genai(*args: str) -> None:
         raise SystemExit(f"mambafuse genai {' '.join(args)} failed ({status}): {err.getvalue().strip()}")
 
 
-def _one_thread(folder: Path) -> None:
+def _pin_threads(folder: Path, threads: int) -> None:
     config_path = folder / "genai_config.json"
     config = json.loads(config_path.read_text())
     session = config["model"]["decoder"].setdefault("session_options", {})
-    session["intra_op_num_threads"] = 1
+    session["intra_op_num_threads"] = threads
     session["inter_op_num_threads"] = 1
     config_path.write_text(json.dumps(config, indent=2))
 
@@ -84,9 +88,12 @@ def _quantized_copy(source: Path, dest: Path) -> Path:
     return dest
 
 
-def _folders(source: Path, work: Path) -> dict[str, Path]:
+def _folders(source: Path, work: Path, threads: int) -> dict[str, Path]:
+    """The four variant folders of ``source`` in ``work``; folders a previous run left there are reused."""
     folders = {}
-    int4_source = _quantized_copy(source, work / "int4-source")
+    int4_source = work / "int4-source"
+    if not (int4_source / "model.onnx").is_file():
+        _quantized_copy(source, int4_source)
     for variant, base in (
         ("unfused", source),
         ("fused", source),
@@ -94,8 +101,9 @@ def _folders(source: Path, work: Path) -> dict[str, Path]:
         ("int4 fused", int4_source),
     ):
         out = work / variant.replace(" ", "-")
-        _genai(str(base), str(out), *(["--config-only"] if "unfused" in variant else []))
-        _one_thread(out)
+        if not (out / "genai_config.json").is_file():
+            _genai(str(base), str(out), *(["--config-only"] if "unfused" in variant else []))
+        _pin_threads(out, threads)
         folders[variant] = out
     return folders
 
@@ -128,17 +136,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=32, help="tokens generated after the prompt (default 32)")
     parser.add_argument("--only", help="regular expression: the builds to run")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
+    parser.add_argument(
+        "--folder", type=Path, action="append", help="a genai build folder to measure instead of the fixtures"
+    )
+    parser.add_argument("--work", type=Path, help="write (and reuse) the variant folders here, not in a temporary one")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
     args = parser.parse_args(argv)
     rows = [
         "| build | variant | time to first token, ms | tokens/s | vs unfused (TTFT / tokens/s) | tokens = unfused |",
         "|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory(prefix="mambafuse-genai-bench-") as scratch:
-        builds = extract_builds(Path(scratch) / "builds")
-        for stem in STEMS:
+        work = args.work or Path(scratch)
+        if args.folder:
+            sources = {folder.resolve().name: folder for folder in args.folder}
+        else:
+            builds = extract_builds(Path(scratch) / "builds")
+            sources = {stem: builds / stem for stem in STEMS}
+        for stem, source in sources.items():
             if args.only and not re.search(args.only, stem):
                 continue
-            folders = _folders(builds / stem, Path(scratch) / stem)
+            folders = _folders(source, work / stem, args.threads)
             models = {variant: og.Model(str(folder)) for variant, folder in folders.items()}
             prompt = np.asarray(og.Tokenizer(models["unfused"]).encode(PROMPT), dtype=np.int32)[None, :]
             ttft: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -165,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             del models
     environment = (
         f"onnxruntime-genai {og.__version__}, onnxruntime {ort.__version__}, "
-        f"{platform.processor() or platform.machine()}, CPU, 1 intra-op thread; prompt of {prompt.shape[1]} tokens, "
+        f"{platform.processor() or platform.machine()}, CPU, {args.threads} intra-op thread(s); prompt of {prompt.shape[1]} tokens, "
         f"{args.new} new; median of {args.rounds} rounds after {args.warmup}"
     )
     text = "\n".join(rows) + f"\n\n{environment}\n"

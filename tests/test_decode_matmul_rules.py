@@ -182,26 +182,15 @@ def test_reference_evaluator_runs_the_ops() -> None:
     rng = np.random.default_rng(5)
     k, n, block = 64, 6, 16
     b, scales, zp = _nbits_weights(rng, k, n, block, TensorProto.FLOAT, True)
-    model = _one_node(
-        "DecodeMatMulNBits",
-        "ai.mambafuse",
-        [("B", b), ("scales", scales), ("zero_points", zp)],
-        [2, k],
-        TensorProto.FLOAT,
-        {"K": k, "N": n, "bits": 4, "block_size": block},
+    inputs = [("B", b), ("scales", scales), ("zero_points", zp)]
+    attributes = {"K": k, "N": n, "bits": 4, "block_size": block}
+    fused, original = (
+        _one_node(op_type, domain, inputs, [2, k], TensorProto.FLOAT, attributes)
+        for op_type, domain in (("DecodeMatMulNBits", "ai.mambafuse"), ("MatMulNBits", "com.microsoft"))
     )
     a = rng.standard_normal((2, k)).astype(np.float32)
-    y = ReferenceEvaluator(model, new_ops=[reference.DecodeMatMulNBits]).run(None, {"A": a})[0]
-    expected = _session(
-        _one_node(
-            "MatMulNBits",
-            "com.microsoft",
-            [("B", b), ("scales", scales), ("zero_points", zp)],
-            [2, k],
-            TensorProto.FLOAT,
-            {"K": k, "N": n, "bits": 4, "block_size": block},
-        )
-    )
+    y = ReferenceEvaluator(fused, new_ops=[reference.DecodeMatMulNBits]).run(None, {"A": a})[0]
+    expected = _session(original)
     np.testing.assert_allclose(y, expected.run(None, {"A": a})[0], rtol=1e-5, atol=1e-5)
 
 

@@ -56,13 +56,12 @@ def _present(node: ir.Node, index: int) -> ir.Value | None:
     return node.inputs[index] if index < len(node.inputs) and node.inputs[index] is not None else None
 
 
-class DecodeMatMulFusion(PlannedRule):
-    """Rewrites ``MatMul(A, constant 2-D B)`` into a DecodeMatMul node."""
+class _ProductFusion(PlannedRule):
+    """A rule whose chain is one product node (``y``'s producer), proven by ``prove(anchor, a, b)``."""
 
-    FORM = FORM
-
-    def pattern(self, op, a, b):
-        return op.MatMul(a, b, _outputs=["y"])
+    @staticmethod
+    def prove(anchor: ir.Node, a: ir.Value, b: ir.Value) -> _Plan:
+        raise NotImplementedError
 
     def check(self, context, a, b, y, **_: Any) -> pattern.MatchResult:
         result = pattern.MatchResult()
@@ -70,36 +69,42 @@ class DecodeMatMulFusion(PlannedRule):
         if anchor is None:
             return result.fail("no producer")
         try:
-            self._plan = _prove_matmul(anchor, a, b)
+            self._plan = self.prove(anchor, a, b)
         except Refusal as refusal:
             return self.refused(result, anchor, refusal)
         return result
+
+
+class DecodeMatMulFusion(_ProductFusion):
+    """Rewrites ``MatMul(A, constant 2-D B)`` into a DecodeMatMul node."""
+
+    FORM = FORM
+
+    @staticmethod
+    def prove(anchor: ir.Node, a: ir.Value, b: ir.Value) -> _Plan:
+        return _prove_matmul(anchor, a, b)
+
+    def pattern(self, op, a, b):
+        return op.MatMul(a, b, _outputs=["y"])
 
     def rewrite(self, op, a, b, **_: Any):
         self.take_plan()
         return op.DecodeMatMul(a, b, _domain=DOMAIN, _version=1)
 
 
-class DecodeMatMulNBitsFusion(PlannedRule):
+class DecodeMatMulNBitsFusion(_ProductFusion):
     """Rewrites a 4-bit ``com.microsoft::MatMulNBits`` into a DecodeMatMulNBits node."""
 
     FORM = NBITS_FORM
+
+    @staticmethod
+    def prove(anchor: ir.Node, a: ir.Value, b: ir.Value) -> _Plan:
+        return _prove_nbits(anchor, a, b)
 
     def pattern(self, op, a, b):
         return op.MatMulNBits(
             a, b, _domain=CONTRIB_DOMAIN, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["y"]
         )
-
-    def check(self, context, a, b, y, **_: Any) -> pattern.MatchResult:
-        result = pattern.MatchResult()
-        anchor = y.producer()
-        if anchor is None:
-            return result.fail("no producer")
-        try:
-            self._plan = _prove_nbits(anchor, a, b)
-        except Refusal as refusal:
-            return self.refused(result, anchor, refusal)
-        return result
 
     def rewrite(self, op, **_: Any):
         plan: _Plan = self.take_plan()
