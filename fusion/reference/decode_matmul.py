@@ -13,7 +13,8 @@ weight as real numbers::
 
 where q[n, k] is the 4-bit value of element j = k % block_size of row n's block b = k // block_size: the low
 nibble of byte ``B[n, b, j // 2]`` for even j, the high nibble for odd j; zp the same nibble of the packed
-``zero_points[n, b // 2]`` for block b (8 when the input is absent). A kernel may round W to T first (ORT's
+``zero_points[n, b // 2]`` for block b (8 when the input is absent), or, where the zero points have A's type
+(ORT's other form, HQQ's), ``zero_points[n, b]`` itself. A kernel may round W to T first (ORT's
 CUDA MatMulNBits does) and may sum in any order: the budget allows both.
 
 ``dequantize`` gives W in float64, ``decode_matmul`` the float64 product, ``budget`` the allowed error of a T
@@ -76,7 +77,12 @@ def check_nbits_inputs(
         raise ValueError(f"B must hold N * blocks * block_size / 2 = {n * blocks * block_size // 2} uint8 bytes")
     if scales.dtype != t or scales.size != n * blocks:
         raise ValueError(f"scales must hold N * blocks = {n * blocks} values of A's type {t}")
-    if zero_points is not None and (zero_points.dtype != np.uint8 or zero_points.size != n * -(-blocks // 2)):
+    if zero_points is None:
+        return
+    if zero_points.dtype == t:  # one unpacked zero point a block (HQQ's), A's type
+        if zero_points.size != n * blocks:
+            raise ValueError(f"zero_points of A's type must hold N * blocks = {n * blocks} values")
+    elif zero_points.dtype != np.uint8 or zero_points.size != n * -(-blocks // 2):
         raise ValueError(f"zero_points must hold N * ceil(blocks / 2) = {n * -(-blocks // 2)} uint8 bytes")
 
 
@@ -97,6 +103,8 @@ def dequantize(
     q[:, :, 1::2] = packed >> 4
     if zero_points is None:
         zp = np.full((n, blocks), DEFAULT_ZERO_POINT, dtype=np.float64)
+    elif np.asarray(zero_points).dtype != np.uint8:  # unpacked, one a block in A's type
+        zp = np.asarray(zero_points).astype(np.float64).reshape(n, blocks)
     else:
         zp_packed = np.asarray(zero_points, dtype=np.uint8).reshape(n, -(-blocks // 2))
         both = np.stack([zp_packed & 0x0F, zp_packed >> 4], axis=-1).reshape(n, -1)
