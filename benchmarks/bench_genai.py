@@ -9,18 +9,20 @@ f32 and f16), each as four genai folders, in one process:
 - ``int4 unfused`` / ``int4 fused``: the same, after ONNX Runtime's ``MatMulNBitsQuantizer`` (4 bits, block 32,
   symmetric, every MatMul with a constant weight) wrote the folder's model.
 
-``--folder PATH`` (repeatable) measures those genai build folders instead of the fixtures (a mobius build with
-``--runtime ort-genai``: the real-width model of ``benchmarks/_genai_real_width.py``), with the same four variants;
-``--work DIR`` keeps the variant folders there and reuses them in a later run (quantizing a real-width model takes
-minutes). Every folder's config pins ``--threads`` intra-op threads (default 1). Per round, each folder generates greedily from the same prompt
-(``--new`` tokens after it, min_length = max_length so the random model's EOS does not stop it), in a rotating
-order; after ``--warmup`` rounds, ``--rounds`` are measured. Time to first token = ``append_tokens`` (the
-prompt's forward pass) and the first ``generate_next_token``; tokens/s = the rest of the tokens over their time.
-Medians over the rounds. The generated tokens of a fused folder are compared with its unfused one's.
+``--folder PATH`` (repeatable) measures those genai build folders instead of the fixtures (mobius builds with
+``--runtime ort-genai``, e.g. the real-width model of ``benchmarks/_genai_real_width.py``), as the same four
+variants; ``--work DIR`` keeps the variant folders there and reuses them in a later run (quantizing a real-width
+model takes minutes). Every folder's config pins ``--threads`` intra-op threads (default 1). Per round, each folder
+generates greedily from the same prompt (``--new`` tokens after it, min_length = max_length so the random model's
+EOS does not stop it), in a rotating order; after ``--warmup`` rounds, ``--rounds`` are measured. Time to first
+token = ``append_tokens`` (the prompt's forward pass) and the first ``generate_next_token``; tokens/s = the rest of
+the tokens over their time. Medians over the rounds, with the range (min–max) after them. The generated tokens of a
+fused folder are compared with its unfused one's.
 
 In mobius builds ONNX Runtime's own contrib ops already run the decode step (``CausalConvWithState``,
-``LinearAttention``); mambafuse fuses the gated norm there, so these numbers show what the norm's fusion is worth
-through genai on a tiny model (where per-node overhead is most of the time).
+``LinearAttention``); mambafuse fuses the gated norm there (and, in a float32 folder for the CPU, runs the conv as
+``CausalConv1d``), so these numbers show what that is worth through genai: on a tiny model, where per-node overhead
+is most of the time, and at real width, where streaming the projection weights is.
 
     python -m benchmarks.bench_genai [--rounds 7] [--warmup 2] [--new 32] [--only REGEX] [--markdown OUT.md]
         [--folder PATH ...] [--work DIR] [--threads N]
@@ -127,6 +129,15 @@ def _generate(model, tokenizer_prompt: np.ndarray, new: int) -> tuple[list[int],
     return tokens, first - start, (new - 1) / (end - first)
 
 
+def _spread(values: list[float], median: float) -> str:
+    """``median (min–max)``, with three significant digits or more (real-width tokens/s are single digits)."""
+
+    def text(value: float) -> str:
+        return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+    return f"{text(median)} ({text(min(values))}–{text(max(values))})"
+
+
 def main(argv: list[str] | None = None) -> int:
     import onnxruntime_genai as og
 
@@ -176,15 +187,16 @@ def main(argv: list[str] | None = None) -> int:
                 tb, rb = statistics.median(ttft[base]), statistics.median(rate[base])
                 same = sum(a == b for a, b in zip(tokens[variant], tokens[base], strict=True))
                 rows.append(
-                    f"| {stem} | {variant} | {t:.2f} | {r:.0f} | "
+                    f"| {stem} | {variant} | {_spread(ttft[variant], t)} | {_spread(rate[variant], r)} | "
                     f"{'—' if variant == base else f'{tb / t:.2f}x / {r / rb:.2f}x'} | {same}/{args.new} |"
                 )
                 print(rows[-1], flush=True)
             del models
     environment = (
         f"onnxruntime-genai {og.__version__}, onnxruntime {ort.__version__}, "
-        f"{platform.processor() or platform.machine()}, CPU, {args.threads} intra-op thread(s); prompt of {prompt.shape[1]} tokens, "
-        f"{args.new} new; median of {args.rounds} rounds after {args.warmup}"
+        f"{platform.processor() or platform.machine()}, CPU, {args.threads} intra-op thread"
+        f"{'s' if args.threads > 1 else ''}; prompt of {prompt.shape[1]} tokens, {args.new} new; "
+        f"median (min–max) of {args.rounds} rounds after {args.warmup}"
     )
     text = "\n".join(rows) + f"\n\n{environment}\n"
     print("\n" + text)

@@ -37,18 +37,18 @@ after) + (fused kernels), each total the sum over a Run's kernels of each one's 
 (every Run launches the same sequence), so that a few slow outliers do not move a difference of two totals.
 ``run --device cpu [--prefill-tokens N]`` is a smoke test of the script.
 
-The decode step's variants, side by side (``step``): ``export`` also writes the decode graph with the gated
-norm alone fused ("norm"; ``rewrite_model(decode_steps=False)``) and as ``mambafuse optimize`` writes it
-("optimize"), beside the unfused one and ``mambafuse rewrite``'s ("after": the norm, CausalConv1dUpdate and
-SelectiveStateUpdate); "gemv" is "optimize" with ``--opt-in decode_matmul`` (the weight MatMuls as DecodeMatMul),
-and "int4-before" / "int4-optimize" / "int4-gemv" are the step quantized to int4 as docs/models.md's policy says
-(ORT's MatMulNBitsQuantizer, block 32, symmetric, the LM head kept), unfused, optimized, and optimized with
-``--opt-in decode_matmul_nbits`` (its packed weights are random bytes on the GPU machine, its scales drawn with
-std SCALE_STD; the int4 rows' logits are compared with the int4 step unfused). ``step`` runs the four in one process with the library registered, interleaved, with
-and without ORT's CUDA graph; counts the kernels of a Run and sums their GPU time by kernel family (CUPTI;
-families by kernel name); puts the Run beside the weight-streaming floor (the bytes of weights a step reads /
-the device's copy bandwidth, measured in the same process); and prints each variant's largest logit
-difference from the unfused step, so that a variant computing something else shows:
+The decode step's variants, side by side (``step``): ``export`` also writes the decode graph with the gated norm
+alone fused ("norm"; ``rewrite_model(decode_steps=False)``) and as ``mambafuse optimize`` writes it ("optimize"),
+beside the unfused one and ``mambafuse rewrite``'s ("after": the norm, CausalConv1dUpdate and SelectiveStateUpdate);
+"gemv" is "optimize" with ``--opt-in decode_matmul`` (the weight MatMuls as DecodeMatMul), and "int4-before" /
+"int4-optimize" / "int4-gemv" are the step quantized to int4 as docs/models.md's policy says (ORT's
+MatMulNBitsQuantizer, block 32, symmetric, the LM head kept), unfused, optimized, and optimized with ``--opt-in
+decode_matmul_nbits`` (its packed weights are random bytes on the GPU machine, its scales drawn with std SCALE_STD;
+the int4 rows' logits are compared with the int4 step unfused). ``step`` runs the variants in one process with the
+library registered, interleaved, with and without ORT's CUDA graph; counts the kernels of a Run and sums their GPU
+time by kernel family (CUPTI; families by kernel name); puts the Run beside the weight-streaming floor (the bytes of
+weights a step reads / the device's copy bandwidth, measured in the same process); and prints each variant's largest
+logit difference from the unfused step, so that a variant computing something else shows:
 
     python benchmarks/bench_gpu_nemotron.py step --graphs .bench-vendor/nemotron \\
         --library build/cuda/libmambafuse_ops.so

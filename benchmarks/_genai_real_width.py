@@ -1,0 +1,67 @@
+"""Build the real-width random-weight Nemotron-H as onnxruntime-genai folders, for ``bench_genai --folder``.
+
+The model of ``bench_gpu_nemotron.py``'s ``export_mobius``: models/build.py's "real" Nemotron-H config (the 8B
+model's widths, vocabulary 1024) with its first 8 layers (``LAYERS``: 4 Mamba-2, 3 MLP, 1 attention), random
+weights, as a Hugging Face checkpoint (``WORK/checkpoint``, ~4 GB in fp32, written once), then one mobius build per
+dtype for genai's CPU package (``WORK/nemotron_h-real8-<dtype>-cpu``), through models/mobius.py's wrapper exactly
+as the fixtures' genai builds are made (``--ep cpu --runtime ort-genai``, mobius' default graph).
+
+    python -m benchmarks._genai_real_width WORK [--dtype f32] [--dtype f16]
+    python -m benchmarks.bench_genai --folder WORK/nemotron_h-real8-f32-cpu --new 8 --rounds 5 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CHECKPOINT = "nemotron_h-real8"
+
+
+def build(work: Path, dtypes: list[str]) -> list[Path]:
+    """Write the checkpoint (unless there) and one genai build folder per dtype; return the folders."""
+    from benchmarks.bench_gpu_nemotron import LAYERS
+    from models import build as configs
+    from models import mobius
+
+    checkpoint = work / "checkpoint"
+    if not (checkpoint / "config.json").is_file():
+        config = {**configs.CONFIGS["nemotron_h"]["real"], "layers_block_type": LAYERS}
+        mobius.CHECKPOINTS[CHECKPOINT] = mobius._checkpoint("nemotron_h", config)  # this process only
+        start = time.perf_counter()
+        mobius.write_checkpoint(CHECKPOINT, checkpoint)
+        print(f"checkpoint: {checkpoint} written in {time.perf_counter() - start:.0f} s", flush=True)
+    folders = []
+    for dtype in dtypes:
+        out = work / f"{CHECKPOINT}-{dtype}-cpu"
+        job = dict(dtype=dtype, target="cpu", runtime="ort-genai")
+        # A relative --model, as run_build passes it, keeps the work folder's path out of the graph's name.
+        argv = mobius.mobius_argv(job, checkpoint.name, str(out.resolve()))
+        env = {k: v for k, v in os.environ.items() if k != mobius.WORKAROUND_ENV}  # mobius' default graph
+        env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "models.mobius", "mobius", *argv], cwd=work, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"{dtype}: mobius build failed (exit {done.returncode})")
+        print(f"{dtype}: {out} built in {time.perf_counter() - start:.0f} s", flush=True)
+        folders.append(out)
+    return folders
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._genai_real_width", description=__doc__.split("\n")[0])
+    parser.add_argument("work", type=Path, help="folder for the checkpoint and the builds (~4 GB each in fp32)")
+    parser.add_argument("--dtype", action="append", choices=("f32", "f16"), help="default: f32")
+    args = parser.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    build(args.work, args.dtype or ["f32"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
