@@ -914,6 +914,8 @@ def ort_value(ort, torch, tensor):
 
 def session_for(ort, path: Path, dims: dict[str, int], library: Path, graph: bool, profile_prefix: str | None = None):
     options = ort.SessionOptions()
+    if DEVICE == "cuda":  # a GPU-first session (docs/kernels.md): the prefill ops and the weight products on CUDA
+        options.add_session_config_entry("mambafuse.prefill_cpu_kernels", "0")
     options.register_custom_ops_library(str(library))
     for name, size in dims.items():  # pinned: the shape arithmetic folds, ORT's CUDA graph can capture
         options.add_free_dimension_override_by_name(name, size)

@@ -1,7 +1,7 @@
 // Entry point of the mambafuse custom-op library: one domain (ai.mambafuse), its ops (GatedGroupRMSNorm,
-// CausalConv1dUpdate, SelectiveStateUpdate, MambaChunkScan, CausalConv1d), one kernel per op and execution
-// provider. Loaded by ONNX Runtime through SessionOptions.register_custom_ops_library; the library does not link
-// libonnxruntime.
+// CausalConv1dUpdate, SelectiveStateUpdate, MambaChunkScan, CausalConv1d; on CUDA also DecodeMatMul and
+// DecodeMatMulNBits), one kernel per op and execution provider. Loaded by ONNX Runtime through
+// SessionOptions.register_custom_ops_library; the library does not link libonnxruntime.
 #include <memory>
 #include <mutex>
 #include <string>
@@ -16,6 +16,7 @@
 #if defined(MAMBAFUSE_WITH_CUDA)
 #include "cuda/causal_conv1d_cuda.h"
 #include "cuda/causal_conv1d_update_cuda.h"
+#include "cuda/decode_matmul_cuda.h"
 #include "cuda/gated_group_rms_norm_cuda.h"
 #include "cuda/mamba_chunk_scan_cuda.h"
 #include "cuda/selective_state_update_cuda.h"
@@ -44,6 +45,9 @@ struct Registry {
   mambafuse::SelectiveStateUpdateCudaOp state_update_cuda_op;
   mambafuse::MambaChunkScanCudaOp chunk_scan_cuda_op;
   mambafuse::CausalConv1dCudaOp conv_cuda_op;
+  // CUDA only: on the CPU ORT inlines their model-local functions (MatMul / MatMulNBits).
+  mambafuse::DecodeMatMulCudaOp matmul_cuda_op;
+  mambafuse::DecodeMatMulNBitsCudaOp matmul_nbits_cuda_op;
 #endif
 };
 
@@ -109,6 +113,13 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     domain.Add(&Ops().state_update_cuda_op);
     domain.Add(&Ops().chunk_scan_cuda_op);
     domain.Add(&Ops().conv_cuda_op);
+    // The weight products have no CPU kernel (ORT's MLAS is the CPU's): declared to a CPU session, a node of theirs
+    // would find no kernel and fail instead of inlining its function (MatMul / MatMulNBits). So only a session that
+    // says it prefers a GPU (the setting above) gets them.
+    if (!PrefillCpuKernelsWanted(options)) {
+      domain.Add(&Ops().matmul_cuda_op);
+      domain.Add(&Ops().matmul_nbits_cuda_op);
+    }
 #endif
     Ort::UnownedSessionOptions session_options(options);
     session_options.Add(domain);

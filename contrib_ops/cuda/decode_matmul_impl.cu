@@ -1,0 +1,703 @@
+// DecodeMatMul and DecodeMatMulNBits GEMVs on CUDA (the math is in decode_matmul_launcher.h and
+// docs/decode_matmul.md, Kernels). At M <= 8 rows the product is bound by streaming the weight once, so each kernel
+// is built around wide coalesced weight loads, enough of them in flight to fill HBM, and one pass over the weight.
+//
+// Dense (B (K, N) row-major): a thread owns V = 16 bytes of consecutive columns (8 float16 / bfloat16, 4 float) and
+// walks rows of K; a block is 8 column threads (one 128-byte line of a weight row) times 32 row threads. Each thread
+// keeps two batches of 4-8 weight rows in flight (the next batch's 16-byte loads are issued before this batch's
+// FMAs) and reads A's values where it uses them (a few KB that every block reads: L1 and L2 hits); M * V float32
+// FMAs per 16-byte load. K is split twice: over the block's 32 row threads (a shared-memory sum in a fixed order)
+// and over the S blocks of a thread-block cluster (S <= 8, picked by an estimate of waves times rows per thread),
+// whose partial sums meet in distributed shared memory: rank r adds the S partials of its share of the columns in
+// rank order. One kernel, no workspace, the same sums in the same order on every call (deterministic).
+//
+// int4 (B: N rows of packed nibbles along K): a group of 16 output columns n has 8, 4, 2 or 1 warps splitting K
+// between them (fewer where N is wide enough to fill the GPU without the split; a block is 8 warps),
+// 128 k per warp step, so each thread loads 16 bytes (one 32-element block at block_size 32) of rows g and g + 8;
+// a warp issues 4 steps' weight, scale and zero-point loads before it computes.
+// Nibbles become T through the exponent trick (0x6400 | q is 1024 + q in float16, 0x4300 | q is 128 + q in
+// bfloat16), minus the zero point's (exact), times the scale (W rounded to T once); the products run on the tensor
+// cores (mma.m16n8k16, float32 accumulation) with the weight as the 16 x 16 operand and A's M <= 8 rows as the
+// 16 x 8 one. The order of k inside a step is free (it is a sum), so each thread's 4 k slots of a step are 4 of its
+// own 32 consecutive nibbles, and A's values are permuted in registers to match. A group's warps' sums meet in shared
+// memory in warp order. float32 A takes a scalar kernel (a warp per column, FMAs in float32).
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include "decode_matmul_launcher.h"
+#include "elem_convert.cuh"
+
+namespace mambafuse {
+namespace {
+
+namespace cg = cooperative_groups;
+
+int MultiprocessorCount() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0) {
+    return 132;
+  }
+  return count;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dense GEMV
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr int kDenseThreads = 256;
+constexpr int kDenseTx = 8;                          // column threads of a block
+constexpr int kDenseTy = kDenseThreads / kDenseTx;  // row threads of a block
+constexpr int kMaxCluster = 8;                       // portable cluster size
+
+template <int M, bool kAligned>
+constexpr int DenseUnroll() {  // weight rows a thread has in flight per batch (two batches overlap)
+  return kAligned ? (M == 1 ? 8 : 4) : (M <= 2 ? 4 : 2);
+}
+
+template <typename T, int V>
+struct alignas(16) WeightVec {
+  T v[V];
+};
+
+// The weight rows base + ty + kDenseTy u (u < U) of the thread's V columns; zeros past k_end or N.
+template <typename T, int V, int U, bool kAligned>
+__device__ __forceinline__ void LoadWeightRows(const T* __restrict__ b, int base, int ty, int k_end, int n,
+                                               int col0, WeightVec<T, V> (&w)[U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int row = base + ty + kDenseTy * u;
+    const T* src = b + static_cast<int64_t>(row) * n + col0;
+    if constexpr (kAligned) {
+      if (row < k_end && col0 < n) {
+        const uint4 bits = __ldg(reinterpret_cast<const uint4*>(src));
+        w[u] = *reinterpret_cast<const WeightVec<T, V>*>(&bits);
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) w[u].v[v] = Narrow<T>(0.f);
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < V; ++v) w[u].v[v] = (row < k_end && col0 + v < n) ? src[v] : Narrow<T>(0.f);
+    }
+  }
+}
+
+// y[m, n] for the columns [col_base, col_base + kCols) of one block; K rows [k_begin, k_end) of the cluster rank.
+template <typename T, int M, bool kAligned>
+__global__ void __launch_bounds__(kDenseThreads, 2)
+    DenseGemvKernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y, int k, int n,
+                    int rows_per_rank) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  constexpr int kCols = kDenseTx * V;
+  constexpr int kUnroll = DenseUnroll<M, kAligned>();
+  constexpr int kChunk = kDenseTy * kUnroll;
+  __shared__ float partial[kDenseTy][kCols + 1];
+  __shared__ float block_sum[M * kCols];
+
+  const int tx = static_cast<int>(threadIdx.x) % kDenseTx;
+  const int ty = static_cast<int>(threadIdx.x) / kDenseTx;
+  const int col_base = static_cast<int>(blockIdx.x) * kCols;
+  const int col0 = col_base + tx * V;
+  const int rank = static_cast<int>(blockIdx.y);
+  const int k_begin = rank * rows_per_rank;
+  const int k_end = min(k, k_begin + rows_per_rank);
+
+  float acc[M][V];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[m][v] = 0.f;
+  }
+
+  // Two batches of kUnroll rows in flight: the next batch's loads are issued before this one's FMAs. A's values
+  // are read where they are used (a few KB, the same for every block: L1 and L2 hits).
+  WeightVec<T, V> w[kUnroll];
+  LoadWeightRows<T, V, kUnroll, kAligned>(b, k_begin, ty, k_end, n, col0, w);
+  for (int base = k_begin; base < k_end; base += kChunk) {
+    WeightVec<T, V> next[kUnroll];
+    LoadWeightRows<T, V, kUnroll, kAligned>(b, base + kChunk, ty, k_end, n, col0, next);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int row = base + ty + kDenseTy * u;
+      if (row < k_end) {
+        float wf[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) wf[v] = Widen(w[u].v[v]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float av = Widen(a[static_cast<int64_t>(m) * k + row]);
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[m][v] = fmaf(av, wf[v], acc[m][v]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) w[u] = next[u];
+  }
+
+  // The block's 32 row threads, summed in row-thread order, one row of A at a time.
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int v = 0; v < V; ++v) partial[ty][tx * V + v] = acc[m][v];
+    __syncthreads();
+    if (threadIdx.x < kCols) {
+      float s = 0.f;
+#pragma unroll 8
+      for (int j = 0; j < kDenseTy; ++j) s += partial[j][threadIdx.x];
+      block_sum[m * kCols + threadIdx.x] = s;
+    }
+    __syncthreads();
+  }
+
+  // The cluster's ranks, summed in rank order; rank r writes every ranks-th of the block's M * kCols outputs.
+  cg::cluster_group cluster = cg::this_cluster();
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  if (ranks > 1) cluster.sync();
+  for (int i = rank + ranks * static_cast<int>(threadIdx.x); i < M * kCols; i += ranks * kDenseThreads) {
+    const int m = i / kCols, c = i % kCols;
+    float s = 0.f;
+    for (int q = 0; q < ranks; ++q) s += ranks > 1 ? cluster.map_shared_rank(block_sum, q)[i] : block_sum[i];
+    if (col_base + c < n) y[static_cast<int64_t>(m) * n + col_base + c] = Narrow<T>(s);
+  }
+  if (ranks > 1) cluster.sync();  // no block leaves while another reads its shared memory
+}
+
+template <typename T, int M, bool kAligned>
+cudaError_t LaunchDense(const DecodeMatMulArgs& args, cudaStream_t stream) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  constexpr int kCols = kDenseTx * V;
+  auto kernel = DenseGemvKernel<T, M, kAligned>;
+  int per_sm = 0;
+  if (const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kDenseThreads, 0);
+      e != cudaSuccess) {
+    return e;
+  }
+  const int64_t slots = static_cast<int64_t>(MultiprocessorCount()) * (per_sm > 0 ? per_sm : 1);
+  const int64_t col_blocks = (args.n + kCols - 1) / kCols;
+  // The split with the least estimated time: waves of resident blocks times each block's rows per thread plus a
+  // fixed cost (the first loads' latency and the reductions, about 16 rows' worth).
+  int split = 1;
+  double best = 0.0;
+  for (int s = 1; s <= kMaxCluster; ++s) {
+    const int64_t rows = (args.k + s - 1) / s;
+    if (s > 1 && rows < kDenseTy) break;
+    const int64_t waves = (col_blocks * s + slots - 1) / slots;
+    // A grid smaller than the resident slots leaves bandwidth unused: its cost grows by slots / blocks.
+    const double fill = std::min(1.0, static_cast<double>(col_blocks * s) / static_cast<double>(slots));
+    const double cost =
+        static_cast<double>(waves) * (static_cast<double>((rows + kDenseTy - 1) / kDenseTy) + 16.0) / fill;
+    if (s == 1 || cost < best) best = cost, split = s;
+  }
+  int64_t rows_per_rank = (args.k + split - 1) / split;
+  rows_per_rank = (rows_per_rank + kDenseTy - 1) / kDenseTy * kDenseTy;
+  if (args.k > 0) split = static_cast<int>((args.k + rows_per_rank - 1) / rows_per_rank);
+  if (split < 1) split = 1;
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(col_blocks), static_cast<unsigned>(split), 1);
+  config.blockDim = dim3(kDenseThreads, 1, 1);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = 1;
+  attribute[0].val.clusterDim.y = static_cast<unsigned>(split);
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(args.a), static_cast<const T*>(args.b),
+                            static_cast<T*>(args.y), static_cast<int>(args.k), static_cast<int>(args.n),
+                            static_cast<int>(rows_per_rank));
+}
+
+template <typename T, int M>
+cudaError_t LaunchDenseRows(const DecodeMatMulArgs& args, cudaStream_t stream) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  const bool aligned = args.n % V == 0 && reinterpret_cast<uintptr_t>(args.b) % 16 == 0;
+  return aligned ? LaunchDense<T, M, true>(args, stream) : LaunchDense<T, M, false>(args, stream);
+}
+
+template <typename T>
+cudaError_t LaunchDenseType(const DecodeMatMulArgs& args, cudaStream_t stream) {
+  switch (args.m) {
+    case 1: return LaunchDenseRows<T, 1>(args, stream);
+    case 2: return LaunchDenseRows<T, 2>(args, stream);
+    case 3: return LaunchDenseRows<T, 3>(args, stream);
+    case 4: return LaunchDenseRows<T, 4>(args, stream);
+    case 5: return LaunchDenseRows<T, 5>(args, stream);
+    case 6: return LaunchDenseRows<T, 6>(args, stream);
+    case 7: return LaunchDenseRows<T, 7>(args, stream);
+    case 8: return LaunchDenseRows<T, 8>(args, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// int4 GEMV, float16 / bfloat16: tensor cores
+// ---------------------------------------------------------------------------------------------------------------
+
+constexpr int kNBitsWarps = 8;
+constexpr int kNBitsThreads = kNBitsWarps * 32;
+constexpr int kNBitsRows = 16;     // output columns n of a block (the mma's M dimension)
+constexpr int kStepK = 128;        // k of one warp step: 4 threads x 32 nibbles
+constexpr int kNBitsUnroll = 4;    // warp steps whose loads are in flight together
+
+struct NBitsParams {
+  const void* a;
+  const uint8_t* b;
+  const void* scales;
+  const uint8_t* zero_points;
+  void* y;
+  int m, k, n;
+  int block_shift;  // log2(block_size)
+  int blocks;       // per row of B
+  int row_bytes;    // blocks * block_size / 2
+  int zp_row_bytes;
+  int group_warps;  // warps that split K for one group of 16 rows (8, 4, 2 or 1); a block holds 8 / group_warps groups
+};
+
+template <typename T>
+struct HalfTraits;
+template <>
+struct HalfTraits<__half> {
+  using Pair = __half2;
+  static constexpr uint32_t kMagic = 0x64006400u;  // 1024 + q
+  static constexpr float kBias = 1024.f;
+};
+template <>
+struct HalfTraits<__nv_bfloat16> {
+  using Pair = __nv_bfloat162;
+  static constexpr uint32_t kMagic = 0x43004300u;  // 128 + q
+  static constexpr float kBias = 128.f;
+};
+
+template <typename P>
+__device__ __forceinline__ uint32_t AsBits(P p) {
+  return *reinterpret_cast<uint32_t*>(&p);
+}
+template <typename P>
+__device__ __forceinline__ P FromBits(uint32_t u) {
+  return *reinterpret_cast<P*>(&u);
+}
+
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// 32 nibbles (16 bytes) of one weight row: the 16 bytes, zeros past the row's end.
+template <bool kVec16>
+__device__ __forceinline__ uint4 LoadPiece(const uint8_t* row, int byte_offset, int row_bytes) {
+  uint4 bits = make_uint4(0, 0, 0, 0);
+  if constexpr (kVec16) {
+    if (byte_offset < row_bytes) bits = __ldg(reinterpret_cast<const uint4*>(row + byte_offset));
+  } else {  // rows 8-byte aligned only (block_size 16, an odd number of blocks)
+    if (byte_offset < row_bytes) {
+      const uint2 lo = __ldg(reinterpret_cast<const uint2*>(row + byte_offset));
+      bits.x = lo.x, bits.y = lo.y;
+    }
+    if (byte_offset + 8 < row_bytes) {
+      const uint2 hi = __ldg(reinterpret_cast<const uint2*>(row + byte_offset + 8));
+      bits.z = hi.x, bits.w = hi.y;
+    }
+  }
+  return bits;
+}
+
+// A[m, k0 .. k0 + 7] of T as 4 words, zeros at and past K (m < M checked by the caller).
+template <typename T, bool kAVec>
+__device__ __forceinline__ uint4 LoadA8(const T* a_row, int k0, int k) {
+  if constexpr (kAVec) {
+    if (k0 + 8 <= k) return __ldg(reinterpret_cast<const uint4*>(a_row + k0));
+  }
+  union {
+    uint4 u;
+    T t[8];
+  } out;
+  out.u = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (k0 + i < k) out.t[i] = a_row[k0 + i];
+  }
+  return out.u;
+}
+
+// The scale (as a pair) and the zero point's 1024 + zp / 128 + zp (as a pair) of row `row`, block `blk`; a zero
+// scale for a row or block out of range, so its (unloaded, zero) nibbles give zero weights.
+template <typename T, bool kHasZp>
+__device__ __forceinline__ void BlockConstants(const NBitsParams& p, int row, int blk,
+                                               typename HalfTraits<T>::Pair& scale,
+                                               typename HalfTraits<T>::Pair& zero) {
+  using Pair = typename HalfTraits<T>::Pair;
+  T s = Narrow<T>(0.f);
+  int zp = 8;
+  if (row < p.n && blk < p.blocks) {
+    s = static_cast<const T*>(p.scales)[static_cast<int64_t>(row) * p.blocks + blk];
+    if constexpr (kHasZp) {
+      const uint8_t byte = p.zero_points[static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1)];
+      zp = (blk & 1) ? (byte >> 4) : (byte & 0x0F);
+    }
+  }
+  scale = Pair(s, s);
+  const T z = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zp));
+  zero = Pair(z, z);
+}
+
+// The four pairs (k0, k4), (k1, k5), (k2, k6), (k3, k7) of one word's nibbles as W = (q - zp) * s rounded to T.
+template <typename T>
+__device__ __forceinline__ void DequantWord(uint32_t word, typename HalfTraits<T>::Pair scale,
+                                            typename HalfTraits<T>::Pair zero, uint32_t (&out)[4]) {
+  using Pair = typename HalfTraits<T>::Pair;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const uint32_t biased = ((word >> (4 * j)) & 0x000F000Fu) | HalfTraits<T>::kMagic;
+    const Pair q = FromBits<Pair>(biased);
+    out[j] = AsBits(__hmul2(__hsub2(q, zero), scale));
+  }
+}
+
+template <typename T, bool kHasZp, bool kVec16, bool kAVec>
+__global__ void __launch_bounds__(kNBitsThreads) Int4GemvMmaKernel(NBitsParams p) {
+  __shared__ float warp_sums[kNBitsWarps][32][4];
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int group = warp / p.group_warps, kslot = warp % p.group_warps;
+  const int n0 = (static_cast<int>(blockIdx.x) * (kNBitsWarps / p.group_warps) + group) * kNBitsRows;
+  const int row_lo = n0 + g, row_hi = n0 + g + 8;
+  const uint8_t* b_lo = p.b + static_cast<int64_t>(min(row_lo, p.n - 1)) * p.row_bytes;
+  const uint8_t* b_hi = p.b + static_cast<int64_t>(min(row_hi, p.n - 1)) * p.row_bytes;
+  const bool lo_in = row_lo < p.n, hi_in = row_hi < p.n;
+  const T* a_row = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.k;  // this thread's row of A: m = g
+  const bool a_in = g < p.m;
+  const int k_pad = p.blocks << p.block_shift;
+  const int steps = (k_pad + kStepK - 1) / kStepK;
+
+  using Pair = typename HalfTraits<T>::Pair;
+  const bool two_blocks = p.block_shift == 4;  // block_size 16: a piece's words 0-1 and 2-3 are two blocks
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int first = kslot; first < steps; first += p.group_warps * kNBitsUnroll) {
+    // Every load of the batch first: the weights' 16-byte pieces and their blocks' scales and zero points.
+    uint4 w_lo[kNBitsUnroll], w_hi[kNBitsUnroll];
+    Pair s_lo[kNBitsUnroll][2], z_lo[kNBitsUnroll][2], s_hi[kNBitsUnroll][2], z_hi[kNBitsUnroll][2];
+#pragma unroll
+    for (int u = 0; u < kNBitsUnroll; ++u) {
+      const int step = first + p.group_warps * u;
+      const int kk = step * kStepK + 32 * t;  // this thread's 32 k
+      const int byte_offset = kk / 2;
+      const bool step_in = step < steps;
+      w_lo[u] = step_in && lo_in ? LoadPiece<kVec16>(b_lo, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
+      w_hi[u] = step_in && hi_in ? LoadPiece<kVec16>(b_hi, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
+      const int blk0 = step_in ? kk >> p.block_shift : p.blocks;  // out of range: a zero scale
+      BlockConstants<T, kHasZp>(p, row_lo, blk0, s_lo[u][0], z_lo[u][0]);
+      BlockConstants<T, kHasZp>(p, row_hi, blk0, s_hi[u][0], z_hi[u][0]);
+      if (two_blocks) {
+        BlockConstants<T, kHasZp>(p, row_lo, blk0 + 1, s_lo[u][1], z_lo[u][1]);
+        BlockConstants<T, kHasZp>(p, row_hi, blk0 + 1, s_hi[u][1], z_hi[u][1]);
+      } else {
+        s_lo[u][1] = s_lo[u][0], z_lo[u][1] = z_lo[u][0], s_hi[u][1] = s_hi[u][0], z_hi[u][1] = z_hi[u][0];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kNBitsUnroll; ++u) {
+      const int step = first + p.group_warps * u;
+      if (step >= steps) break;
+      const int kk = step * kStepK + 32 * t;
+      const uint32_t lo_words[4] = {w_lo[u].x, w_lo[u].y, w_lo[u].z, w_lo[u].w};
+      const uint32_t hi_words[4] = {w_hi[u].x, w_hi[u].y, w_hi[u].z, w_hi[u].w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        // A's 8 values h0..h7 of this word (L1 / L2: A is small and every block reads it), in the nibble pairs'
+        // order: (h0, h4), (h1, h5), then (h2, h6), (h3, h7).
+        const uint4 av = a_in ? LoadA8<T, kAVec>(a_row, kk + 8 * i, p.k) : make_uint4(0, 0, 0, 0);
+        uint32_t wl[4], wh[4];
+        DequantWord<T>(lo_words[i], s_lo[u][i / 2], z_lo[u][i / 2], wl);
+        DequantWord<T>(hi_words[i], s_hi[u][i / 2], z_hi[u][i / 2], wh);
+        const uint32_t b04 = __byte_perm(av.x, av.z, 0x5410), b15 = __byte_perm(av.x, av.z, 0x7632);
+        const uint32_t b26 = __byte_perm(av.y, av.w, 0x5410), b37 = __byte_perm(av.y, av.w, 0x7632);
+        // The A operand's rows g, g + 8, k slots (2t, 2t + 1) and (2t + 8, 2t + 9).
+        const uint32_t first_half[4] = {wl[0], wh[0], wl[1], wh[1]};
+        Mma16816<T>(d, first_half, b04, b15);
+        const uint32_t second_half[4] = {wl[2], wh[2], wl[3], wh[3]};
+        Mma16816<T>(d, second_half, b26, b37);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int j = 0; j < 4; ++j) warp_sums[warp][lane][j] = d[j];
+  __syncthreads();
+  if (kslot == 0) {  // the group's warps in order
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int w = warp; w < warp + p.group_warps; ++w) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s[j] += warp_sums[w][lane][j];
+    }
+    // The accumulator: (row g, tokens 2t, 2t + 1) and (row g + 8, the same tokens).
+    T* y = static_cast<T*>(p.y);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int m = 2 * t + (j & 1);
+      const int row = j < 2 ? row_lo : row_hi;
+      if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[j]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// int4 GEMV, float32: a warp per column, float32 FMAs
+// ---------------------------------------------------------------------------------------------------------------
+
+template <bool kHasZp>
+__device__ __forceinline__ void ScalarBlockConstants(const NBitsParams& p, int row, int blk, float& scale,
+                                                     float& zero) {
+  scale = static_cast<const float*>(p.scales)[static_cast<int64_t>(row) * p.blocks + blk];
+  zero = 8.f;
+  if constexpr (kHasZp) {
+    const uint8_t byte = p.zero_points[static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1)];
+    zero = static_cast<float>((blk & 1) ? (byte >> 4) : (byte & 0x0F));
+  }
+}
+
+template <int M, bool kHasZp>
+__global__ void __launch_bounds__(256) Int4GemvFloatKernel(NBitsParams p) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int row = static_cast<int>(blockIdx.x) * 8 + static_cast<int>(threadIdx.x) / 32;
+  if (row >= p.n) return;
+  const uint8_t* b_row = p.b + static_cast<int64_t>(row) * p.row_bytes;
+  const float* a = static_cast<const float*>(p.a);
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  for (int k0 = 8 * lane; k0 < p.k; k0 += 256) {  // one 4-byte word (8 k, one block) per lane and step
+    const uint32_t word = *reinterpret_cast<const uint32_t*>(b_row + k0 / 2);
+    float scale, zero;
+    ScalarBlockConstants<kHasZp>(p, row, k0 >> p.block_shift, scale, zero);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (k0 + i >= p.k) break;
+      const float w = (static_cast<float>((word >> (4 * i)) & 0xFu) - zero) * scale;
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[m] = fmaf(a[static_cast<int64_t>(m) * p.k + k0 + i], w, acc[m]);
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float s = acc[m];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+    if (lane == 0) static_cast<float*>(p.y)[static_cast<int64_t>(m) * p.n + row] = s;
+  }
+}
+
+NBitsParams MakeNBitsParams(const DecodeMatMulNBitsArgs& args) {
+  NBitsParams p{};
+  p.a = args.a, p.b = args.b, p.scales = args.scales, p.zero_points = args.zero_points, p.y = args.y;
+  p.m = static_cast<int>(args.m), p.k = static_cast<int>(args.k), p.n = static_cast<int>(args.n);
+  int shift = 0;
+  while ((int64_t{1} << shift) < args.block_size) ++shift;
+  p.block_shift = shift;
+  p.blocks = static_cast<int>((args.k + args.block_size - 1) / args.block_size);
+  p.row_bytes = static_cast<int>(p.blocks * args.block_size / 2);
+  p.zp_row_bytes = (p.blocks + 1) / 2;
+  return p;
+}
+
+template <typename T, bool kHasZp, bool kVec16>
+cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, cudaStream_t stream) {
+  const int rows_per_block = kNBitsRows * (kNBitsWarps / p.group_warps);
+  const dim3 grid(static_cast<unsigned>((p.n + rows_per_block - 1) / rows_per_block));
+  if (a_vec) {
+    Int4GemvMmaKernel<T, kHasZp, kVec16, true><<<grid, kNBitsThreads, 0, stream>>>(p);
+  } else {
+    Int4GemvMmaKernel<T, kHasZp, kVec16, false><<<grid, kNBitsThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
+  // Fewer warps per group of 16 rows (longer K loops, fewer block ends) while the grid still holds about two
+  // waves of 16 warps per multiprocessor.
+  const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
+  const int64_t enough = static_cast<int64_t>(MultiprocessorCount()) * 16 * 2;
+  p.group_warps = kNBitsWarps;
+  while (p.group_warps > 1 && groups * (p.group_warps / 2) >= enough) p.group_warps /= 2;
+  const bool vec16 = p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0;
+  const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
+  const bool zp = p.zero_points != nullptr;
+  if (zp) return vec16 ? LaunchMmaA<T, true, true>(p, a_vec, stream) : LaunchMmaA<T, true, false>(p, a_vec, stream);
+  return vec16 ? LaunchMmaA<T, false, true>(p, a_vec, stream) : LaunchMmaA<T, false, false>(p, a_vec, stream);
+}
+
+template <int M>
+cudaError_t LaunchFloatRows(const NBitsParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((p.n + 7) / 8));
+  if (p.zero_points != nullptr) {
+    Int4GemvFloatKernel<M, true><<<grid, 256, 0, stream>>>(p);
+  } else {
+    Int4GemvFloatKernel<M, false><<<grid, 256, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFloat(const NBitsParams& p, cudaStream_t stream) {
+  switch (p.m) {
+    case 1: return LaunchFloatRows<1>(p, stream);
+    case 2: return LaunchFloatRows<2>(p, stream);
+    case 3: return LaunchFloatRows<3>(p, stream);
+    case 4: return LaunchFloatRows<4>(p, stream);
+    case 5: return LaunchFloatRows<5>(p, stream);
+    case 6: return LaunchFloatRows<6>(p, stream);
+    case 7: return LaunchFloatRows<7>(p, stream);
+    case 8: return LaunchFloatRows<8>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// int4 -> T (K, N), for cuBLAS
+// ---------------------------------------------------------------------------------------------------------------
+
+// A block dequantizes a tile of 64 rows n by 64 k: it reads each row's 32 bytes (8 per thread, whole sectors),
+// writes the values to shared memory transposed, then writes W[k, n0 .. n0 + 63] for its 64 k, consecutive threads
+// on consecutive n (coalesced rows of W).
+constexpr int kDequantTile = 64;
+
+template <typename T, bool kHasZp>
+__global__ void __launch_bounds__(256) DequantizeInt4Kernel(NBitsParams p, T* __restrict__ w) {
+  __shared__ T tile[kDequantTile][kDequantTile + 2];
+  const int n0 = static_cast<int>(blockIdx.x) * kDequantTile;
+  const int k0 = static_cast<int>(blockIdx.y) * kDequantTile;
+  {
+    const int local_row = static_cast<int>(threadIdx.x) / 4;  // 4 threads per row, 8 bytes (16 k) each
+    const int row = n0 + local_row;
+    const int kk = k0 + (static_cast<int>(threadIdx.x) % 4) * 16;
+    const int byte_offset = kk / 2;
+    uint2 bits = make_uint2(0, 0);
+    if (row < p.n && byte_offset < p.row_bytes) {
+      bits = *reinterpret_cast<const uint2*>(p.b + static_cast<int64_t>(row) * p.row_bytes + byte_offset);
+    }
+    const uint32_t words[2] = {bits.x, bits.y};
+#pragma unroll
+    for (int word_index = 0; word_index < 2; ++word_index) {
+      const int k_word = kk + 8 * word_index;
+      const int blk = k_word >> p.block_shift;
+      float scale = 0.f;
+      int zp = 8;
+      if (row < p.n && blk < p.blocks) {
+        scale = Widen(static_cast<const T*>(p.scales)[static_cast<int64_t>(row) * p.blocks + blk]);
+        if constexpr (kHasZp) {
+          const uint8_t byte = p.zero_points[static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1)];
+          zp = (blk & 1) ? (byte >> 4) : (byte & 0x0F);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        // (q - zp) is exact; one rounding of its product with the scale, as the GEMV's half multiply does.
+        const float v = static_cast<float>(static_cast<int>((words[word_index] >> (4 * j)) & 0xFu) - zp) * scale;
+        tile[k_word - k0 + j][local_row] = Narrow<T>(v);
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = static_cast<int>(threadIdx.x); i < kDequantTile * kDequantTile; i += 256) {
+    const int kk = k0 + i / kDequantTile, n = n0 + i % kDequantTile;
+    if (kk < p.k && n < p.n) w[static_cast<int64_t>(kk) * p.n + n] = tile[i / kDequantTile][i % kDequantTile];
+  }
+}
+
+template <typename T>
+cudaError_t LaunchDequantizeType(const NBitsParams& p, void* w, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((p.n + kDequantTile - 1) / kDequantTile),
+                  static_cast<unsigned>((p.k + kDequantTile - 1) / kDequantTile));
+  if (p.zero_points != nullptr) {
+    DequantizeInt4Kernel<T, true><<<grid, 256, 0, stream>>>(p, static_cast<T*>(w));
+  } else {
+    DequantizeInt4Kernel<T, false><<<grid, 256, 0, stream>>>(p, static_cast<T*>(w));
+  }
+  return cudaGetLastError();
+}
+
+bool SupportedType(int64_t type) {
+  return type == kGemvFloat || type == kGemvFloat16 || type == kGemvBFloat16;
+}
+
+}  // namespace
+
+const char* CheckDecodeMatMulGemvArgs(const DecodeMatMulArgs& args) {
+  if (!SupportedType(args.type)) return "the element type must be float, float16 or bfloat16";
+  if (args.m < 1 || args.m > kDecodeGemvMaxRows) return "the GEMV takes 1 to 8 rows of A";
+  if (args.k < 0 || args.n < 0 || args.k > INT_MAX / 2 || args.n > INT_MAX / 2) return "K and N must be in [0, 2^30)";
+  if (args.k * args.n > (int64_t{1} << 40)) return "the weight is too large";
+  return nullptr;
+}
+
+const char* CheckDecodeMatMulNBitsArgs(const DecodeMatMulNBitsArgs& args, bool gemv) {
+  if (!SupportedType(args.type)) return "the element type must be float, float16 or bfloat16";
+  if (gemv && (args.m < 1 || args.m > kDecodeGemvMaxRows)) return "the GEMV takes 1 to 8 rows of A";
+  if (args.block_size < 16 || (args.block_size & (args.block_size - 1)) != 0) {
+    return "block_size must be a power of two >= 16";
+  }
+  if (args.k < 1 || args.n < 1 || args.k > INT_MAX / 4 || args.n > INT_MAX / 2) return "K and N must be in [1, 2^29)";
+  if (!gemv && args.k > int64_t{65535} * kDequantTile) return "K must be below 2^22 for the M > 8 path";
+  if (reinterpret_cast<uintptr_t>(args.b) % 8 != 0) return "B must be 8-byte aligned";
+  return nullptr;
+}
+
+cudaError_t LaunchDecodeMatMulGemv(const DecodeMatMulArgs& args, cudaStream_t stream) {
+  if (CheckDecodeMatMulGemvArgs(args) != nullptr) return cudaErrorInvalidValue;
+  if (args.n == 0) return cudaSuccess;
+  if (args.k == 0) {
+    const int64_t size = args.type == kGemvFloat ? 4 : 2;
+    return cudaMemsetAsync(args.y, 0, static_cast<size_t>(args.m * args.n * size), stream);
+  }
+  switch (args.type) {
+    case kGemvFloat: return LaunchDenseType<float>(args, stream);
+    case kGemvFloat16: return LaunchDenseType<__half>(args, stream);
+    default: return LaunchDenseType<__nv_bfloat16>(args, stream);
+  }
+}
+
+cudaError_t LaunchDecodeMatMulNBitsGemv(const DecodeMatMulNBitsArgs& args, cudaStream_t stream) {
+  if (CheckDecodeMatMulNBitsArgs(args, /*gemv=*/true) != nullptr) return cudaErrorInvalidValue;
+  const NBitsParams p = MakeNBitsParams(args);
+  switch (args.type) {
+    case kGemvFloat: return LaunchFloat(p, stream);
+    case kGemvFloat16: return LaunchMma<__half>(p, stream);
+    default: return LaunchMma<__nv_bfloat16>(p, stream);
+  }
+}
+
+cudaError_t LaunchDequantizeInt4(const DecodeMatMulNBitsArgs& args, void* w, cudaStream_t stream) {
+  if (CheckDecodeMatMulNBitsArgs(args, /*gemv=*/false) != nullptr) return cudaErrorInvalidValue;
+  const NBitsParams p = MakeNBitsParams(args);
+  switch (args.type) {
+    case kGemvFloat: return LaunchDequantizeType<float>(p, w, stream);
+    case kGemvFloat16: return LaunchDequantizeType<__half>(p, w, stream);
+    default: return LaunchDequantizeType<__nv_bfloat16>(p, w, stream);
+  }
+}
+
+}  // namespace mambafuse
