@@ -20,25 +20,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CHECKPOINT = "nemotron_h-real8"
 
 
 def build(work: Path, dtypes: list[str]) -> list[Path]:
     """Write the checkpoint (unless there) and one genai build folder per dtype; return the folders."""
-    from benchmarks.bench_gpu_nemotron import LAYERS
-    from models import build as configs
+    from benchmarks.bench_gpu_nemotron import REAL8_CHECKPOINT, write_real8_checkpoint
     from models import mobius
 
     checkpoint = work / "checkpoint"
-    if not (checkpoint / "config.json").is_file():
-        config = {**configs.CONFIGS["nemotron_h"]["real"], "layers_block_type": LAYERS}
-        mobius.CHECKPOINTS[CHECKPOINT] = mobius._checkpoint("nemotron_h", config)  # this process only
-        start = time.perf_counter()
-        mobius.write_checkpoint(CHECKPOINT, checkpoint)
-        print(f"checkpoint: {checkpoint} written in {time.perf_counter() - start:.0f} s", flush=True)
+    write_real8_checkpoint(checkpoint)
     folders = []
     for dtype in dtypes:
-        out = work / f"{CHECKPOINT}-{dtype}-cpu"
+        out = work / f"{REAL8_CHECKPOINT}-{dtype}-cpu"
         job = dict(dtype=dtype, target="cpu", runtime="ort-genai")
         # A relative --model, as run_build passes it, keeps the work folder's path out of the graph's name.
         argv = mobius.mobius_argv(job, checkpoint.name, str(out.resolve()))

@@ -357,6 +357,24 @@ def pin_prefill(out: Path, dtype: str) -> None:
 MOBIUS_DTYPES = {"fp16": "f16", "bf16": "bf16"}
 
 
+#: The Hugging Face checkpoint name (models/mobius.py's CHECKPOINTS) of the "real" config with LAYERS.
+REAL8_CHECKPOINT = "nemotron_h-real8"
+
+
+def write_real8_checkpoint(folder: Path) -> None:
+    """Write models/build.py's "real" Nemotron-H config with LAYERS and random weights as a Hugging Face folder at
+    `folder` (~4 GB in fp32), unless one is there."""
+    from models import build, mobius
+
+    if (folder / "config.json").is_file():
+        return
+    config = {**build.CONFIGS["nemotron_h"]["real"], "layers_block_type": LAYERS}
+    mobius.CHECKPOINTS[REAL8_CHECKPOINT] = mobius._checkpoint("nemotron_h", config)  # this process only
+    t0 = time.perf_counter()
+    mobius.write_checkpoint(REAL8_CHECKPOINT, folder)
+    print(f"checkpoint: {folder} written in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None:
     """Build with Microsoft's mobius (``--ep cuda``, the graph onnxruntime-genai runs), fuse, strip.
 
@@ -364,17 +382,12 @@ def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None
     Hugging Face folder (``checkpoint``, or a temporary one; ~4 GB in fp32); mobius runs in a subprocess per
     dtype, through models/mobius.py's wrapper (its 0.1.0 workarounds). One graph serves prefill and decode.
     """
-    from models import build, mobius
+    from models import mobius
 
     out.mkdir(parents=True, exist_ok=True)
-    config = {**build.CONFIGS["nemotron_h"]["real"], "layers_block_type": LAYERS}
-    mobius.CHECKPOINTS["nemotron_h-real8"] = mobius._checkpoint("nemotron_h", config)  # this process only
     with tempfile.TemporaryDirectory(prefix="nemotron-mobius-") as tmp:
         folder = checkpoint or Path(tmp) / "checkpoint"
-        if not (folder / "config.json").is_file():
-            t0 = time.perf_counter()
-            mobius.write_checkpoint("nemotron_h-real8", folder)
-            print(f"checkpoint: {folder} written in {time.perf_counter() - t0:.0f} s", flush=True)
+        write_real8_checkpoint(folder)
         for dtype in dtypes:
             t0 = time.perf_counter()
             build_dir = Path(tmp) / f"build-{dtype}"

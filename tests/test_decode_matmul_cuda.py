@@ -18,6 +18,7 @@ import onnx
 import onnx.helper as oh
 import pytest
 
+from benchmarks.bench_cuda_gemv import SHAPES
 from fusion.reference.decode_matmul import blocks_of, check_within_budget, dequantize
 from tests._cuda import CUDA, cuda_problem, cuda_session, feeds_of, with_supported_ir
 from tests._decode_step import BFLOAT16, DOMAIN, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, IR_VERSION
@@ -28,14 +29,7 @@ pytestmark = pytest.mark.skipif(_problem is not None, reason=_problem or "")
 
 ROWS = (1, 2, 3, 4, 7, 8, 9, 64)
 #: Nemotron-H-8B's projections (K, N) but the lm_head (its float64 reference alone is 4 GB).
-PROJECTIONS = {
-    "in_proj": (4096, 18560),
-    "out_proj": (8192, 4096),
-    "mlp_up": (4096, 21504),
-    "mlp_down": (21504, 4096),
-    "qkv": (4096, 6144),
-    "o_proj": (4096, 4096),
-}
+PROJECTIONS = {name: shape for name, shape in SHAPES.items() if name != "lm_head"}
 
 
 def one_node_model(op_type: str, inputs, outputs, *, dynamic: bool = False, **attrs: object) -> onnx.ModelProto:

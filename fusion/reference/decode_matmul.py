@@ -119,7 +119,7 @@ def decode_matmul(a: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.matmul(np.asarray(a).astype(np.float64), np.asarray(w).astype(np.float64))
 
 
-def budget(a: np.ndarray, w: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
+def budget(a: np.ndarray, w: np.ndarray, dtype: np.dtype | type, exact: np.ndarray | None = None) -> np.ndarray:
     """Return the largest error a T result of A @ W may have against ``decode_matmul`` (per output).
 
     u_T = 2^-(mantissa bits + 1) is T's unit roundoff; S = |A| @ |W| the sum of the products' magnitudes::
@@ -127,13 +127,13 @@ def budget(a: np.ndarray, w: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
         |Y - Y64| <= u_T * |Y64| + (u_T + K * 2^-24) * S + the smallest subnormal of T
 
     the output's one rounding, W rounded to T before the product (allowed, not required), the float32 sum in any
-    order, and an underflow to T's subnormals.
+    order, and an underflow to T's subnormals. ``exact``: ``decode_matmul(a, w)`` where the caller has it.
     """
     t = np.dtype(dtype)
     u = 2.0 ** -(MANTISSA_BITS[t] + 1)
     tiny = 2.0 ** (MIN_EXPONENT[t] - MANTISSA_BITS[t])
     k = np.asarray(w).shape[0]
-    exact = decode_matmul(a, w)
+    exact = decode_matmul(a, w) if exact is None else exact
     magnitude = decode_matmul(np.abs(np.asarray(a).astype(np.float64)), np.abs(np.asarray(w).astype(np.float64)))
     return u * np.abs(exact) + (u + k * U32) * magnitude + tiny
 
@@ -143,7 +143,7 @@ def check_within_budget(y: np.ndarray, a: np.ndarray, w: np.ndarray) -> tuple[in
     A @ W in A's type; (0, ...) when every output is within it. NaN where the float64 product is finite counts as
     outside."""
     exact = decode_matmul(a, w)
-    allowed = budget(a, w, np.asarray(a).dtype)
+    allowed = budget(a, w, np.asarray(a).dtype, exact)
     error = np.abs(np.asarray(y).astype(np.float64) - exact)
     error = np.where(np.isnan(error), np.inf, error)
     ratio = error / allowed
