@@ -1,12 +1,14 @@
-"""fusion/rules/causal_conv_with_state.py: a mobius build's ``com.microsoft::CausalConvWithState`` run as
-``CausalConv1d`` (opt-in: ``--opt-in causal_conv_with_state``).
+"""fusion/rules/causal_conv_with_state.py: a mobius build's ``com.microsoft::CausalConvWithState``, or ONNX's
+own ``CausalConvWithState`` (opset 27), run as ``CausalConv1d`` (opt-in: ``--opt-in causal_conv_with_state``).
 
-- the node built in code, alone (channels-first) and between the Transposes mobius writes (channels-last, the
-  Transposes gone), with and without bias and state, every activation ORT names, prompts of 1, 3 and 37 tokens: the
-  fused model gives ORT's outputs within float32 rounding, through the library and through the function;
+- the node built in code, ORT's and ONNX's, alone (channels-first) and between the Transposes mobius writes
+  (channels-last, the Transposes gone), with and without bias and state, every activation the ops name, prompts of
+  1, 3 and 37 tokens: the fused model gives ONNX Runtime's outputs (ORT's kernel; for ONNX's op its function body,
+  which ONNX Runtime 1.32 runs on the CPU) within float32 rounding, through the library and through the function;
 - what is not the same computation is refused with the reason and left unchanged: float16 (ORT rounds once, the
   op at each exported step), a dilation, a state window, an unknown attribute, a read third output, a weight that
-  is not a constant (C, 1, K);
+  is not a constant (C, 1, K); for ONNX's op also any attribute but ``activation`` and a model whose opset is not
+  27's;
 - every float32 CPU mobius fixture build: every CausalConvWithState replaced, genai's inputs and outputs
   unchanged, a prompt then decode steps fed state to state give the original's outputs; with the LinearAttention
   opt-in as well; through onnxruntime-genai the greedy tokens of a folder written with both options are the
@@ -29,6 +31,9 @@ from models.mobius import decode_steps, extract_builds, load_manifest, sample_fe
 
 F32, F16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 OPT_IN = ["causal_conv_with_state"]
+#: The op's spellings: ORT's contrib op (mobius) and ONNX's own, added at opset 27
+DOMAINS = {"ort": "com.microsoft", "onnx": ""}
+STANDARD_OPSET = 27
 MANIFEST = load_manifest()
 RECORDS = {r["stem"]: r for r in MANIFEST["builds"]}
 F32_CPU_BUILDS = sorted(
@@ -58,8 +63,11 @@ def conv_model(
     attributes: dict | None = None,
     read_third: bool = False,
     weight_input: bool = False,
+    domain: str = "com.microsoft",
+    opset: int | None = None,
 ) -> onnx.ModelProto:
-    """One CausalConvWithState, between Transposes of a (B, L, C) input when ``transposed``."""
+    """One CausalConvWithState of ``domain`` (ORT's, or ONNX's: ``""``, at ``opset``, by default 27), between
+    Transposes of a (B, L, C) input when ``transposed``."""
     np_type = onnx.helper.tensor_dtype_to_np_dtype(elem)
     rng = np.random.default_rng(7)
     weight = oh.make_tensor("weight", elem, [CHANNELS, 1, KERNEL], (rng.standard_normal(CHANNELS * KERNEL) * 0.5))
@@ -78,7 +86,7 @@ def conv_model(
     attrs = dict(attributes or {})
     if activation is not None:
         attrs["activation"] = activation
-    nodes.append(oh.make_node("CausalConvWithState", inputs, outputs, domain="com.microsoft", **attrs))
+    nodes.append(oh.make_node("CausalConvWithState", inputs, outputs, domain=domain, **attrs))
     if transposed:
         nodes.append(oh.make_node("Transpose", ["y"], ["out"], perm=[0, 2, 1]))
     x_shape = ["batch", "seq", CHANNELS] if transposed else ["batch", CHANNELS, "seq"]
@@ -94,8 +102,12 @@ def conv_model(
     if read_third:
         graph_outputs.append(oh.make_tensor_value_info("update", elem, None))
     graph = oh.make_graph(nodes, "conv", graph_inputs, graph_outputs, initializers)
-    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 20), oh.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 10
+    if domain:
+        opsets = [oh.make_opsetid("", opset or 20), oh.make_opsetid(domain, 1)]
+    else:
+        opsets = [oh.make_opsetid("", opset or STANDARD_OPSET)]
+    model = oh.make_model(graph, opset_imports=opsets)
+    model.ir_version = 10 if domain else 13  # ONNX 1.22's IR for opset 27; ONNX Runtime 1.32 reads up to 14
     return model
 
 
@@ -117,6 +129,7 @@ def test_the_rule_is_registered_opt_in() -> None:
     assert CAUSAL_CONV_WITH_STATE.op_type == "CausalConv1d"
 
 
+@pytest.mark.parametrize("spelling", DOMAINS)
 @pytest.mark.parametrize("transposed", [True, False])
 @pytest.mark.parametrize(
     ("bias", "state", "activation"),
@@ -125,9 +138,16 @@ def test_the_rule_is_registered_opt_in() -> None:
 @pytest.mark.parametrize("length", [1, 3, 37])
 @pytest.mark.parametrize("use_library", [True, False])
 def test_the_node_runs_as_causal_conv1d(
-    transposed: bool, bias: bool, state: bool, activation: str | None, length: int, use_library: bool, library: str
+    spelling: str,
+    transposed: bool,
+    bias: bool,
+    state: bool,
+    activation: str | None,
+    length: int,
+    use_library: bool,
+    library: str,
 ) -> None:
-    model = conv_model(transposed=transposed, bias=bias, state=state, activation=activation)
+    model = conv_model(transposed=transposed, bias=bias, state=state, activation=activation, domain=DOMAINS[spelling])
     default, _ = rewrite_model(model)
     assert [n.op_type for n in default.graph.node].count("CausalConvWithState") == 1, "fused without opting in"
     fused, report = rewrite_model(model, opt_in=OPT_IN)
@@ -138,6 +158,7 @@ def test_the_node_runs_as_causal_conv1d(
     channels_last = next(a.i for a in node.attribute if a.name == "channels_last")
     assert channels_last == (1 if transposed else 0)
     assert [v.name for v in fused.graph.output] == [v.name for v in model.graph.output]
+    assert fused.opset_import[0].version == model.opset_import[0].version and fused.ir_version == model.ir_version
     feeds = conv_feeds(model, batch=2, length=length)
     want = contrib_ops.session(model, use_library=False).run(None, feeds)
     got = contrib_ops.session(fused, use_library=use_library).run(None, feeds)
@@ -165,6 +186,26 @@ def test_another_computation_is_refused(change: dict, reason: str) -> None:
     refused = report.decode["CausalConv1d"]["refused"]
     assert len(refused) == 1 and reason in refused[0][1], refused
     assert [n.op_type for n in fused.graph.node] == [n.op_type for n in model.graph.node]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"elem": F16}, "is float16: only float32 is the same computation (ONNX's function body rounds"),
+        ({"attributes": {"dilation": 1}}, "attribute 'dilation' is not one the rule knows"),
+        ({"attributes": {"channels_last": 0}}, "attribute 'channels_last' is not one the rule knows"),
+        ({"weight_input": True}, "the conv weight is not a constant"),
+        ({"activation": "gelu"}, "activation 'gelu' is not silu, swish or none"),
+        ({"opset": 26}, "the model's ONNX opset 26 has no standard CausalConvWithState (opset 27 and later)"),
+    ],
+)
+def test_another_computation_of_the_standard_op_is_refused(change: dict, reason: str) -> None:
+    """ONNX's op has ``activation`` alone: ORT's other attributes, even at ORT's defaults, are not its schema's."""
+    model = conv_model(domain="", **change)
+    fused, report = rewrite_model(model, opt_in=OPT_IN)
+    refused = report.decode["CausalConv1d"]["refused"]
+    assert len(refused) == 1 and reason in refused[0][1], refused
+    assert [(n.domain, n.op_type) for n in fused.graph.node] == [(n.domain, n.op_type) for n in model.graph.node]
 
 
 def test_a_transpose_read_elsewhere_keeps_the_channels_first_form(library: str) -> None:

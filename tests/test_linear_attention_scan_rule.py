@@ -1,12 +1,14 @@
 """fusion/rules/linear_attention_scan.py: a mobius build's ``LinearAttention(update_rule="gated")`` run as
-``MambaChunkScan`` between Transposes of genai's state.
+``MambaChunkScan`` between Transposes of genai's state, ORT's ``com.microsoft`` op or ONNX's own (opset 27).
 
-- the mobius form built in code (every group count, prompts of 1, 17 and 150 tokens, an initial state): one node
-  fused, the LinearAttention and its glue gone, and the fused node's outputs within MambaChunkScan's budget
-  (docs/mamba_chunk_scan.md) of the recurrence on the graph's own d, A, x, B and C, as the original's are;
+- the mobius form built in code with either op (every group count, prompts of 1, 17 and 150 tokens, an initial
+  state; ONNX's op with and without ``chunk_size``): one node fused, the LinearAttention and its glue gone, and
+  the fused node's outputs within MambaChunkScan's budget (docs/mamba_chunk_scan.md) of the recurrence on the
+  graph's own d, A, x, B and C, as the original's are (ONNX Runtime 1.32 runs ONNX's op as its function body);
 - a graph that computes something else (another scale, a decay that may grow, a time step that may be negative,
-  groups interleaved instead of repeated, a beta input, an unknown attribute) is refused with that step named,
-  and left unchanged; another update rule is not a candidate;
+  groups interleaved instead of repeated, a beta input, an unknown attribute, grouped query heads; for ONNX's op
+  also a model whose opset is not 27's) is refused with that step named, and left unchanged; another update rule
+  is not a candidate;
 - every CPU mobius fixture build: every gated LinearAttention replaced, genai's inputs and outputs unchanged, and
   a prompt then decode steps (T = 1) fed state to state give the original's outputs within the whole-model
   tolerance; through onnxruntime-genai the greedy tokens are the default fused folder's.
@@ -44,6 +46,9 @@ GENAI_BUILDS = sorted(
 #: Whole-model outputs, fused vs original, max |difference| / max |output| (tests/test_mobius_fixtures.py's bounds).
 MODEL_TOLERANCE = {"f32": 1e-5, "f16": 4e-3}
 DECODE_STEPS = 3
+#: The op's spellings: ORT's contrib op (mobius) and ONNX's own, added at opset 27
+DOMAINS = {"ort": "com.microsoft", "onnx": ""}
+STANDARD_OPSET = 27
 
 
 # --- the mobius form, built in code ---------------------------------------------------------------------------
@@ -63,9 +68,13 @@ def mobius_mixer(
     update_rule: str = "gated",
     beta: bool = False,
     extra_attribute: bool = False,
+    attributes: dict | None = None,
+    domain: str = "com.microsoft",
+    opset: int | None = None,
 ) -> onnx.ModelProto:
     """The scan of one mobius Mamba-2 mixer, node for node as mobius 0.1.0 writes it (tests/fixtures/mobius), from
-    the in_proj's x, dt, B and C to LinearAttention's outputs (genai's present state among them)."""
+    the in_proj's x, dt, B and C to LinearAttention's outputs (genai's present state among them). ``domain`` ``""``
+    writes ONNX's LinearAttention instead, at ``opset`` (by default 27); ``attributes`` override the node's."""
     h, p, g, n = heads, head_dim, groups, state_size
     rng = np.random.default_rng(3)
     inits = [
@@ -117,13 +126,15 @@ def mobius_mixer(
             oh.make_node("Expand", [f"{name}_5", "repeat_shape"], [f"{name}_e"]),
             oh.make_node("Reshape", [f"{name}_e", "head_shape"], [name]),
         ]
+    overrides = attributes
     attributes = dict(update_rule=update_rule, q_num_heads=h, kv_num_heads=h)
     if scale is not None:
         attributes["scale"] = scale
     if extra_attribute:
         attributes["chunk_size"] = 64
+    node_attributes = attributes | (overrides or {})
     inputs = ["q", "k", "v", "past_state", "decay"] + (["beta"] if beta else [])
-    nodes.append(oh.make_node("LinearAttention", inputs, ["o", "present_state"], domain="com.microsoft", **attributes))
+    nodes.append(oh.make_node("LinearAttention", inputs, ["o", "present_state"], domain=domain, **node_attributes))
     graph_inputs = [
         oh.make_tensor_value_info("x_flat", F32, ["batch", "seq", h * p]),
         oh.make_tensor_value_info("dt", F32, ["batch", "seq", h]),
@@ -143,9 +154,12 @@ def mobius_mixer(
         ],
         initializer=inits,
     )
-    model = oh.make_model(
-        graph, opset_imports=[oh.make_opsetid("", 24), oh.make_opsetid("com.microsoft", 1)], ir_version=11
-    )
+    if domain:
+        opsets = [oh.make_opsetid("", opset or 24), oh.make_opsetid(domain, 1)]
+    else:
+        opsets = [oh.make_opsetid("", opset or STANDARD_OPSET)]
+    # ONNX 1.22's IR for opset 27 (ONNX Runtime 1.32 reads up to 14)
+    model = oh.make_model(graph, opset_imports=opsets, ir_version=11 if domain else 13)
     return onnx.shape_inference.infer_shapes(model)  # the value types mobius writes
 
 
@@ -277,10 +291,13 @@ def test_a_wrong_opt_in_name_on_the_command_line(tmp_path: Path, capsys: pytest.
     assert not (tmp_path / "out.onnx").exists()
 
 
+@pytest.mark.parametrize("spelling", DOMAINS)
 @pytest.mark.parametrize(("heads", "groups"), [(8, 1), (8, 2), (8, 8)])
 @pytest.mark.parametrize("length", [1, 17, 150])
-def test_the_mobius_form_fuses_within_the_budget(heads: int, groups: int, length: int, library: str) -> None:
-    model = mobius_mixer(heads=heads, groups=groups)
+def test_the_mobius_form_fuses_within_the_budget(
+    spelling: str, heads: int, groups: int, length: int, library: str
+) -> None:
+    model = mobius_mixer(heads=heads, groups=groups, domain=DOMAINS[spelling])
     fused, count, log = fuse(model)
     assert count == 1, log
     ops = [n.op_type for n in fused.graph.node]
@@ -290,10 +307,48 @@ def test_the_mobius_form_fuses_within_the_budget(heads: int, groups: int, length
     assert next(a.i for a in scan.attribute if a.name == "dt_softplus") == 0
     assert [i.name for i in fused.graph.input] == [i.name for i in model.graph.input]
     assert [o.name for o in fused.graph.output] == [o.name for o in model.graph.output]
+    assert fused.opset_import[0].version == model.opset_import[0].version and fused.ir_version == model.ir_version
     feeds = mixer_feeds(model, batch=2, length=length)
     for label, candidate, use_library in (("original", model, False), ("fused", fused, True)):
         ok, summary = within_budget(candidate, feeds, use_library)
         assert ok, f"{label}: {summary}"
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("use_library", [True, False])
+def test_the_standard_ops_chunk_size_changes_nothing(chunk_size: int, use_library: bool, library: str) -> None:
+    """ONNX's ``chunk_size`` is "a tuning hint; does not affect output correctness": fused whatever its value, and
+    the fused model (the library's kernel or the function) gives the same outputs as without it."""
+    plain = mobius_mixer(domain="")
+    model = mobius_mixer(domain="", attributes={"chunk_size": chunk_size})
+    feeds = mixer_feeds(model, batch=2, length=70, seed=chunk_size)
+    outputs = []
+    for candidate in (plain, model):
+        fused, count, log = fuse(candidate)
+        assert count == 1, log
+        ok, summary = within_budget(fused, feeds, use_library)
+        assert ok, summary
+        outputs.append(contrib_ops.session(fused, use_library=use_library).run(None, feeds))
+    for name, without, with_hint in zip(("o", "present_state"), *outputs, strict=True):
+        assert np.array_equal(without, with_hint), f"{name}: {np.abs(without - with_hint).max():.3g}"
+
+
+def test_a_standard_prompt_in_pieces_carries_the_state(library: str) -> None:
+    """ONNX's op through the fused node: a prompt, one decode step and a second prompt fed state to state give
+    ONNX Runtime's run of the original (its function body)."""
+    model = mobius_mixer(domain="")
+    fused, count, _ = fuse(model)
+    assert count == 1
+    feeds = mixer_feeds(model, batch=2, length=40, seed=9)
+    original = contrib_ops.session(model, use_library=False)
+    replaced = contrib_ops.session(fused, use_library=True)
+    want_state = got_state = feeds["past_state"]
+    for start, end in ((0, 25), (25, 26), (26, 40)):
+        piece = {k: v[:, start:end] for k, v in feeds.items() if k != "past_state"}
+        want, want_state = original.run(None, piece | {"past_state": want_state})
+        got, got_state = replaced.run(None, piece | {"past_state": got_state})
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(got_state, want_state, rtol=1e-4, atol=1e-5)
 
 
 def test_a_prompt_in_pieces_carries_the_state(library: str) -> None:
@@ -334,10 +389,44 @@ def test_a_different_computation_is_refused(change: dict, reason: str) -> None:
     assert [n.op_type for n in fused.graph.node] == [n.op_type for n in model.graph.node]
 
 
-def test_another_update_rule_is_not_a_candidate() -> None:
-    fused, count, log = fuse(mobius_mixer(update_rule="linear"))
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (dict(scale=None), "scale is None, not 1"),
+        (dict(attributes={"scale": 0.0}), "scale is 0.0, not 1"),
+        (dict(scale=0.5), "scale is 0.5, not 1"),
+        (dict(attributes={"q_num_heads": 16}), "q_num_heads and kv_num_heads differ"),
+        (dict(beta=True), "beta input"),
+        (dict(decay_rate="exp"), "A is not -exp(.)"),
+        (dict(attributes={"state_window": 0}), "attributes the proof does not read: ['state_window']"),
+        (dict(opset=26), "the model's ONNX opset 26 has no standard LinearAttention (opset 27 and later)"),
+    ],
+)
+def test_a_different_computation_of_the_standard_op_is_refused(change: dict, reason: str) -> None:
+    """ONNX's op: its default scale (0: 1/sqrt(d_k)) and grouped heads change the math; ORT's ``state_window`` is not
+    its schema's; before opset 27 the default domain has no LinearAttention."""
+    model = mobius_mixer(domain="", **change)
+    fused, count, log = fuse(model)
+    assert count == 0
+    reasons = [record.reason for record in log.chains.values()]
+    assert len(reasons) == 1 and reason in reasons[0], reasons
+    assert [(n.domain, n.op_type) for n in fused.graph.node] == [(n.domain, n.op_type) for n in model.graph.node]
+
+
+@pytest.mark.parametrize("spelling", DOMAINS)
+def test_another_update_rule_is_not_a_candidate(spelling: str) -> None:
+    fused, count, log = fuse(mobius_mixer(update_rule="linear", domain=DOMAINS[spelling]))
     assert count == 0 and not log.chains
     assert sum(n.op_type == "LinearAttention" for n in fused.graph.node) == 1
+
+
+def test_the_standard_ops_default_update_rule_is_not_a_candidate() -> None:
+    """ONNX's LinearAttention without ``update_rule`` is gated_delta (it needs beta): not the scan's recurrence."""
+    model = mobius_mixer(domain="", beta=True)
+    node = next(n for n in model.graph.node if n.op_type == "LinearAttention")
+    node.attribute.remove(next(a for a in node.attribute if a.name == "update_rule"))
+    fused, count, log = fuse(model)
+    assert count == 0 and not log.chains
 
 
 # --- the mobius fixture builds ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
@@ -60,6 +61,28 @@ class Refusal(Exception):
 
 def dtype_name(dtype: ir.DataType | int | None) -> str:
     return "unknown" if dtype is None else ir.DataType(dtype).name.lower()
+
+
+def prove_standard_version(anchor: ir.Node, since: int) -> None:
+    """Refuse ``anchor``, an op of ONNX's default domain, unless the model's ONNX opset defines it as the version
+    added at opset ``since``: the one whose meaning the rule was proven against (not before it, when the op does
+    not exist, nor at an opset where a later version, or one the installed onnx does not know, may apply)."""
+    graph = anchor.graph
+    opset = None if graph is None else graph.opset_imports.get("", graph.opset_imports.get("ai.onnx"))
+    if opset is None or opset < since:
+        raise Refusal(
+            f"the model's ONNX opset {opset} has no standard {anchor.op_type} (opset {since} and later)", anchor
+        )
+    known = onnx.defs.onnx_opset_version()
+    if opset > known:
+        raise Refusal(
+            f"the model's ONNX opset {opset} is newer than the installed onnx's ({known}): its {anchor.op_type} may "
+            f"not be opset {since}'s",
+            anchor,
+        )
+    version = onnx.defs.get_schema(anchor.op_type, opset, "").since_version
+    if version != since:
+        raise Refusal(f"{anchor.op_type} at ONNX opset {opset} is its version {version}, not opset {since}'s", anchor)
 
 
 def producer_op(value: ir.Value | None) -> str | None:

@@ -1,4 +1,5 @@
-"""Run a mobius build's conv as ``ai.mambafuse::CausalConv1d`` where it runs ORT's ``CausalConvWithState``.
+"""Run a mobius build's conv as ``ai.mambafuse::CausalConv1d`` where it runs ORT's ``CausalConvWithState`` (or
+ONNX's own, opset 27).
 
 Microsoft's mobius builder writes each Mamba-2 mixer's causal conv as one
 ``com.microsoft::CausalConvWithState(activation="silu")`` node that serves the prompt and every decode step, between
@@ -20,6 +21,17 @@ reader) the node reads and writes the (B, L, C) values themselves (``channels_la
 otherwise it takes ORT's layout (``channels_last = 0``). genai's inputs and outputs keep their names and layout:
 the state is (B, C, K - 1) in both ops.
 
+ONNX's own ``CausalConvWithState`` (the default domain, added at opset 27) is ORT's op cut to those defaults: input
+and output (B, C, L) channels-first, weight (C, 1, K), bias (C), state (B, C, K - 1) (zeros when absent),
+``activation`` silu, swish or none (the default), two outputs and no other attribute. The specification defines it
+by a function body: Concat(past_state, input) on the last axis, a depthwise Conv(group = C) with the bias, SiLU as
+Sigmoid and Mul in float32 (the Conv's output cast up, the product cast back), and the concatenation's last K - 1
+columns as the present state; that is CausalConv1d's math in float32, and ONNX Runtime 1.32 runs the op on the CPU
+as that body. The rule takes it, in both forms, where the model's opset defines the op's version 27 (a model at an
+opset the installed onnx does not know is refused), with ``activation`` its only attribute (ORT's others, even at
+their defaults, are not in the standard's schema) and float32 values: at float16 the body rounds the Conv's sum to the
+type and SiLU once from float32, CausalConv1d at each exported step.
+
 On the CPU the kernel is 3.9-9.2x faster than ORT's node and its Transposes on a prompt at Nemotron-H and Zamba2
 widths, and 1.3-1.5x faster on a decode step (benchmarks/RESULTS.md); on CUDA the two are not
 compared, so the rule is opt-in (``fusion.rules.registry.OPT_IN_FUSIONS``: ``--opt-in causal_conv_with_state``).
@@ -39,6 +51,7 @@ from fusion.rules._decode import (
     Refusal,
     apply_with_log,
     dtype_name,
+    prove_standard_version,
     type_untyped_values,
 )
 from fusion.rules._log import FusionLog
@@ -46,6 +59,9 @@ from fusion.rules._prefill import causal_conv1d_node
 
 FORM = "CausalConvWithState"
 BUILDER_DOMAIN = "com.microsoft"
+#: ONNX's own op (the default domain), and the opset that added it
+STANDARD_DOMAIN = ""
+STANDARD_SINCE = 27
 #: ORT's attributes other than ``activation`` and the values that keep its op CausalConv1d's math: any other value
 #: (a dilation, a state window, a channels-last state, a channel slice) is refused rather than translated.
 _DEFAULTS: dict[str, tuple[int, ...]] = {
@@ -58,7 +74,15 @@ _DEFAULTS: dict[str, tuple[int, ...]] = {
     "input_channel_offset": (0,),
     "input_channels": (0,),
 }
-#: ORT's activations and CausalConv1d's names for them ("none" is ORT's default)
+#: The attributes each spelling may carry besides ``activation``: ONNX's op has no other, ORT's the ones above.
+_ATTRIBUTES_BY_DOMAIN: dict[str, dict[str, tuple[int, ...]]] = {BUILDER_DOMAIN: _DEFAULTS, STANDARD_DOMAIN: {}}
+#: Why a float16 or bfloat16 op is not CausalConv1d's computation, which rounds as the exported graphs do (the
+#: conv, the sigmoid and the product, each)
+_HALF_ROUNDING = {
+    BUILDER_DOMAIN: "ORT's kernel rounds a float16 or bfloat16 activation once",
+    STANDARD_DOMAIN: "ONNX's function body rounds the conv to the type and SiLU once from float32",
+}
+#: The activations both ops name and CausalConv1d's names for them ("none" is the default of both)
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "none": "none"}
 _TRANSPOSED = [0, 2, 1]
 
@@ -79,14 +103,15 @@ class _Plan:
 
 
 class CausalConvWithStateFusion(PlannedRule):
-    """Rewrites one ``CausalConvWithState`` into a CausalConv1d node; ``transposed``: the form between Transposes
-    (rewritten channels-last, the Transposes dropped)."""
+    """Rewrites one ``CausalConvWithState`` of ``domain`` (ORT's or ONNX's) into a CausalConv1d node;
+    ``transposed``: the form between Transposes (rewritten channels-last, the Transposes dropped)."""
 
     FORM = FORM
 
-    def __init__(self, name: str, *, transposed: bool) -> None:
+    def __init__(self, name: str, *, transposed: bool, domain: str) -> None:
         super().__init__(name)
         self._transposed = transposed
+        self._domain = domain
         self._typed = False
 
     def setup(self) -> None:
@@ -98,7 +123,7 @@ class CausalConvWithStateFusion(PlannedRule):
         y, present = op.CausalConvWithState(
             conv_input,
             weight,
-            _domain=BUILDER_DOMAIN,
+            _domain=self._domain,
             _allow_other_attributes=True,
             _allow_other_inputs=True,
             _outputs=["y", "present"],
@@ -166,12 +191,15 @@ def _between_transposes(node: ir.Node) -> bool:
 
 
 def _prove(anchor: ir.Node, x: ir.Value, weight: ir.Value, transposed: bool) -> _Plan:
+    if anchor.domain == STANDARD_DOMAIN:
+        prove_standard_version(anchor, STANDARD_SINCE)
+    defaults = _ATTRIBUTES_BY_DOMAIN[anchor.domain]
     for name, attribute in anchor.attributes.items():
         if name == "activation":
             continue
-        if name not in _DEFAULTS:
+        if name not in defaults:
             raise Refusal(f"CausalConvWithState's attribute {name!r} is not one the rule knows", anchor)
-        if attribute.type != ir.AttributeType.INT or attribute.as_int() not in _DEFAULTS[name]:
+        if attribute.type != ir.AttributeType.INT or attribute.as_int() not in defaults[name]:
             raise Refusal(f"CausalConvWithState's {name} is not ORT's default (CausalConv1d's math)", anchor)
     activation = anchor.attributes.get_string("activation", "none")
     if activation not in _ACTIVATIONS:
@@ -185,8 +213,8 @@ def _prove(anchor: ir.Node, x: ir.Value, weight: ir.Value, transposed: bool) -> 
     for value in values:
         if value is not None and value.dtype != ir.DataType.FLOAT:
             raise Refusal(
-                f"{value.name} is {dtype_name(value.dtype)}: only float32 is the same computation (ORT's kernel "
-                "rounds a float16 or bfloat16 activation once, CausalConv1d at each of the exported graph's steps)",
+                f"{value.name} is {dtype_name(value.dtype)}: only float32 is the same computation "
+                f"({_HALF_ROUNDING[anchor.domain]}, CausalConv1d at each of the exported graph's steps)",
                 value,
             )
     if weight.const_value is None:
@@ -219,8 +247,9 @@ def _prove(anchor: ir.Node, x: ir.Value, weight: ir.Value, transposed: bool) -> 
 
 causal_conv_with_state_rules = pattern.RewriteRuleSet(
     [
-        CausalConvWithStateFusion.rule("CausalConvWithState[Transposed]", transposed=True),
-        CausalConvWithStateFusion.rule("CausalConvWithState", transposed=False),
+        CausalConvWithStateFusion.rule(f"{prefix}CausalConvWithState{suffix}", transposed=transposed, domain=domain)
+        for prefix, domain in (("", BUILDER_DOMAIN), ("onnx::", STANDARD_DOMAIN))
+        for suffix, transposed in (("[Transposed]", True), ("", False))
     ]
 )
 
@@ -231,11 +260,11 @@ def fuse_causal_conv_with_state(model: ir.Model, log: FusionLog | None = None) -
 
 
 def find_anchors(graph: ir.Graph) -> list[ir.Node]:
-    """Return every CausalConvWithState left in ``graph``."""
+    """Return every CausalConvWithState (ORT's or ONNX's) left in ``graph``."""
     return [
         node
         for node in ir.traversal.RecursiveGraphIterator(graph)
-        if node.op_type == "CausalConvWithState" and node.domain == BUILDER_DOMAIN
+        if node.op_type == "CausalConvWithState" and node.domain in _ATTRIBUTES_BY_DOMAIN
     ]
 
 

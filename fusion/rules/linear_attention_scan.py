@@ -1,4 +1,5 @@
-"""Run a mobius build's prompt scan as ``ai.mambafuse::MambaChunkScan`` where it runs ORT's ``LinearAttention``.
+"""Run a mobius build's prompt scan as ``ai.mambafuse::MambaChunkScan`` where it runs ORT's ``LinearAttention``
+(or ONNX's own, opset 27).
 
 Microsoft's mobius builder writes the Mamba-2 recurrence as ``com.microsoft::LinearAttention(update_rule="gated")``,
 one node per layer that serves the prompt and every decode step, its state genai's past / present tensor in
@@ -28,6 +29,15 @@ step's: through this node a T = 1 step takes 3-4x LinearAttention's time on the 
 graph serves both, so the rule is not in the default registry (``fusion.rules.registry.OPT_IN_FUSIONS``): it is
 for a prompt-heavy CPU workload that opts in (on a GPU it is not measured against ORT's CUDA LinearAttention).
 
+ONNX's own ``LinearAttention`` (the default domain, added at opset 27) has ORT's inputs, packed (B, T, H D) layout,
+(B, H_kv, d_k, d_v) = (B, H, N, P) state, recurrences and attribute defaults (``update_rule`` gated_delta, ``scale``
+0 meaning 1/sqrt(d_k), both heads required); it lacks ORT's ``state_window`` and says of ``chunk_size`` that it is
+a tuning hint that does not change the outputs. Its function body, which ONNX Runtime 1.32 runs on the CPU, is the
+gated recurrence above token by token in float32 (a Scan: exp(decay) times the state plus k v^T, then scale q^T S,
+cast back to q's and the state's types). The rule proves the same graph around it where the model's opset defines
+the op's version 27 (a model at an opset the installed onnx does not know is refused), and also lets it carry
+``chunk_size``.
+
 What the graph cannot show, the node checks at run time: x, d, B and C with the same batch and length (the graph's
 Mul would broadcast a length-1 x against a longer d; the kernel refuses that with an error naming the shapes).
 """
@@ -50,6 +60,7 @@ from fusion.rules._decode import (
     emulate,
     leaf_indices,
     negative_zeros,
+    prove_standard_version,
     type_untyped_values,
 )
 from fusion.rules._log import FusionLog
@@ -58,9 +69,15 @@ from fusion.shapes.dims import ForwardShapes, constant_array
 
 FORM = "LinearAttention"
 BUILDER_DOMAIN = "com.microsoft"
-#: LinearAttention's attributes whose values the proof reads; any other attribute (a state window, another
-#: rule's parameters) is refused rather than guessed at.
+#: ONNX's own op (the default domain), and the opset that added it
+STANDARD_DOMAIN = ""
+STANDARD_SINCE = 27
+#: LinearAttention's attributes whose values the proof reads, per spelling; any other attribute (ORT's state
+#: window, another rule's parameters) is refused rather than guessed at. ONNX's op may also carry ``chunk_size``,
+#: which its specification calls a tuning hint that does not change the outputs: the scan computes the same
+#: recurrence whatever its value.
 _KNOWN_ATTRIBUTES = frozenset({"update_rule", "scale", "q_num_heads", "kv_num_heads"})
+_KNOWN_ATTRIBUTES_BY_DOMAIN = {BUILDER_DOMAIN: _KNOWN_ATTRIBUTES, STANDARD_DOMAIN: _KNOWN_ATTRIBUTES | {"chunk_size"}}
 
 
 @dataclasses.dataclass
@@ -86,9 +103,14 @@ def _int_dims(shapes: ForwardShapes, value: ir.Value) -> list[Any]:
 
 
 class LinearAttentionScanFusion(PlannedRule):
-    """Rewrites one mobius ``LinearAttention(update_rule="gated")`` into a MambaChunkScan node between Transposes."""
+    """Rewrites one ``LinearAttention(update_rule="gated")`` of ``domain`` (ORT's, as mobius writes it, or ONNX's)
+    into a MambaChunkScan node between Transposes."""
 
     FORM = FORM
+
+    def __init__(self, name: str, *, domain: str) -> None:
+        super().__init__(name)
+        self._domain = domain
 
     def pattern(self, op, q, k, v, past, decay):
         return op.LinearAttention(
@@ -97,7 +119,7 @@ class LinearAttentionScanFusion(PlannedRule):
             v,
             past,
             decay,
-            _domain=BUILDER_DOMAIN,
+            _domain=self._domain,
             _allow_other_attributes=True,
             _allow_other_inputs=True,
             _outputs=["o", "present"],
@@ -148,7 +170,9 @@ class LinearAttentionScanFusion(PlannedRule):
 
 
 def _prove(anchor: ir.Node, q, k, v, past, decay, shapes: ForwardShapes) -> _Plan:
-    unknown = sorted(set(anchor.attributes) - _KNOWN_ATTRIBUTES)
+    if anchor.domain == STANDARD_DOMAIN:
+        prove_standard_version(anchor, STANDARD_SINCE)
+    unknown = sorted(set(anchor.attributes) - _KNOWN_ATTRIBUTES_BY_DOMAIN[anchor.domain])
     if unknown:
         raise Refusal(f"LinearAttention has attributes the proof does not read: {unknown}", anchor)
     if len([i for i in anchor.inputs if i is not None]) != 5 or len(anchor.inputs) > 6:
@@ -311,7 +335,12 @@ def _by_head(value: ir.Value, heads: int, state_size: int, what: str, shapes: Fo
     return source, groups
 
 
-linear_attention_scan_rules = pattern.RewriteRuleSet([LinearAttentionScanFusion.rule("LinearAttentionScan")])
+linear_attention_scan_rules = pattern.RewriteRuleSet(
+    [
+        LinearAttentionScanFusion.rule("LinearAttentionScan", domain=BUILDER_DOMAIN),
+        LinearAttentionScanFusion.rule("onnx::LinearAttentionScan", domain=STANDARD_DOMAIN),
+    ]
+)
 linear_attention_scan_rules.remove_unused_nodes = False
 
 
@@ -321,12 +350,12 @@ def fuse_linear_attention_scan(model: ir.Model, log: FusionLog | None = None) ->
 
 
 def find_anchors(graph: ir.Graph) -> list[ir.Node]:
-    """Return every gated LinearAttention left in ``graph``."""
+    """Return every gated LinearAttention (ORT's or ONNX's) left in ``graph``."""
     return [
         node
         for node in ir.traversal.RecursiveGraphIterator(graph)
         if node.op_type == "LinearAttention"
-        and node.domain == BUILDER_DOMAIN
+        and node.domain in _KNOWN_ATTRIBUTES_BY_DOMAIN
         and node.attributes.get_string("update_rule", "") == "gated"
     ]
 
