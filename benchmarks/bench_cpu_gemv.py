@@ -9,11 +9,14 @@ Issue 42 asks first whether ORT's own kernels stream a decode step's weights nea
 - ``MatMulNBits int4, acc 0`` / ``acc 4``: ``com.microsoft::MatMulNBits`` from ORT's ``MatMulNBitsQuantizer`` (4 bits,
   block 32, symmetric; what onnxruntime-genai's builder and Olive write), float32 compute (``accuracy_level`` 0) and
   int8 activations (4, the builder's CPU default);
-- ``copy``: numpy's copy of a buffer the size of the float32 weight (read + write), the bandwidth reference.
+- ``copy``: numpy's copy of a buffer the size of the float32 weight (read + write), the bandwidth reference;
+- ``read``: numpy reading a buffer the size of the int4 weight once (a bitwise-or reduction over 64-bit words, the
+  caches emptied first by reading 256 MB): what a GEMV's one pass over its weight cannot beat on one thread.
 
 GB/s is the weight's bytes (float32: 4·K·N; int4: the packed blocks plus the scales) per call. "% of copy" divides
 it by the copy's rate in bytes read + written per second, the measure the issue's targets use (a copy moves each
 byte twice, a GEMV reads it once, so 100 % is not a ceiling: a read-only stream may go faster than a copy's).
+"% of read" divides it by the read's rate: the floor a GEMV is held to.
 
     python -m benchmarks.bench_cpu_gemv [--shapes in_proj,out_proj,...] [--rows 1,2,4,8] [--threads 1,2]
         [--repeats 15] [--record]
@@ -88,6 +91,20 @@ def copy_seconds(nbytes: int, repeats: int) -> float:
     return float(np.median(times[3:]))
 
 
+def read_seconds(nbytes: int, repeats: int) -> float:
+    """The median time of numpy reading ``nbytes`` once (a bitwise-or reduction over 64-bit words), each time after
+    reading a 256 MB buffer, so that the bytes come from memory as a decode step's weights do."""
+    source = np.ones(max(nbytes // 8, 1), np.uint64)
+    evict = np.ones(256 * 2**20 // 8, np.uint64)
+    times = []
+    for _ in range(repeats + 2):
+        np.bitwise_or.reduce(evict)
+        start = time.perf_counter()
+        np.bitwise_or.reduce(source)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[2:]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
@@ -101,10 +118,11 @@ def main() -> None:
     lines = [f"- threads={t}: {environment_line(t)}" for t in threads_list]
     lines += [
         f"- medians of {args.repeats} interleaved calls; GB/s = the weight's bytes per call; % of copy = that over "
-        "numpy's copy rate of the float32 weight's size (bytes read + written), measured beside each shape",
+        "numpy's copy rate of the float32 weight's size (bytes read + written); % of read = that over numpy's read "
+        "rate of the int4 weight's size from memory (one thread); both measured beside each shape",
         "",
-        "| shape (K x N) | threads | M | variant | weight MB | median ms | GB/s | % of copy |",
-        "|---|---|---|---|---|---|---|---|",
+        "| shape (K x N) | threads | M | variant | weight MB | median ms | GB/s | % of copy | % of read |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     rng = np.random.default_rng(0)
@@ -125,18 +143,29 @@ def main() -> None:
                 runners = {variant: bound_runner(model, threads, False, {"x": x}) for variant, model in models.items()}
                 times = measure(runners, args.repeats)
                 copy_rate = 2 * sizes["MatMul fp32"] / copy_seconds(sizes["MatMul fp32"], args.repeats)
+                int4_bytes = sizes["MatMulNBits int4, acc 4"]
+                read_rate = int4_bytes / read_seconds(int4_bytes, args.repeats)
                 for variant, ts in times.items():
                     seconds = float(np.median(ts)) * 1e-6
                     rate = sizes[variant] / seconds
                     row = (
                         f"| {name} ({k} x {n}) | {threads} | {m} | {variant} | {sizes[variant] / 1e6:.0f} "
-                        f"| {seconds * 1e3:.2f} | {rate / 1e9:.1f} | {100 * rate / copy_rate:.0f} % |"
+                        f"| {seconds * 1e3:.2f} | {rate / 1e9:.1f} | {100 * rate / copy_rate:.0f} % "
+                        f"| {100 * rate / read_rate:.0f} % |"
                     )
                     print(row, flush=True)
                     lines.append(row)
                 row = (
                     f"| {name} ({k} x {n}) | {threads} | {m} | copy (numpy) | {sizes['MatMul fp32'] / 1e6:.0f} "
-                    f"| {2 * sizes['MatMul fp32'] / copy_rate * 1e3:.2f} | {copy_rate / 1e9:.1f} | 100 % |"
+                    f"| {2 * sizes['MatMul fp32'] / copy_rate * 1e3:.2f} | {copy_rate / 1e9:.1f} | 100 % "
+                    f"| {100 * copy_rate / read_rate:.0f} % |"
+                )
+                print(row, flush=True)
+                lines.append(row)
+                row = (
+                    f"| {name} ({k} x {n}) | {threads} | {m} | read (numpy) | {int4_bytes / 1e6:.0f} "
+                    f"| {int4_bytes / read_rate * 1e3:.2f} | {read_rate / 1e9:.1f} "
+                    f"| {100 * read_rate / copy_rate:.0f} % | 100 % |"
                 )
                 print(row, flush=True)
                 lines.append(row)
