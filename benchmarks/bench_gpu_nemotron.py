@@ -44,7 +44,10 @@ beside the unfused one and ``mambafuse rewrite``'s ("after": the norm, CausalCon
 "int4-optimize" / "int4-gemv" are the step quantized to int4 as docs/models.md's policy says (ORT's
 MatMulNBitsQuantizer, block 32, symmetric, the LM head kept), unfused, optimized, and optimized with ``--opt-in
 decode_matmul_nbits`` (its packed weights are random bytes on the GPU machine, its scales drawn with std SCALE_STD;
-the int4 rows' logits are compared with the int4 step unfused). ``step`` runs the variants in one process with the
+the int4 rows' logits are compared with the int4 step unfused); "int4-before-fpaintb" / "int4-optimize-fpaintb" run
+the int4 graphs with ONNX Runtime's ``ep.cuda.fpa_intb_gemm`` session setting on (off by default: its CUDA
+MatMulNBits then prepacks the weights for the weight-only GEMV and GEMM kernels it carries from TensorRT-LLM, for
+float16 / bfloat16 A, block 32, 64 or 128, N a multiple of 64). ``step`` runs the variants in one process with the
 library registered, interleaved, with and without ORT's CUDA graph; counts the kernels of a Run and sums their GPU
 time by kernel family (CUPTI; families by kernel name); puts the Run beside the weight-streaming floor (the bytes of
 weights a step reads / the device's copy bandwidth, measured in the same process); and prints each variant's largest
@@ -608,6 +611,13 @@ STEP_VARIANTS = {
     "int4-before": "int4 unfused",
     "int4-optimize": "int4 optimize",
     "int4-gemv": "int4 optimize + DecodeMatMulNBits",
+    "int4-before-fpaintb": "int4 unfused, ORT fpA_intB",
+    "int4-optimize-fpaintb": "int4 optimize, ORT fpA_intB",
+}
+#: Variants that run another variant's graph with ONNX Runtime session settings: (the graph's variant, settings).
+STEP_SETTINGS = {
+    "int4-before-fpaintb": ("int4-before", {"ep.cuda.fpa_intb_gemm": "1"}),
+    "int4-optimize-fpaintb": ("int4-optimize", {"ep.cuda.fpa_intb_gemm": "1"}),
 }
 #: Kernel families by CUPTI kernel name (first match wins): our three ops by their kernels' names, then what
 #: ONNX Runtime's CUDA EP and the libraries it calls name their kernels.
@@ -743,8 +753,15 @@ def run_step(args: argparse.Namespace) -> None:
         write_weights(folder, dtype)
         meta = json.loads((folder / f"{dtype}.json").read_text())
         builder = meta.get("builder", "dynamo")
-        names = [v for v in STEP_VARIANTS if f"decode-{v}" in meta["graphs"]]
-        paths = {v: folder / meta["graphs"][f"decode-{v}"]["graph"] for v in names}
+        names = [
+            v
+            for v in STEP_VARIANTS
+            if f"decode-{v}" in meta["graphs"]
+            or (v in STEP_SETTINGS and f"decode-{STEP_SETTINGS[v][0]}" in meta["graphs"])
+        ]
+        graph_of = {v: STEP_SETTINGS[v][0] if v in STEP_SETTINGS else v for v in names}
+        paths = {v: folder / meta["graphs"][f"decode-{graph_of[v]}"]["graph"] for v in names}
+        settings = {v: STEP_SETTINGS[v][1] for v in names if v in STEP_SETTINGS}
         graphs = {v: onnx.load(str(path), load_external_data=False) for v, path in paths.items()}
         feeds, dims = (mobius_step_inputs if builder == "mobius" else step_inputs)(graphs["before"], "decode")
         weights = weight_bytes_per_step(graphs["before"])
@@ -759,14 +776,17 @@ def run_step(args: argparse.Namespace) -> None:
         emit()
         gpu, outputs = {}, {}
         for v, path in paths.items():
-            gpu[v], outputs[v] = (gpu_kernels if DEVICE == "cuda" else cpu_outputs)(
-                ort, torch, path, feeds, dims, args.library, 200, with_outputs=True
-            )
+            if DEVICE == "cuda":
+                gpu[v], outputs[v] = gpu_kernels(
+                    ort, torch, path, feeds, dims, args.library, 200, with_outputs=True, settings=settings.get(v)
+                )
+            else:
+                gpu[v], outputs[v] = cpu_outputs(ort, torch, path, feeds, dims, args.library, 200, with_outputs=True)
             unknown.update(n for n in gpu[v]["robust"] if kernel_family(n) == "other")
         timing = {}
         for graph in (False, True):
             try:
-                timing[graph] = measure(ort, torch, paths, feeds, dims, args.library, graph, args.runs)
+                timing[graph] = measure(ort, torch, paths, feeds, dims, args.library, graph, args.runs, settings)
             except Exception as error:  # noqa: BLE001 - reported in the table (e.g. capture refused)
                 timing[graph] = {v: {"error": str(error).splitlines()[0][:200]} for v in paths}
         emit(
@@ -925,8 +945,18 @@ def ort_value(ort, torch, tensor):
     return ort.OrtValue(value)
 
 
-def session_for(ort, path: Path, dims: dict[str, int], library: Path, graph: bool, profile_prefix: str | None = None):
+def session_for(
+    ort,
+    path: Path,
+    dims: dict[str, int],
+    library: Path,
+    graph: bool,
+    profile_prefix: str | None = None,
+    settings: dict[str, str] | None = None,
+):
     options = ort.SessionOptions()
+    for key, value in (settings or {}).items():  # ONNX Runtime's own session settings (STEP_SETTINGS)
+        options.add_session_config_entry(key, value)
     if DEVICE == "cuda":  # a GPU-first session (docs/kernels.md): the prefill ops and the weight products on CUDA
         options.add_session_config_entry("mambafuse.prefill_cpu_kernels", "0")
     options.register_custom_ops_library(str(library))
@@ -963,11 +993,17 @@ def bind(ort, torch, session, feeds) -> tuple[object, list]:
     return binding, keep
 
 
-def measure(ort, torch, paths: dict[str, Path], feeds, dims, library, graph: bool, runs: int) -> dict:
+def measure(
+    ort, torch, paths: dict[str, Path], feeds, dims, library, graph: bool, runs: int, settings: dict | None = None
+) -> dict:
     """Per-Run wall time (a Run returns when its outputs are ready) of each graph in ``paths``: median, min,
     max of 7 repeats of ``runs`` Runs. The sessions live side by side and the repeats interleave (before,
-    after, after, before, ...), so clock and thermal drift fall on both alike."""
-    sessions = {name: session_for(ort, path, dims, library, graph) for name, path in paths.items()}
+    after, after, before, ...), so clock and thermal drift fall on both alike. ``settings``: ONNX Runtime session
+    settings by name."""
+    settings = settings or {}
+    sessions = {
+        name: session_for(ort, path, dims, library, graph, settings=settings.get(name)) for name, path in paths.items()
+    }
     bindings = {name: bind(ort, torch, session, feeds) for name, session in sessions.items()}
     for name, session in sessions.items():
         for _ in range(5):
@@ -988,14 +1024,14 @@ def measure(ort, torch, paths: dict[str, Path], feeds, dims, library, graph: boo
     }
 
 
-def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10, with_outputs: bool = False):
+def gpu_kernels(ort, torch, path, feeds, dims, library, runs: int = 10, with_outputs: bool = False, settings=None):
     """GPU time per Run from CUPTI (torch.profiler sees every kernel and copy of the process, ORT's too): all of
     it, the fused kernels' (mambafuse::), and the largest kernels by name; with `with_outputs`, also the Run's
     outputs (numpy, in the session's output order)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    session = session_for(ort, path, dims, library, False)
+    session = session_for(ort, path, dims, library, False, settings=settings)
     binding, keep = bind(ort, torch, session, feeds)
     for _ in range(3):
         session.run_with_iobinding(binding)

@@ -9,13 +9,17 @@ in the model's precision; the conv, A, D, dt_bias and the norms are not MatMuls 
 - ``keep-out_proj``: every Mamba-2 mixer's out-projection kept (the MatMul that reads its gated norm);
 - ``keep-out_proj+head``: the LM head kept too.
 
-Per model and policy, against the fp32 original on its stored sample step: the logits' largest absolute error (and
-relative to their largest magnitude), the fp32 model's smallest top-2 margin over the greedy steps, and greedy token
-agreement over 16 steps (the prompt's cache, then each token fed back). Then ``mambafuse rewrite`` of the quantized
-model: every Mamba-2 op fused in every layer, and its greedy tokens against the quantized original's (through the
-model-local functions, so the library is not needed).
+Each policy at ``accuracy_level`` 0 (the quantizer's default: float32 products on the CPU) and 4 (A rounded to
+int8 per block of 32 before the products, what onnxruntime-genai's builder writes for the CPU, where ONNX Runtime's
+int4 kernel runs 2-3x faster at a decode step's single row: benchmarks/bench_cpu_gemv.py).
 
-    python -m benchmarks.bench_int4_quality [--steps 16] [--markdown OUT.md]
+Per model, policy and level, against the fp32 original on its stored sample step: the logits' largest absolute
+error (and relative to their largest magnitude), the fp32 model's smallest top-2 margin over the greedy steps, and
+greedy token agreement over 16 steps (the prompt's cache, then each token fed back). Then ``mambafuse rewrite`` of
+the quantized model: every Mamba-2 op fused in every layer, and its greedy tokens against the quantized original's
+(through the model-local functions, so the library is not needed).
+
+    python -m benchmarks.bench_int4_quality [--steps 16] [--levels 0,4] [--markdown OUT.md]
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ def _kept(model: onnx.ModelProto, policy: str) -> list[str]:
     return kept
 
 
-def _quantize(model: onnx.ModelProto, exclude: list[str]) -> onnx.ModelProto:
+def _quantize(model: onnx.ModelProto, exclude: list[str], accuracy_level: int = 0) -> onnx.ModelProto:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quantizer = MatMulNBitsQuantizer(
@@ -79,21 +83,44 @@ def _quantize(model: onnx.ModelProto, exclude: list[str]) -> onnx.ModelProto:
         block_size=32,
         is_symmetric=True,
         nodes_to_exclude=exclude,
+        accuracy_level=accuracy_level or None,
     )
     quantizer.process()
     return quantizer.model.model
 
 
+def _row(label, original, policy, level, record, refs, step, base_logits, base_tokens, margin, args) -> str:
+    """One table row: the model quantized by ``policy`` at accuracy ``level`` against the fp32 original, and fused."""
+    quantized = _quantize(original, _kept(original, policy), level)
+    session = _session(quantized)
+    logits = session.run(["logits"], step)[0].astype(np.float64)
+    error = float(np.max(np.abs(logits - base_logits)))
+    relative = error / float(np.max(np.abs(base_logits)))
+    tokens = greedy_decode(session, record, refs, args.steps)
+    fused, _ = rewrite_model(quantized)
+    counts = {op: sum(n.op_type == op for n in fused.graph.node) for op in OPS}
+    all_fused = set(counts.values()) == {record["num_mamba_layers"]}
+    fused_tokens = greedy_decode(_session(fused), record, refs, args.steps)
+    nbits = sum(n.op_type == "MatMulNBits" for n in quantized.graph.node)
+    return (
+        f"| {label} | {policy} | {level} | {nbits} | {error:.3g} ({relative:.2g}) | {margin:.3g} | "
+        f"{sum(a == b for a, b in zip(tokens, base_tokens, strict=True))}/{args.steps} | "
+        f"{'all, every layer' if all_fused else counts} | "
+        f"{sum(a == b for a, b in zip(fused_tokens, tokens, strict=True))}/{args.steps} |"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_int4_quality", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=16, help="greedy steps (default 16)")
+    parser.add_argument("--levels", default="0,4", help="MatMulNBits accuracy levels (default 0,4)")
     parser.add_argument("--markdown", type=Path, help="also write the table to this file")
     args = parser.parse_args(argv)
+    levels = [int(level) for level in args.levels.split(",")]
     rows = [
-        "| model | policy | MatMulNBits | logit error: max abs (of max logit) | fp32 top-2 margin (min) "
-        "| greedy tokens = fp32 "
-        "| fused ops | fused tokens = quantized |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | policy | accuracy_level | MatMulNBits | logit error: max abs (of max logit) "
+        "| fp32 top-2 margin (min) | greedy tokens = fp32 | fused ops | fused tokens = quantized |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for directory, stem in MODELS:
         record = load_manifest(directory)["fixtures"][stem]
@@ -108,24 +135,23 @@ def main(argv: list[str] | None = None) -> int:
             float(np.diff(np.sort(step_logits.astype(np.float64))[-2:])[0]) for step_logits in base_logits_per_step
         )
         for policy in POLICIES:
-            quantized = _quantize(original, _kept(original, policy))
-            session = _session(quantized)
-            logits = session.run(["logits"], step)[0].astype(np.float64)
-            error = float(np.max(np.abs(logits - base_logits)))
-            relative = error / float(np.max(np.abs(base_logits)))
-            tokens = greedy_decode(session, record, refs, args.steps)
-            fused, _ = rewrite_model(quantized)
-            counts = {op: sum(n.op_type == op for n in fused.graph.node) for op in OPS}
-            all_fused = set(counts.values()) == {record["num_mamba_layers"]}
-            fused_tokens = greedy_decode(_session(fused), record, refs, args.steps)
-            nbits = sum(n.op_type == "MatMulNBits" for n in quantized.graph.node)
-            rows.append(
-                f"| {directory.name}/{stem} | {policy} | {nbits} | {error:.3g} ({relative:.2g}) | {margin:.3g} | "
-                f"{sum(a == b for a, b in zip(tokens, base_tokens, strict=True))}/{args.steps} | "
-                f"{'all, every layer' if all_fused else counts} | "
-                f"{sum(a == b for a, b in zip(fused_tokens, tokens, strict=True))}/{args.steps} |"
-            )
-            print(rows[-1], flush=True)
+            for level in levels:
+                rows.append(
+                    _row(
+                        f"{directory.name}/{stem}",
+                        original,
+                        policy,
+                        level,
+                        record,
+                        refs,
+                        step,
+                        base_logits,
+                        base_tokens,
+                        margin,
+                        args,
+                    )
+                )
+                print(rows[-1], flush=True)
     environment = (
         f"onnxruntime {ort.__version__}, onnx {onnx.__version__}, {platform.processor() or platform.machine()}, "
         "CPU EP, 1 intra-op thread"

@@ -866,6 +866,7 @@ def _merged(first: Report, second: Report) -> Report:
         nodes_after=second.nodes_after,
         function_attached=first.function_attached or second.function_attached,
         fused_chains=[*first.fused_chains, *second.fused_chains],
+        hints=list(second.hints),  # about the model as written
     )
     # the second pass counts the chains still in the model (fused then or refused); the first's fused are gone
     merged.chains_found = dict(second.chains_found)

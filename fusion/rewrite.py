@@ -85,6 +85,8 @@ class Report:
     #: fused, refused (location, reason) and the fused chains' attributes. Only ops with chains in the model are
     #: listed. (The key is the historical name: the decode-step ops were the first ops after the gated norm.)
     decode: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: What the model could gain outside the fusions, from what the rewrite saw (each a line of the summary).
+    hints: list[str] = dataclasses.field(default_factory=list)
 
     def refused_of(self, op_type: str) -> list[tuple[str, str]]:
         """Return the chains of ``op_type`` left unfused: (location, reason), in the graph's order."""
@@ -123,6 +125,7 @@ class Report:
         lines += [f"  refused {where}: {reason}" for where, reason in self.refused]
         if self.verification is not None:
             lines.append(self.verification["summary"])
+        lines += [f"hint: {hint}" for hint in self.hints]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,8 +165,10 @@ def rewrite_model(
 
     With ``decode_steps`` (the default) every op of the registry is fused (fusion/rules/registry.py: the gated
     norm, CausalConv1dUpdate and SelectiveStateUpdate, in rounds); ``decode_steps=False`` fuses the gated norm
-    alone. ``opt_in`` names fusions of ``registry.OPT_IN_FUSIONS`` to run as well (``--opt-in``): right, but not
-    faster everywhere the model runs (a ValueError names the choices for another name).
+    alone (where the graph proves its input's shape without the other ops: a transformers 5.25 decode export proves
+    it only through the fused state update, so its norms stay unfused that way). ``opt_in`` names fusions of
+    ``registry.OPT_IN_FUSIONS`` to run as well (``--opt-in``): right, but not faster everywhere the model runs (a
+    ValueError names the choices for another name).
 
     A ModelProto is left untouched (a new one is returned). An ``ir.Model`` is rewritten in place and
     returned (copying it would load lazily-read external weights). With ``function``, fused models
@@ -221,11 +226,38 @@ def rewrite_model(
     for output in model.graph.outputs:
         if output.name in declared_outputs:
             output.type, output.shape = declared_outputs[output.name]
+    if hint := _float_activation_hint(model):
+        report.hints.append(hint)
     if (report.fused or report.decode_fused) and function:
         attach_function(model, opset)
         report.function_attached = True
     report.nodes_after = _node_count(model)
     return model, report
+
+
+#: ``accuracy_level`` of MatMulNBits at which ONNX Runtime's CPU kernel rounds A to int8 per block before the products.
+INT8_ACTIVATIONS_LEVEL = 4
+
+
+def _float_activation_hint(model: ir.Model) -> str | None:
+    """Return a hint when the model has 4-bit weight products below accuracy_level 4 (the quantizer's default):
+    ONNX Runtime's CPU kernel then multiplies in float32, 2-3x slower at a decode step (benchmarks/RESULTS.md)."""
+    products = {("MatMulNBits", "com.microsoft"), ("DecodeMatMulNBits", DOMAIN)}
+    count = sum(
+        1
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if (node.op_type, node.domain) in products
+        and node.attributes.get_int("bits", 4) == 4
+        and node.attributes.get_int("accuracy_level", 0) < INT8_ACTIVATIONS_LEVEL
+    )
+    if not count:
+        return None
+    return (
+        f"{count} int4 MatMulNBits at accuracy_level < {INT8_ACTIVATIONS_LEVEL}: on the CPU ONNX Runtime multiplies "
+        f"them in float32, 2-3x slower at a decode step than at accuracy_level {INT8_ACTIVATIONS_LEVEL} (A rounded "
+        f"to int8 per block, what onnxruntime-genai's builder writes for the CPU; the CUDA kernel ignores the "
+        f"level). Quantize with --accuracy_level {INT8_ACTIVATIONS_LEVEL} for a CPU deployment (docs/models.md)"
+    )
 
 
 def _check_existing_fused_nodes(model: ir.Model) -> None:

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 
 from fusion import rewrite
+from fusion.optimize import optimize_model
 from models.fixtures import FAMILY_FIXTURE_DIR, FIXTURE_DIR, TF525_FIXTURE_DIR
 from models.runtime import feeds, load_manifest, load_references
 from tests.test_decode_step_rules import TOLERANCE, _library_has_decode_ops, _run, scaled_error
@@ -123,3 +125,46 @@ def test_the_documented_policy_keeps_the_head_and_fuses_every_op(family: str) ->
     for a, e in zip(_run(fused, inputs), _run(quantized, inputs), strict=True):
         error, floor = scaled_error(np.asarray(a), np.asarray(e))
         assert error <= TOLERANCE[record["dtype"]] + floor
+
+
+def _with_accuracy_level(model: onnx.ModelProto, level: int | None) -> onnx.ModelProto:
+    """``model`` with every MatMulNBits at accuracy_level ``level`` (None: the attribute absent, as the quantizer
+    writes it by default)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        kept = [a for a in node.attribute if a.name != "accuracy_level"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        if level is not None:
+            node.attribute.append(onnx.helper.make_attribute("accuracy_level", level))
+    return copy
+
+
+@pytest.mark.parametrize(("level", "hinted"), [(None, True), (0, True), (3, True), (4, False)])
+def test_int4_below_accuracy_level_4_gets_the_cpu_hint(level: int | None, hinted: bool) -> None:
+    """A 4-bit model whose MatMulNBits multiply float activations on the CPU (accuracy_level below 4, the
+    quantizer's default) gets one hint naming their count and --accuracy_level 4, in rewrite's and optimize's
+    reports and their JSON; at level 4 (what onnxruntime-genai's builder writes for the CPU) there is none."""
+    quantized = _with_accuracy_level(_quantized(TF525_FIXTURE_DIR, "zamba2-dynamo-fp32-decode", 4, "QOperator"), level)
+    count = sum(n.op_type == "MatMulNBits" for n in quantized.graph.node)
+    _, report = rewrite.rewrite_model(quantized)
+    _, optimized = optimize_model(ir.from_proto(quantized))
+    for hints, summary in ((report.hints, report.summary()), (optimized.rewrite.hints, optimized.summary())):
+        if hinted:
+            assert len(hints) == 1 and hints[0].startswith(f"{count} int4 MatMulNBits at accuracy_level < 4")
+            assert "--accuracy_level 4" in hints[0] and f"hint: {hints[0]}" in summary
+        else:
+            assert hints == [] and "hint:" not in summary
+    assert optimized.to_dict()["rewrite"]["hints"] == optimized.rewrite.hints
+
+
+def test_8_bit_and_unquantized_models_get_no_accuracy_hint() -> None:
+    """The hint is about 4-bit weights: an 8-bit MatMulNBits model and a float one get none."""
+    for model in (
+        _quantized(FIXTURE_DIR, "zamba2-dynamo-fp32-decode", 8, "QOperator"),
+        onnx.load(TF525_FIXTURE_DIR / _record(TF525_FIXTURE_DIR, "zamba2-dynamo-fp32-decode")["file"]),
+    ):
+        assert rewrite.rewrite_model(model)[1].hints == []
