@@ -7,7 +7,8 @@ f32 and f16), each as four genai folders, in one process:
   the model unchanged);
 - ``fused``: ``mambafuse genai IN OUT`` (the model fused, the library registered through the config);
 - ``int4 unfused`` / ``int4 fused``: the same, after ONNX Runtime's ``MatMulNBitsQuantizer`` (4 bits, block 32,
-  symmetric, every MatMul with a constant weight) wrote the folder's model.
+  symmetric, every MatMul with a constant weight; ``--accuracy-level``, default 0 as the quantizer's: 4 has the CPU
+  round A to int8 per block, 2-3x faster per projection) wrote the folder's model.
 
 ``--folder PATH`` (repeatable) measures those genai build folders instead of the fixtures (mobius builds with
 ``--runtime ort-genai``, e.g. the real-width model of ``benchmarks/_genai_real_width.py``), as the same four
@@ -25,7 +26,7 @@ In mobius builds ONNX Runtime's own contrib ops already run the decode step (``C
 is most of the time, and at real width, where streaming the projection weights is.
 
     python -m benchmarks.bench_genai [--rounds 7] [--warmup 2] [--new 32] [--only REGEX] [--markdown OUT.md]
-        [--folder PATH ...] [--work DIR] [--threads N]
+        [--folder PATH ...] [--work DIR] [--threads N] [--accuracy-level N]
 """
 
 from __future__ import annotations
@@ -74,15 +75,18 @@ def _pin_threads(folder: Path, threads: int) -> None:
     config_path.write_text(json.dumps(config, indent=2))
 
 
-def _quantized_copy(source: Path, dest: Path) -> Path:
-    """``source`` with its model.onnx quantized to int4 MatMulNBits (every other file copied)."""
+def _quantized_copy(source: Path, dest: Path, accuracy_level: int = 0) -> Path:
+    """``source`` with its model.onnx quantized to int4 MatMulNBits at ``accuracy_level`` (every other file
+    copied)."""
     import shutil
 
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     shutil.copytree(source, dest)
     model = onnx.load(dest / "model.onnx")
-    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=True)
+    quantizer = MatMulNBitsQuantizer(
+        model, bits=4, block_size=32, is_symmetric=True, accuracy_level=accuracy_level or None
+    )
     quantizer.process()
     for stale in dest.glob("model.onnx*"):
         stale.unlink()
@@ -90,19 +94,21 @@ def _quantized_copy(source: Path, dest: Path) -> Path:
     return dest
 
 
-def _folders(source: Path, work: Path, threads: int) -> dict[str, Path]:
-    """The four variant folders of ``source`` in ``work``; folders a previous run left there are reused."""
+def _folders(source: Path, work: Path, threads: int, accuracy_level: int = 0) -> dict[str, Path]:
+    """The four variant folders of ``source`` in ``work``; folders a previous run left there are reused (the int4
+    ones by their accuracy level)."""
     folders = {}
-    int4_source = work / "int4-source"
+    level = f"-acc{accuracy_level}" if accuracy_level else ""
+    int4_source = work / f"int4{level}-source"
     if not (int4_source / "model.onnx").is_file():
-        _quantized_copy(source, int4_source)
+        _quantized_copy(source, int4_source, accuracy_level)
     for variant, base in (
         ("unfused", source),
         ("fused", source),
         ("int4 unfused", int4_source),
         ("int4 fused", int4_source),
     ):
-        out = work / variant.replace(" ", "-")
+        out = work / (variant.replace(" ", "-").replace("int4", f"int4{level}"))
         if not (out / "genai_config.json").is_file():
             _genai(str(base), str(out), *(["--config-only"] if "unfused" in variant else []))
         _pin_threads(out, threads)
@@ -152,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--work", type=Path, help="write (and reuse) the variant folders here, not in a temporary one")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
+    parser.add_argument(
+        "--accuracy-level", type=int, default=0, choices=(0, 1, 2, 3, 4), help="the int4 MatMulNBits' (default 0)"
+    )
     args = parser.parse_args(argv)
     rows = [
         "| build | variant | time to first token, ms | tokens/s | vs unfused (TTFT / tokens/s) | tokens = unfused |",
@@ -167,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         for stem, source in sources.items():
             if args.only and not re.search(args.only, stem):
                 continue
-            folders = _folders(source, work / stem, args.threads)
+            folders = _folders(source, work / stem, args.threads, args.accuracy_level)
             models = {variant: og.Model(str(folder)) for variant, folder in folders.items()}
             prompt = np.asarray(og.Tokenizer(models["unfused"]).encode(PROMPT), dtype=np.int32)[None, :]
             ttft: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -195,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     environment = (
         f"onnxruntime-genai {og.__version__}, onnxruntime {ort.__version__}, "
         f"{platform.processor() or platform.machine()}, CPU, {args.threads} intra-op thread"
-        f"{'s' if args.threads > 1 else ''}; prompt of {prompt.shape[1]} tokens, {args.new} new; "
+        f"{'s' if args.threads > 1 else ''}; int4 at accuracy_level {args.accuracy_level}; prompt of "
+        f"{prompt.shape[1]} tokens, {args.new} new; "
         f"median (min–max) of {args.rounds} rounds after {args.warmup}"
     )
     text = "\n".join(rows) + f"\n\n{environment}\n"

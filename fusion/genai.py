@@ -61,7 +61,7 @@ from typing import Any
 
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
 from fusion.progress import progress, track
-from fusion.rewrite import Report, add_opt_in_argument, rewrite_model
+from fusion.rewrite import CPU_INT4_HINT_END, Report, add_opt_in_argument, rewrite_model
 
 CONFIG_NAME = "genai_config.json"
 
@@ -231,6 +231,8 @@ def fuse_folder(
     if opt_in is None:
         opt_in = CPU_FOLDER_OPT_IN if cpu_folder(config) else ()
     fused, report = rewrite_model(model, function=function, opt_in=opt_in)
+    if not cpu_folder(config):  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
+        report.hints = [hint for hint in report.hints if not hint.endswith(CPU_INT4_HINT_END)]
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
     try:

@@ -237,6 +237,8 @@ def rewrite_model(
 
 #: ``accuracy_level`` of MatMulNBits at which ONNX Runtime's CPU kernel rounds A to int8 per block before the products.
 INT8_ACTIVATIONS_LEVEL = 4
+#: How the hint about that level ends (a caller that knows the model will not run on the CPU drops it).
+CPU_INT4_HINT_END = "for a CPU deployment (docs/models.md)"
 
 
 def _float_activation_hint(model: ir.Model) -> str | None:
@@ -256,7 +258,7 @@ def _float_activation_hint(model: ir.Model) -> str | None:
         f"{count} int4 MatMulNBits at accuracy_level < {INT8_ACTIVATIONS_LEVEL}: on the CPU ONNX Runtime multiplies "
         f"them in float32, 2-3x slower at a decode step than at accuracy_level {INT8_ACTIVATIONS_LEVEL} (A rounded "
         f"to int8 per block, what onnxruntime-genai's builder writes for the CPU; the CUDA kernel ignores the "
-        f"level). Quantize with --accuracy_level {INT8_ACTIVATIONS_LEVEL} for a CPU deployment (docs/models.md)"
+        f"level). Quantize with --accuracy_level {INT8_ACTIVATIONS_LEVEL} {CPU_INT4_HINT_END}"
     )
 
 

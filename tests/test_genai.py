@@ -391,6 +391,30 @@ def test_int4_folder_with_the_weight_products_generates_the_same(builds: Path, t
     np.testing.assert_array_equal(gemv_logits, logits)
 
 
+def test_the_int4_accuracy_hint_follows_the_folders_provider(builds: Path, tmp_path: Path) -> None:
+    """An int4 CPU folder quantized at the quantizer's default accuracy level gets the hint to requantize at level 4
+    (ONNX Runtime's CPU int4 kernel is 2-3x faster there); at level 4 it does not, and neither does the same model
+    in a folder for CUDA (whose kernel ignores the level)."""
+    from benchmarks.bench_genai import _quantized_copy
+
+    stem = next(s for s in GENAI_BUILDS if RECORDS[s]["dtype"] == "f32" and s.startswith("nemotron"))
+    level0 = _quantized_copy(builds / stem, tmp_path / "int4")
+    level4 = _quantized_copy(builds / stem, tmp_path / "int4-acc4", accuracy_level=4)
+    cuda = tmp_path / "int4-cuda"
+    shutil.copytree(level0, cuda)
+    config = json.loads((cuda / "genai_config.json").read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["provider_options"] = [{"cuda": {}}]
+    (cuda / "genai_config.json").write_text(json.dumps(config))
+    for folder, hinted in ((level0, True), (level4, False), (cuda, False)):
+        status, out, err = _fuse(folder, tmp_path / f"{folder.name}-fused")
+        assert status == 0, err
+        hints = [line for line in out.splitlines() if line.startswith("hint: ")]
+        if hinted:
+            assert len(hints) == 1 and "accuracy_level < 4" in hints[0] and "--accuracy_level 4" in hints[0], out
+        else:
+            assert hints == [], out
+
+
 def test_refuses_a_folder_that_already_names_another_library(builds: Path, tmp_path: Path) -> None:
     source = tmp_path / "in"
     shutil.copytree(builds / GENAI_BUILDS[0], source)
