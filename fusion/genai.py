@@ -61,7 +61,7 @@ from typing import Any
 
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
 from fusion.progress import progress, track
-from fusion.rewrite import CPU_INT4_HINT_END, Report, add_opt_in_argument, rewrite_model
+from fusion.rewrite import CPU_INT4_HINT_END, Report, add_accuracy_level_argument, add_opt_in_argument, rewrite_model
 
 CONFIG_NAME = "genai_config.json"
 
@@ -179,10 +179,12 @@ def fuse_folder(
     library: bool = True,
     genai_config_edit: bool | None = None,
     opt_in: Sequence[str] | None = None,
+    int4_accuracy_level: int | None = None,
 ) -> tuple[Report, dict[str, Any]]:
     """Write OUT_FOLDER from a genai model folder (module docstring); return the rewrite report and a summary.
     ``opt_in``: the opt-in fusions to run too (``rewrite_model``'s); None: the folder's provider's
     (``CPU_FOLDER_OPT_IN`` for a CPU folder, none for another), reported as the summary's ``opt_in``.
+    ``int4_accuracy_level``: as ``rewrite_model``'s.
 
     ``genai_config_edit``: None (the default) edits the config when genai 0.18 does not know the model
     type, True requires the edit, False keeps the config's model type. ``library=False`` writes no
@@ -230,7 +232,7 @@ def fuse_folder(
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
     if opt_in is None:
         opt_in = CPU_FOLDER_OPT_IN if cpu_folder(config) else ()
-    fused, report = rewrite_model(model, function=function, opt_in=opt_in)
+    fused, report = rewrite_model(model, function=function, opt_in=opt_in, int4_accuracy_level=int4_accuracy_level)
     if not cpu_folder(config):  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
         report.hints = [hint for hint in report.hints if not hint.endswith(CPU_INT4_HINT_END)]
 
@@ -389,6 +391,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "genai 0.18 can load (the baseline to compare the fused folder with)",
     )
     add_opt_in_argument(parser)
+    add_accuracy_level_argument(parser)
     parser.add_argument(
         "--keep-builder-ops",
         action="store_true",
@@ -415,6 +418,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
                 ("--keep-model-type", args.keep_model_type),
                 ("--opt-in", bool(args.opt_in)),
                 ("--keep-builder-ops", args.keep_builder_ops),
+                ("--int4-accuracy-level", args.int4_accuracy_level is not None),
             )
             if given
         ]
@@ -434,6 +438,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
                     library=not args.no_library,
                     genai_config_edit=edit,
                     opt_in=args.opt_in if args.opt_in or args.keep_builder_ops else None,
+                    int4_accuracy_level=args.int4_accuracy_level,
                 )
     except Interrupted as interrupted:
         print(f"{prog}: interrupted ({interrupted}); no output folder was written", file=sys.stderr)

@@ -700,6 +700,7 @@ def optimize_model(
     function: bool = True,
     assume_equal_widths: bool = False,
     opt_in: Sequence[str] = (),
+    int4_accuracy_level: int | None = None,
 ) -> tuple[ModelT, OptimizeReport]:
     """Return ``model`` optimized for ONNX Runtime, and an OptimizeReport.
 
@@ -707,7 +708,8 @@ def optimize_model(
     ``opt_in`` as there), on the graph as given; onnxscript's ORT fusions (``optimize_for_ort``'s, one at a time,
     each undone with its reason when it leaves a graph ONNX Runtime would refuse or cannot load; skipped with
     ``ort_fusions=False``); mambafuse's decode attention fusion (GroupQueryAttention, with the chains it refused
-    and why); every mambafuse fusion again, for chains the passes before made provable; the float16 residual norms
+    and why); every mambafuse fusion again, for chains the passes before made provable (and ``int4_accuracy_level``
+    as ``rewrite_model`` sets it); the float16 residual norms
     (after the mambafuse fusions, whose nodes carry a symbolic batch to the residual Adds) and the unit-axis
     Transposes. A ModelProto is left untouched (a new one is returned); an ``ir.Model`` is optimized in place and
     returned.
@@ -725,6 +727,7 @@ def optimize_model(
             function=function,
             assume_equal_widths=assume_equal_widths,
             opt_in=opt_in,
+            int4_accuracy_level=int4_accuracy_level,
         )
         return ir.to_proto(ir_model), report
     report = OptimizeReport()
@@ -750,7 +753,13 @@ def optimize_model(
     report.passes.append(result)
     report.passes.append(_own_pass("mambafuse attention", model, _attention))
     before = _node_count(model)
-    model, second = rewrite_model(model, function=function, assume_equal_widths=assume_equal_widths, opt_in=opt_in)
+    model, second = rewrite_model(
+        model,
+        function=function,
+        assume_equal_widths=assume_equal_widths,
+        opt_in=opt_in,
+        int4_accuracy_level=int4_accuracy_level,
+    )
     if second.fused or second.decode_fused:
         report.passes.append(
             PassResult(
@@ -867,6 +876,8 @@ def _merged(first: Report, second: Report) -> Report:
         function_attached=first.function_attached or second.function_attached,
         fused_chains=[*first.fused_chains, *second.fused_chains],
         hints=list(second.hints),  # about the model as written
+        accuracy_level=second.accuracy_level,
+        accuracy_level_set=second.accuracy_level_set,
     )
     # the second pass counts the chains still in the model (fused then or refused); the first's fused are gone
     merged.chains_found = dict(second.chains_found)
@@ -904,6 +915,7 @@ def _transform(model: ir.Model, args) -> tuple[ir.Model, OptimizeReport]:
         function=not args.no_function,
         assume_equal_widths=args.assume_equal_widths,
         opt_in=args.opt_in,
+        int4_accuracy_level=args.int4_accuracy_level,
     )
 
 

@@ -87,6 +87,9 @@ class Report:
     decode: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: What the model could gain outside the fusions, from what the rewrite saw (each a line of the summary).
     hints: list[str] = dataclasses.field(default_factory=list)
+    #: ``int4_accuracy_level``: the level asked for and how many int4 weight products were set to it.
+    accuracy_level: int | None = None
+    accuracy_level_set: int = 0
 
     def refused_of(self, op_type: str) -> list[tuple[str, str]]:
         """Return the chains of ``op_type`` left unfused: (location, reason), in the graph's order."""
@@ -125,6 +128,12 @@ class Report:
         lines += [f"  refused {where}: {reason}" for where, reason in self.refused]
         if self.verification is not None:
             lines.append(self.verification["summary"])
+        if self.accuracy_level is not None:
+            lines.append(
+                f"int4 accuracy_level {self.accuracy_level} set on {self.accuracy_level_set} MatMulNBits"
+                + (" (A rounded to int8 per block on the CPU)" if self.accuracy_level == INT8_ACTIVATIONS_LEVEL else "")
+                + ("; verified against the original at the same level" if self.verification is not None else "")
+            )
         lines += [f"hint: {hint}" for hint in self.hints]
         return "\n".join(lines)
 
@@ -160,6 +169,7 @@ def rewrite_model(
     assume_equal_widths: bool = False,
     decode_steps: bool = True,
     opt_in: Sequence[str] = (),
+    int4_accuracy_level: int | None = None,
 ) -> tuple[ModelT, Report]:
     """Return ``model`` with the chains of every registry op fused, and a Report.
 
@@ -168,7 +178,10 @@ def rewrite_model(
     alone (where the graph proves its input's shape without the other ops: a transformers 5.25 decode export proves
     it only through the fused state update, so its norms stay unfused that way). ``opt_in`` names fusions of
     ``registry.OPT_IN_FUSIONS`` to run as well (``--opt-in``): right, but not faster everywhere the model runs (a
-    ValueError names the choices for another name).
+    ValueError names the choices for another name). ``int4_accuracy_level`` (``--int4-accuracy-level``) sets that
+    ``accuracy_level`` on every 4-bit MatMulNBits (and DecodeMatMulNBits) after the fusions: 4 has ONNX Runtime's
+    CPU kernel round A to int8 per block, 2-3x faster at a decode step and no longer the same numbers (the weights
+    are not touched; docs/models.md).
 
     A ModelProto is left untouched (a new one is returned). An ``ir.Model`` is rewritten in place and
     returned (copying it would load lazily-read external weights). With ``function``, fused models
@@ -189,14 +202,17 @@ def rewrite_model(
             assume_equal_widths=assume_equal_widths,
             decode_steps=decode_steps,
             opt_in=opt_in,
+            int4_accuracy_level=int4_accuracy_level,
         )
-        if report.fused == 0 and report.decode_fused == 0:
+        if report.fused == 0 and report.decode_fused == 0 and report.accuracy_level_set == 0:
             unchanged = onnx.ModelProto()
             unchanged.CopyFrom(model)
             return unchanged, report
         return ir.to_proto(ir_model), report
 
     opted = opt_in_fusions(opt_in)
+    if int4_accuracy_level is not None and int4_accuracy_level not in ACCURACY_LEVELS:
+        raise ValueError(f"int4_accuracy_level is {int4_accuracy_level}; MatMulNBits takes {list(ACCURACY_LEVELS)}")
     opset = _onnx_opset(model)
     report = Report(nodes_before=_node_count(model))
     if model.opset_imports.get(DOMAIN, fused_function.OPSET_VERSION) != fused_function.OPSET_VERSION:
@@ -226,6 +242,9 @@ def rewrite_model(
     for output in model.graph.outputs:
         if output.name in declared_outputs:
             output.type, output.shape = declared_outputs[output.name]
+    if int4_accuracy_level is not None:
+        report.accuracy_level = int4_accuracy_level
+        report.accuracy_level_set = set_int4_accuracy_level(model, int4_accuracy_level)
     if hint := _float_activation_hint(model):
         report.hints.append(hint)
     if (report.fused or report.decode_fused) and function:
@@ -241,16 +260,36 @@ INT8_ACTIVATIONS_LEVEL = 4
 CPU_INT4_HINT_END = "for a CPU deployment (docs/models.md)"
 
 
+#: MatMulNBits' accuracy levels (0 unset, 1 float32, 2 float16, 3 bfloat16, 4 int8 activations).
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+_INT4_PRODUCTS = {("MatMulNBits", "com.microsoft"), ("DecodeMatMulNBits", DOMAIN)}
+
+
+def _int4_products(model: ir.Model) -> list[ir.Node]:
+    """The model's 4-bit weight products: MatMulNBits with bits = 4, and DecodeMatMulNBits."""
+    return [
+        node
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if (node.op_type, node.domain) in _INT4_PRODUCTS and node.attributes.get_int("bits", 4) == 4
+    ]
+
+
+def set_int4_accuracy_level(model: ir.Model, level: int) -> int:
+    """Set ``accuracy_level`` = ``level`` on every 4-bit weight product of ``model`` (in place); return how many
+    had another level (absent counts as 0)."""
+    changed = 0
+    for node in _int4_products(model):
+        if node.attributes.get_int("accuracy_level", 0) != level:
+            node.attributes["accuracy_level"] = ir.AttrInt64("accuracy_level", level)
+            changed += 1
+    return changed
+
+
 def _float_activation_hint(model: ir.Model) -> str | None:
     """Return a hint when the model has 4-bit weight products below accuracy_level 4 (the quantizer's default):
     ONNX Runtime's CPU kernel then multiplies in float32, 2-3x slower at a decode step (benchmarks/RESULTS.md)."""
-    products = {("MatMulNBits", "com.microsoft"), ("DecodeMatMulNBits", DOMAIN)}
     count = sum(
-        1
-        for node in ir.traversal.RecursiveGraphIterator(model.graph)
-        if (node.op_type, node.domain) in products
-        and node.attributes.get_int("bits", 4) == 4
-        and node.attributes.get_int("accuracy_level", 0) < INT8_ACTIVATIONS_LEVEL
+        1 for node in _int4_products(model) if node.attributes.get_int("accuracy_level", 0) < INT8_ACTIVATIONS_LEVEL
     )
     if not count:
         return None
@@ -258,7 +297,8 @@ def _float_activation_hint(model: ir.Model) -> str | None:
         f"{count} int4 MatMulNBits at accuracy_level < {INT8_ACTIVATIONS_LEVEL}: on the CPU ONNX Runtime multiplies "
         f"them in float32, 2-3x slower at a decode step than at accuracy_level {INT8_ACTIVATIONS_LEVEL} (A rounded "
         f"to int8 per block, what onnxruntime-genai's builder writes for the CPU; the CUDA kernel ignores the "
-        f"level). Quantize with --accuracy_level {INT8_ACTIVATIONS_LEVEL} {CPU_INT4_HINT_END}"
+        f"level). Quantize with --accuracy_level {INT8_ACTIVATIONS_LEVEL}, or rewrite with --int4-accuracy-level "
+        f"{INT8_ACTIVATIONS_LEVEL}, {CPU_INT4_HINT_END}"
     )
 
 
@@ -427,7 +467,11 @@ class Command:
 
 def _rewrite_transform(model: ir.Model, args: argparse.Namespace) -> tuple[ir.Model, Report]:
     return rewrite_model(
-        model, function=not args.no_function, assume_equal_widths=args.assume_equal_widths, opt_in=args.opt_in
+        model,
+        function=not args.no_function,
+        assume_equal_widths=args.assume_equal_widths,
+        opt_in=args.opt_in,
+        int4_accuracy_level=args.int4_accuracy_level,
     )
 
 
@@ -486,6 +530,7 @@ def _parser(prog: str = "python -m fusion.rewrite", command: Command = REWRITE) 
         "no broadcast guard (faster); a width-1 y is then rejected at run time instead of broadcast",
     )
     add_opt_in_argument(parser)
+    add_accuracy_level_argument(parser)
     parser.add_argument("--verify", action="store_true", help="run both models in ONNX Runtime and compare")
     parser.add_argument("--debug", action="store_true", help="explain every chain that was not fused")
     parser.add_argument(
@@ -521,6 +566,20 @@ def add_opt_in_argument(parser: argparse.ArgumentParser) -> None:
         "CausalConv1d (faster prompts and decode steps; not compared on CUDA). decode_matmul / "
         "decode_matmul_nbits run weight MatMuls / 4-bit MatMulNBits as DecodeMatMul(NBits) (CUDA kernels; at "
         "batch 1 still slower than ONNX Runtime's own, docs/decode_matmul.md). docs/cli.md",
+    )
+
+
+def add_accuracy_level_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--int4-accuracy-level N``: set MatMulNBits' accuracy_level on every 4-bit weight product."""
+    parser.add_argument(
+        "--int4-accuracy-level",
+        type=int,
+        choices=ACCURACY_LEVELS,
+        default=None,
+        metavar="N",
+        help="set accuracy_level N on every 4-bit MatMulNBits (weights untouched). 4 runs them on the CPU with A "
+        "rounded to int8 per block: 2-3x faster at a decode step, not the same numbers (docs/models.md); "
+        "CUDA ignores it",
     )
 
 
@@ -677,7 +736,9 @@ def _run(args: argparse.Namespace, command: Command = REWRITE) -> int:
         original_run = None
         if args.verify:
             bar.step("verifying: running the original model")
-            original_run = run_original(args.input, dims, inputs)
+            original_run = run_original(
+                args.input, dims, inputs, int4_accuracy_level=getattr(args, "int4_accuracy_level", None)
+            )
         bar.step("fusing" if command is REWRITE else f"{command.name}: running its passes")
         fused_model, report = command.transform(model, args)
         written = [output]

@@ -83,6 +83,30 @@ def _holds_unfunctioned_fused_nodes(model: onnx.ModelProto) -> bool:
     return has_nodes and not has_function
 
 
+def _at_accuracy_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
+    """A copy of ``model`` (its external data still external) with accuracy_level ``level`` on every 4-bit
+    MatMulNBits."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    for node in copy.graph.node:
+        bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or bits != 4:
+            continue
+        kept = [a for a in node.attribute if a.name != "accuracy_level"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", level)])
+    return copy
+
+
+def _external_data_options(original: Path) -> Any:
+    """Quiet session options for a model given as bytes whose external data lie beside ``original``."""
+    options = _quiet_options()
+    options.add_session_config_entry(
+        "session.model_external_initializers_file_folder_path", str(Path(original).resolve().parent)
+    )
+    return options
+
+
 def _quiet_options() -> Any:
     """Session options that keep ONNX Runtime's warnings (constant folding, fp16 casts) off the terminal."""
     import onnxruntime as ort
@@ -304,9 +328,15 @@ class OriginalRun:
 
 
 def run_original(
-    original: Path, dims: dict[str, int] | None = None, inputs: dict[str, np.ndarray] | None = None
+    original: Path,
+    dims: dict[str, int] | None = None,
+    inputs: dict[str, np.ndarray] | None = None,
+    *,
+    int4_accuracy_level: int | None = None,
 ) -> OriginalRun:
     """Run the original model in ONNX Runtime (CPU) on the verification inputs; return its outputs.
+    ``int4_accuracy_level``: run it with that accuracy_level on its 4-bit MatMulNBits, as the command set it in the
+    output (``--int4-accuracy-level``), so that the check measures the fusions and not the asked-for precision.
 
     Raises RewriteError when the check cannot run: a model ONNX Runtime does not load (bfloat16 on the
     CPU), inputs that cannot be made (too large, bfloat16), or inputs the model rejects (with the dims used).
@@ -328,7 +358,16 @@ def run_original(
             "mambafuse library (make build) to run it"
         )
     try:
-        reference = contrib_ops.session(original, session_options=_quiet_options(), use_library=original_needs_library)
+        if int4_accuracy_level is None:
+            reference = contrib_ops.session(
+                original, session_options=_quiet_options(), use_library=original_needs_library
+            )
+        else:
+            reference = contrib_ops.session(
+                _at_accuracy_level(original_proto, int4_accuracy_level),
+                session_options=_external_data_options(original),
+                use_library=original_needs_library,
+            )
     except Exception as error:
         message = first_line(error)
         if "bfloat16" in message or holds_bfloat16(original_proto):

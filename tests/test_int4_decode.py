@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import pytest
 
 from fusion import rewrite
@@ -151,7 +150,7 @@ def test_int4_below_accuracy_level_4_gets_the_cpu_hint(level: int | None, hinted
     quantized = _with_accuracy_level(_quantized(TF525_FIXTURE_DIR, "zamba2-dynamo-fp32-decode", 4, "QOperator"), level)
     count = sum(n.op_type == "MatMulNBits" for n in quantized.graph.node)
     _, report = rewrite.rewrite_model(quantized)
-    _, optimized = optimize_model(ir.from_proto(quantized))
+    _, optimized = optimize_model(quantized)
     for hints, summary in ((report.hints, report.summary()), (optimized.rewrite.hints, optimized.summary())):
         if hinted:
             assert len(hints) == 1 and hints[0].startswith(f"{count} int4 MatMulNBits at accuracy_level < 4")
@@ -168,3 +167,89 @@ def test_8_bit_and_unquantized_models_get_no_accuracy_hint() -> None:
         onnx.load(TF525_FIXTURE_DIR / _record(TF525_FIXTURE_DIR, "zamba2-dynamo-fp32-decode")["file"]),
     ):
         assert rewrite.rewrite_model(model)[1].hints == []
+
+
+def _run_cpu(model: onnx.ModelProto, directory: Path, stem: str) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds(_record(directory, stem), _references(directory)[stem]))
+
+
+def test_int4_accuracy_level_sets_the_level_and_computes_what_the_requantized_model_does() -> None:
+    """``int4_accuracy_level=4`` on a model quantized at the default level sets the level on every 4-bit product
+    (the weights untouched) after fusing every op: the result runs exactly as the same model quantized at level 4
+    and fused (the quantizer writes the same blocks at either level), and no hint is left."""
+    directory, stem = TF525_FIXTURE_DIR, "zamba2-dynamo-fp32-decode"
+    quantized = _quantized(directory, stem, 4, "QOperator")
+    fused, report = rewrite.rewrite_model(quantized, int4_accuracy_level=4)
+    products = [n for n in fused.graph.node if n.op_type == "MatMulNBits"]
+    assert products and report.accuracy_level_set == len(products) and report.hints == []
+    assert all(onnx.helper.get_node_attr_value(n, "accuracy_level") == 4 for n in products)
+    assert f"int4 accuracy_level 4 set on {len(products)} MatMulNBits" in report.summary()
+    counts = {op: sum(n.op_type == op for n in fused.graph.node) for op in OPS}
+    assert set(counts.values()) == {_record(directory, stem)["num_mamba_layers"]}, counts
+    requantized, _ = rewrite.rewrite_model(_with_accuracy_level(quantized, 4))
+    ours, theirs = _run_cpu(fused, directory, stem), _run_cpu(requantized, directory, stem)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # the level changes the numbers (int8 activations): the check above is not comparing two equal models
+    plain = _run_cpu(rewrite.rewrite_model(quantized)[0], directory, stem)
+    assert any(not np.array_equal(a, b) for a, b in zip(ours, plain, strict=True))
+    # optimize sets it in its last pass
+    _, optimized = optimize_model(quantized, int4_accuracy_level=4)
+    assert optimized.rewrite.accuracy_level_set == len(products) and optimized.rewrite.hints == []
+
+
+def test_int4_accuracy_level_alone_still_writes_the_model_and_refuses_bad_levels() -> None:
+    """A model with nothing to fuse but 4-bit products is returned with the level set (not the unchanged copy a
+    rewrite that fused nothing returns); a level MatMulNBits does not have is a ValueError naming the levels."""
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.integers(0, 255, (8, 2, 16), dtype=np.uint8), "B"),
+        numpy_helper.from_array(np.full(16, 0.1, np.float32), "S"),
+    ]
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"], ["Y"], domain="com.microsoft", K=64, N=8, bits=4,
+                            block_size=32)  # fmt: skip
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, [1, 8])], initializer=weights,
+    )  # fmt: skip
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    )
+    out, report = rewrite.rewrite_model(model, int4_accuracy_level=4)
+    assert report.fused == 0 and report.accuracy_level_set == 1
+    assert helper.get_node_attr_value(out.graph.node[0], "accuracy_level") == 4
+    assert not any(a.name == "accuracy_level" for a in model.graph.node[0].attribute)  # the input untouched
+    with pytest.raises(ValueError, match=r"int4_accuracy_level is 7; MatMulNBits takes \[0, 1, 2, 3, 4\]"):
+        rewrite.rewrite_model(model, int4_accuracy_level=7)
+
+
+def test_optimize_with_int4_accuracy_level_verifies_against_the_original_at_that_level(tmp_path, capsys) -> None:
+    """``mambafuse optimize --int4-accuracy-level 4 --verify`` on a model quantized at the default level: the level is
+    set and --verify compares with the original run at the same level (the fusions' check, which the precision the
+    user asked for would otherwise fail), so the output is kept. ``genai --config-only`` refuses the option."""
+    from fusion import cli
+
+    source = tmp_path / "int4.onnx"
+    onnx.save(_quantized(TF525_FIXTURE_DIR, "zamba2-dynamo-fp32-decode", 4, "QOperator"), source)
+    before = source.read_bytes()
+    status = cli.main(["optimize", str(source), str(tmp_path / "out.onnx"), "--int4-accuracy-level", "4", "--verify"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert (
+        "int4 accuracy_level 4 set on 16 MatMulNBits" in out
+        and "verified against the original at the same level" in out
+    )
+    assert "hint:" not in out and (tmp_path / "out.onnx").is_file() and source.read_bytes() == before
+    written = onnx.load(tmp_path / "out.onnx")
+    levels = {
+        onnx.helper.get_node_attr_value(n, "accuracy_level") for n in written.graph.node if n.op_type == "MatMulNBits"
+    }
+    assert levels == {4}
+    status = cli.main(["genai", str(tmp_path), str(tmp_path / "folder"), "--config-only", "--int4-accuracy-level", "4"])
+    err = capsys.readouterr().err
+    assert status == 2 and "--config-only: not allowed with --int4-accuracy-level" in err
