@@ -371,7 +371,7 @@ def _report_fusion(model: ir.Model, fusion: Fusion, log: FusionLog, fused: int, 
 
     The gated norm's results are the report's top-level fields (per-form counts, fused, refused: its historical
     summary); every other op's go to ``report.decode[op_type]``, listed when the model has its chains (or layers a
-    builder already runs as ORT's contrib op, ``Fusion.builder_op``: counted apart, not as found).
+    builder already runs as ORT's contrib op or ONNX's own, ``Fusion.builder_ops``: counted apart, not as found).
     """
     fused_chains = [{"location": r.location, "form": r.form, **r.attributes} for r in log.chains.values() if r.fused]
     refused, forms = [], [chain["form"] for chain in fused_chains]
@@ -430,21 +430,23 @@ def attach_function(model: ir.Model, onnx_opset: int | None = None) -> None:
 
 
 def _builder_fused(graph: ir.Graph, fusion: Fusion) -> dict[str, int]:
-    """Return ``{"domain::type": count}`` of the builder's contrib-op nodes that do ``fusion``'s step."""
-    if fusion.builder_op is None:
-        return {}
-    domain, contrib, attributes = fusion.builder_op
-    count = sum(
-        1
-        for node in ir.traversal.RecursiveGraphIterator(graph)
-        if node.domain == domain
-        and node.op_type == contrib
-        and all(
-            node.attributes.get(name) is not None and node.attributes[name].value == value
-            for name, value in attributes.items()
+    """Return ``{"domain::type": count}`` of the builder's nodes that do ``fusion``'s step (``Fusion.builder_ops``;
+    ONNX's own ops as ``ai.onnx::type``)."""
+    counts: dict[str, int] = {}
+    for domain, op_type, attributes in fusion.builder_ops:
+        count = sum(
+            1
+            for node in ir.traversal.RecursiveGraphIterator(graph)
+            if node.domain == domain
+            and node.op_type == op_type
+            and all(
+                node.attributes.get(name) is not None and node.attributes[name].value == value
+                for name, value in attributes.items()
+            )
         )
-    )
-    return {f"{domain}::{contrib}": count} if count else {}
+        if count:
+            counts[f"{domain or 'ai.onnx'}::{op_type}"] = count
+    return counts
 
 
 # --- command line -----------------------------------------------------------------------------------

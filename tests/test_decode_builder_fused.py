@@ -65,3 +65,23 @@ def test_exported_chains_report_as_before() -> None:
     assert all(entry["builder_fused"] == {} for entry in report.decode.values())
     assert "conv updates found: 2 (ai.mambafuse::CausalConv1dUpdate), fused: 2, refused: 0" in report.summary()
     assert "already fused by the builder" not in report.summary()
+
+
+def test_onnx_standard_ops_are_counted_as_the_builders(build: onnx.ModelProto) -> None:
+    """The same build written with ONNX's own CausalConvWithState and LinearAttention (default domain, opset 27):
+    reported as already fused by the builder under their ai.onnx names, not as chains found."""
+    model = onnx.ModelProto()
+    model.CopyFrom(build)
+    for node in model.graph.node:
+        if node.domain == "com.microsoft" and node.op_type in ("CausalConvWithState", "LinearAttention"):
+            node.domain = ""
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx"):
+            opset.version = max(opset.version, 27)
+    layers = _count(build, "CausalConvWithState")
+    _, report = rewrite.rewrite_model(model)
+    for op, contrib in CONTRIB.items():
+        entry = report.decode[op]
+        assert (entry["found"], entry["fused"]) == (0, 0), entry
+        assert entry["builder_fused"] == {contrib.replace("com.microsoft", "ai.onnx"): layers}
+    assert f"already fused by the builder as ai.onnx::LinearAttention ({layers})" in report.summary()

@@ -82,9 +82,10 @@ class Fusion:
     options: tuple[str, ...] = ()
     #: other opset domains the function body imports (name -> version)
     function_domains: tuple[tuple[str, int], ...] = ()
-    #: ONNX Runtime's contrib op that builders (mobius) already run the op's step as: its domain, type and the
-    #: attributes it must have. Such a layer has no chain to fuse; the report counts it apart.
-    builder_op: tuple[str, str, dict[str, object]] | None = None
+    #: The ops that builders already run the op's step as (mobius: ONNX Runtime's contrib op; ONNX's own since opset
+    #: 27): each its domain, type and the attributes it must have. Such a layer has no chain to fuse; the report
+    #: counts it apart.
+    builder_ops: tuple[tuple[str, str, dict[str, object]], ...] = ()
     #: whether the fusion runs once after the others' rounds rather than in them: it replaces nodes (the weight
     #: MatMuls) that the other rules prove their chains' shapes through
     after_rounds: bool = False
@@ -114,7 +115,7 @@ CAUSAL_CONV1D_UPDATE = Fusion(
     make_function=conv_function.make_function,
     min_opset=conv_function.MIN_OPSET,
     function_domains=(("ai.onnx.ml", conv_function.ML_OPSET),),
-    builder_op=("com.microsoft", "CausalConvWithState", {}),
+    builder_ops=(("com.microsoft", "CausalConvWithState", {}), ("", "CausalConvWithState", {})),
 )
 SELECTIVE_STATE_UPDATE = Fusion(
     name="selective_state_update",
@@ -125,7 +126,10 @@ SELECTIVE_STATE_UPDATE = Fusion(
     find_anchors=state_rules.find_anchors,
     make_function=state_function.make_function,
     min_opset=state_function.MIN_OPSET,
-    builder_op=("com.microsoft", "LinearAttention", {"update_rule": "gated"}),
+    builder_ops=(
+        ("com.microsoft", "LinearAttention", {"update_rule": "gated"}),
+        ("", "LinearAttention", {"update_rule": "gated"}),
+    ),
 )
 
 MAMBA_CHUNK_SCAN = Fusion(
