@@ -59,9 +59,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fusion.int4 import CPU_INT4_HINT_END
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
 from fusion.progress import progress, track
-from fusion.rewrite import CPU_INT4_HINT_END, Report, add_accuracy_level_argument, add_opt_in_argument, rewrite_model
+from fusion.rewrite import Report, add_accuracy_level_argument, add_opt_in_argument, rewrite_model
 
 CONFIG_NAME = "genai_config.json"
 
@@ -230,10 +231,11 @@ def fuse_folder(
             ) from None
     # The input model and its data files are replaced by the fused model and its own data file.
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
+    on_cpu = cpu_folder(config)
     if opt_in is None:
-        opt_in = CPU_FOLDER_OPT_IN if cpu_folder(config) else ()
+        opt_in = CPU_FOLDER_OPT_IN if on_cpu else ()
     fused, report = rewrite_model(model, function=function, opt_in=opt_in, int4_accuracy_level=int4_accuracy_level)
-    if not cpu_folder(config):  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
+    if not on_cpu:  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
         report.hints = [hint for hint in report.hints if not hint.endswith(CPU_INT4_HINT_END)]
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))

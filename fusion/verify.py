@@ -84,18 +84,15 @@ def _holds_unfunctioned_fused_nodes(model: onnx.ModelProto) -> bool:
 
 
 def _at_accuracy_level(model: onnx.ModelProto, level: int) -> onnx.ModelProto:
-    """A copy of ``model`` (its external data still external) with accuracy_level ``level`` on every 4-bit
-    MatMulNBits."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    for node in copy.graph.node:
-        bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
-        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or bits != 4:
-            continue
-        kept = [a for a in node.attribute if a.name != "accuracy_level"]
-        del node.attribute[:]
-        node.attribute.extend([*kept, onnx.helper.make_attribute("accuracy_level", level)])
-    return copy
+    """``model`` (its external data still external) with accuracy_level ``level`` on every 4-bit weight product, as
+    ``--int4-accuracy-level`` sets it (``fusion.int4.set_int4_accuracy_level``)."""
+    import onnx_ir as ir
+
+    from fusion.int4 import set_int4_accuracy_level
+
+    leveled = ir.from_proto(model)
+    set_int4_accuracy_level(leveled, level)
+    return ir.to_proto(leveled)
 
 
 def _external_data_options(original: Path) -> Any:
