@@ -634,6 +634,7 @@ KERNEL_FAMILIES = (
             "DecodeMatMul",
             "MatMulNBits",
             "MatMulFloatInt4",
+            "MatMulFloat4Bits",
             "Dequantize",
             "xmma",
             "cutlass",
