@@ -131,7 +131,7 @@ def mobius_mixer(
     if scale is not None:
         attributes["scale"] = scale
     if extra_attribute:
-        attributes["chunk_size"] = 64
+        attributes["state_window"] = 2
     node_attributes = attributes | (overrides or {})
     inputs = ["q", "k", "v", "past_state", "decay"] + (["beta"] if beta else [])
     nodes.append(oh.make_node("LinearAttention", inputs, ["o", "present_state"], domain=domain, **node_attributes))
@@ -314,13 +314,15 @@ def test_the_mobius_form_fuses_within_the_budget(
         assert ok, f"{label}: {summary}"
 
 
+@pytest.mark.parametrize("domain", ["", "com.microsoft"], ids=["onnx", "ort"])
 @pytest.mark.parametrize("chunk_size", [16, 64])
 @pytest.mark.parametrize("use_library", [True, False])
-def test_the_standard_ops_chunk_size_changes_nothing(chunk_size: int, use_library: bool, library: str) -> None:
-    """ONNX's ``chunk_size`` is "a tuning hint; does not affect output correctness": fused whatever its value, and
-    the fused model (the library's kernel or the function) gives the same outputs as without it."""
-    plain = mobius_mixer(domain="")
-    model = mobius_mixer(domain="", attributes={"chunk_size": chunk_size})
+def test_chunk_size_changes_nothing(domain: str, chunk_size: int, use_library: bool, library: str) -> None:
+    """``chunk_size`` is "a tuning hint; does not affect output correctness" (ONNX's and ORT's schemas): fused
+    whatever its value, and the fused model (the library's kernel or the function) gives the same outputs as without
+    it."""
+    plain = mobius_mixer(domain=domain)
+    model = mobius_mixer(domain=domain, attributes={"chunk_size": chunk_size})
     feeds = mixer_feeds(model, batch=2, length=70, seed=chunk_size)
     outputs = []
     for candidate in (plain, model):
@@ -377,7 +379,7 @@ def test_a_prompt_in_pieces_carries_the_state(library: str) -> None:
         (dict(clip_min=-0.5), "Clip limit -0.5 is not a constant >= 0"),
         (dict(repeat="interleaved"), "not its groups repeated to the heads"),
         (dict(beta=True), "beta input"),
-        (dict(extra_attribute=True), "attributes the proof does not read: ['chunk_size']"),
+        (dict(extra_attribute=True), "attributes the proof does not read: ['state_window']"),
     ],
 )
 def test_a_different_computation_is_refused(change: dict, reason: str) -> None:

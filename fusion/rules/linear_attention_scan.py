@@ -32,11 +32,11 @@ for a prompt-heavy CPU workload that opts in (on a GPU it is not measured agains
 ONNX's own ``LinearAttention`` (the default domain, added at opset 27) has ORT's inputs, packed (B, T, H D) layout,
 (B, H_kv, d_k, d_v) = (B, H, N, P) state, recurrences and attribute defaults (``update_rule`` gated_delta, ``scale``
 0 meaning 1/sqrt(d_k), both heads required); it lacks ORT's ``state_window`` and says of ``chunk_size`` that it is
-a tuning hint that does not change the outputs. Its function body, which ONNX Runtime 1.32 runs on the CPU, is the
-gated recurrence above token by token in float32 (a Scan: exp(decay) times the state plus k v^T, then scale q^T S,
-cast back to q's and the state's types). The rule proves the same graph around it where the model's opset defines
-the op's version 27 (a model at an opset the installed onnx does not know is refused), and also lets it carry
-``chunk_size``.
+a tuning hint that does not change the outputs (as ORT's own schema says of its op's). Its function body, which ONNX
+Runtime 1.32 runs on the CPU, is the gated recurrence above token by token in float32 (a Scan: exp(decay) times the
+state plus k v^T, then scale q^T S, cast back to q's and the state's types). The rule proves the same graph around
+it where the model's opset defines the op's version 27 (a model at an opset the installed onnx does not know is
+refused). Either spelling may carry ``chunk_size``.
 
 What the graph cannot show, the node checks at run time: x, d, B and C with the same batch and length (the graph's
 Mul would broadcast a length-1 x against a longer d; the kernel refuses that with an error naming the shapes).
@@ -72,12 +72,12 @@ BUILDER_DOMAIN = "com.microsoft"
 #: ONNX's own op (the default domain), and the opset that added it
 STANDARD_DOMAIN = ""
 STANDARD_SINCE = 27
-#: LinearAttention's attributes whose values the proof reads, per spelling; any other attribute (ORT's state
-#: window, another rule's parameters) is refused rather than guessed at. ONNX's op may also carry ``chunk_size``,
-#: which its specification calls a tuning hint that does not change the outputs: the scan computes the same
-#: recurrence whatever its value.
-_KNOWN_ATTRIBUTES = frozenset({"update_rule", "scale", "q_num_heads", "kv_num_heads"})
-_KNOWN_ATTRIBUTES_BY_DOMAIN = {BUILDER_DOMAIN: _KNOWN_ATTRIBUTES, STANDARD_DOMAIN: _KNOWN_ATTRIBUTES | {"chunk_size"}}
+#: LinearAttention's attributes whose values the proof reads, and ``chunk_size``, which both specifications (ONNX's
+#: and ONNX Runtime's) call a tuning hint that does not change the outputs: the scan computes the same recurrence
+#: whatever its value. Any other attribute (ORT's state window, another rule's parameters) is refused rather than
+#: guessed at.
+_KNOWN_ATTRIBUTES = frozenset({"update_rule", "scale", "q_num_heads", "kv_num_heads", "chunk_size"})
+_KNOWN_ATTRIBUTES_BY_DOMAIN = {BUILDER_DOMAIN: _KNOWN_ATTRIBUTES, STANDARD_DOMAIN: _KNOWN_ATTRIBUTES}
 
 
 @dataclasses.dataclass
