@@ -30,37 +30,39 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
+from onnx.external_data_helper import ExternalDataInfo
 
 MANIFEST = "weightless.json"
 _FLOAT_TYPES = {
     onnx.TensorProto.FLOAT: np.dtype(np.float32),
     onnx.TensorProto.FLOAT16: np.dtype(np.float16),
-    onnx.TensorProto.BFLOAT16: np.dtype(np.uint16),  # stored as the upper half of a float32
+    onnx.TensorProto.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
 }
 _CHUNK = 1 << 24  # elements generated at a time
-
-
-def _external(tensor: onnx.TensorProto) -> dict[str, str]:
-    return {entry.key: entry.value for entry in tensor.external_data}
 
 
 def _models(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.onnx"))
 
 
-def _as_float32(raw: np.ndarray, data_type: int) -> np.ndarray:
-    if data_type == onnx.TensorProto.BFLOAT16:
-        return (raw.astype(np.uint32) << 16).view(np.float32)
-    return raw.astype(np.float32)
+def _by_file(entries: list[dict]) -> dict[str, list[dict]]:
+    by_file: dict[str, list[dict]] = {}
+    for entry in entries:
+        by_file.setdefault(entry["file"], []).append(entry)
+    return by_file
 
 
-def _from_float32(values: np.ndarray, data_type: int) -> np.ndarray:
-    if data_type == onnx.TensorProto.BFLOAT16:
-        bits = values.astype(np.float32).view(np.uint32)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
-    return values.astype(_FLOAT_TYPES[data_type])
+def _kept(entries: list[dict], size: int) -> list[tuple[int, int]]:
+    """The (offset, length) ranges of a data file of ``size`` bytes that its left-out ``entries`` do not cover."""
+    kept, position = [], 0
+    for start, end in sorted((e["offset"], e["offset"] + e["length"]) for e in entries) + [(size, size)]:
+        if start > position:
+            kept.append((position, start - position))
+        position = max(position, end)
+    return kept
 
 
 def _left_out(folder: Path, min_bytes: int) -> list[dict]:
@@ -71,18 +73,17 @@ def _left_out(folder: Path, min_bytes: int) -> list[dict]:
         for tensor in model.graph.initializer:
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 continue
-            info = _external(tensor)
-            length = int(info.get("length", 0))
+            info = ExternalDataInfo(tensor)
+            length, offset = info.length or 0, info.offset or 0
             if length < min_bytes or tensor.data_type not in _FLOAT_TYPES:
                 continue
-            offset = int(info.get("offset", 0))
             dtype = _FLOAT_TYPES[tensor.data_type]
-            data = np.fromfile(folder / info["location"], dtype=dtype, count=length // dtype.itemsize, offset=offset)
-            values = _as_float32(data, tensor.data_type)
+            data = np.fromfile(folder / info.location, dtype=dtype, count=length // dtype.itemsize, offset=offset)
+            values = data.astype(np.float32)
             entries.append(
                 {
                     "name": tensor.name,
-                    "file": info["location"],
+                    "file": info.location,
                     "offset": offset,
                     "length": length,
                     "data_type": int(tensor.data_type),
@@ -100,9 +101,7 @@ def pack(folder: Path, archive: Path, min_bytes: int = 1 << 20) -> dict:
     if not _models(folder):
         raise ValueError(f"{folder}: no .onnx model in the folder")
     left_out = _left_out(folder, min_bytes)
-    by_file: dict[str, list[dict]] = {}
-    for entry in left_out:
-        by_file.setdefault(entry["file"], []).append(entry)
+    by_file = _by_file(left_out)
     sizes = {name: (folder / name).stat().st_size for name in by_file}
     manifest = {"left_out": left_out, "sizes": sizes}
     archive.parent.mkdir(parents=True, exist_ok=True)
@@ -118,15 +117,11 @@ def pack(folder: Path, archive: Path, min_bytes: int = 1 << 20) -> dict:
                     tar.add(path, arcname=name)
                     continue
                 # The data file as the ranges that stay, end to end (the manifest's sizes and offsets rebuild it).
-                ranges = sorted((e["offset"], e["offset"] + e["length"]) for e in by_file[name])
                 kept = io.BytesIO()
                 with path.open("rb") as source:
-                    position = 0
-                    for start, end in [*ranges, (sizes[name], sizes[name])]:
-                        if start > position:
-                            source.seek(position)
-                            kept.write(source.read(start - position))
-                        position = max(position, end)
+                    for offset, length in _kept(by_file[name], sizes[name]):
+                        source.seek(offset)
+                        kept.write(source.read(length))
                 info = tarfile.TarInfo(name + ".kept")
                 info.size = kept.tell()
                 kept.seek(0)
@@ -169,21 +164,14 @@ def _fill(archive: Path, scratch: Path) -> None:
     with tarfile.open(archive, "r:xz") as tar:
         tar.extractall(scratch, filter="data")
     manifest = json.loads((scratch / MANIFEST).read_text())
-    by_file: dict[str, list[dict]] = {}
-    for entry in manifest["left_out"]:
-        by_file.setdefault(entry["file"], []).append(entry)
-    for name, entries in by_file.items():
+    for name, entries in _by_file(manifest["left_out"]).items():
         size = manifest["sizes"][name]
         kept_path = scratch / (name + ".kept")
-        ranges = sorted((e["offset"], e["offset"] + e["length"]) for e in entries)
         with kept_path.open("rb") as kept, (scratch / name).open("wb") as out:
             out.truncate(size)
-            position = 0
-            for start, end in [*ranges, (size, size)]:
-                if start > position:
-                    out.seek(position)
-                    out.write(kept.read(start - position))
-                position = max(position, end)
+            for offset, length in _kept(entries, size):
+                out.seek(offset)
+                out.write(kept.read(length))
             for entry in entries:
                 dtype = _FLOAT_TYPES[entry["data_type"]]
                 count = entry["length"] // dtype.itemsize
@@ -192,7 +180,7 @@ def _fill(archive: Path, scratch: Path) -> None:
                 for start in range(0, count, _CHUNK):
                     values = rng.standard_normal(min(_CHUNK, count - start), dtype=np.float32)
                     values = values * np.float32(entry["std"]) + np.float32(entry["mean"])
-                    out.write(_from_float32(values, entry["data_type"]).tobytes())
+                    out.write(values.astype(dtype).tobytes())
         kept_path.unlink()
     (scratch / MANIFEST).unlink()
 

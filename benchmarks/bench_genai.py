@@ -127,9 +127,10 @@ def _folders(source: Path, work: Path, threads: int, accuracy_level: int = 0) ->
 
 def _provider(folder: Path) -> str:
     """The execution provider the folder's genai config names (``cpu`` where it names none)."""
-    options = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"].get("session_options", {})
-    names = [name for entry in options.get("provider_options", []) for name in entry]
-    return names[0] if names else "cpu"
+    config = json.loads((folder / "genai_config.json").read_text())
+    if fusion_genai.cpu_folder(config):
+        return "cpu"
+    return next(iter(config["model"]["decoder"]["session_options"]["provider_options"][0]))
 
 
 def _device(providers: set[str]) -> str:
