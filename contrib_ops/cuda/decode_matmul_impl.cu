@@ -29,6 +29,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "decode_matmul_launcher.h"
@@ -249,7 +251,13 @@ constexpr int kNBitsWarps = 8;
 constexpr int kNBitsThreads = kNBitsWarps * 32;
 constexpr int kNBitsRows = 16;     // output columns n of a block (the mma's M dimension)
 constexpr int kStepK = 128;        // k of one warp step: 4 threads x 32 nibbles
-constexpr int kNBitsUnroll = 4;    // warp steps whose loads are in flight together
+#ifndef MAMBAFUSE_NBITS_UNROLL
+#define MAMBAFUSE_NBITS_UNROLL 4
+#endif
+#ifndef MAMBAFUSE_NBITS_MIN_BLOCKS
+#define MAMBAFUSE_NBITS_MIN_BLOCKS 1
+#endif
+constexpr int kNBitsUnroll = MAMBAFUSE_NBITS_UNROLL;  // warp steps whose loads are in flight together
 
 struct NBitsParams {
   const void* a;
@@ -263,7 +271,13 @@ struct NBitsParams {
   int row_bytes;    // blocks * block_size / 2
   int zp_row_bytes;
   int group_warps;  // warps that split K for one group of 16 rows (8, 4, 2 or 1); a block holds 8 / group_warps groups
+  int contiguous;   // 1: each warp of a group takes one contiguous range of steps; 0: steps kslot, kslot + warps, ...
+  int prefetch;     // contiguous only: the steps ahead of its loads that a warp asks L2 to fetch (0: none)
 };
+
+__device__ __forceinline__ void PrefetchL2(const void* address) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
+}
 
 template <typename T>
 struct HalfTraits;
@@ -378,7 +392,7 @@ __device__ __forceinline__ void DequantWord(uint32_t word, typename HalfTraits<T
 }
 
 template <typename T, bool kHasZp, bool kVec16, bool kAVec>
-__global__ void __launch_bounds__(kNBitsThreads) Int4GemvMmaKernel(NBitsParams p) {
+__global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int4GemvMmaKernel(NBitsParams p) {
   __shared__ float warp_sums[kNBitsWarps][32][4];
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -396,17 +410,42 @@ __global__ void __launch_bounds__(kNBitsThreads) Int4GemvMmaKernel(NBitsParams p
 
   using Pair = typename HalfTraits<T>::Pair;
   const bool two_blocks = p.block_shift == 4;  // block_size 16: a piece's words 0-1 and 2-3 are two blocks
+  // The warp's steps: begin, begin + stride, ... below end (a contiguous range, or every group_warps-th step).
+  const int per_warp = (steps + p.group_warps - 1) / p.group_warps;
+  const int begin = p.contiguous ? kslot * per_warp : kslot;
+  const int end = p.contiguous ? min(steps, begin + per_warp) : steps;
+  const int stride = p.contiguous ? 1 : p.group_warps;
+  // L2 prefetch (contiguous ranges): two lanes a row, each every other 128-byte line of the warp's next steps, and
+  // the lines of that row's scales (and zero points) where those steps' blocks start.
+  const bool prefetch = p.contiguous && p.prefetch > 0 && (t < 2 ? lo_in : hi_in);
+  const uint8_t* prefetch_row = t < 2 ? b_lo : b_hi;
+  const int prefetch_n = t < 2 ? row_lo : row_hi;
+  const int end_byte = min(end * (kStepK / 2), p.row_bytes);
+  auto prefetch_steps = [&](int from, int count) {  // the lines of steps [from, from + count)
+    const int first_byte = from * (kStepK / 2), last_byte = min(end_byte, (from + count) * (kStepK / 2));
+    for (int byte = (first_byte & ~127) + 128 * (t & 1); byte < last_byte; byte += 256) PrefetchL2(prefetch_row + byte);
+    if (first_byte < last_byte) {
+      const int blk = (first_byte * 2) >> p.block_shift;
+      if ((t & 1) == 0) {
+        PrefetchL2(static_cast<const T*>(p.scales) + static_cast<int64_t>(prefetch_n) * p.blocks + blk);
+      } else if (kHasZp) {
+        PrefetchL2(p.zero_points + static_cast<int64_t>(prefetch_n) * p.zp_row_bytes + (blk >> 1));
+      }
+    }
+  };
+  if (prefetch) prefetch_steps(begin, p.prefetch);
   float d[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int first = kslot; first < steps; first += p.group_warps * kNBitsUnroll) {
+  for (int first = begin; first < end; first += stride * kNBitsUnroll) {
+    if (prefetch) prefetch_steps(first + p.prefetch, kNBitsUnroll);
     // Every load of the batch first: the weights' 16-byte pieces and their blocks' scales and zero points.
     uint4 w_lo[kNBitsUnroll], w_hi[kNBitsUnroll];
     Pair s_lo[kNBitsUnroll][2], z_lo[kNBitsUnroll][2], s_hi[kNBitsUnroll][2], z_hi[kNBitsUnroll][2];
 #pragma unroll
     for (int u = 0; u < kNBitsUnroll; ++u) {
-      const int step = first + p.group_warps * u;
+      const int step = first + stride * u;
       const int kk = step * kStepK + 32 * t;  // this thread's 32 k
       const int byte_offset = kk / 2;
-      const bool step_in = step < steps;
+      const bool step_in = step < end;
       w_lo[u] = step_in && lo_in ? LoadPiece<kVec16>(b_lo, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
       w_hi[u] = step_in && hi_in ? LoadPiece<kVec16>(b_hi, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
       const int blk0 = step_in ? kk >> p.block_shift : p.blocks;  // out of range: a zero scale
@@ -421,8 +460,8 @@ __global__ void __launch_bounds__(kNBitsThreads) Int4GemvMmaKernel(NBitsParams p
     }
 #pragma unroll
     for (int u = 0; u < kNBitsUnroll; ++u) {
-      const int step = first + p.group_warps * u;
-      if (step >= steps) break;
+      const int step = first + stride * u;
+      if (step >= end) break;
       const int kk = step * kStepK + 32 * t;
       const uint32_t lo_words[4] = {w_lo[u].x, w_lo[u].y, w_lo[u].z, w_lo[u].w};
       const uint32_t hi_words[4] = {w_hi[u].x, w_hi[u].y, w_hi[u].z, w_hi[u].w};
@@ -536,14 +575,51 @@ cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The resident blocks of the int4 kernel on the device (its occupancy times the multiprocessors).
+template <typename T>
+int64_t MmaSlots() {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Int4GemvMmaKernel<T, true, true, true>, kNBitsThreads,
+                                                    0) != cudaSuccess ||
+      per_sm < 1) {
+    per_sm = 1;
+  }
+  return static_cast<int64_t>(MultiprocessorCount()) * per_sm;
+}
+
 template <typename T>
 cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
-  // Fewer warps per group of 16 rows (longer K loops, fewer block ends) while the grid still holds about two
-  // waves of 16 warps per multiprocessor.
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
-  const int64_t enough = static_cast<int64_t>(MultiprocessorCount()) * 16 * 2;
+  const char* grid_mode = std::getenv("MAMBAFUSE_NBITS_GRID");  // read per launch: benchmarks switch it in-process
   p.group_warps = kNBitsWarps;
-  while (p.group_warps > 1 && groups * (p.group_warps / 2) >= enough) p.group_warps /= 2;
+  if (grid_mode != nullptr && std::strcmp(grid_mode, "waves") == 0) {
+    // The split with the least estimated time: waves of resident blocks times each warp's batches of steps plus
+    // about one batch of fixed cost (the first loads' latency, the reduction).
+    const int64_t slots = MmaSlots<T>();
+    const int64_t steps = ((int64_t{p.blocks} << p.block_shift) + kStepK - 1) / kStepK;
+    double best = 0.0;
+    for (int warps = kNBitsWarps; warps >= 1; warps /= 2) {
+      const int64_t blocks = (groups + kNBitsWarps / warps - 1) / (kNBitsWarps / warps);
+      const int64_t waves = (blocks + slots - 1) / slots;
+      const int64_t batches = ((steps + warps - 1) / warps + kNBitsUnroll - 1) / kNBitsUnroll;
+      const double fill = std::min(1.0, static_cast<double>(blocks) / static_cast<double>(slots));
+      const double cost = static_cast<double>(waves) * (static_cast<double>(batches) + 1.0) / fill;
+      if (warps == kNBitsWarps || cost < best) best = cost, p.group_warps = warps;
+    }
+  } else {
+    // Fewer warps per group of 16 rows (longer K loops, fewer block ends) while the grid still holds about two
+    // waves of 16 warps per multiprocessor.
+    const int64_t enough = static_cast<int64_t>(MultiprocessorCount()) * 16 * 2;
+    while (p.group_warps > 1 && groups * (p.group_warps / 2) >= enough) p.group_warps /= 2;
+  }
+  if (const char* forced = std::getenv("MAMBAFUSE_NBITS_GROUP_WARPS")) {
+    const int warps = std::atoi(forced);
+    if (warps == 1 || warps == 2 || warps == 4 || warps == 8) p.group_warps = warps;
+  }
+  const char* order = std::getenv("MAMBAFUSE_NBITS_ORDER");
+  p.contiguous = order != nullptr && std::strcmp(order, "contiguous") == 0 ? 1 : 0;
+  p.prefetch = 0;
+  if (const char* ahead = std::getenv("MAMBAFUSE_NBITS_PREFETCH")) p.prefetch = std::max(0, std::atoi(ahead));
   const bool vec16 = p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0;
   const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
   const bool zp = p.zero_points != nullptr;
