@@ -10,6 +10,12 @@ f32 and f16), each as four genai folders, in one process:
   symmetric, every MatMul with a constant weight; ``--accuracy-level``, default 0 as the quantizer's: 4 has the CPU
   round A to int8 per block, 2-3x faster per projection) wrote the folder's model.
 
+``--target cuda`` takes the fixtures' cuda-target genai builds instead (f32 and f16, mobius' default graph); run it
+where onnxruntime-genai-cuda is installed, with ``MAMBAFUSE_LIBRARY`` naming the CUDA build of the library. There
+the unfused Nemotron-H folders compute wrong values: ONNX Runtime's CUDA ``RMSNormalization`` scales every group of
+their grouped norm by the first group's weights (benchmarks/RESULTS.md, "the tiny builds and genai-cuda"), which
+the fused ``GatedGroupRMSNorm`` does not, so their tokens are expected to differ.
+
 ``--folder PATH`` (repeatable) measures those genai build folders instead of the fixtures (mobius builds with
 ``--runtime ort-genai``, e.g. the real-width model of ``benchmarks/_genai_real_width.py``), as the same four
 variants; ``--work DIR`` keeps the variant folders there and reuses them in a later run (quantizing a real-width
@@ -26,7 +32,7 @@ In mobius builds ONNX Runtime's own contrib ops already run the decode step (``C
 is most of the time, and at real width, where streaming the projection weights is.
 
     python -m benchmarks.bench_genai [--rounds 7] [--warmup 2] [--new 32] [--only REGEX] [--markdown OUT.md]
-        [--folder PATH ...] [--work DIR] [--threads N] [--accuracy-level N]
+        [--folder PATH ...] [--work DIR] [--threads N] [--accuracy-level N] [--target cpu|cuda]
 """
 
 from __future__ import annotations
@@ -49,11 +55,14 @@ import onnxruntime as ort
 from fusion import genai as fusion_genai
 from models.mobius import extract_builds
 
-STEMS = [
-    f"{family}-{dtype}-default-cpu"
-    for family in ("nemotron_h-g4", "zamba2-g2", "mamba2-g4")
-    for dtype in ("f32", "f16")
-]
+STEMS = {
+    target: [
+        f"{family}-{dtype}-default-{target}"
+        for family in ("nemotron_h-g4", "zamba2-g2", "mamba2-g4")
+        for dtype in ("f32", "f16")
+    ]
+    for target in ("cpu", "cuda")
+}
 PROMPT = "the red door was on the west side of the old house by the river"
 VARIANTS = ("unfused", "fused", "int4 unfused", "int4 fused")
 
@@ -116,6 +125,34 @@ def _folders(source: Path, work: Path, threads: int, accuracy_level: int = 0) ->
     return folders
 
 
+def _provider(folder: Path) -> str:
+    """The execution provider the folder's genai config names (``cpu`` where it names none)."""
+    options = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"].get("session_options", {})
+    names = [name for entry in options.get("provider_options", []) for name in entry]
+    return names[0] if names else "cpu"
+
+
+def _device(providers: set[str]) -> str:
+    """The providers measured, with the GPU's name where CUDA is one of them."""
+    text = ", ".join(sorted(providers)) or "cpu"
+    if "cuda" in providers:
+        with contextlib.suppress(Exception):
+            import subprocess
+
+            name = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                .stdout.strip()
+                .splitlines()[0]
+            )
+            text += f" ({name})"
+    return text.replace("cpu", "CPU").replace("cuda", "CUDA")
+
+
 def _generate(model, tokenizer_prompt: np.ndarray, new: int) -> tuple[list[int], float, float]:
     import onnxruntime_genai as og
 
@@ -161,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--accuracy-level", type=int, default=0, choices=(0, 1, 2, 3, 4), help="the int4 MatMulNBits' (default 0)"
     )
+    parser.add_argument("--target", choices=("cpu", "cuda"), default="cpu", help="the fixtures' builds for (cpu)")
     args = parser.parse_args(argv)
+    providers: set[str] = set()
     rows = [
         "| build | variant | time to first token, ms | tokens/s | vs unfused (TTFT / tokens/s) | tokens = unfused |",
         "|---|---|---|---|---|---|",
@@ -172,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
             sources = {folder.resolve().name: folder for folder in args.folder}
         else:
             builds = extract_builds(Path(scratch) / "builds")
-            sources = {stem: builds / stem for stem in STEMS}
+            sources = {stem: builds / stem for stem in STEMS[args.target]}
         for stem, source in sources.items():
             if args.only and not re.search(args.only, stem):
                 continue
             folders = _folders(source, work / stem, args.threads, args.accuracy_level)
+            providers.add(_provider(folders["unfused"]))
             models = {variant: og.Model(str(folder)) for variant, folder in folders.items()}
             prompt = np.asarray(og.Tokenizer(models["unfused"]).encode(PROMPT), dtype=np.int32)[None, :]
             ttft: dict[str, list[float]] = {v: [] for v in VARIANTS}
@@ -203,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             del models
     environment = (
         f"onnxruntime-genai {og.__version__}, onnxruntime {ort.__version__}, "
-        f"{platform.processor() or platform.machine()}, CPU, {args.threads} intra-op thread"
+        f"{platform.processor() or platform.machine()}, {_device(providers)}, {args.threads} intra-op thread"
         f"{'s' if args.threads > 1 else ''}; int4 at accuracy_level {args.accuracy_level}; prompt of "
         f"{prompt.shape[1]} tokens, {args.new} new; "
         f"median (min–max) of {args.rounds} rounds after {args.warmup}"

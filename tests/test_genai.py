@@ -391,6 +391,20 @@ def test_int4_folder_with_the_weight_products_generates_the_same(builds: Path, t
     np.testing.assert_array_equal(gemv_logits, logits)
 
 
+def test_the_genai_bench_measures_genai_builds_of_its_target(builds: Path) -> None:
+    """bench_genai's ``--target`` lists: for that target, a genai build of each family in f32 and f16, each a
+    folder whose config names that provider (``cpu`` where it names none)."""
+    from benchmarks.bench_genai import STEMS, _provider
+
+    for target in ("cpu", "cuda"):
+        records = [RECORDS[stem] for stem in STEMS[target]]
+        assert all(r["runtime"] == "ort-genai" and r["target"] == target and "error" not in r for r in records)
+        assert {(r["family"], r["dtype"]) for r in records} == {
+            (family, dtype) for family in ("nemotron_h", "zamba2", "mamba2") for dtype in ("f32", "f16")
+        }
+        assert {_provider(builds / stem) for stem in STEMS[target]} == {target}
+
+
 def test_the_int4_accuracy_hint_follows_the_folders_provider(builds: Path, tmp_path: Path) -> None:
     """An int4 CPU folder quantized at the quantizer's default accuracy level gets the hint to requantize at level 4
     (ONNX Runtime's CPU int4 kernel is 2-3x faster there); at level 4 it does not, and neither does the same model
