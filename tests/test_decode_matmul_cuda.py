@@ -144,11 +144,18 @@ def test_nbits(t, m, k, n, block_size, zero_points):
 
 
 #: The int4 GEMV's launch knobs (docs/decode_matmul.md, Kernels): warps a group of 16 columns splits K over, the
-#: steps' order (contiguous ranges or interleaved) and the L2 prefetch distance of contiguous ranges.
+#: steps' order (contiguous ranges or interleaved), the L2 prefetch distance of contiguous ranges, and the kernel
+#: that loads the next batch before the current one's products (pipelined) or after.
 LAUNCH_POLICIES = [
-    {"MAMBAFUSE_NBITS_GROUP_WARPS": str(warps), "MAMBAFUSE_NBITS_ORDER": order, "MAMBAFUSE_NBITS_PREFETCH": str(ahead)}
+    {
+        "MAMBAFUSE_NBITS_GROUP_WARPS": str(warps),
+        "MAMBAFUSE_NBITS_ORDER": order,
+        "MAMBAFUSE_NBITS_PREFETCH": str(ahead),
+        "MAMBAFUSE_NBITS_PIPELINE": pipeline,
+    }
     for warps in (1, 2, 4, 8)
     for order, ahead in (("interleaved", 0), ("contiguous", 0), ("contiguous", 16), ("contiguous", 3))
+    for pipeline in ("0", "1")
 ]
 
 

@@ -391,7 +391,7 @@ __device__ __forceinline__ void DequantWord(uint32_t word, typename HalfTraits<T
   }
 }
 
-template <typename T, bool kHasZp, bool kVec16, bool kAVec>
+template <typename T, bool kHasZp, bool kVec16, bool kAVec, bool kPipelined>
 __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int4GemvMmaKernel(NBitsParams p) {
   __shared__ float warp_sums[kNBitsWarps][32][4];
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -435,44 +435,48 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
   };
   if (prefetch) prefetch_steps(begin, p.prefetch);
   float d[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int first = begin; first < end; first += stride * kNBitsUnroll) {
-    if (prefetch) prefetch_steps(first + p.prefetch, kNBitsUnroll);
-    // Every load of the batch first: the weights' 16-byte pieces and their blocks' scales and zero points.
+  // One batch: the weights' 16-byte pieces of kNBitsUnroll steps and their blocks' scales and zero points.
+  struct Batch {
     uint4 w_lo[kNBitsUnroll], w_hi[kNBitsUnroll];
     Pair s_lo[kNBitsUnroll][2], z_lo[kNBitsUnroll][2], s_hi[kNBitsUnroll][2], z_hi[kNBitsUnroll][2];
+  };
+  const auto load_batch = [&](int first, Batch& batch) {
 #pragma unroll
     for (int u = 0; u < kNBitsUnroll; ++u) {
       const int step = first + stride * u;
       const int kk = step * kStepK + 32 * t;  // this thread's 32 k
       const int byte_offset = kk / 2;
       const bool step_in = step < end;
-      w_lo[u] = step_in && lo_in ? LoadPiece<kVec16>(b_lo, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
-      w_hi[u] = step_in && hi_in ? LoadPiece<kVec16>(b_hi, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
+      batch.w_lo[u] = step_in && lo_in ? LoadPiece<kVec16>(b_lo, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
+      batch.w_hi[u] = step_in && hi_in ? LoadPiece<kVec16>(b_hi, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
       const int blk0 = step_in ? kk >> p.block_shift : p.blocks;  // out of range: a zero scale
-      BlockConstants<T, kHasZp>(p, row_lo, blk0, s_lo[u][0], z_lo[u][0]);
-      BlockConstants<T, kHasZp>(p, row_hi, blk0, s_hi[u][0], z_hi[u][0]);
+      BlockConstants<T, kHasZp>(p, row_lo, blk0, batch.s_lo[u][0], batch.z_lo[u][0]);
+      BlockConstants<T, kHasZp>(p, row_hi, blk0, batch.s_hi[u][0], batch.z_hi[u][0]);
       if (two_blocks) {
-        BlockConstants<T, kHasZp>(p, row_lo, blk0 + 1, s_lo[u][1], z_lo[u][1]);
-        BlockConstants<T, kHasZp>(p, row_hi, blk0 + 1, s_hi[u][1], z_hi[u][1]);
+        BlockConstants<T, kHasZp>(p, row_lo, blk0 + 1, batch.s_lo[u][1], batch.z_lo[u][1]);
+        BlockConstants<T, kHasZp>(p, row_hi, blk0 + 1, batch.s_hi[u][1], batch.z_hi[u][1]);
       } else {
-        s_lo[u][1] = s_lo[u][0], z_lo[u][1] = z_lo[u][0], s_hi[u][1] = s_hi[u][0], z_hi[u][1] = z_hi[u][0];
+        batch.s_lo[u][1] = batch.s_lo[u][0], batch.z_lo[u][1] = batch.z_lo[u][0];
+        batch.s_hi[u][1] = batch.s_hi[u][0], batch.z_hi[u][1] = batch.z_hi[u][0];
       }
     }
+  };
+  const auto compute_batch = [&](int first, const Batch& batch) {
 #pragma unroll
     for (int u = 0; u < kNBitsUnroll; ++u) {
       const int step = first + stride * u;
       if (step >= end) break;
       const int kk = step * kStepK + 32 * t;
-      const uint32_t lo_words[4] = {w_lo[u].x, w_lo[u].y, w_lo[u].z, w_lo[u].w};
-      const uint32_t hi_words[4] = {w_hi[u].x, w_hi[u].y, w_hi[u].z, w_hi[u].w};
+      const uint32_t lo_words[4] = {batch.w_lo[u].x, batch.w_lo[u].y, batch.w_lo[u].z, batch.w_lo[u].w};
+      const uint32_t hi_words[4] = {batch.w_hi[u].x, batch.w_hi[u].y, batch.w_hi[u].z, batch.w_hi[u].w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         // A's 8 values h0..h7 of this word (L1 / L2: A is small and every block reads it), in the nibble pairs'
         // order: (h0, h4), (h1, h5), then (h2, h6), (h3, h7).
         const uint4 av = a_in ? LoadA8<T, kAVec>(a_row, kk + 8 * i, p.k) : make_uint4(0, 0, 0, 0);
         uint32_t wl[4], wh[4];
-        DequantWord<T>(lo_words[i], s_lo[u][i / 2], z_lo[u][i / 2], wl);
-        DequantWord<T>(hi_words[i], s_hi[u][i / 2], z_hi[u][i / 2], wh);
+        DequantWord<T>(lo_words[i], batch.s_lo[u][i / 2], batch.z_lo[u][i / 2], wl);
+        DequantWord<T>(hi_words[i], batch.s_hi[u][i / 2], batch.z_hi[u][i / 2], wh);
         const uint32_t b04 = __byte_perm(av.x, av.z, 0x5410), b15 = __byte_perm(av.x, av.z, 0x7632);
         const uint32_t b26 = __byte_perm(av.y, av.w, 0x5410), b37 = __byte_perm(av.y, av.w, 0x7632);
         // The A operand's rows g, g + 8, k slots (2t, 2t + 1) and (2t + 8, 2t + 9).
@@ -480,6 +484,31 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
         Mma16816<T>(d, first_half, b04, b15);
         const uint32_t second_half[4] = {wl[2], wh[2], wl[3], wh[3]};
         Mma16816<T>(d, second_half, b26, b37);
+      }
+    }
+  };
+  // kPipelined: the next batch's loads are issued before this batch's products (two batches of registers), so a
+  // warp waits for memory once per range rather than once per batch.
+  Batch current;
+  if (begin < end) {
+    if (prefetch) prefetch_steps(begin + p.prefetch, kNBitsUnroll);
+    load_batch(begin, current);
+  }
+  for (int first = begin; first < end; first += stride * kNBitsUnroll) {
+    const int next = first + stride * kNBitsUnroll;
+    if constexpr (kPipelined) {
+      Batch ahead;
+      if (next < end) {
+        if (prefetch) prefetch_steps(next + p.prefetch, kNBitsUnroll);
+        load_batch(next, ahead);
+      }
+      compute_batch(first, current);
+      current = ahead;
+    } else {
+      compute_batch(first, current);
+      if (next < end) {
+        if (prefetch) prefetch_steps(next + p.prefetch, kNBitsUnroll);
+        load_batch(next, current);
       }
     }
   }
@@ -564,13 +593,17 @@ NBitsParams MakeNBitsParams(const DecodeMatMulNBitsArgs& args) {
 }
 
 template <typename T, bool kHasZp, bool kVec16>
-cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, cudaStream_t stream) {
+cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, bool pipelined, cudaStream_t stream) {
   const int rows_per_block = kNBitsRows * (kNBitsWarps / p.group_warps);
   const dim3 grid(static_cast<unsigned>((p.n + rows_per_block - 1) / rows_per_block));
-  if (a_vec) {
-    Int4GemvMmaKernel<T, kHasZp, kVec16, true><<<grid, kNBitsThreads, 0, stream>>>(p);
+  if (a_vec && pipelined) {
+    Int4GemvMmaKernel<T, kHasZp, kVec16, true, true><<<grid, kNBitsThreads, 0, stream>>>(p);
+  } else if (a_vec) {
+    Int4GemvMmaKernel<T, kHasZp, kVec16, true, false><<<grid, kNBitsThreads, 0, stream>>>(p);
+  } else if (pipelined) {
+    Int4GemvMmaKernel<T, kHasZp, kVec16, false, true><<<grid, kNBitsThreads, 0, stream>>>(p);
   } else {
-    Int4GemvMmaKernel<T, kHasZp, kVec16, false><<<grid, kNBitsThreads, 0, stream>>>(p);
+    Int4GemvMmaKernel<T, kHasZp, kVec16, false, false><<<grid, kNBitsThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -579,7 +612,7 @@ cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, cudaStream_t stream) {
 template <typename T>
 int64_t MmaSlots() {
   int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Int4GemvMmaKernel<T, true, true, true>, kNBitsThreads,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Int4GemvMmaKernel<T, true, true, true, false>, kNBitsThreads,
                                                     0) != cudaSuccess ||
       per_sm < 1) {
     per_sm = 1;
@@ -623,8 +656,14 @@ cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
   const bool vec16 = p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0;
   const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
   const bool zp = p.zero_points != nullptr;
-  if (zp) return vec16 ? LaunchMmaA<T, true, true>(p, a_vec, stream) : LaunchMmaA<T, true, false>(p, a_vec, stream);
-  return vec16 ? LaunchMmaA<T, false, true>(p, a_vec, stream) : LaunchMmaA<T, false, false>(p, a_vec, stream);
+  const char* pipeline = std::getenv("MAMBAFUSE_NBITS_PIPELINE");
+  const bool pipelined = pipeline != nullptr && std::strcmp(pipeline, "1") == 0;
+  if (zp) {
+    return vec16 ? LaunchMmaA<T, true, true>(p, a_vec, pipelined, stream)
+                 : LaunchMmaA<T, true, false>(p, a_vec, pipelined, stream);
+  }
+  return vec16 ? LaunchMmaA<T, false, true>(p, a_vec, pipelined, stream)
+               : LaunchMmaA<T, false, false>(p, a_vec, pipelined, stream);
 }
 
 template <int M>
