@@ -11,22 +11,28 @@
 // whose partial sums meet in distributed shared memory: rank r adds the S partials of its share of the columns in
 // rank order. One kernel, no workspace, the same sums in the same order on every call (deterministic).
 //
-// int4 (B: N rows of packed nibbles along K): a group of 16 output columns n has 8, 4, 2 or 1 warps splitting K
-// between them (fewer where N is wide enough to fill the GPU without the split; a block is 8 warps),
-// 128 k per warp step, so each thread loads 16 bytes (one 32-element block at block_size 32) of rows g and g + 8;
-// a warp issues 4 steps' weight, scale and zero-point loads before it computes.
+// int4 (B: N rows of packed nibbles along K): both kernels work on groups of 16 output columns n, 128 k per warp
+// step, each thread taking 16 bytes (one 32-element block at block_size 32) of rows g and g + 8.
+// - Bulk copies (SM 90, the default where every tile's rows are whole 16-byte pieces): a block walks its share of
+//   the groups tile by tile (16 rows by 4096 k and their scales), one warp asking the copy engine for each tile two
+//   tiles ahead (an mbarrier per stage counts the bytes in); the loops are shared-memory reads and arithmetic only.
+// - Register loads (other GPUs and layouts; MAMBAFUSE_NBITS_KERNEL=mma): 8, 4, 2 or 1 warps split a group's K, each
+//   issuing 4 steps' weight, scale and zero-point loads before it computes.
+// At M <= 8 the int4 GEMV is bound by instruction issue, not by memory, so the per-step arithmetic is kept lean.
 // Nibbles become T through the exponent trick (0x6400 | q is 1024 + q in float16, 0x4300 | q is 128 + q in
-// bfloat16), minus the zero point's (exact), times the scale (W rounded to T once); the products run on the tensor
-// cores (mma.m16n8k16, float32 accumulation) with the weight as the 16 x 16 operand and A's M <= 8 rows as the
-// 16 x 8 one. The order of k inside a step is free (it is a sum), so each thread's 4 k slots of a step are 4 of its
-// own 32 consecutive nibbles, and A's values are permuted in registers to match. A group's warps' sums meet in shared
-// memory in warp order. float32 A takes a scalar kernel (a warp per column, FMAs in float32).
+// bfloat16; float16's odd nibbles stay 4 bits up, 1024 + 16 q, taken down by one FMA), minus the zero point's
+// (exact), times the scale (W rounded to T once); the products run on the tensor cores (mma.m16n8k16, float32
+// accumulation) with the weight as the 16 x 16 operand and A's M <= 8 rows as the 16 x 8 one. The order of k inside
+// a step is free (it is a sum), so each thread's 4 k slots of a step are 4 of its own 32 consecutive nibbles, and
+// A's values are permuted in registers to match. A group's warps' sums meet in shared memory in warp order. float32
+// A takes a scalar kernel (a warp per column, FMAs in float32).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -378,20 +384,38 @@ __device__ __forceinline__ void BlockConstants(const NBitsParams& p, int row, in
   zero = Pair(z, z);
 }
 
+// (a & mask) | bits, one LOP3.
+__device__ __forceinline__ uint32_t MaskOr(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+  return r;
+}
+
 // The four pairs (k0, k4), (k1, k5), (k2, k6), (k3, k7) of one word's nibbles as W = (q - zp) * s rounded to T.
+// float16 leaves the odd nibbles 4 bits up, 1024 + 16 q, and takes q - zp from one FMA by 1/16 minus 64 + zp; every
+// step before the scale's product is exact, so W is the same as from (q - zp) * s.
 template <typename T>
 __device__ __forceinline__ void DequantWord(uint32_t word, typename HalfTraits<T>::Pair scale,
                                             typename HalfTraits<T>::Pair zero, uint32_t (&out)[4]) {
   using Pair = typename HalfTraits<T>::Pair;
+  constexpr uint32_t kMagic = HalfTraits<T>::kMagic;
+  if constexpr (std::is_same_v<T, __half>) {
+    const Pair zero16 = __hsub2(zero, __float2half2_rn(960.f));  // 64 + zp
+    const Pair sixteenth = __float2half2_rn(0.0625f);
+    const uint32_t high = word >> 8;
+    out[0] = AsBits(__hmul2(__hsub2(FromBits<Pair>(MaskOr(word, 0x000F000Fu, kMagic)), zero), scale));
+    out[1] = AsBits(__hmul2(__hfma2(FromBits<Pair>(MaskOr(word, 0x00F000F0u, kMagic)), sixteenth, __hneg2(zero16)), scale));
+    out[2] = AsBits(__hmul2(__hsub2(FromBits<Pair>(MaskOr(high, 0x000F000Fu, kMagic)), zero), scale));
+    out[3] = AsBits(__hmul2(__hfma2(FromBits<Pair>(MaskOr(high, 0x00F000F0u, kMagic)), sixteenth, __hneg2(zero16)), scale));
+  } else {  // bfloat16's 7 mantissa bits leave no room for 16 q: one shift a pair
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t biased = ((word >> (4 * j)) & 0x000F000Fu) | HalfTraits<T>::kMagic;
-    const Pair q = FromBits<Pair>(biased);
-    out[j] = AsBits(__hmul2(__hsub2(q, zero), scale));
+    for (int j = 0; j < 4; ++j) {
+      out[j] = AsBits(__hmul2(__hsub2(FromBits<Pair>(MaskOr(word >> (4 * j), 0x000F000Fu, kMagic)), zero), scale));
+    }
   }
 }
 
-template <typename T, bool kHasZp, bool kVec16, bool kAVec, bool kPipelined>
+template <typename T, bool kHasZp, bool kVec16, bool kAVec>
 __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int4GemvMmaKernel(NBitsParams p) {
   __shared__ float warp_sums[kNBitsWarps][32][4];
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -487,8 +511,6 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
       }
     }
   };
-  // kPipelined: the next batch's loads are issued before this batch's products (two batches of registers), so a
-  // warp waits for memory once per range rather than once per batch.
   Batch current;
   if (begin < end) {
     if (prefetch) prefetch_steps(begin + p.prefetch, kNBitsUnroll);
@@ -496,20 +518,10 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
   }
   for (int first = begin; first < end; first += stride * kNBitsUnroll) {
     const int next = first + stride * kNBitsUnroll;
-    if constexpr (kPipelined) {
-      Batch ahead;
-      if (next < end) {
-        if (prefetch) prefetch_steps(next + p.prefetch, kNBitsUnroll);
-        load_batch(next, ahead);
-      }
-      compute_batch(first, current);
-      current = ahead;
-    } else {
-      compute_batch(first, current);
-      if (next < end) {
-        if (prefetch) prefetch_steps(next + p.prefetch, kNBitsUnroll);
-        load_batch(next, current);
-      }
+    compute_batch(first, current);
+    if (next < end) {
+      if (prefetch) prefetch_steps(next + p.prefetch, kNBitsUnroll);
+      load_batch(next, current);
     }
   }
 
@@ -531,6 +543,220 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
       if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[j]);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// int4 GEMV, Hopper: bulk copies into a ring of shared-memory stages
+// ---------------------------------------------------------------------------------------------------------------
+//
+// A block owns a contiguous range of groups of 16 output columns and walks their tiles (16 rows of B times
+// kBulkChunkK k, with the rows' scales) in order. One warp asks the copy engine for each tile with one bulk copy per
+// row of weights and one per row of scales, kBulkStages tiles ahead, each stage's arrival counted by an mbarrier: the
+// bytes in flight cost no registers, so a warp's loop is shared-memory reads, the dequantisation and the mma only
+// (the same products as Int4GemvMmaKernel's). Where a group's last tile is done its 8 warps' sums meet in shared
+// memory in warp order. Needs SM 90, 16-byte aligned B and scales, and a multiple of 8 blocks a row (every tile a
+// whole number of 128-k steps, every copy a multiple of 16 bytes).
+
+#ifndef MAMBAFUSE_NBITS_BULK_CHUNK
+#define MAMBAFUSE_NBITS_BULK_CHUNK 4096
+#endif
+#ifndef MAMBAFUSE_NBITS_BULK_STAGES
+#define MAMBAFUSE_NBITS_BULK_STAGES 2
+#endif
+constexpr int kBulkChunkK = MAMBAFUSE_NBITS_BULK_CHUNK;  // k of a tile (a multiple of 128)
+constexpr int kBulkStages = MAMBAFUSE_NBITS_BULK_STAGES;
+constexpr int kBulkWarps = 8;
+constexpr int kBulkThreads = kBulkWarps * 32;
+// A stage's rows of weights start 64 bytes (16 banks) apart past a multiple of 128, so rows g and g + 1 of one
+// 16-byte read per thread land in different banks; the scales' rows 16 bytes apart past their largest size.
+constexpr int kBulkRowStride = kBulkChunkK / 2 + 64;
+constexpr int kBulkScaleStride = kBulkChunkK / 16 * 2 + 16;
+constexpr int kBulkStageBytes = kNBitsRows * (kBulkRowStride + kBulkScaleStride);
+constexpr int kBulkSumBytes = kBulkWarps * 32 * 4 * static_cast<int>(sizeof(float));
+constexpr int kBulkSharedBytes = kBulkStages * kBulkStageBytes + kBulkSumBytes + kBulkStages * 8;
+static_assert(kBulkChunkK % kStepK == 0, "a tile is whole steps");
+static_assert(kBulkRowStride % 16 == 0 && kBulkScaleStride % 16 == 0 && kBulkStageBytes % 16 == 0,
+              "bulk copies land on 16-byte boundaries");
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <typename T, bool kHasZp, bool kAVec>
+__global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* stages = smem;
+  float(*warp_sums)[32][4] = reinterpret_cast<float(*)[32][4]>(smem + kBulkStages * kBulkStageBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBulkStages * kBulkStageBytes + kBulkSumBytes);
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int k_pad = p.blocks << p.block_shift;
+  const int chunks = (k_pad + kBulkChunkK - 1) / kBulkChunkK;
+  const int groups = (p.n + kNBitsRows - 1) / kNBitsRows;
+  const int first_group = static_cast<int>(static_cast<int64_t>(groups) * blockIdx.x / gridDim.x);
+  const int last_group = static_cast<int>(static_cast<int64_t>(groups) * (blockIdx.x + 1) / gridDim.x);
+  const int tiles = (last_group - first_group) * chunks;
+  const int scale_bytes = static_cast<int>(sizeof(T));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBulkStages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(&full[s])));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // Warp 0 asks for tile j: lanes 0-15 copy the weights of rows 0-15, lanes 16-31 their scales.
+  const auto request = [&](int j) {
+    const int stage = j % kBulkStages;
+    const int group = first_group + j / chunks, chunk = j % chunks;
+    const int k0 = chunk * kBulkChunkK, chunk_k = min(kBulkChunkK, k_pad - k0);
+    const int rows = min(kNBitsRows, p.n - group * kNBitsRows);
+    const int w_bytes = chunk_k / 2, s_bytes = (chunk_k >> p.block_shift) * scale_bytes;
+    const uint32_t bar = SharedAddress(&full[stage]);
+    if (lane == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(rows * (w_bytes + s_bytes))
+                   : "memory");
+    }
+    __syncwarp();
+    const int r = lane % 16;
+    if (r < rows) {
+      const int64_t row = static_cast<int64_t>(group) * kNBitsRows + r;
+      uint8_t* stage_base = stages + stage * kBulkStageBytes;
+      const void* src;
+      uint32_t dst, bytes;
+      if (lane < 16) {
+        src = p.b + row * p.row_bytes + k0 / 2;
+        dst = SharedAddress(stage_base + r * kBulkRowStride), bytes = w_bytes;
+      } else {
+        src = static_cast<const uint8_t*>(p.scales) + (row * p.blocks + (k0 >> p.block_shift)) * scale_bytes;
+        dst = SharedAddress(stage_base + kNBitsRows * kBulkRowStride + r * kBulkScaleStride), bytes = s_bytes;
+      }
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                   "l"(src), "r"(bytes), "r"(bar)
+                   : "memory");
+    }
+  };
+  if (warp == 0) {
+    for (int j = 0; j < min(tiles, kBulkStages); ++j) request(j);
+  }
+
+  using Pair = typename HalfTraits<T>::Pair;
+  const bool two_blocks = p.block_shift == 4;  // block_size 16: a piece's words 0-1 and 2-3 are two blocks
+  const T* a_row = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.k;  // this thread's row of A: m = g
+  const bool a_in = g < p.m;
+  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulators: two mma chains
+  for (int j = 0; j < tiles; ++j) {
+    const int stage = j % kBulkStages;
+    const int group = first_group + j / chunks, chunk = j % chunks;
+    const int k0 = chunk * kBulkChunkK, chunk_k = min(kBulkChunkK, k_pad - k0);
+    const int row_lo = group * kNBitsRows + g, row_hi = row_lo + 8;
+    const bool lo_in = row_lo < p.n, hi_in = row_hi < p.n;
+    const uint8_t* stage_base = stages + stage * kBulkStageBytes;
+    const uint8_t* w_lo = stage_base + g * kBulkRowStride;
+    const uint8_t* w_hi = w_lo + 8 * kBulkRowStride;
+    const T* s_lo = reinterpret_cast<const T*>(stage_base + kNBitsRows * kBulkRowStride + g * kBulkScaleStride);
+    const T* s_hi = reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride);
+    const uint32_t bar = SharedAddress(&full[stage]), parity = (j / kBulkStages) & 1;
+    uint32_t ready = 0;
+    do {
+      asm volatile(
+          "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [%1], %2; selp.u32 %0, 1, 0, done; }"
+          : "=r"(ready)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    } while (!ready);
+    // The tile's steps, without the checks a tile away from N's and K's ends does not need.
+    const auto run_steps = [&](auto rows_full, auto a_full) {
+      constexpr bool kRowsFull = decltype(rows_full)::value, kAFull = decltype(a_full)::value;
+      const bool lo = kRowsFull || lo_in, hi = kRowsFull || hi_in;
+      for (int step = warp; step < chunk_k / kStepK; step += kBulkWarps) {
+        const int local = step * kStepK + 32 * t;  // this thread's 32 k inside the tile
+        const int kk = k0 + local;
+        const uint4 w_lo4 = lo ? *reinterpret_cast<const uint4*>(w_lo + local / 2) : make_uint4(0, 0, 0, 0);
+        const uint4 w_hi4 = hi ? *reinterpret_cast<const uint4*>(w_hi + local / 2) : make_uint4(0, 0, 0, 0);
+        const int blk = local >> p.block_shift, blk2 = blk + (two_blocks ? 1 : 0);
+        const T zero_scale = Narrow<T>(0.f);
+        const T sl0 = lo ? s_lo[blk] : zero_scale, sl1 = lo ? s_lo[blk2] : zero_scale;
+        const T sh0 = hi ? s_hi[blk] : zero_scale, sh1 = hi ? s_hi[blk2] : zero_scale;
+        const Pair sc_lo[2] = {Pair(sl0, sl0), Pair(sl1, sl1)}, sc_hi[2] = {Pair(sh0, sh0), Pair(sh1, sh1)};
+        Pair z_lo[2], z_hi[2];
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          int zl = 8, zh = 8;
+          if constexpr (kHasZp) {
+            const int gblk = (kk >> p.block_shift) + (two_blocks ? b : 0);
+            const int shift = (gblk & 1) * 4;
+            if (lo) zl = (__ldg(p.zero_points + static_cast<int64_t>(row_lo) * p.zp_row_bytes + (gblk >> 1)) >> shift) & 0x0F;
+            if (hi) zh = (__ldg(p.zero_points + static_cast<int64_t>(row_hi) * p.zp_row_bytes + (gblk >> 1)) >> shift) & 0x0F;
+          }
+          const T tl = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zl));
+          const T th = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zh));
+          z_lo[b] = Pair(tl, tl), z_hi[b] = Pair(th, th);
+        }
+        uint4 av[4];
+        if constexpr (kAFull) {  // the tile lies inside K and A's rows are 16-byte aligned
+          const uint4* a4 = reinterpret_cast<const uint4*>(a_row + kk);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) av[i] = a_in ? __ldg(a4 + i) : make_uint4(0, 0, 0, 0);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) av[i] = a_in ? LoadA8<T, kAVec>(a_row, kk + 8 * i, p.k) : make_uint4(0, 0, 0, 0);
+        }
+        const uint32_t lo_words[4] = {w_lo4.x, w_lo4.y, w_lo4.z, w_lo4.w};
+        const uint32_t hi_words[4] = {w_hi4.x, w_hi4.y, w_hi4.z, w_hi4.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t wl[4], wh[4];
+          DequantWord<T>(lo_words[i], sc_lo[i / 2], z_lo[i / 2], wl);
+          DequantWord<T>(hi_words[i], sc_hi[i / 2], z_hi[i / 2], wh);
+          const uint32_t b04 = __byte_perm(av[i].x, av[i].z, 0x5410), b15 = __byte_perm(av[i].x, av[i].z, 0x7632);
+          const uint32_t b26 = __byte_perm(av[i].y, av[i].w, 0x5410), b37 = __byte_perm(av[i].y, av[i].w, 0x7632);
+          const uint32_t first_half[4] = {wl[0], wh[0], wl[1], wh[1]};
+          Mma16816<T>(d0, first_half, b04, b15);
+          const uint32_t second_half[4] = {wl[2], wh[2], wl[3], wh[3]};
+          Mma16816<T>(d1, second_half, b26, b37);
+        }
+      }
+    };
+    const bool rows_full = (group + 1) * kNBitsRows <= p.n;
+    const bool a_full = kAVec && k0 + chunk_k <= p.k;
+    if (rows_full && a_full) {
+      run_steps(std::true_type{}, std::true_type{});
+    } else if (rows_full) {
+      run_steps(std::true_type{}, std::false_type{});
+    } else {
+      run_steps(std::false_type{}, std::false_type{});
+    }
+    if (chunk == chunks - 1) {  // the group's last tile: its warps' sums, in warp order
+#pragma unroll
+      for (int i = 0; i < 4; ++i) warp_sums[warp][lane][i] = d0[i] + d1[i], d0[i] = 0.f, d1[i] = 0.f;
+      __syncthreads();
+      if (warp == 0) {
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int w = 0; w < kBulkWarps; ++w) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[i] += warp_sums[w][lane][i];
+        }
+        T* y = static_cast<T*>(p.y);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // (row g, tokens 2t, 2t + 1) and (row g + 8, the same tokens)
+          const int m = 2 * t + (i & 1);
+          const int row = i < 2 ? row_lo : row_hi;
+          if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[i]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this stage (and warp 0 with the sums)
+    if (warp == 0 && j + kBulkStages < tiles) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads above before the copy's writes
+      request(j + kBulkStages);
+    }
+  }
+#else
+  (void)p;
+  __trap();
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -593,17 +819,13 @@ NBitsParams MakeNBitsParams(const DecodeMatMulNBitsArgs& args) {
 }
 
 template <typename T, bool kHasZp, bool kVec16>
-cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, bool pipelined, cudaStream_t stream) {
+cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, cudaStream_t stream) {
   const int rows_per_block = kNBitsRows * (kNBitsWarps / p.group_warps);
   const dim3 grid(static_cast<unsigned>((p.n + rows_per_block - 1) / rows_per_block));
-  if (a_vec && pipelined) {
-    Int4GemvMmaKernel<T, kHasZp, kVec16, true, true><<<grid, kNBitsThreads, 0, stream>>>(p);
-  } else if (a_vec) {
-    Int4GemvMmaKernel<T, kHasZp, kVec16, true, false><<<grid, kNBitsThreads, 0, stream>>>(p);
-  } else if (pipelined) {
-    Int4GemvMmaKernel<T, kHasZp, kVec16, false, true><<<grid, kNBitsThreads, 0, stream>>>(p);
+  if (a_vec) {
+    Int4GemvMmaKernel<T, kHasZp, kVec16, true><<<grid, kNBitsThreads, 0, stream>>>(p);
   } else {
-    Int4GemvMmaKernel<T, kHasZp, kVec16, false, false><<<grid, kNBitsThreads, 0, stream>>>(p);
+    Int4GemvMmaKernel<T, kHasZp, kVec16, false><<<grid, kNBitsThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -612,7 +834,7 @@ cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, bool pipelined, cudaStr
 template <typename T>
 int64_t MmaSlots() {
   int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Int4GemvMmaKernel<T, true, true, true, false>, kNBitsThreads,
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Int4GemvMmaKernel<T, true, true, true>, kNBitsThreads,
                                                     0) != cudaSuccess ||
       per_sm < 1) {
     per_sm = 1;
@@ -620,8 +842,60 @@ int64_t MmaSlots() {
   return static_cast<int64_t>(MultiprocessorCount()) * per_sm;
 }
 
+// SM 90 or newer, and every tile's rows of B and of scales in whole 16-byte pieces at 16-byte boundaries, as bulk
+// copies need (a multiple of 8 blocks a row, at least 8 blocks a tile).
+bool BulkEligible(const NBitsParams& p) {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
+    return false;
+  }
+  return p.blocks % 8 == 0 && (kBulkChunkK >> p.block_shift) % 8 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(p.scales) % 16 == 0;
+}
+
+template <typename T, bool kHasZp, bool kAVec>
+cudaError_t LaunchBulkKernel(const NBitsParams& p, cudaStream_t stream) {
+  const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
+  // The shared-memory opt-in and the occupancy it allows, once per device (the first launch, before any capture).
+  constexpr int kDevices = 64;
+  static std::atomic<int> blocks_per_sm[kDevices] = {};
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  int per_sm = device < kDevices ? blocks_per_sm[device].load(std::memory_order_relaxed) : 0;
+  if (per_sm == 0) {
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSharedBytes);
+    if (status != cudaSuccess) return status;
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, kBulkSharedBytes);
+    if (status != cudaSuccess) return status;
+    per_sm = std::max(per_sm, 1);
+    if (device < kDevices) blocks_per_sm[device].store(per_sm, std::memory_order_relaxed);
+  }
+  // As many blocks as fit at once (each then walks its share of the groups), or one per group.
+  const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
+  const int64_t slots = static_cast<int64_t>(MultiprocessorCount()) * per_sm;
+  const dim3 grid(static_cast<unsigned>(std::min(groups, slots)));
+  kernel<<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchBulk(const NBitsParams& p, cudaStream_t stream) {
+  const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
+  if (p.zero_points != nullptr) {
+    return a_vec ? LaunchBulkKernel<T, true, true>(p, stream) : LaunchBulkKernel<T, true, false>(p, stream);
+  }
+  return a_vec ? LaunchBulkKernel<T, false, true>(p, stream) : LaunchBulkKernel<T, false, false>(p, stream);
+}
+
 template <typename T>
 cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
+  // The bulk-copy kernel where it applies; MAMBAFUSE_NBITS_KERNEL=mma (read per launch) keeps the register-load
+  // kernel below, whose launch knobs follow, for comparisons.
+  const char* kernel_choice = std::getenv("MAMBAFUSE_NBITS_KERNEL");
+  const bool mma_only = kernel_choice != nullptr && std::strcmp(kernel_choice, "mma") == 0;
+  if (!mma_only && BulkEligible(p)) return LaunchBulk<T>(p, stream);
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const char* grid_mode = std::getenv("MAMBAFUSE_NBITS_GRID");  // read per launch: benchmarks switch it in-process
   p.group_warps = kNBitsWarps;
@@ -656,14 +930,12 @@ cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
   const bool vec16 = p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0;
   const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
   const bool zp = p.zero_points != nullptr;
-  const char* pipeline = std::getenv("MAMBAFUSE_NBITS_PIPELINE");
-  const bool pipelined = pipeline != nullptr && std::strcmp(pipeline, "1") == 0;
   if (zp) {
-    return vec16 ? LaunchMmaA<T, true, true>(p, a_vec, pipelined, stream)
-                 : LaunchMmaA<T, true, false>(p, a_vec, pipelined, stream);
+    return vec16 ? LaunchMmaA<T, true, true>(p, a_vec, stream)
+                 : LaunchMmaA<T, true, false>(p, a_vec, stream);
   }
-  return vec16 ? LaunchMmaA<T, false, true>(p, a_vec, pipelined, stream)
-               : LaunchMmaA<T, false, false>(p, a_vec, pipelined, stream);
+  return vec16 ? LaunchMmaA<T, false, true>(p, a_vec, stream)
+               : LaunchMmaA<T, false, false>(p, a_vec, stream);
 }
 
 template <int M>
