@@ -143,6 +143,71 @@ def test_nbits(t, m, k, n, block_size, zero_points):
     assert_within_budget(y, a, w, f"T={DTYPE_IDS[t]} M={m} K={k} N={n} bs={block_size} zp={zero_points}")
 
 
+#: The register-load int4 GEMV's launch knobs (docs/decode_matmul.md, Kernels), with that kernel forced where the
+#: bulk-copy one would run: warps a group of 16 columns splits K over, the steps' order (contiguous ranges or
+#: interleaved) and the L2 prefetch distance of contiguous ranges.
+LAUNCH_POLICIES = [
+    {
+        "MAMBAFUSE_NBITS_KERNEL": "mma",
+        "MAMBAFUSE_NBITS_GROUP_WARPS": str(warps),
+        "MAMBAFUSE_NBITS_ORDER": order,
+        "MAMBAFUSE_NBITS_PREFETCH": str(ahead),
+    }
+    for warps in (1, 2, 4, 8)
+    for order, ahead in (("interleaved", 0), ("contiguous", 0), ("contiguous", 16), ("contiguous", 3))
+]
+
+
+@pytest.mark.parametrize("policy", LAUNCH_POLICIES, ids=lambda p: "-".join(p.values()))
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize(
+    ("k", "n", "block_size", "zero_points"),
+    [(4100, 72, 128, False), (4112, 33, 16, True), (1000, 40, 32, True), (8192, 48, 64, False)],
+    ids=["K4100-bs128", "K4112-bs16-zp", "K1000-bs32-zp", "K8192-bs64"],
+)
+def test_nbits_launch_policies(monkeypatch, policy, t, m, k, n, block_size, zero_points):
+    """Every split of K, both step orders and prefetch distances (one that is not a multiple of the batch) give
+    results within the budget: ranges that end mid-batch, warps with no steps, rows past N, the padded last block."""
+    for key, value in policy.items():
+        monkeypatch.setenv(key, value)
+    rng = np.random.default_rng([DTYPES.index(t), m, k, n, block_size])
+    a = activations(rng, (m, k), t)
+    b, scales, zp = int4_weight(rng, k, n, block_size, t, zero_points)
+    y = run_nbits(a, b, scales, zp, k=k, n=n, block_size=block_size)
+    w = dequantize(b, scales, zp, k=k, n=n, block_size=block_size)
+    assert_within_budget(y, a, w, f"{policy} T={DTYPE_IDS[t]} M={m} K={k} N={n} bs={block_size} zp={zero_points}")
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize(
+    ("k", "n", "block_size", "zero_points"),
+    [
+        (1000, 40, 32, True),
+        (4096, 33, 16, True),
+        (4000, 1000, 128, True),
+        (8192, 48, 64, False),
+        (12288, 1040, 32, False),
+        (256, 40000, 32, False),
+        (128, 7, 16, True),
+    ],
+    ids=["K1000-pad", "K4096-bs16-zp", "K4000-bs128-zp", "K8192-bs64", "K12288-tiles", "N40000-groups", "N7"],
+)
+def test_nbits_bulk_kernel(monkeypatch, t, m, k, n, block_size, zero_points):
+    """The bulk-copy kernel (SM 90, a multiple of 8 blocks a row): K padded to its blocks, block sizes 16 to 128 with
+    and without zero points, several tiles a group (a partial last one), many groups a block, and groups past N;
+    the register-load kernel on the same input gives a result within the same budget."""
+    rng = np.random.default_rng([DTYPES.index(t), m, k, n, block_size, 1])
+    a = activations(rng, (m, k), t)
+    b, scales, zp = int4_weight(rng, k, n, block_size, t, zero_points)
+    w = dequantize(b, scales, zp, k=k, n=n, block_size=block_size)
+    label = f"T={DTYPE_IDS[t]} M={m} K={k} N={n} bs={block_size} zp={zero_points}"
+    assert_within_budget(run_nbits(a, b, scales, zp, k=k, n=n, block_size=block_size), a, w, f"bulk {label}")
+    monkeypatch.setenv("MAMBAFUSE_NBITS_KERNEL", "mma")
+    assert_within_budget(run_nbits(a, b, scales, zp, k=k, n=n, block_size=block_size), a, w, f"mma {label}")
+
+
 @pytest.mark.parametrize("shape", PROJECTIONS)
 @pytest.mark.parametrize("m", [1, 8])
 def test_projection_shapes(shape, m):

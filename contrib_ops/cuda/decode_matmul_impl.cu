@@ -11,24 +11,32 @@
 // whose partial sums meet in distributed shared memory: rank r adds the S partials of its share of the columns in
 // rank order. One kernel, no workspace, the same sums in the same order on every call (deterministic).
 //
-// int4 (B: N rows of packed nibbles along K): a group of 16 output columns n has 8, 4, 2 or 1 warps splitting K
-// between them (fewer where N is wide enough to fill the GPU without the split; a block is 8 warps),
-// 128 k per warp step, so each thread loads 16 bytes (one 32-element block at block_size 32) of rows g and g + 8;
-// a warp issues 4 steps' weight, scale and zero-point loads before it computes.
+// int4 (B: N rows of packed nibbles along K): both kernels work on groups of 16 output columns n, 128 k per warp
+// step, each thread taking 16 bytes (one 32-element block at block_size 32) of rows g and g + 8.
+// - Bulk copies (SM 90, the default where every tile's rows are whole 16-byte pieces): a block walks its share of
+//   the groups tile by tile (16 rows by 4096 k and their scales), one warp asking the copy engine for each tile two
+//   tiles ahead (an mbarrier per stage counts the bytes in); the loops are shared-memory reads and arithmetic only.
+// - Register loads (other GPUs and layouts; MAMBAFUSE_NBITS_KERNEL=mma): 8, 4, 2 or 1 warps split a group's K, each
+//   issuing 4 steps' weight, scale and zero-point loads before it computes.
+// At M <= 8 the int4 GEMV is bound by instruction issue, not by memory, so the per-step arithmetic is kept lean.
 // Nibbles become T through the exponent trick (0x6400 | q is 1024 + q in float16, 0x4300 | q is 128 + q in
-// bfloat16), minus the zero point's (exact), times the scale (W rounded to T once); the products run on the tensor
-// cores (mma.m16n8k16, float32 accumulation) with the weight as the 16 x 16 operand and A's M <= 8 rows as the
-// 16 x 8 one. The order of k inside a step is free (it is a sum), so each thread's 4 k slots of a step are 4 of its
-// own 32 consecutive nibbles, and A's values are permuted in registers to match. A group's warps' sums meet in shared
-// memory in warp order. float32 A takes a scalar kernel (a warp per column, FMAs in float32).
+// bfloat16; float16's odd nibbles stay 4 bits up, 1024 + 16 q, taken down by one FMA), minus the zero point's
+// (exact), times the scale (W rounded to T once); the products run on the tensor cores (mma.m16n8k16, float32
+// accumulation) with the weight as the 16 x 16 operand and A's M <= 8 rows as the 16 x 8 one. The order of k inside
+// a step is free (it is a sum), so each thread's 4 k slots of a step are 4 of its own 32 consecutive nibbles, and
+// A's values are permuted in registers to match. A group's warps' sums meet in shared memory in warp order. float32
+// A takes a scalar kernel (a warp per column, FMAs in float32).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "decode_matmul_launcher.h"
@@ -249,7 +257,13 @@ constexpr int kNBitsWarps = 8;
 constexpr int kNBitsThreads = kNBitsWarps * 32;
 constexpr int kNBitsRows = 16;     // output columns n of a block (the mma's M dimension)
 constexpr int kStepK = 128;        // k of one warp step: 4 threads x 32 nibbles
-constexpr int kNBitsUnroll = 4;    // warp steps whose loads are in flight together
+#ifndef MAMBAFUSE_NBITS_UNROLL
+#define MAMBAFUSE_NBITS_UNROLL 4
+#endif
+#ifndef MAMBAFUSE_NBITS_MIN_BLOCKS
+#define MAMBAFUSE_NBITS_MIN_BLOCKS 1
+#endif
+constexpr int kNBitsUnroll = MAMBAFUSE_NBITS_UNROLL;  // warp steps whose loads are in flight together
 
 struct NBitsParams {
   const void* a;
@@ -263,7 +277,13 @@ struct NBitsParams {
   int row_bytes;    // blocks * block_size / 2
   int zp_row_bytes;
   int group_warps;  // warps that split K for one group of 16 rows (8, 4, 2 or 1); a block holds 8 / group_warps groups
+  int contiguous;   // 1: each warp of a group takes one contiguous range of steps; 0: steps kslot, kslot + warps, ...
+  int prefetch;     // contiguous only: the steps ahead of its loads that a warp asks L2 to fetch (0: none)
 };
+
+__device__ __forceinline__ void PrefetchL2(const void* address) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(address));
+}
 
 template <typename T>
 struct HalfTraits;
@@ -364,21 +384,39 @@ __device__ __forceinline__ void BlockConstants(const NBitsParams& p, int row, in
   zero = Pair(z, z);
 }
 
+// (a & mask) | bits, one LOP3.
+__device__ __forceinline__ uint32_t MaskOr(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(mask), "r"(bits));
+  return r;
+}
+
 // The four pairs (k0, k4), (k1, k5), (k2, k6), (k3, k7) of one word's nibbles as W = (q - zp) * s rounded to T.
+// float16 leaves the odd nibbles 4 bits up, 1024 + 16 q, and takes q - zp from one FMA by 1/16 minus 64 + zp; every
+// step before the scale's product is exact, so W is the same as from (q - zp) * s.
 template <typename T>
 __device__ __forceinline__ void DequantWord(uint32_t word, typename HalfTraits<T>::Pair scale,
                                             typename HalfTraits<T>::Pair zero, uint32_t (&out)[4]) {
   using Pair = typename HalfTraits<T>::Pair;
+  constexpr uint32_t kMagic = HalfTraits<T>::kMagic;
+  if constexpr (std::is_same_v<T, __half>) {
+    const Pair zero16 = __hsub2(zero, __float2half2_rn(960.f));  // 64 + zp
+    const Pair sixteenth = __float2half2_rn(0.0625f);
+    const uint32_t high = word >> 8;
+    out[0] = AsBits(__hmul2(__hsub2(FromBits<Pair>(MaskOr(word, 0x000F000Fu, kMagic)), zero), scale));
+    out[1] = AsBits(__hmul2(__hfma2(FromBits<Pair>(MaskOr(word, 0x00F000F0u, kMagic)), sixteenth, __hneg2(zero16)), scale));
+    out[2] = AsBits(__hmul2(__hsub2(FromBits<Pair>(MaskOr(high, 0x000F000Fu, kMagic)), zero), scale));
+    out[3] = AsBits(__hmul2(__hfma2(FromBits<Pair>(MaskOr(high, 0x00F000F0u, kMagic)), sixteenth, __hneg2(zero16)), scale));
+  } else {  // bfloat16's 7 mantissa bits leave no room for 16 q: one shift a pair
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const uint32_t biased = ((word >> (4 * j)) & 0x000F000Fu) | HalfTraits<T>::kMagic;
-    const Pair q = FromBits<Pair>(biased);
-    out[j] = AsBits(__hmul2(__hsub2(q, zero), scale));
+    for (int j = 0; j < 4; ++j) {
+      out[j] = AsBits(__hmul2(__hsub2(FromBits<Pair>(MaskOr(word >> (4 * j), 0x000F000Fu, kMagic)), zero), scale));
+    }
   }
 }
 
 template <typename T, bool kHasZp, bool kVec16, bool kAVec>
-__global__ void __launch_bounds__(kNBitsThreads) Int4GemvMmaKernel(NBitsParams p) {
+__global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int4GemvMmaKernel(NBitsParams p) {
   __shared__ float warp_sums[kNBitsWarps][32][4];
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -396,44 +434,73 @@ __global__ void __launch_bounds__(kNBitsThreads) Int4GemvMmaKernel(NBitsParams p
 
   using Pair = typename HalfTraits<T>::Pair;
   const bool two_blocks = p.block_shift == 4;  // block_size 16: a piece's words 0-1 and 2-3 are two blocks
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int first = kslot; first < steps; first += p.group_warps * kNBitsUnroll) {
-    // Every load of the batch first: the weights' 16-byte pieces and their blocks' scales and zero points.
-    uint4 w_lo[kNBitsUnroll], w_hi[kNBitsUnroll];
-    Pair s_lo[kNBitsUnroll][2], z_lo[kNBitsUnroll][2], s_hi[kNBitsUnroll][2], z_hi[kNBitsUnroll][2];
-#pragma unroll
-    for (int u = 0; u < kNBitsUnroll; ++u) {
-      const int step = first + p.group_warps * u;
-      const int kk = step * kStepK + 32 * t;  // this thread's 32 k
-      const int byte_offset = kk / 2;
-      const bool step_in = step < steps;
-      w_lo[u] = step_in && lo_in ? LoadPiece<kVec16>(b_lo, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
-      w_hi[u] = step_in && hi_in ? LoadPiece<kVec16>(b_hi, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
-      const int blk0 = step_in ? kk >> p.block_shift : p.blocks;  // out of range: a zero scale
-      BlockConstants<T, kHasZp>(p, row_lo, blk0, s_lo[u][0], z_lo[u][0]);
-      BlockConstants<T, kHasZp>(p, row_hi, blk0, s_hi[u][0], z_hi[u][0]);
-      if (two_blocks) {
-        BlockConstants<T, kHasZp>(p, row_lo, blk0 + 1, s_lo[u][1], z_lo[u][1]);
-        BlockConstants<T, kHasZp>(p, row_hi, blk0 + 1, s_hi[u][1], z_hi[u][1]);
-      } else {
-        s_lo[u][1] = s_lo[u][0], z_lo[u][1] = z_lo[u][0], s_hi[u][1] = s_hi[u][0], z_hi[u][1] = z_hi[u][0];
+  // The warp's steps: begin, begin + stride, ... below end (a contiguous range, or every group_warps-th step).
+  const int per_warp = (steps + p.group_warps - 1) / p.group_warps;
+  const int begin = p.contiguous ? kslot * per_warp : kslot;
+  const int end = p.contiguous ? min(steps, begin + per_warp) : steps;
+  const int stride = p.contiguous ? 1 : p.group_warps;
+  // L2 prefetch (contiguous ranges): two lanes a row, each every other 128-byte line of the warp's next steps, and
+  // the lines of that row's scales (and zero points) where those steps' blocks start.
+  const bool prefetch = p.contiguous && p.prefetch > 0 && (t < 2 ? lo_in : hi_in);
+  const uint8_t* prefetch_row = t < 2 ? b_lo : b_hi;
+  const int prefetch_n = t < 2 ? row_lo : row_hi;
+  const int end_byte = min(end * (kStepK / 2), p.row_bytes);
+  auto prefetch_steps = [&](int from, int count) {  // the lines of steps [from, from + count)
+    const int first_byte = from * (kStepK / 2), last_byte = min(end_byte, (from + count) * (kStepK / 2));
+    for (int byte = (first_byte & ~127) + 128 * (t & 1); byte < last_byte; byte += 256) PrefetchL2(prefetch_row + byte);
+    if (first_byte < last_byte) {
+      const int blk = (first_byte * 2) >> p.block_shift;
+      if ((t & 1) == 0) {
+        PrefetchL2(static_cast<const T*>(p.scales) + static_cast<int64_t>(prefetch_n) * p.blocks + blk);
+      } else if (kHasZp) {
+        PrefetchL2(p.zero_points + static_cast<int64_t>(prefetch_n) * p.zp_row_bytes + (blk >> 1));
       }
     }
+  };
+  if (prefetch) prefetch_steps(begin, p.prefetch);
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  // One batch: the weights' 16-byte pieces of kNBitsUnroll steps and their blocks' scales and zero points.
+  struct Batch {
+    uint4 w_lo[kNBitsUnroll], w_hi[kNBitsUnroll];
+    Pair s_lo[kNBitsUnroll][2], z_lo[kNBitsUnroll][2], s_hi[kNBitsUnroll][2], z_hi[kNBitsUnroll][2];
+  };
+  const auto load_batch = [&](int first, Batch& batch) {
 #pragma unroll
     for (int u = 0; u < kNBitsUnroll; ++u) {
-      const int step = first + p.group_warps * u;
-      if (step >= steps) break;
+      const int step = first + stride * u;
+      const int kk = step * kStepK + 32 * t;  // this thread's 32 k
+      const int byte_offset = kk / 2;
+      const bool step_in = step < end;
+      batch.w_lo[u] = step_in && lo_in ? LoadPiece<kVec16>(b_lo, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
+      batch.w_hi[u] = step_in && hi_in ? LoadPiece<kVec16>(b_hi, byte_offset, p.row_bytes) : make_uint4(0, 0, 0, 0);
+      const int blk0 = step_in ? kk >> p.block_shift : p.blocks;  // out of range: a zero scale
+      BlockConstants<T, kHasZp>(p, row_lo, blk0, batch.s_lo[u][0], batch.z_lo[u][0]);
+      BlockConstants<T, kHasZp>(p, row_hi, blk0, batch.s_hi[u][0], batch.z_hi[u][0]);
+      if (two_blocks) {
+        BlockConstants<T, kHasZp>(p, row_lo, blk0 + 1, batch.s_lo[u][1], batch.z_lo[u][1]);
+        BlockConstants<T, kHasZp>(p, row_hi, blk0 + 1, batch.s_hi[u][1], batch.z_hi[u][1]);
+      } else {
+        batch.s_lo[u][1] = batch.s_lo[u][0], batch.z_lo[u][1] = batch.z_lo[u][0];
+        batch.s_hi[u][1] = batch.s_hi[u][0], batch.z_hi[u][1] = batch.z_hi[u][0];
+      }
+    }
+  };
+  const auto compute_batch = [&](int first, const Batch& batch) {
+#pragma unroll
+    for (int u = 0; u < kNBitsUnroll; ++u) {
+      const int step = first + stride * u;
+      if (step >= end) break;
       const int kk = step * kStepK + 32 * t;
-      const uint32_t lo_words[4] = {w_lo[u].x, w_lo[u].y, w_lo[u].z, w_lo[u].w};
-      const uint32_t hi_words[4] = {w_hi[u].x, w_hi[u].y, w_hi[u].z, w_hi[u].w};
+      const uint32_t lo_words[4] = {batch.w_lo[u].x, batch.w_lo[u].y, batch.w_lo[u].z, batch.w_lo[u].w};
+      const uint32_t hi_words[4] = {batch.w_hi[u].x, batch.w_hi[u].y, batch.w_hi[u].z, batch.w_hi[u].w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         // A's 8 values h0..h7 of this word (L1 / L2: A is small and every block reads it), in the nibble pairs'
         // order: (h0, h4), (h1, h5), then (h2, h6), (h3, h7).
         const uint4 av = a_in ? LoadA8<T, kAVec>(a_row, kk + 8 * i, p.k) : make_uint4(0, 0, 0, 0);
         uint32_t wl[4], wh[4];
-        DequantWord<T>(lo_words[i], s_lo[u][i / 2], z_lo[u][i / 2], wl);
-        DequantWord<T>(hi_words[i], s_hi[u][i / 2], z_hi[u][i / 2], wh);
+        DequantWord<T>(lo_words[i], batch.s_lo[u][i / 2], batch.z_lo[u][i / 2], wl);
+        DequantWord<T>(hi_words[i], batch.s_hi[u][i / 2], batch.z_hi[u][i / 2], wh);
         const uint32_t b04 = __byte_perm(av.x, av.z, 0x5410), b15 = __byte_perm(av.x, av.z, 0x7632);
         const uint32_t b26 = __byte_perm(av.y, av.w, 0x5410), b37 = __byte_perm(av.y, av.w, 0x7632);
         // The A operand's rows g, g + 8, k slots (2t, 2t + 1) and (2t + 8, 2t + 9).
@@ -442,6 +509,19 @@ __global__ void __launch_bounds__(kNBitsThreads) Int4GemvMmaKernel(NBitsParams p
         const uint32_t second_half[4] = {wl[2], wh[2], wl[3], wh[3]};
         Mma16816<T>(d, second_half, b26, b37);
       }
+    }
+  };
+  Batch current;
+  if (begin < end) {
+    if (prefetch) prefetch_steps(begin + p.prefetch, kNBitsUnroll);
+    load_batch(begin, current);
+  }
+  for (int first = begin; first < end; first += stride * kNBitsUnroll) {
+    const int next = first + stride * kNBitsUnroll;
+    compute_batch(first, current);
+    if (next < end) {
+      if (prefetch) prefetch_steps(next + p.prefetch, kNBitsUnroll);
+      load_batch(next, current);
     }
   }
 
@@ -463,6 +543,220 @@ __global__ void __launch_bounds__(kNBitsThreads) Int4GemvMmaKernel(NBitsParams p
       if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[j]);
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// int4 GEMV, Hopper: bulk copies into a ring of shared-memory stages
+// ---------------------------------------------------------------------------------------------------------------
+//
+// A block owns a contiguous range of groups of 16 output columns and walks their tiles (16 rows of B times
+// kBulkChunkK k, with the rows' scales) in order. One warp asks the copy engine for each tile with one bulk copy per
+// row of weights and one per row of scales, kBulkStages tiles ahead, each stage's arrival counted by an mbarrier: the
+// bytes in flight cost no registers, so a warp's loop is shared-memory reads, the dequantisation and the mma only
+// (the same products as Int4GemvMmaKernel's). Where a group's last tile is done its 8 warps' sums meet in shared
+// memory in warp order. Needs SM 90, 16-byte aligned B and scales, and a multiple of 8 blocks a row (every tile a
+// whole number of 128-k steps, every copy a multiple of 16 bytes).
+
+#ifndef MAMBAFUSE_NBITS_BULK_CHUNK
+#define MAMBAFUSE_NBITS_BULK_CHUNK 4096
+#endif
+#ifndef MAMBAFUSE_NBITS_BULK_STAGES
+#define MAMBAFUSE_NBITS_BULK_STAGES 2
+#endif
+constexpr int kBulkChunkK = MAMBAFUSE_NBITS_BULK_CHUNK;  // k of a tile (a multiple of 128)
+constexpr int kBulkStages = MAMBAFUSE_NBITS_BULK_STAGES;
+constexpr int kBulkWarps = 8;
+constexpr int kBulkThreads = kBulkWarps * 32;
+// A stage's rows of weights start 64 bytes (16 banks) apart past a multiple of 128, so rows g and g + 1 of one
+// 16-byte read per thread land in different banks; the scales' rows 16 bytes apart past their largest size.
+constexpr int kBulkRowStride = kBulkChunkK / 2 + 64;
+constexpr int kBulkScaleStride = kBulkChunkK / 16 * 2 + 16;
+constexpr int kBulkStageBytes = kNBitsRows * (kBulkRowStride + kBulkScaleStride);
+constexpr int kBulkSumBytes = kBulkWarps * 32 * 4 * static_cast<int>(sizeof(float));
+constexpr int kBulkSharedBytes = kBulkStages * kBulkStageBytes + kBulkSumBytes + kBulkStages * 8;
+static_assert(kBulkChunkK % kStepK == 0, "a tile is whole steps");
+static_assert(kBulkRowStride % 16 == 0 && kBulkScaleStride % 16 == 0 && kBulkStageBytes % 16 == 0,
+              "bulk copies land on 16-byte boundaries");
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <typename T, bool kHasZp, bool kAVec>
+__global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* stages = smem;
+  float(*warp_sums)[32][4] = reinterpret_cast<float(*)[32][4]>(smem + kBulkStages * kBulkStageBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBulkStages * kBulkStageBytes + kBulkSumBytes);
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int g = lane / 4, t = lane % 4;
+  const int k_pad = p.blocks << p.block_shift;
+  const int chunks = (k_pad + kBulkChunkK - 1) / kBulkChunkK;
+  const int groups = (p.n + kNBitsRows - 1) / kNBitsRows;
+  const int first_group = static_cast<int>(static_cast<int64_t>(groups) * blockIdx.x / gridDim.x);
+  const int last_group = static_cast<int>(static_cast<int64_t>(groups) * (blockIdx.x + 1) / gridDim.x);
+  const int tiles = (last_group - first_group) * chunks;
+  const int scale_bytes = static_cast<int>(sizeof(T));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kBulkStages; ++s) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(&full[s])));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // Warp 0 asks for tile j: lanes 0-15 copy the weights of rows 0-15, lanes 16-31 their scales.
+  const auto request = [&](int j) {
+    const int stage = j % kBulkStages;
+    const int group = first_group + j / chunks, chunk = j % chunks;
+    const int k0 = chunk * kBulkChunkK, chunk_k = min(kBulkChunkK, k_pad - k0);
+    const int rows = min(kNBitsRows, p.n - group * kNBitsRows);
+    const int w_bytes = chunk_k / 2, s_bytes = (chunk_k >> p.block_shift) * scale_bytes;
+    const uint32_t bar = SharedAddress(&full[stage]);
+    if (lane == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(rows * (w_bytes + s_bytes))
+                   : "memory");
+    }
+    __syncwarp();
+    const int r = lane % 16;
+    if (r < rows) {
+      const int64_t row = static_cast<int64_t>(group) * kNBitsRows + r;
+      uint8_t* stage_base = stages + stage * kBulkStageBytes;
+      const void* src;
+      uint32_t dst, bytes;
+      if (lane < 16) {
+        src = p.b + row * p.row_bytes + k0 / 2;
+        dst = SharedAddress(stage_base + r * kBulkRowStride), bytes = w_bytes;
+      } else {
+        src = static_cast<const uint8_t*>(p.scales) + (row * p.blocks + (k0 >> p.block_shift)) * scale_bytes;
+        dst = SharedAddress(stage_base + kNBitsRows * kBulkRowStride + r * kBulkScaleStride), bytes = s_bytes;
+      }
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                   "l"(src), "r"(bytes), "r"(bar)
+                   : "memory");
+    }
+  };
+  if (warp == 0) {
+    for (int j = 0; j < min(tiles, kBulkStages); ++j) request(j);
+  }
+
+  using Pair = typename HalfTraits<T>::Pair;
+  const bool two_blocks = p.block_shift == 4;  // block_size 16: a piece's words 0-1 and 2-3 are two blocks
+  const T* a_row = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.k;  // this thread's row of A: m = g
+  const bool a_in = g < p.m;
+  float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulators: two mma chains
+  for (int j = 0; j < tiles; ++j) {
+    const int stage = j % kBulkStages;
+    const int group = first_group + j / chunks, chunk = j % chunks;
+    const int k0 = chunk * kBulkChunkK, chunk_k = min(kBulkChunkK, k_pad - k0);
+    const int row_lo = group * kNBitsRows + g, row_hi = row_lo + 8;
+    const bool lo_in = row_lo < p.n, hi_in = row_hi < p.n;
+    const uint8_t* stage_base = stages + stage * kBulkStageBytes;
+    const uint8_t* w_lo = stage_base + g * kBulkRowStride;
+    const uint8_t* w_hi = w_lo + 8 * kBulkRowStride;
+    const T* s_lo = reinterpret_cast<const T*>(stage_base + kNBitsRows * kBulkRowStride + g * kBulkScaleStride);
+    const T* s_hi = reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride);
+    const uint32_t bar = SharedAddress(&full[stage]), parity = (j / kBulkStages) & 1;
+    uint32_t ready = 0;
+    do {
+      asm volatile(
+          "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [%1], %2; selp.u32 %0, 1, 0, done; }"
+          : "=r"(ready)
+          : "r"(bar), "r"(parity)
+          : "memory");
+    } while (!ready);
+    // The tile's steps, without the checks a tile away from N's and K's ends does not need.
+    const auto run_steps = [&](auto rows_full, auto a_full) {
+      constexpr bool kRowsFull = decltype(rows_full)::value, kAFull = decltype(a_full)::value;
+      const bool lo = kRowsFull || lo_in, hi = kRowsFull || hi_in;
+      for (int step = warp; step < chunk_k / kStepK; step += kBulkWarps) {
+        const int local = step * kStepK + 32 * t;  // this thread's 32 k inside the tile
+        const int kk = k0 + local;
+        const uint4 w_lo4 = lo ? *reinterpret_cast<const uint4*>(w_lo + local / 2) : make_uint4(0, 0, 0, 0);
+        const uint4 w_hi4 = hi ? *reinterpret_cast<const uint4*>(w_hi + local / 2) : make_uint4(0, 0, 0, 0);
+        const int blk = local >> p.block_shift, blk2 = blk + (two_blocks ? 1 : 0);
+        const T zero_scale = Narrow<T>(0.f);
+        const T sl0 = lo ? s_lo[blk] : zero_scale, sl1 = lo ? s_lo[blk2] : zero_scale;
+        const T sh0 = hi ? s_hi[blk] : zero_scale, sh1 = hi ? s_hi[blk2] : zero_scale;
+        const Pair sc_lo[2] = {Pair(sl0, sl0), Pair(sl1, sl1)}, sc_hi[2] = {Pair(sh0, sh0), Pair(sh1, sh1)};
+        Pair z_lo[2], z_hi[2];
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          int zl = 8, zh = 8;
+          if constexpr (kHasZp) {
+            const int gblk = (kk >> p.block_shift) + (two_blocks ? b : 0);
+            const int shift = (gblk & 1) * 4;
+            if (lo) zl = (__ldg(p.zero_points + static_cast<int64_t>(row_lo) * p.zp_row_bytes + (gblk >> 1)) >> shift) & 0x0F;
+            if (hi) zh = (__ldg(p.zero_points + static_cast<int64_t>(row_hi) * p.zp_row_bytes + (gblk >> 1)) >> shift) & 0x0F;
+          }
+          const T tl = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zl));
+          const T th = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zh));
+          z_lo[b] = Pair(tl, tl), z_hi[b] = Pair(th, th);
+        }
+        uint4 av[4];
+        if constexpr (kAFull) {  // the tile lies inside K and A's rows are 16-byte aligned
+          const uint4* a4 = reinterpret_cast<const uint4*>(a_row + kk);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) av[i] = a_in ? __ldg(a4 + i) : make_uint4(0, 0, 0, 0);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) av[i] = a_in ? LoadA8<T, kAVec>(a_row, kk + 8 * i, p.k) : make_uint4(0, 0, 0, 0);
+        }
+        const uint32_t lo_words[4] = {w_lo4.x, w_lo4.y, w_lo4.z, w_lo4.w};
+        const uint32_t hi_words[4] = {w_hi4.x, w_hi4.y, w_hi4.z, w_hi4.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t wl[4], wh[4];
+          DequantWord<T>(lo_words[i], sc_lo[i / 2], z_lo[i / 2], wl);
+          DequantWord<T>(hi_words[i], sc_hi[i / 2], z_hi[i / 2], wh);
+          const uint32_t b04 = __byte_perm(av[i].x, av[i].z, 0x5410), b15 = __byte_perm(av[i].x, av[i].z, 0x7632);
+          const uint32_t b26 = __byte_perm(av[i].y, av[i].w, 0x5410), b37 = __byte_perm(av[i].y, av[i].w, 0x7632);
+          const uint32_t first_half[4] = {wl[0], wh[0], wl[1], wh[1]};
+          Mma16816<T>(d0, first_half, b04, b15);
+          const uint32_t second_half[4] = {wl[2], wh[2], wl[3], wh[3]};
+          Mma16816<T>(d1, second_half, b26, b37);
+        }
+      }
+    };
+    const bool rows_full = (group + 1) * kNBitsRows <= p.n;
+    const bool a_full = kAVec && k0 + chunk_k <= p.k;
+    if (rows_full && a_full) {
+      run_steps(std::true_type{}, std::true_type{});
+    } else if (rows_full) {
+      run_steps(std::true_type{}, std::false_type{});
+    } else {
+      run_steps(std::false_type{}, std::false_type{});
+    }
+    if (chunk == chunks - 1) {  // the group's last tile: its warps' sums, in warp order
+#pragma unroll
+      for (int i = 0; i < 4; ++i) warp_sums[warp][lane][i] = d0[i] + d1[i], d0[i] = 0.f, d1[i] = 0.f;
+      __syncthreads();
+      if (warp == 0) {
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int w = 0; w < kBulkWarps; ++w) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[i] += warp_sums[w][lane][i];
+        }
+        T* y = static_cast<T*>(p.y);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {  // (row g, tokens 2t, 2t + 1) and (row g + 8, the same tokens)
+          const int m = 2 * t + (i & 1);
+          const int row = i < 2 ? row_lo : row_hi;
+          if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[i]);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this stage (and warp 0 with the sums)
+    if (warp == 0 && j + kBulkStages < tiles) {
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads above before the copy's writes
+      request(j + kBulkStages);
+    }
+  }
+#else
+  (void)p;
+  __trap();
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -536,19 +830,112 @@ cudaError_t LaunchMmaA(const NBitsParams& p, bool a_vec, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// The resident blocks of the int4 kernel on the device (its occupancy times the multiprocessors).
+template <typename T>
+int64_t MmaSlots() {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Int4GemvMmaKernel<T, true, true, true>, kNBitsThreads,
+                                                    0) != cudaSuccess ||
+      per_sm < 1) {
+    per_sm = 1;
+  }
+  return static_cast<int64_t>(MultiprocessorCount()) * per_sm;
+}
+
+// SM 90 or newer, and every tile's rows of B and of scales in whole 16-byte pieces at 16-byte boundaries, as bulk
+// copies need (a multiple of 8 blocks a row, at least 8 blocks a tile).
+bool BulkEligible(const NBitsParams& p) {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
+    return false;
+  }
+  return p.blocks % 8 == 0 && (kBulkChunkK >> p.block_shift) % 8 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(p.scales) % 16 == 0;
+}
+
+template <typename T, bool kHasZp, bool kAVec>
+cudaError_t LaunchBulkKernel(const NBitsParams& p, cudaStream_t stream) {
+  const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
+  // The shared-memory opt-in and the occupancy it allows, once per device (the first launch, before any capture).
+  constexpr int kDevices = 64;
+  static std::atomic<int> blocks_per_sm[kDevices] = {};
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  int per_sm = device < kDevices ? blocks_per_sm[device].load(std::memory_order_relaxed) : 0;
+  if (per_sm == 0) {
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSharedBytes);
+    if (status != cudaSuccess) return status;
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, kBulkSharedBytes);
+    if (status != cudaSuccess) return status;
+    per_sm = std::max(per_sm, 1);
+    if (device < kDevices) blocks_per_sm[device].store(per_sm, std::memory_order_relaxed);
+  }
+  // As many blocks as fit at once (each then walks its share of the groups), or one per group.
+  const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
+  const int64_t slots = static_cast<int64_t>(MultiprocessorCount()) * per_sm;
+  const dim3 grid(static_cast<unsigned>(std::min(groups, slots)));
+  kernel<<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t LaunchBulk(const NBitsParams& p, cudaStream_t stream) {
+  const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
+  if (p.zero_points != nullptr) {
+    return a_vec ? LaunchBulkKernel<T, true, true>(p, stream) : LaunchBulkKernel<T, true, false>(p, stream);
+  }
+  return a_vec ? LaunchBulkKernel<T, false, true>(p, stream) : LaunchBulkKernel<T, false, false>(p, stream);
+}
+
 template <typename T>
 cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
-  // Fewer warps per group of 16 rows (longer K loops, fewer block ends) while the grid still holds about two
-  // waves of 16 warps per multiprocessor.
+  // The bulk-copy kernel where it applies; MAMBAFUSE_NBITS_KERNEL=mma (read per launch) keeps the register-load
+  // kernel below, whose launch knobs follow, for comparisons.
+  const char* kernel_choice = std::getenv("MAMBAFUSE_NBITS_KERNEL");
+  const bool mma_only = kernel_choice != nullptr && std::strcmp(kernel_choice, "mma") == 0;
+  if (!mma_only && BulkEligible(p)) return LaunchBulk<T>(p, stream);
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
-  const int64_t enough = static_cast<int64_t>(MultiprocessorCount()) * 16 * 2;
+  const char* grid_mode = std::getenv("MAMBAFUSE_NBITS_GRID");  // read per launch: benchmarks switch it in-process
   p.group_warps = kNBitsWarps;
-  while (p.group_warps > 1 && groups * (p.group_warps / 2) >= enough) p.group_warps /= 2;
+  if (grid_mode != nullptr && std::strcmp(grid_mode, "waves") == 0) {
+    // The split with the least estimated time: waves of resident blocks times each warp's batches of steps plus
+    // about one batch of fixed cost (the first loads' latency, the reduction).
+    const int64_t slots = MmaSlots<T>();
+    const int64_t steps = ((int64_t{p.blocks} << p.block_shift) + kStepK - 1) / kStepK;
+    double best = 0.0;
+    for (int warps = kNBitsWarps; warps >= 1; warps /= 2) {
+      const int64_t blocks = (groups + kNBitsWarps / warps - 1) / (kNBitsWarps / warps);
+      const int64_t waves = (blocks + slots - 1) / slots;
+      const int64_t batches = ((steps + warps - 1) / warps + kNBitsUnroll - 1) / kNBitsUnroll;
+      const double fill = std::min(1.0, static_cast<double>(blocks) / static_cast<double>(slots));
+      const double cost = static_cast<double>(waves) * (static_cast<double>(batches) + 1.0) / fill;
+      if (warps == kNBitsWarps || cost < best) best = cost, p.group_warps = warps;
+    }
+  } else {
+    // Fewer warps per group of 16 rows (longer K loops, fewer block ends) while the grid still holds about two
+    // waves of 16 warps per multiprocessor.
+    const int64_t enough = static_cast<int64_t>(MultiprocessorCount()) * 16 * 2;
+    while (p.group_warps > 1 && groups * (p.group_warps / 2) >= enough) p.group_warps /= 2;
+  }
+  if (const char* forced = std::getenv("MAMBAFUSE_NBITS_GROUP_WARPS")) {
+    const int warps = std::atoi(forced);
+    if (warps == 1 || warps == 2 || warps == 4 || warps == 8) p.group_warps = warps;
+  }
+  const char* order = std::getenv("MAMBAFUSE_NBITS_ORDER");
+  p.contiguous = order != nullptr && std::strcmp(order, "contiguous") == 0 ? 1 : 0;
+  p.prefetch = 0;
+  if (const char* ahead = std::getenv("MAMBAFUSE_NBITS_PREFETCH")) p.prefetch = std::max(0, std::atoi(ahead));
   const bool vec16 = p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0;
   const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
   const bool zp = p.zero_points != nullptr;
-  if (zp) return vec16 ? LaunchMmaA<T, true, true>(p, a_vec, stream) : LaunchMmaA<T, true, false>(p, a_vec, stream);
-  return vec16 ? LaunchMmaA<T, false, true>(p, a_vec, stream) : LaunchMmaA<T, false, false>(p, a_vec, stream);
+  if (zp) {
+    return vec16 ? LaunchMmaA<T, true, true>(p, a_vec, stream)
+                 : LaunchMmaA<T, true, false>(p, a_vec, stream);
+  }
+  return vec16 ? LaunchMmaA<T, false, true>(p, a_vec, stream)
+               : LaunchMmaA<T, false, false>(p, a_vec, stream);
 }
 
 template <int M>

@@ -1,0 +1,141 @@
+"""The int4 decode GEMV's kernels and launch settings side by side, at the real-width projection shapes (GPU).
+
+Each column is one bench library (``name=path``; libraries built with other compile-time settings, e.g.
+``-DMAMBAFUSE_NBITS_BULK_CHUNK=2048 -DMAMBAFUSE_NBITS_BULK_STAGES=4``) under one set of the run-time knobs of
+docs/decode_matmul.md (Kernels): ``bulk`` (the default), ``mma`` (the register-load kernel), ``mma+waves``,
+``mma+contiguous``, ``mma+contiguous+prefetch16``. Timing as in bench_cuda_gemv.py: ≥ 32 calls a CUDA graph, median
+of 7 replays, L2 cold; "% copy" against a copy of the same bytes. Each column's output is checked against the
+first column's (1 % of the largest value), so a setting that computes something else fails loudly.
+
+    python3 benchmarks/sweep_cuda_int4.py --lib default=build/cuda/cuda/libmambafuse_cuda_gemv_bench.so \\
+        --configs bulk,mma --rows 1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_cuda_gemv import (  # noqa: E402
+    ONNX_FLOAT16,
+    SHAPES,
+    Int4Weights,
+    _copy_time,
+    _time_graph,
+)
+
+KNOBS = ("MAMBAFUSE_NBITS_KERNEL", "MAMBAFUSE_NBITS_GRID", "MAMBAFUSE_NBITS_ORDER", "MAMBAFUSE_NBITS_PREFETCH")
+CONFIGS = {
+    "bulk": {},
+    "mma": {"MAMBAFUSE_NBITS_KERNEL": "mma"},
+    "mma+waves": {"MAMBAFUSE_NBITS_KERNEL": "mma", "MAMBAFUSE_NBITS_GRID": "waves"},
+    "mma+contiguous": {"MAMBAFUSE_NBITS_KERNEL": "mma", "MAMBAFUSE_NBITS_ORDER": "contiguous"},
+    "mma+contiguous+prefetch16": {
+        "MAMBAFUSE_NBITS_KERNEL": "mma",
+        "MAMBAFUSE_NBITS_ORDER": "contiguous",
+        "MAMBAFUSE_NBITS_PREFETCH": "16",
+    },
+}
+
+
+def _launcher(path: str):
+    nbits = ctypes.CDLL(path).mambafuse_decode_matmul_nbits_launch
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    nbits.argtypes = [ctypes.c_int, i64, i64, i64, i64, p, p, p, p, p, p]
+    return nbits
+
+
+def _row(shape: str, m: int, q: Int4Weights, columns, args) -> list[float]:
+    """µs per call of each column at one shape and M, each checked against the first column's output."""
+    k, n = q.k, q.n
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.float16)
+
+    def call(launch, i: int) -> None:
+        zp = q.zp[i].data_ptr() if args.zero_points else None
+        stream = torch.cuda.current_stream().cuda_stream
+        rc = launch(ONNX_FLOAT16, m, k, n, args.block_size, a.data_ptr(), q.b[i].data_ptr(),
+                    q.scales[i].data_ptr(), zp, y.data_ptr(), stream)  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"the int4 GEMV launch returned {rc}")
+
+    times, first = [], None
+    for _, launch, config in columns:
+        for key in KNOBS:
+            os.environ.pop(key, None)
+        os.environ.update(CONFIGS[config])
+        call(launch, 0)
+        torch.cuda.synchronize()
+        if first is None:
+            first = y.float().clone()
+        else:
+            error = (y.float() - first).abs().max().item()
+            if error > 1e-2 * max(first.abs().max().item(), 1e-3):
+                raise RuntimeError(f"{shape} M={m} {config}: differs from the first column by {error}")
+        count = len(q.b)
+        fns = [functools.partial(call, launch, i) for i in range(count)]
+        times.append(_time_graph(torch, fns, count * max(1, 32 // count)))
+    for key in KNOBS:
+        os.environ.pop(key, None)
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lib", action="append", required=True, help="name=libmambafuse_cuda_gemv_bench.so")
+    parser.add_argument("--configs", default="bulk,mma", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    parser.add_argument("--rows", default="1,4")
+    parser.add_argument("--shapes", default="in_proj,out_proj,mlp_up,mlp_down,qkv,o_proj")
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--zero-points", action="store_true", help="with MatMulNBits' zero points (default: none)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    libs = []
+    for item in args.lib:
+        name, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            parser.error(f"--lib {item!r}: expected name=path to a bench library")
+        libs.append((name, _launcher(path)))
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
+    shapes = args.shapes.split(",")
+    if any(s not in SHAPES for s in shapes):
+        parser.error(f"shapes must be among {', '.join(SHAPES)}")
+    columns = [(lib_name, launch, c) for lib_name, launch in libs for c in configs]
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    environment = (
+        f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+        f"Python {platform.python_version()}; block size {args.block_size}"
+    )
+    print(environment, "\n")
+    names = [f"{lib_name} {c}" if len(libs) > 1 else c for lib_name, _, c in columns]
+    print(f"| shape (K→N) | M | zp | {' | '.join(names)} | copy µs |")
+    print("|---" * (len(columns) + 4) + "|")
+    for shape in shapes:
+        k, n = SHAPES[shape]
+        q = Int4Weights(torch, k, n, args.block_size)
+        copy = _copy_time(torch, q.nbytes)
+        for m in (int(r) for r in args.rows.split(",")):
+            cells = _row(shape, m, q, columns, args)
+            zp = "yes" if args.zero_points else "no"
+            cells = [f"{t:.1f} ({100 * copy / t:.0f} %)" for t in cells]
+            print(f"| {shape} ({k}→{n}) | {m} | {zp} | {' | '.join(cells)} | {copy:.1f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
