@@ -854,29 +854,40 @@ bool BulkEligible(const NBitsParams& p) {
          reinterpret_cast<uintptr_t>(p.scales) % 16 == 0;
 }
 
+// The blocks of a bulk kernel one multiprocessor holds, its shared-memory opt-in done: asked once per device (at the
+// first launch, before any capture); 0 where the device refuses the opt-in (less shared memory than a block needs).
+template <typename T, bool kHasZp, bool kAVec>
+int BulkBlocksPerSm(int device) {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};  // blocks + 1; 0: not asked yet
+  if (device >= 0 && device < kDevices) {
+    const int cached = known[device].load(std::memory_order_relaxed);
+    if (cached > 0) return cached - 1;
+  }
+  const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
+  int per_sm = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSharedBytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, kBulkSharedBytes) != cudaSuccess) {
+    (void)cudaGetLastError();  // a refusal here is not the caller's error
+    per_sm = 0;
+  }
+  if (device >= 0 && device < kDevices) known[device].store(per_sm + 1, std::memory_order_relaxed);
+  return per_sm;
+}
+
+// cudaErrorNotSupported where the device cannot hold a block (nothing launched; the caller runs the other kernel).
 template <typename T, bool kHasZp, bool kAVec>
 cudaError_t LaunchBulkKernel(const NBitsParams& p, cudaStream_t stream) {
-  const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
-  // The shared-memory opt-in and the occupancy it allows, once per device (the first launch, before any capture).
-  constexpr int kDevices = 64;
-  static std::atomic<int> blocks_per_sm[kDevices] = {};
   int device = 0;
-  cudaError_t status = cudaGetDevice(&device);
+  const cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
-  int per_sm = device < kDevices ? blocks_per_sm[device].load(std::memory_order_relaxed) : 0;
-  if (per_sm == 0) {
-    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSharedBytes);
-    if (status != cudaSuccess) return status;
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, kBulkSharedBytes);
-    if (status != cudaSuccess) return status;
-    per_sm = std::max(per_sm, 1);
-    if (device < kDevices) blocks_per_sm[device].store(per_sm, std::memory_order_relaxed);
-  }
+  const int per_sm = BulkBlocksPerSm<T, kHasZp, kAVec>(device);
+  if (per_sm < 1) return cudaErrorNotSupported;
   // As many blocks as fit at once (each then walks its share of the groups), or one per group.
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const int64_t slots = static_cast<int64_t>(MultiprocessorCount()) * per_sm;
   const dim3 grid(static_cast<unsigned>(std::min(groups, slots)));
-  kernel<<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
+  Int4GemvBulkKernel<T, kHasZp, kAVec><<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -895,7 +906,10 @@ cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
   // kernel below, whose launch knobs follow, for comparisons.
   const char* kernel_choice = std::getenv("MAMBAFUSE_NBITS_KERNEL");
   const bool mma_only = kernel_choice != nullptr && std::strcmp(kernel_choice, "mma") == 0;
-  if (!mma_only && BulkEligible(p)) return LaunchBulk<T>(p, stream);
+  if (!mma_only && BulkEligible(p)) {
+    const cudaError_t status = LaunchBulk<T>(p, stream);
+    if (status != cudaErrorNotSupported) return status;
+  }
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const char* grid_mode = std::getenv("MAMBAFUSE_NBITS_GRID");  // read per launch: benchmarks switch it in-process
   p.group_warps = kNBitsWarps;
