@@ -184,6 +184,15 @@ def _launch_int4(nbits, m, k, n, a, y, stream_of, qw, i) -> None:
     assert rc == 0, rc
 
 
+def nbits_launcher(lib: ctypes.CDLL):
+    """The bench library's int4 GEMV entry point, typed: (type, M, K, N, block_size, A, B, scales, zero points, Y,
+    stream) -> 0 or a CUDA error code."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    nbits = lib.mambafuse_decode_matmul_nbits_launch
+    nbits.argtypes = [ctypes.c_int, i64, i64, i64, i64, p, p, p, p, p, p]
+    return nbits
+
+
 def _environment(torch) -> str:
     import onnxruntime as ort
 
@@ -220,8 +229,7 @@ def main() -> int:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     dense = lib.mambafuse_decode_matmul_launch
     dense.argtypes = [ctypes.c_int, i64, i64, i64, p, p, p, p]
-    nbits = lib.mambafuse_decode_matmul_nbits_launch
-    nbits.argtypes = [ctypes.c_int, i64, i64, i64, i64, p, p, p, p, p, p]
+    nbits = nbits_launcher(lib)
 
     torch.manual_seed(0)
     env = _environment(torch)

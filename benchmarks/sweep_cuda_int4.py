@@ -32,6 +32,7 @@ from benchmarks.bench_cuda_gemv import (  # noqa: E402
     Int4Weights,
     _copy_time,
     _time_graph,
+    nbits_launcher,
 )
 
 KNOBS = ("MAMBAFUSE_NBITS_KERNEL", "MAMBAFUSE_NBITS_GRID", "MAMBAFUSE_NBITS_ORDER", "MAMBAFUSE_NBITS_PREFETCH")
@@ -46,13 +47,6 @@ CONFIGS = {
         "MAMBAFUSE_NBITS_PREFETCH": "16",
     },
 }
-
-
-def _launcher(path: str):
-    nbits = ctypes.CDLL(path).mambafuse_decode_matmul_nbits_launch
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    nbits.argtypes = [ctypes.c_int, i64, i64, i64, i64, p, p, p, p, p, p]
-    return nbits
 
 
 def _row(shape: str, m: int, q: Int4Weights, columns, args) -> list[float]:
@@ -106,7 +100,7 @@ def main() -> int:
         name, sep, path = item.partition("=")
         if not sep or not Path(path).is_file():
             parser.error(f"--lib {item!r}: expected name=path to a bench library")
-        libs.append((name, _launcher(path)))
+        libs.append((name, nbits_launcher(ctypes.CDLL(path))))
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:

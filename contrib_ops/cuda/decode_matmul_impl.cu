@@ -363,6 +363,19 @@ __device__ __forceinline__ uint4 LoadA8(const T* a_row, int k0, int k) {
   return out.u;
 }
 
+// The zero point of row `row`, block `blk` (two a byte, the even block's in the low nibble).
+__device__ __forceinline__ int ZeroPoint(const NBitsParams& p, int row, int blk) {
+  const uint8_t byte = __ldg(p.zero_points + static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1));
+  return (blk & 1) ? (byte >> 4) : (byte & 0x0F);
+}
+
+// 1024 + zp (float16) or 128 + zp (bfloat16) as a pair: what the exponent trick's biased nibbles are less.
+template <typename T>
+__device__ __forceinline__ typename HalfTraits<T>::Pair BiasedZero(int zp) {
+  const T z = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zp));
+  return typename HalfTraits<T>::Pair(z, z);
+}
+
 // The scale (as a pair) and the zero point's 1024 + zp / 128 + zp (as a pair) of row `row`, block `blk`; a zero
 // scale for a row or block out of range, so its (unloaded, zero) nibbles give zero weights.
 template <typename T, bool kHasZp>
@@ -374,14 +387,10 @@ __device__ __forceinline__ void BlockConstants(const NBitsParams& p, int row, in
   int zp = 8;
   if (row < p.n && blk < p.blocks) {
     s = static_cast<const T*>(p.scales)[static_cast<int64_t>(row) * p.blocks + blk];
-    if constexpr (kHasZp) {
-      const uint8_t byte = p.zero_points[static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1)];
-      zp = (blk & 1) ? (byte >> 4) : (byte & 0x0F);
-    }
+    if constexpr (kHasZp) zp = ZeroPoint(p, row, blk);
   }
   scale = Pair(s, s);
-  const T z = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zp));
-  zero = Pair(z, z);
+  zero = BiasedZero<T>(zp);
 }
 
 // (a & mask) | bits, one LOP3.
@@ -686,13 +695,10 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
           int zl = 8, zh = 8;
           if constexpr (kHasZp) {
             const int gblk = (kk >> p.block_shift) + (two_blocks ? b : 0);
-            const int shift = (gblk & 1) * 4;
-            if (lo) zl = (__ldg(p.zero_points + static_cast<int64_t>(row_lo) * p.zp_row_bytes + (gblk >> 1)) >> shift) & 0x0F;
-            if (hi) zh = (__ldg(p.zero_points + static_cast<int64_t>(row_hi) * p.zp_row_bytes + (gblk >> 1)) >> shift) & 0x0F;
+            if (lo) zl = ZeroPoint(p, row_lo, gblk);
+            if (hi) zh = ZeroPoint(p, row_hi, gblk);
           }
-          const T tl = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zl));
-          const T th = Narrow<T>(HalfTraits<T>::kBias + static_cast<float>(zh));
-          z_lo[b] = Pair(tl, tl), z_hi[b] = Pair(th, th);
+          z_lo[b] = BiasedZero<T>(zl), z_hi[b] = BiasedZero<T>(zh);
         }
         uint4 av[4];
         if constexpr (kAFull) {  // the tile lies inside K and A's rows are 16-byte aligned
@@ -768,10 +774,7 @@ __device__ __forceinline__ void ScalarBlockConstants(const NBitsParams& p, int r
                                                      float& zero) {
   scale = static_cast<const float*>(p.scales)[static_cast<int64_t>(row) * p.blocks + blk];
   zero = 8.f;
-  if constexpr (kHasZp) {
-    const uint8_t byte = p.zero_points[static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1)];
-    zero = static_cast<float>((blk & 1) ? (byte >> 4) : (byte & 0x0F));
-  }
+  if constexpr (kHasZp) zero = static_cast<float>(ZeroPoint(p, row, blk));
 }
 
 template <int M, bool kHasZp>
@@ -842,20 +845,16 @@ int64_t MmaSlots() {
   return static_cast<int64_t>(MultiprocessorCount()) * per_sm;
 }
 
-// SM 90 or newer, and every tile's rows of B and of scales in whole 16-byte pieces at 16-byte boundaries, as bulk
-// copies need (a multiple of 8 blocks a row, at least 8 blocks a tile).
-bool BulkEligible(const NBitsParams& p) {
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9) {
-    return false;
-  }
+// Every tile's rows of B and of scales in whole 16-byte pieces at 16-byte boundaries, as bulk copies need (a multiple
+// of 8 blocks a row, at least 8 blocks a tile).
+bool BulkLayout(const NBitsParams& p) {
   return p.blocks % 8 == 0 && (kBulkChunkK >> p.block_shift) % 8 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0 &&
          reinterpret_cast<uintptr_t>(p.scales) % 16 == 0;
 }
 
 // The blocks of a bulk kernel one multiprocessor holds, its shared-memory opt-in done: asked once per device (at the
-// first launch, before any capture); 0 where the device refuses the opt-in (less shared memory than a block needs).
+// first launch, before any capture); 0 below SM 90 or where the device refuses the opt-in (less shared memory than a
+// block needs).
 template <typename T, bool kHasZp, bool kAVec>
 int BulkBlocksPerSm(int device) {
   constexpr int kDevices = 64;
@@ -865,8 +864,9 @@ int BulkBlocksPerSm(int device) {
     if (cached > 0) return cached - 1;
   }
   const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
-  int per_sm = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSharedBytes) != cudaSuccess ||
+  int per_sm = 0, major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9 ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSharedBytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, kBulkSharedBytes) != cudaSuccess) {
     (void)cudaGetLastError();  // a refusal here is not the caller's error
     per_sm = 0;
@@ -875,12 +875,9 @@ int BulkBlocksPerSm(int device) {
   return per_sm;
 }
 
-// cudaErrorNotSupported where the device cannot hold a block (nothing launched; the caller runs the other kernel).
+// cudaErrorNotSupported where the device cannot run it (nothing launched; the caller runs the other kernel).
 template <typename T, bool kHasZp, bool kAVec>
-cudaError_t LaunchBulkKernel(const NBitsParams& p, cudaStream_t stream) {
-  int device = 0;
-  const cudaError_t status = cudaGetDevice(&device);
-  if (status != cudaSuccess) return status;
+cudaError_t LaunchBulkKernel(const NBitsParams& p, int device, cudaStream_t stream) {
   const int per_sm = BulkBlocksPerSm<T, kHasZp, kAVec>(device);
   if (per_sm < 1) return cudaErrorNotSupported;
   // As many blocks as fit at once (each then walks its share of the groups), or one per group.
@@ -892,12 +889,18 @@ cudaError_t LaunchBulkKernel(const NBitsParams& p, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t LaunchBulk(const NBitsParams& p, cudaStream_t stream) {
-  const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
-  if (p.zero_points != nullptr) {
-    return a_vec ? LaunchBulkKernel<T, true, true>(p, stream) : LaunchBulkKernel<T, true, false>(p, stream);
+cudaError_t LaunchBulk(const NBitsParams& p, bool a_vec, cudaStream_t stream) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return cudaErrorNotSupported;
   }
-  return a_vec ? LaunchBulkKernel<T, false, true>(p, stream) : LaunchBulkKernel<T, false, false>(p, stream);
+  if (p.zero_points != nullptr) {
+    return a_vec ? LaunchBulkKernel<T, true, true>(p, device, stream)
+                 : LaunchBulkKernel<T, true, false>(p, device, stream);
+  }
+  return a_vec ? LaunchBulkKernel<T, false, true>(p, device, stream)
+               : LaunchBulkKernel<T, false, false>(p, device, stream);
 }
 
 template <typename T>
@@ -906,9 +909,10 @@ cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
   // kernel below, whose launch knobs follow, for comparisons.
   const char* kernel_choice = std::getenv("MAMBAFUSE_NBITS_KERNEL");
   const bool mma_only = kernel_choice != nullptr && std::strcmp(kernel_choice, "mma") == 0;
-  if (!mma_only && BulkEligible(p)) {
-    const cudaError_t status = LaunchBulk<T>(p, stream);
-    if (status != cudaErrorNotSupported) return status;
+  const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
+  if (!mma_only && BulkLayout(p)) {
+    const cudaError_t status = LaunchBulk<T>(p, a_vec, stream);
+    if (status != cudaErrorNotSupported) return status;  // NotSupported: below SM 90, or too little shared memory
   }
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const char* grid_mode = std::getenv("MAMBAFUSE_NBITS_GRID");  // read per launch: benchmarks switch it in-process
@@ -942,7 +946,6 @@ cudaError_t LaunchMma(NBitsParams p, cudaStream_t stream) {
   p.prefetch = 0;
   if (const char* ahead = std::getenv("MAMBAFUSE_NBITS_PREFETCH")) p.prefetch = std::max(0, std::atoi(ahead));
   const bool vec16 = p.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.b) % 16 == 0;
-  const bool a_vec = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.a) % 16 == 0;
   const bool zp = p.zero_points != nullptr;
   if (zp) {
     return vec16 ? LaunchMmaA<T, true, true>(p, a_vec, stream)
