@@ -28,6 +28,7 @@ OP = "MambaChunkScan"
 PATH_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA"
 PATHS = ["chunked", "sequential"]
 WARPS_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS"
+WIDTHS_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS"
 
 
 def run_cuda(inputs: dict[str, np.ndarray | None], **attrs: object) -> list[np.ndarray]:
@@ -147,6 +148,28 @@ def test_the_chunked_kernel_with_eight_warps(monkeypatch: pytest.MonkeyPatch, t:
     monkeypatch.setenv(WARPS_VARIABLE, "8")
     rng = np.random.default_rng(length)
     check(make_inputs(rng, t, batch=2, length=length, heads=4, head_dim=64, groups=2, state_size=128))
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("state_size", [128, 64])
+@pytest.mark.parametrize("length", [1, 63, 65, 129])
+@pytest.mark.parametrize("initial", [True, False], ids=["state", "no-state"])
+def test_the_half_path_and_the_kernel_for_any_widths_agree(
+    monkeypatch: pytest.MonkeyPatch, t: np.dtype, state_size: int, length: int, initial: bool
+) -> None:
+    """float16 and bfloat16 at P = 64 and N = 128 or 64 (the models' widths) take the chunked kernel's half path (C
+    from the staging buffer, C·Bᵀ on 16-bit tensor cores); MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS=any runs the kernel for
+    any widths on the same inputs. Both within the budget, and within 1e-4 of each other."""
+    monkeypatch.setenv(PATH_VARIABLE, "chunked")
+    rng = np.random.default_rng(length + state_size)
+    inputs = make_inputs(
+        rng, t, batch=2, length=length, heads=4, head_dim=64, groups=2, state_size=state_size,
+        state_type=FLOAT if initial else None,
+    )  # fmt: skip
+    half = check(inputs)
+    monkeypatch.setenv(WIDTHS_VARIABLE, "any")
+    for a, b in zip(half, check(inputs), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_misaligned_tensors_take_the_plain_loads(monkeypatch: pytest.MonkeyPatch) -> None:

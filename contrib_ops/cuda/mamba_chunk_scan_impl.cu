@@ -15,6 +15,10 @@
 // keep float32 accuracy and the kernel stays within the op's float32 budget, which TF32 alone (2⁻¹¹) or a float16
 // rounding of W would not (mamba_ssm's Triton kernels round W and the state to the input type).
 //
+// For the models' widths (P = 64, N = 128 or 64) in float16 and bfloat16 a build with those widths fixed takes the
+// half path (see ChunkedScan): B and C read in their 16-bit staging buffer, C·Bᵀ on m16n8k16 tensor cores, u and B
+// stored transposed for the state update.
+//
 // Sequential kernel (any P and N; also what the tests compare with): one warp per (batch row, head, channel p),
 // the recurrence token by token with the state row in shared memory, the readout a warp sum.
 #include <cuda_bf16.h>
@@ -154,7 +158,7 @@ __device__ __forceinline__ void MmaSplit(float (&d)[4], float (&small)[4], const
 // Four 8 × 4 blocks of 32-bit values from shared memory with one ldmatrix (a b16 8 × 8 matrix is 8 × 4 of 32
 // bits): lane i gives the 16-byte-aligned address of row i % 8 of block i / 8, and receives word lane % 4 of row
 // lane / 4 of block j in r[j] — the TF32 fragment layout, in one instruction instead of four loads.
-__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const float* row_address) {
+__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const void* row_address) {
   const auto address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -180,6 +184,45 @@ __device__ __forceinline__ void LoadBColumns2(Tf32Operand<2, kSplit> (&b)[2], co
   for (int i = 0; i < 4; ++i) b[i / 2].Set(i % 2, __uint_as_float(r[i]));
 }
 
+// mma.sync m16n8k16 with float16 or bfloat16 operands (T's values as they are: exact products) and float32
+// accumulation. Fragments of lane (g, t): A a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 and a3 the same at k + 8;
+// B b0 = B[2t, 2t+1][g], b1 the same at k + 8; D as in MmaTf32.
+template <typename T>
+__device__ __forceinline__ void MmaHalf(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// The two 16-bit values of T in a 32-bit word (the lower address first) in float.
+template <typename T>
+__device__ __forceinline__ float2 WidenPair(uint32_t word) {
+  if constexpr (std::is_same_v<T, __half>) {
+    __half2 pair;
+    memcpy(&pair, &word, 4);
+    return __half22float2(pair);
+  } else {
+    return make_float2(__uint_as_float(word << 16), __uint_as_float(word & 0xffff0000u));
+  }
+}
+
+// The ldmatrix row address of lane `lane` for a 16 × 16 tile of 16-bit values at `base` (row stride `ld`
+// elements) read as four 8 × 8 matrices: rows 0-7 and 8-15 at k, then at k + 8 (m16n8k16's A fragment), or with
+// kColumnsFirst rows 0-7 at k and k + 8, then rows 8-15 (two m16n8k16 B fragments side by side).
+template <bool kColumnsFirst, typename T>
+__device__ __forceinline__ const T* HalfTileRow(const T* base, int ld, int lane) {
+  if constexpr (kColumnsFirst) return base + ((lane & 7) + (lane >> 4) * 8) * ld + (lane & 8);
+  return base + ((lane & 7) + (lane & 8)) * ld + (lane >> 4) * 8;
+}
+
 // d += small, element by element (the second accumulator of MmaSplit).
 __device__ __forceinline__ void AddSmall(float (&d)[4], const float (&small)[4]) {
 #pragma unroll
@@ -196,14 +239,27 @@ constexpr int kMaxOutputTiles = (kQ / 16) * (128 / 16);
 __host__ __device__ constexpr int64_t ColumnStride(int64_t width16) { return width16 + 8; }
 __host__ __device__ constexpr int64_t RowStride(int64_t width16) { return width16 + 4; }
 
+// The half path's strides: its staging rows (16-bit values) one 16-byte segment longer than the row, so the 8 rows
+// of an ldmatrix phase fall on 8 different segments; its S rows 8 modulo 32 floats, so a half-warp's 64-bit loads
+// of S (rows g, columns 2t) cover 32 banks.
+__host__ __device__ constexpr int64_t RawStride(int64_t width16, bool half_path) {
+  return width16 + (half_path ? 8 : 0);
+}
+__host__ __device__ constexpr int64_t StateStride(int64_t n16, bool half_path) {
+  return half_path ? n16 + 8 : RowStride(n16);
+}
+
 // The chunked kernel's shared memory in bytes, for P and N rounded up to 16: the float tiles, the per-token arrays
 // (two chunks' d, cs, exp(cs), exp(cs_end − cs) and the next chunk's d), and the staging buffer of the raw next
-// chunk (x, B and C as they are in global memory) where the loads are asynchronous.
+// chunk (x, B and C as they are in global memory) where the loads are asynchronous. The half path (float16 and
+// bfloat16 at fixed widths; always staged) keeps no float copy of C, and u and B transposed.
 __host__ __device__ constexpr int64_t ChunkedSharedBytesFor(int64_t p16, int64_t n16, int64_t elem_size,
-                                                            bool staged) {
-  const int64_t floats = 2 * kQ * ColumnStride(p16) + 2 * kQ * RowStride(n16) + p16 * RowStride(n16) +
-                         kQ * RowStride(kQ) + 9 * kQ;
-  const int64_t raw = staged ? kQ * (p16 + 2 * n16) * elem_size : 0;
+                                                            bool staged, bool half_path = false) {
+  const int64_t tiles = half_path ? kQ * ColumnStride(p16) + (p16 + n16) * (kQ + 8)  // x; uᵀ and Bᵀ
+                                  : 2 * kQ * ColumnStride(p16) + 2 * kQ * RowStride(n16);  // x and u; B and C
+  const int64_t floats = tiles + p16 * StateStride(n16, half_path) + kQ * RowStride(kQ) + 9 * kQ;
+  const int64_t raw =
+      staged ? kQ * (RawStride(p16, half_path) + 2 * RawStride(n16, half_path)) * elem_size : 0;
   return floats * 4 + raw;
 }
 
@@ -240,21 +296,42 @@ __device__ __forceinline__ void Widen16Bytes(const T* raw, float (&f)[16 / sizeo
   }
 }
 
-// S[p0.., n0..] (16 × 8·kN8 of the state) ← exp(cs_end)·S + uᵀ·B over the chunk's Q tokens, one warp.
-template <int kN8, bool kSplitInput>
-__device__ __forceinline__ void UpdateStateTile(float* ss, int ldn, const float* us, int ldx, const float* bs,
-                                                int p0, int n0, float decay_chunk, int lane) {
+// The accumulators of a 16 × 8·kN8 state tile S[p0.., n0..] (row stride lds): exp(cs_end)·S in, S out.
+template <int kN8>
+__device__ __forceinline__ void LoadStateTile(float (&acc)[kN8][4], const float* ss, int lds, int p0, int n0,
+                                              float decay_chunk, int lane) {
   const int g = lane >> 2, t = lane & 3;
-  float acc[kN8][4];
 #pragma unroll
   for (int n8 = 0; n8 < kN8; ++n8) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float2 s = *reinterpret_cast<const float2*>(ss + (p0 + g + 8 * r) * ldn + n0 + 8 * n8 + 2 * t);
+      const float2 s = *reinterpret_cast<const float2*>(ss + (p0 + g + 8 * r) * lds + n0 + 8 * n8 + 2 * t);
       acc[n8][2 * r] = s.x * decay_chunk;
       acc[n8][2 * r + 1] = s.y * decay_chunk;
     }
   }
+}
+template <int kN8>
+__device__ __forceinline__ void StoreStateTile(const float (&acc)[kN8][4], float* ss, int lds, int p0, int n0,
+                                               int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n8 = 0; n8 < kN8; ++n8) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      *reinterpret_cast<float2*>(ss + (p0 + g + 8 * r) * lds + n0 + 8 * n8 + 2 * t) =
+          make_float2(acc[n8][2 * r], acc[n8][2 * r + 1]);
+    }
+  }
+}
+
+// S[p0.., n0..] (16 × 8·kN8 of the state, row stride lds) ← exp(cs_end)·S + uᵀ·B over the chunk's Q tokens, one
+// warp.
+template <int kN8, bool kSplitInput>
+__device__ __forceinline__ void UpdateStateTile(float* ss, int lds, const float* us, int ldx, const float* bs, int ldn,
+                                                int p0, int n0, float decay_chunk, int lane) {
+  float acc[kN8][4];
+  LoadStateTile(acc, ss, lds, p0, n0, decay_chunk, lane);
   float small[kN8][4] = {};
   for (int k0 = 0; k0 < kQ; k0 += 8) {
     Tf32Operand<4, true> a;
@@ -268,14 +345,43 @@ __device__ __forceinline__ void UpdateStateTile(float* ss, int ldn, const float*
   }
 #pragma unroll
   for (int n8 = 0; n8 < kN8; ++n8) AddSmall(acc[n8], small[n8]);
+  StoreStateTile(acc, ss, lds, p0, n0, lane);
+}
+
+// The same update on the half path, where u and B are stored transposed (uᵀ[p][l], Bᵀ[n][l], row stride ld): with
+// the tokens of each k-step taken in the order 2t, 2t + 1 (A's column t and t + 4, B's row t and t + 4), every
+// fragment pair is one 64-bit load — two for uᵀ's 16 rows and one for each 8 columns of B, where the row-major
+// arrays need a 32-bit load an element.
+template <int kN8>
+__device__ __forceinline__ void UpdateStateTileTransposed(float* ss, int lds, const float* ut, const float* bt, int ld,
+                                                          int p0, int n0, float decay_chunk, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  float acc[kN8][4];
+  LoadStateTile(acc, ss, lds, p0, n0, decay_chunk, lane);
+  float small[kN8][4] = {};
+  const float* const u_top = ut + (p0 + g) * ld + 2 * t;
+  const float* const b_rows = bt + (n0 + g) * ld + 2 * t;
+#pragma unroll 2
+  for (int k0 = 0; k0 < kQ; k0 += 8) {
+    const float2 top = *reinterpret_cast<const float2*>(u_top + k0);
+    const float2 bottom = *reinterpret_cast<const float2*>(u_top + 8 * ld + k0);
+    Tf32Operand<4, true> a;
+    a.Set(0, top.x);
+    a.Set(1, bottom.x);
+    a.Set(2, top.y);
+    a.Set(3, bottom.y);
 #pragma unroll
-  for (int n8 = 0; n8 < kN8; ++n8) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      *reinterpret_cast<float2*>(ss + (p0 + g + 8 * r) * ldn + n0 + 8 * n8 + 2 * t) =
-          make_float2(acc[n8][2 * r], acc[n8][2 * r + 1]);
+    for (int n8 = 0; n8 < kN8; ++n8) {
+      const float2 pair = *reinterpret_cast<const float2*>(b_rows + 8 * n8 * ld + k0);
+      Tf32Operand<2, false> b;
+      b.Set(0, pair.x);
+      b.Set(1, pair.y);
+      MmaSplit(acc[n8], small[n8], a, b);
     }
   }
+#pragma unroll
+  for (int n8 = 0; n8 < kN8; ++n8) AddSmall(acc[n8], small[n8]);
+  StoreStateTile(acc, ss, lds, p0, n0, lane);
 }
 
 // Three phases a chunk, a barrier after each:
@@ -287,30 +393,46 @@ __device__ __forceinline__ void UpdateStateTile(float* ss, int ldn, const float*
 //      chunk's cumulative sums (warp 0).
 // The per-token arrays alternate between two buffers by chunk parity, so phase 3 can fill the next chunk's while
 // this chunk's are read.
-template <typename T, int kWarps>
+//
+// kP and kN > 0: a kernel for exactly those P and N (multiples of 16), whose strides, trip counts and tile counts
+// are compile-time constants; 0: P and N from the parameters. The fixed kernels are float16 and bfloat16 only and
+// take the half path (staged loads required), which reads C and B where they land, in the staging buffer: C·Bᵀ on
+// m16n8k16 tensor cores with T's values as they are (exact products, float32 sums), and C·Sᵀ's C fragments widened
+// from there (no float copy of C; a third less shared-memory traffic for the two products); phase 1 stores u and B
+// transposed, for UpdateStateTileTransposed's 64-bit fragment loads. The next chunk's loads then start after phase
+// 2 (the last reader of the staging buffer), not phase 1. The products are those of the kernel for any widths.
+template <typename T, int kWarps, int kP, int kN>
 __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
+  static_assert(kP % 16 == 0 && kN % 16 == 0 && (kP == 0) == (kN == 0) && kP <= 128, "fixed widths: multiples of 16");
+  constexpr bool kFixed = kP > 0;
+  constexpr bool kHalfPath = kFixed;
+  static_assert(!kHalfPath || !std::is_same_v<T, float>, "the half path is for 16-bit types");
   constexpr int kThreads = kWarps * 32;
   // Inputs of float16 and bfloat16 are exact in TF32; float inputs are split like the computed operands.
   constexpr bool kSplitInput = std::is_same_v<T, float>;
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements a 16-byte copy moves
-  constexpr int kTilesPerWarp = kMaxOutputTiles / kWarps;
+  constexpr int kOutputTiles = kFixed ? (kQ / 16) * (kP / 16) : kMaxOutputTiles;
+  constexpr int kTilesPerWarp = (kOutputTiles + kWarps - 1) / kWarps;
   constexpr int kCausalTiles = (kQ / 16) * (kQ / 16 + 1) / 2;  // the 16 × 16 tiles of C·Bᵀ with s ≤ l
   constexpr int kStepThreads = (kCausalTiles < kWarps - 2 ? kCausalTiles : kWarps - 2) * 32;  // first of kQ
   extern __shared__ __align__(128) float smem[];
-  const int p16 = p.p16, n16 = p.n16;
+  const int p16 = kFixed ? kP : p.p16, n16 = kFixed ? kN : p.n16;
   const int ldx = static_cast<int>(ColumnStride(p16)), ldn = static_cast<int>(RowStride(n16));
   const int ldq = static_cast<int>(RowStride(kQ));
+  const int lds = static_cast<int>(StateStride(n16, kHalfPath));
+  constexpr int ldu = kHalfPath ? kQ + 8 : 0;  // the half path's uᵀ and Bᵀ rows: 8 modulo 32 floats
+  const int ldr_x = static_cast<int>(RawStride(p16, kHalfPath)), ldr_n = static_cast<int>(RawStride(n16, kHalfPath));
   float* const xs = smem;                   // [Q][ldx]  x, zeros past P and past the prompt
-  float* const us = xs + kQ * ldx;          // [Q][ldx]  u·exp(cs_end − cs)
-  float* const bs = us + kQ * ldx;          // [Q][ldn]  B
-  float* const cm = bs + kQ * ldn;          // [Q][ldn]  C
-  float* const ss = cm + kQ * ldn;          // [p16][ldn] the state S[p][n]
-  float* const ws = ss + p16 * ldn;         // [Q][ldq]  W (its causal tiles)
+  float* const us = xs + kQ * ldx;          // [Q][ldx]  u·exp(cs_end − cs) (the half path: uᵀ, [p16][ldu])
+  float* const bs = us + (kHalfPath ? p16 * ldu : kQ * ldx);  // [Q][ldn]  B (the half path: Bᵀ, [n16][ldu])
+  float* const cm = bs + (kHalfPath ? n16 * ldu : kQ * ldn);  // [Q][ldn]  C (not on the half path)
+  float* const ss = cm + (kHalfPath ? 0 : kQ * ldn);  // [p16][lds] the state S[p][n]
+  float* const ws = ss + p16 * lds;         // [Q][ldq]  W (its causal tiles)
   float* const tokens = ws + kQ * ldq;      // [2][4][Q] by chunk parity: d, cs, exp(cs), exp(cs_end − cs)
   float* const step_next = tokens + 8 * kQ;  // [Q] the next chunk's d
-  T* const raw_x = reinterpret_cast<T*>(step_next + kQ);  // [Q][p16] (staged loads only)
-  T* const raw_b = raw_x + kQ * p16;                      // [Q][n16]
-  T* const raw_c = raw_b + kQ * n16;                      // [Q][n16]
+  T* const raw_x = reinterpret_cast<T*>(step_next + kQ);  // [Q][ldr_x] (staged loads only)
+  T* const raw_b = raw_x + kQ * ldr_x;                    // [Q][ldr_n]
+  T* const raw_c = raw_b + kQ * ldr_n;                    // [Q][ldr_n]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g8 = lane >> 2, t4 = lane & 3;
@@ -318,7 +440,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
   const int64_t b = bh / p.heads;
   const int h = static_cast<int>(bh % p.heads);
   const int g = h / (p.heads / p.groups);
-  const int P = p.head_dim, N = p.state_size;
+  const int P = kFixed ? kP : p.head_dim, N = kFixed ? kN : p.state_size;
   const int64_t len = p.length;
   const auto* const x_in = static_cast<const T*>(p.x);
   const auto* const b_in = static_cast<const T*>(p.b);
@@ -326,19 +448,22 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
 
   // Staged loads: the prompt rows of chunk t0 into the raw buffer, 16 bytes a copy (P and N are multiples of kVec
   // and the tensors 16-byte aligned: the host checks). Rows past the prompt are not copied (the conversion zeroes
-  // them).
+  // them, in its float copies or, on the half path, in the raw buffer).
+  const int64_t x_row = static_cast<int64_t>(p.heads) * P, bc_row = static_cast<int64_t>(p.groups) * N;
   const auto stage = [&](int64_t t0) {
     const int q = static_cast<int>(len - t0 < kQ ? len - t0 : kQ);
     const int xv = P / kVec, nv = N / kVec;
+    const T* const x_chunk = x_in + (b * len + t0) * x_row + static_cast<int64_t>(h) * P;
     for (int i = tid; i < q * xv; i += kThreads) {
       const int l = i / xv, v = i % xv;
-      CopyAsync16(raw_x + l * p16 + v * kVec, x_in + ((b * len + t0 + l) * p.heads + h) * P + v * kVec);
+      CopyAsync16(raw_x + l * ldr_x + v * kVec, x_chunk + l * x_row + v * kVec);
     }
+    const int64_t bc_chunk = (b * len + t0) * bc_row + static_cast<int64_t>(g) * N;
     for (int i = tid; i < q * nv; i += kThreads) {
       const int l = i / nv, v = i % nv;
-      const int64_t row = ((b * len + t0 + l) * p.groups + g) * N + v * kVec;
-      CopyAsync16(raw_b + l * n16 + v * kVec, b_in + row);
-      CopyAsync16(raw_c + l * n16 + v * kVec, c_in + row);
+      const int64_t row = bc_chunk + l * bc_row + v * kVec;
+      CopyAsync16(raw_b + l * ldr_n + v * kVec, b_in + row);
+      CopyAsync16(raw_c + l * ldr_n + v * kVec, c_in + row);
     }
     CopyAsyncCommit();
   };
@@ -379,7 +504,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
       if (p.initial_state != nullptr && row < P && n < N) {
         v = LoadFloatOrT<T>(p.initial_state, p.state_is_float, (bh * P + row) * N + n);
       }
-      ss[row * ldn + n] = v;
+      ss[row * lds + n] = v;
     }
   }
   if (tid < kQ) step_next[tid] = time_step(0, tid);
@@ -401,13 +526,40 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
     const float* const decay_in = step + 2 * kQ;
     const float* const decay_out = step + 3 * kQ;
 
-    // 1. x, u, B and C in float, zero-padded.
-    if (p.staged) {
+    // 1. x, u, B and C in float, zero-padded (the half path: x, and u and B transposed; C stays in the staging
+    // buffer, whose rows of B and C past the prompt are zeroed instead).
+    if constexpr (kHalfPath) {
+      // Lanes walk the tokens, so the transposed stores of u and B fall on 32 banks.
+      for (int i = tid; i < kQ * (kP / kVec); i += kThreads) {
+        const int l = i % kQ, col = i / kQ * kVec;
+        float f[kVec] = {};
+        if (l < q) Widen16Bytes(raw_x + l * ldr_x + col, f);
+        const float d_l = step[l], out_l = decay_out[l];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) us[(col + e) * ldu + l] = __fmul_rn(f[e], d_l) * out_l;
+#pragma unroll
+        for (int e = 0; e < kVec; e += 4) {
+          *reinterpret_cast<float4*>(xs + l * ldx + col + e) = make_float4(f[e], f[e + 1], f[e + 2], f[e + 3]);
+        }
+      }
+      for (int i = tid; i < kQ * (kN / kVec); i += kThreads) {
+        const int l = i % kQ, col = i / kQ * kVec;
+        float fb[kVec] = {};
+        if (l < q) {
+          Widen16Bytes(raw_b + l * ldr_n + col, fb);
+        } else {
+          *reinterpret_cast<uint4*>(raw_b + l * ldr_n + col) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(raw_c + l * ldr_n + col) = make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) bs[(col + e) * ldu + l] = fb[e];
+      }
+    } else if (p.staged) {
       const int xv = p16 / kVec, nv = n16 / kVec;
       for (int i = tid; i < kQ * xv; i += kThreads) {
         const int l = i / xv, col = (i - l * xv) * kVec;
         float f[kVec] = {};
-        if (l < q && col < P) Widen16Bytes(raw_x + l * p16 + col, f);
+        if (l < q && col < P) Widen16Bytes(raw_x + l * ldr_x + col, f);
         const float d_l = step[l], out_l = decay_out[l];
         float u[kVec];
 #pragma unroll
@@ -422,8 +574,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
         const int l = i / nv, col = (i - l * nv) * kVec;
         float fb[kVec] = {}, fc[kVec] = {};
         if (l < q && col < N) {
-          Widen16Bytes(raw_b + l * n16 + col, fb);
-          Widen16Bytes(raw_c + l * n16 + col, fc);
+          Widen16Bytes(raw_b + l * ldr_n + col, fb);
+          Widen16Bytes(raw_c + l * ldr_n + col, fc);
         }
 #pragma unroll
         for (int e = 0; e < kVec; e += 4) {
@@ -452,8 +604,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
       }
     }
     __syncthreads();
-    // The raw buffer is free: the next chunk's loads run under this chunk's products.
-    if (p.staged && t0 + kQ < len) stage(t0 + kQ);
+    // The raw buffer is free (the half path: after phase 2, which reads B and C there): the next chunk's loads run
+    // under this chunk's products.
+    if (!kHalfPath && p.staged && t0 + kQ < len) stage(t0 + kQ);
 
     // 2. The next chunk's time steps first (global loads and double math, under the other warps' products), by
     // two warps without a C·Bᵀ tile where there are such.
@@ -473,13 +626,40 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
       if (tile >= out_tiles || state_zero) continue;
       const int i = tile / p_tiles, j = tile % p_tiles;
       float small[2][4] = {};
-      for (int k0 = 0; k0 < n16; k0 += 8) {
-        Tf32Operand<4, kSplitInput> a;
-        LoadARows(a, cm + i * 16 * ldn + k0, ldn, lane);
-        Tf32Operand<2, true> s[2];
-        LoadBColumns2(s, ss + j * 16 * ldn + k0, ldn, lane);
-        MmaSplit(y[k][0], small[0], a, s[0]);
-        MmaSplit(y[k][1], small[1], a, s[1]);
+      if constexpr (kHalfPath) {
+        // C from the staging buffer, 16 × 16 by one ldmatrix: lane (g, t) gets C[g][k + 2t, 2t + 1] (and rows g + 8,
+        // and k + 8), two k-steps of TF32 A fragments once k is taken in the order 2t, 2t + 1 (A's column t and
+        // t + 4); S's B fragment in the same order is the pair S[p][k + 2t, 2t + 1], one 64-bit load, split.
+        const T* const c_tile = HalfTileRow<false>(raw_c + i * 16 * ldr_n, ldr_n, lane);
+        for (int k0 = 0; k0 < n16; k0 += 16) {
+          uint32_t r[4];
+          LoadMatrixX4(r, c_tile + k0);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float2 top = WidenPair<T>(r[2 * half]), bottom = WidenPair<T>(r[2 * half + 1]);
+            const uint32_t a[4] = {__float_as_uint(top.x), __float_as_uint(bottom.x), __float_as_uint(top.y),
+                                   __float_as_uint(bottom.y)};
+#pragma unroll
+            for (int n8 = 0; n8 < 2; ++n8) {
+              const float2 pair =
+                  *reinterpret_cast<const float2*>(ss + (j * 16 + 8 * n8 + g8) * lds + k0 + 8 * half + 2 * t4);
+              Tf32Operand<2, true> st;
+              st.Set(0, pair.x);
+              st.Set(1, pair.y);
+              MmaTf32(small[n8], a, st.lo[0], st.lo[1]);
+              MmaTf32(y[k][n8], a, st.hi[0], st.hi[1]);
+            }
+          }
+        }
+      } else {
+        for (int k0 = 0; k0 < n16; k0 += 8) {
+          Tf32Operand<4, kSplitInput> a;
+          LoadARows(a, cm + i * 16 * ldn + k0, ldn, lane);
+          Tf32Operand<2, true> s[2];
+          LoadBColumns2(s, ss + j * 16 * lds + k0, lds, lane);
+          MmaSplit(y[k][0], small[0], a, s[0]);
+          MmaSplit(y[k][1], small[1], a, s[1]);
+        }
       }
       AddSmall(y[k][0], small[0]);
       AddSmall(y[k][1], small[1]);
@@ -489,13 +669,26 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
       int i = 0, j = tile;
       while (j > i) j -= ++i;
       float w[2][4] = {}, small[2][4] = {};
-      for (int k0 = 0; k0 < n16; k0 += 8) {
-        Tf32Operand<4, kSplitInput> a;
-        LoadARows(a, cm + i * 16 * ldn + k0, ldn, lane);
-        Tf32Operand<2, kSplitInput> bt[2];
-        LoadBColumns2(bt, bs + j * 16 * ldn + k0, ldn, lane);
-        MmaSplit(w[0], small[0], a, bt[0]);
-        MmaSplit(w[1], small[1], a, bt[1]);
+      if constexpr (kHalfPath) {
+        // Both operands from the staging buffer as they are: C's rows (A) and B's rows (Bᵀ's columns).
+        const T* const c_tile = HalfTileRow<false>(raw_c + i * 16 * ldr_n, ldr_n, lane);
+        const T* const b_tile = HalfTileRow<true>(raw_b + j * 16 * ldr_n, ldr_n, lane);
+        for (int k0 = 0; k0 < n16; k0 += 16) {
+          uint32_t a[4], bt[4];
+          LoadMatrixX4(a, c_tile + k0);
+          LoadMatrixX4(bt, b_tile + k0);
+          MmaHalf<T>(w[0], a, bt[0], bt[1]);
+          MmaHalf<T>(w[1], a, bt[2], bt[3]);
+        }
+      } else {
+        for (int k0 = 0; k0 < n16; k0 += 8) {
+          Tf32Operand<4, kSplitInput> a;
+          LoadARows(a, cm + i * 16 * ldn + k0, ldn, lane);
+          Tf32Operand<2, kSplitInput> bt[2];
+          LoadBColumns2(bt, bs + j * 16 * ldn + k0, ldn, lane);
+          MmaSplit(w[0], small[0], a, bt[0]);
+          MmaSplit(w[1], small[1], a, bt[1]);
+        }
       }
       if constexpr (kSplitInput) {
         AddSmall(w[0], small[0]);
@@ -517,6 +710,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
       }
     }
     __syncthreads();
+    if (kHalfPath && t0 + kQ < len) stage(t0 + kQ);
 
     // 3. y = exp(cs)·C·Sᵀ + W·x (row tile i needs s < 16(i + 1) only), out = y + D·x.
 #pragma unroll
@@ -573,17 +767,23 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
     }
     // S ← exp(cs_end)·S + uᵀ·B, in tiles of 16 × 32 where N allows (uᵀ's split fragments serve four products).
     const float decay_chunk = decay_in[kQ - 1];
-    if (n16 % 32 == 0) {
+    if constexpr (kHalfPath) {
+      constexpr int n_tiles = kN / 32 > 0 ? kN / 32 : 1, width = kN / n_tiles;
+      for (int tile = warp; tile < (kP / 16) * n_tiles; tile += kWarps) {
+        UpdateStateTileTransposed<width / 8>(ss, lds, us, bs, ldu, tile / n_tiles * 16, tile % n_tiles * width,
+                                             decay_chunk, lane);
+      }
+    } else if (n16 % 32 == 0) {
       const int n_tiles = n16 / 32;
       for (int tile = warp; tile < p_tiles * n_tiles; tile += kWarps) {
-        UpdateStateTile<4, kSplitInput>(ss, ldn, us, ldx, bs, tile / n_tiles * 16, tile % n_tiles * 32, decay_chunk,
-                                        lane);
+        UpdateStateTile<4, kSplitInput>(ss, lds, us, ldx, bs, ldn, tile / n_tiles * 16, tile % n_tiles * 32,
+                                        decay_chunk, lane);
       }
     } else {
       const int n_tiles = n16 / 16;
       for (int tile = warp; tile < p_tiles * n_tiles; tile += kWarps) {
-        UpdateStateTile<2, kSplitInput>(ss, ldn, us, ldx, bs, tile / n_tiles * 16, tile % n_tiles * 16, decay_chunk,
-                                        lane);
+        UpdateStateTile<2, kSplitInput>(ss, lds, us, ldx, bs, ldn, tile / n_tiles * 16, tile % n_tiles * 16,
+                                        decay_chunk, lane);
       }
     }
     if (warp == 0 && t0 + kQ < len) chunk_sums(tokens + (parity ^ 1) * 4 * kQ);
@@ -592,7 +792,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
     __syncthreads();
   }
   for (int row = warp; row < P; row += kWarps) {
-    for (int n = lane; n < N; n += 32) p.final_state[(bh * P + row) * N + n] = ss[row * ldn + n];
+    for (int n = lane; n < N; n += 32) p.final_state[(bh * P + row) * N + n] = ss[row * lds + n];
   }
 }
 
@@ -656,6 +856,8 @@ int64_t RoundUp16(int64_t v) { return (v + 15) / 16 * 16; }
 struct ChunkedPlan {
   bool staged = false;
   size_t bytes = 0;
+  size_t half_bytes = 0;  // the half path's shared memory where it runs (float16 or bfloat16, staged, P = 64 and
+                          // N = 128 or 64), else 0
 };
 
 size_t ElemSize(ElemType type) { return type == ElemType::kFloat ? 4 : 2; }
@@ -679,6 +881,11 @@ bool PlanChunked(const MambaChunkScanCpuArgs& args, int64_t limit, ChunkedPlan& 
     plan = {false, static_cast<size_t>(plain)};
   } else {
     return false;
+  }
+  const int64_t half = ChunkedSharedBytesFor(p16, n16, elem, true, true);
+  if (plan.staged && args.type != ElemType::kFloat && args.head_dim == 64 &&
+      (args.state_size == 128 || args.state_size == 64) && half <= limit) {
+    plan.half_bytes = static_cast<size_t>(half);
   }
   return true;
 }
@@ -713,18 +920,31 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
   };
   if (chunked != nullptr) {
     const ChunkedPlan& plan = *chunked;
-    // 16 warps by default; MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS=8 runs 8 (a benchmark's comparison).
+    // 16 warps by default, on the half path where the plan has it (the models' widths in float16 and bfloat16);
+    // MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS=8 runs 8 warps and MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS=any the kernel for any
+    // widths (a benchmark's or a test's comparison).
     const char* warps = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS");
+    const char* widths = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS");
     const bool eight = warps != nullptr && std::strcmp(warps, "8") == 0;
-    const void* kernel = eight ? reinterpret_cast<const void*>(&ChunkedScan<T, 8>)
-                               : reinterpret_cast<const void*>(&ChunkedScan<T, 16>);
-    if (const cudaError_t error = opt_in(kernel, plan.bytes); error != cudaSuccess) return error;
-    const dim3 grid(static_cast<unsigned>(blocks));
-    if (eight) {
-      ChunkedScan<T, 8><<<grid, 8 * 32, plan.bytes, stream>>>(params);
-    } else {
-      ChunkedScan<T, 16><<<grid, 16 * 32, plan.bytes, stream>>>(params);
+    const bool any = eight || (widths != nullptr && std::strcmp(widths, "any") == 0);
+    const auto launch = [&](auto kernel, int threads, size_t bytes) -> cudaError_t {
+      if (const cudaError_t error = opt_in(reinterpret_cast<const void*>(kernel), bytes); error != cudaSuccess) {
+        return error;
+      }
+      kernel<<<dim3(static_cast<unsigned>(blocks)), threads, bytes, stream>>>(params);
+      return cudaSuccess;
+    };
+    cudaError_t error = cudaSuccess;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (!any && plan.half_bytes != 0) {
+        error = args.state_size == 128 ? launch(&ChunkedScan<T, 16, 64, 128>, 16 * 32, plan.half_bytes)
+                                       : launch(&ChunkedScan<T, 16, 64, 64>, 16 * 32, plan.half_bytes);
+        return error != cudaSuccess ? error : cudaGetLastError();
+      }
     }
+    error = eight ? launch(&ChunkedScan<T, 8, 0, 0>, 8 * 32, plan.bytes)
+                  : launch(&ChunkedScan<T, 16, 0, 0>, 16 * 32, plan.bytes);
+    if (error != cudaSuccess) return error;
   } else {
     const size_t bytes = static_cast<size_t>(kSeqWarps) * static_cast<size_t>(args.state_size) * sizeof(float);
     if (const cudaError_t error = opt_in(reinterpret_cast<const void*>(&SequentialScan<T>), bytes);
