@@ -104,6 +104,17 @@ def assert_within_budget(y: np.ndarray, a: np.ndarray, w: np.ndarray, label: str
     assert outside == 0, f"{label}: {outside} of {y.size} outputs outside the budget; {detail}"
 
 
+def check_nbits(rng: np.random.Generator, t, m: int, k: int, n: int, block_size: int, zero_points: bool, label=""):
+    """A (M × K) and an int4 weight drawn from rng, DecodeMatMulNBits run on them, its Y within the budget of the
+    weight it dequantizes to."""
+    a = activations(rng, (m, k), t)
+    b, scales, zp = int4_weight(rng, k, n, block_size, t, zero_points)
+    y = run_nbits(a, b, scales, zp, k=k, n=n, block_size=block_size)
+    w = dequantize(b, scales, zp, k=k, n=n, block_size=block_size)
+    case = f"T={DTYPE_IDS[t]} M={m} K={k} N={n} bs={block_size} zp={zero_points}"
+    assert_within_budget(y, a, w, f"{label} {case}".strip())
+
+
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize(("k", "n"), [(100, 37), (4100, 256), (512, 4104), (8, 1)])
@@ -135,12 +146,7 @@ def test_dense(t, m, k, n):
 def test_nbits(t, m, k, n, block_size, zero_points):
     """K off the block size (a padded last block), an odd number of 16-wide blocks (8-byte rows, the unaligned load
     path), N off the 16 columns of a block, with and without zero points; wide N (2 and 1 warps per 16 columns)."""
-    rng = np.random.default_rng([DTYPES.index(t), m, k, n, block_size])
-    a = activations(rng, (m, k), t)
-    b, scales, zp = int4_weight(rng, k, n, block_size, t, zero_points)
-    y = run_nbits(a, b, scales, zp, k=k, n=n, block_size=block_size)
-    w = dequantize(b, scales, zp, k=k, n=n, block_size=block_size)
-    assert_within_budget(y, a, w, f"T={DTYPE_IDS[t]} M={m} K={k} N={n} bs={block_size} zp={zero_points}")
+    check_nbits(np.random.default_rng([DTYPES.index(t), m, k, n, block_size]), t, m, k, n, block_size, zero_points)
 
 
 #: The register-load int4 GEMV's launch knobs (docs/decode_matmul.md, Kernels), with that kernel forced where the
@@ -172,11 +178,7 @@ def test_nbits_launch_policies(monkeypatch, policy, t, m, k, n, block_size, zero
     for key, value in policy.items():
         monkeypatch.setenv(key, value)
     rng = np.random.default_rng([DTYPES.index(t), m, k, n, block_size])
-    a = activations(rng, (m, k), t)
-    b, scales, zp = int4_weight(rng, k, n, block_size, t, zero_points)
-    y = run_nbits(a, b, scales, zp, k=k, n=n, block_size=block_size)
-    w = dequantize(b, scales, zp, k=k, n=n, block_size=block_size)
-    assert_within_budget(y, a, w, f"{policy} T={DTYPE_IDS[t]} M={m} K={k} N={n} bs={block_size} zp={zero_points}")
+    check_nbits(rng, t, m, k, n, block_size, zero_points, str(policy))
 
 
 @pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
@@ -198,14 +200,10 @@ def test_nbits_bulk_kernel(monkeypatch, t, m, k, n, block_size, zero_points):
     """The bulk-copy kernel (SM 90, a multiple of 8 blocks a row): K padded to its blocks, block sizes 16 to 128 with
     and without zero points, several tiles a group (a partial last one), many groups a block, and groups past N;
     the register-load kernel on the same input gives a result within the same budget."""
-    rng = np.random.default_rng([DTYPES.index(t), m, k, n, block_size, 1])
-    a = activations(rng, (m, k), t)
-    b, scales, zp = int4_weight(rng, k, n, block_size, t, zero_points)
-    w = dequantize(b, scales, zp, k=k, n=n, block_size=block_size)
-    label = f"T={DTYPE_IDS[t]} M={m} K={k} N={n} bs={block_size} zp={zero_points}"
-    assert_within_budget(run_nbits(a, b, scales, zp, k=k, n=n, block_size=block_size), a, w, f"bulk {label}")
+    seed = [DTYPES.index(t), m, k, n, block_size, 1]
+    check_nbits(np.random.default_rng(seed), t, m, k, n, block_size, zero_points, "bulk")
     monkeypatch.setenv("MAMBAFUSE_NBITS_KERNEL", "mma")
-    assert_within_budget(run_nbits(a, b, scales, zp, k=k, n=n, block_size=block_size), a, w, f"mma {label}")
+    check_nbits(np.random.default_rng(seed), t, m, k, n, block_size, zero_points, "mma")
 
 
 @pytest.mark.parametrize("shape", PROJECTIONS)

@@ -404,19 +404,18 @@ __device__ __forceinline__ void UpdateStateTileTransposed(float* ss, int lds, co
 template <typename T, int kWarps, int kP, int kN>
 __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
   static_assert(kP % 16 == 0 && kN % 16 == 0 && (kP == 0) == (kN == 0) && kP <= 128, "fixed widths: multiples of 16");
-  constexpr bool kFixed = kP > 0;
-  constexpr bool kHalfPath = kFixed;
+  constexpr bool kHalfPath = kP > 0;  // the fixed-width build, which always takes the half path
   static_assert(!kHalfPath || !std::is_same_v<T, float>, "the half path is for 16-bit types");
   constexpr int kThreads = kWarps * 32;
   // Inputs of float16 and bfloat16 are exact in TF32; float inputs are split like the computed operands.
   constexpr bool kSplitInput = std::is_same_v<T, float>;
   constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements a 16-byte copy moves
-  constexpr int kOutputTiles = kFixed ? (kQ / 16) * (kP / 16) : kMaxOutputTiles;
+  constexpr int kOutputTiles = kHalfPath ? (kQ / 16) * (kP / 16) : kMaxOutputTiles;
   constexpr int kTilesPerWarp = (kOutputTiles + kWarps - 1) / kWarps;
   constexpr int kCausalTiles = (kQ / 16) * (kQ / 16 + 1) / 2;  // the 16 × 16 tiles of C·Bᵀ with s ≤ l
   constexpr int kStepThreads = (kCausalTiles < kWarps - 2 ? kCausalTiles : kWarps - 2) * 32;  // first of kQ
   extern __shared__ __align__(128) float smem[];
-  const int p16 = kFixed ? kP : p.p16, n16 = kFixed ? kN : p.n16;
+  const int p16 = kHalfPath ? kP : p.p16, n16 = kHalfPath ? kN : p.n16;
   const int ldx = static_cast<int>(ColumnStride(p16)), ldn = static_cast<int>(RowStride(n16));
   const int ldq = static_cast<int>(RowStride(kQ));
   const int lds = static_cast<int>(StateStride(n16, kHalfPath));
@@ -440,7 +439,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
   const int64_t b = bh / p.heads;
   const int h = static_cast<int>(bh % p.heads);
   const int g = h / (p.heads / p.groups);
-  const int P = kFixed ? kP : p.head_dim, N = kFixed ? kN : p.state_size;
+  const int P = kHalfPath ? kP : p.head_dim, N = kHalfPath ? kN : p.state_size;
   const int64_t len = p.length;
   const auto* const x_in = static_cast<const T*>(p.x);
   const auto* const b_in = static_cast<const T*>(p.b);
@@ -927,24 +926,18 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
     const char* widths = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS");
     const bool eight = warps != nullptr && std::strcmp(warps, "8") == 0;
     const bool any = eight || (widths != nullptr && std::strcmp(widths, "any") == 0);
-    const auto launch = [&](auto kernel, int threads, size_t bytes) -> cudaError_t {
-      if (const cudaError_t error = opt_in(reinterpret_cast<const void*>(kernel), bytes); error != cudaSuccess) {
-        return error;
-      }
-      kernel<<<dim3(static_cast<unsigned>(blocks)), threads, bytes, stream>>>(params);
-      return cudaSuccess;
-    };
-    cudaError_t error = cudaSuccess;
+    void (*kernel)(Params) = eight ? &ChunkedScan<T, 8, 0, 0> : &ChunkedScan<T, 16, 0, 0>;
+    size_t bytes = plan.bytes;
     if constexpr (!std::is_same_v<T, float>) {
       if (!any && plan.half_bytes != 0) {
-        error = args.state_size == 128 ? launch(&ChunkedScan<T, 16, 64, 128>, 16 * 32, plan.half_bytes)
-                                       : launch(&ChunkedScan<T, 16, 64, 64>, 16 * 32, plan.half_bytes);
-        return error != cudaSuccess ? error : cudaGetLastError();
+        kernel = args.state_size == 128 ? &ChunkedScan<T, 16, 64, 128> : &ChunkedScan<T, 16, 64, 64>;
+        bytes = plan.half_bytes;
       }
     }
-    error = eight ? launch(&ChunkedScan<T, 8, 0, 0>, 8 * 32, plan.bytes)
-                  : launch(&ChunkedScan<T, 16, 0, 0>, 16 * 32, plan.bytes);
-    if (error != cudaSuccess) return error;
+    if (const cudaError_t error = opt_in(reinterpret_cast<const void*>(kernel), bytes); error != cudaSuccess) {
+      return error;
+    }
+    kernel<<<dim3(static_cast<unsigned>(blocks)), (eight ? 8 : 16) * 32, bytes, stream>>>(params);
   } else {
     const size_t bytes = static_cast<size_t>(kSeqWarps) * static_cast<size_t>(args.state_size) * sizeof(float);
     if (const cudaError_t error = opt_in(reinterpret_cast<const void*>(&SequentialScan<T>), bytes);
