@@ -443,10 +443,13 @@ cudaError_t LaunchChannelsLast(Params p, cudaStream_t stream) {
       error != cudaSuccess) {
     return error;
   }
-  // Token tiles per (batch row, channel block) so that the grid is about one round of resident blocks; at least
-  // kMinTile tokens a tile, a whole number of kUnroll steps, and at most 65535 tiles (the grid's y).
+  // Token tiles per (batch row, channel block) so that the grid is at most one round of resident blocks (the tile
+  // count rounded down: rounded up, C = 10240, 2048 tokens, batch 4 asked for 560 blocks where 528 fit, and the last
+  // 32 could start only as the first round ended, then ran with the GPU mostly idle); at least one tile, kMinTile
+  // tokens a tile, a whole number of kUnroll steps, and at most 65535 tiles (the grid's y).
   const int64_t channel_blocks = CeilDiv(p.channels, static_cast<int64_t>(V) * kThreads);
-  const int64_t tiles_wanted = CeilDiv(static_cast<int64_t>(sms) * per_sm, channel_blocks * p.batch);
+  const int64_t tiles_fitting = static_cast<int64_t>(sms) * per_sm / (channel_blocks * p.batch);
+  const int64_t tiles_wanted = tiles_fitting > 0 ? tiles_fitting : 1;
   int64_t tile = CeilDiv(CeilDiv(p.length, tiles_wanted), kUnroll) * kUnroll;
   if (tile < kMinTile) tile = kMinTile;
   if (tile < CeilDiv(p.length, 65535)) tile = CeilDiv(CeilDiv(p.length, 65535), kUnroll) * kUnroll;
