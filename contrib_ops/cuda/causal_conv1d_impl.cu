@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "approx_math.cuh"
 #include "causal_conv1d_launcher.h"
 #include "elem_convert.cuh"
 
@@ -63,20 +64,6 @@ struct Params {
   int channels_last;  // the layout, for WindowAt
   int tile;           // ChannelsLastKernel: tokens per block
 };
-
-// 1 / d within 1 float32 ulp (MUFU.RCP). Callers pass d = 1 + e in [1, 2^116) or NaN: no subnormal in or out.
-__device__ __forceinline__ float ApproxReciprocal(float d) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
-  return r;
-}
-
-// 2^t within 2 float32 ulps (MUFU.EX2) for |t| <= 126 (a subnormal result would be flushed to zero).
-__device__ __forceinline__ float ApproxExp2(float t) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(t));
-  return r;
-}
 
 // Below this |v| the sigmoid takes SigmoidModerate: e^|v| < 2^116, so nothing it computes is subnormal or infinite.
 constexpr float kModerate = 80.f;

@@ -32,6 +32,7 @@
 
 #include "elem_convert.cuh"
 #include "mamba_chunk_scan_launcher.h"
+#include "warp_mma.cuh"
 
 namespace mambafuse {
 namespace {
@@ -91,18 +92,11 @@ __device__ __forceinline__ float TimeStep(const Params& p, int64_t bt, int h) {
 
 // --- chunked kernel ------------------------------------------------------------------------------------------
 
-// The products are register-level mma.sync m16n8k8 TF32 (sm_80 and later). The fragments of lane (g = lane / 4,
-// t = lane % 4), from the PTX ISA: A (16 × 8, row) a0 = A[g][t], a1 = A[g+8][t], a2 = A[g][t+4], a3 = A[g+8][t+4];
-// B (8 × 8, column) b0 = B[t][g], b1 = B[t+4][g]; D (16 × 8) d0, d1 = D[g][2t, 2t+1], d2, d3 = D[g+8][2t, 2t+1].
-// The operands come from shared memory, by ldmatrix where a fragment's 4-element rows are contiguous (C, W, and
-// B and S as the second operand of C·Bᵀ and C·Sᵀ), else by 32-bit loads; the row strides are chosen so that the
-// 32 lanes hit 32 banks (see the strides in the kernel).
-__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// The products are register-level mma.sync on tensor cores (warp_mma.cuh: m16n8k8 TF32 and, on the half path,
+// m16n8k16 float16 / bfloat16, with their fragment layouts). The operands come from shared memory, by ldmatrix where
+// a fragment's 4-element rows are contiguous (C, W, and B and S as the second operand of C·Bᵀ and C·Sᵀ), else by
+// 32- or 64-bit loads; the row strides are chosen so that the 32 lanes hit 32 banks (see the strides in the
+// kernel).
 
 // kRegs operand registers of one lane: hi, and where the operand is split (kSplit), lo. The split is v = hi + lo
 // with hi the TF32 rounding of v to nearest, ties away from zero (cvt.rna's rounding, in two integer operations
@@ -155,17 +149,9 @@ __device__ __forceinline__ void MmaSplit(float (&d)[4], float (&small)[4], const
   MmaTf32(d, a.hi, b.hi[0], b.hi[1]);
 }
 
-// Four 8 × 4 blocks of 32-bit values from shared memory with one ldmatrix (a b16 8 × 8 matrix is 8 × 4 of 32
-// bits): lane i gives the 16-byte-aligned address of row i % 8 of block i / 8, and receives word lane % 4 of row
-// lane / 4 of block j in r[j] — the TF32 fragment layout, in one instruction instead of four loads.
-__device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const void* row_address) {
-  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-// A's fragment where A[r][k] is at base[r·ld + k], by ldmatrix: blocks rows 0-7 and 8-15 at k, then at k + 4.
+// A's fragment where A[r][k] is at base[r·ld + k], by ldmatrix: blocks rows 0-7 and 8-15 at k, then at k + 4. (A
+// 16-bit 8 × 8 block is 8 × 4 of 32-bit values, and lane i receives word i % 4 of row i / 4: the TF32 fragment
+// layout, one instruction instead of four loads.)
 template <bool kSplit>
 __device__ __forceinline__ void LoadARows(Tf32Operand<4, kSplit>& a, const float* base, int ld, int lane) {
   uint32_t r[4];
@@ -182,24 +168,6 @@ __device__ __forceinline__ void LoadBColumns2(Tf32Operand<2, kSplit> (&b)[2], co
   LoadMatrixX4(r, base + ((lane & 7) + (lane >> 4) * 8) * ld + (lane & 8) / 2);
 #pragma unroll
   for (int i = 0; i < 4; ++i) b[i / 2].Set(i % 2, __uint_as_float(r[i]));
-}
-
-// mma.sync m16n8k16 with float16 or bfloat16 operands (T's values as they are: exact products) and float32
-// accumulation. Fragments of lane (g, t): A a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 and a3 the same at k + 8;
-// B b0 = B[2t, 2t+1][g], b1 the same at k + 8; D as in MmaTf32.
-template <typename T>
-__device__ __forceinline__ void MmaHalf(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 }
 
 // The two 16-bit values of T in a 32-bit word (the lower address first) in float.
@@ -262,14 +230,6 @@ __host__ __device__ constexpr int64_t ChunkedSharedBytesFor(int64_t p16, int64_t
       staged ? kQ * (RawStride(p16, half_path) + 2 * RawStride(n16, half_path)) * elem_size : 0;
   return floats * 4 + raw;
 }
-
-// cp.async of 16 bytes from global to shared memory (sm_80 and later), and the waits on them.
-__device__ __forceinline__ void CopyAsync16(void* shared, const void* global) {
-  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(global));
-}
-__device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // The 16 / sizeof(T) elements of T at `raw` (16-byte aligned) in float.
 template <typename T>

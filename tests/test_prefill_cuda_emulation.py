@@ -1,0 +1,238 @@
+"""The prefill CUDA kernels' logic without a GPU: MambaChunkScan's and CausalConv1d's kernels built for the host
+emulation (contrib_ops/cuda/tools/emulate_prefill.sh: g++ and the CUDA headers, no nvcc run; one std::thread per CUDA
+thread, the warp-wide instructions — mma.sync, ldmatrix, shuffles — computed from every lane's operands by their
+fragment layouts), checked against the ops' float64 budgets as the GPU tests check the real kernels.
+
+What this catches: fragment and lane mappings, shared-memory layouts and strides, a read of shared memory the block
+did not write (it is refilled with NaN before each block), the order of the staging copies against their readers
+(once with every copy held until its thread's wait, once with every copy landing at once: a copy into a buffer that
+is still being read shows), chunk boundaries and the launch logic. What it cannot: timing, the memory model, bank
+conflicts, CUDA's math library — tests/test_mamba_chunk_scan_cuda.py and tests/test_causal_conv1d_cuda.py run the
+real kernels on a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fusion.reference.causal_conv1d import budget_report as conv_budget_report
+from fusion.reference.mamba_chunk_scan import budget_report as scan_budget_report
+from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16
+from tests.test_causal_conv1d_kernel import make_inputs as conv_inputs
+from tests.test_mamba_chunk_scan_kernel import make_inputs as scan_inputs
+
+REPO = Path(__file__).resolve().parents[1]
+ONNX_TYPE = {FLOAT: 1, FLOAT16: 10, BFLOAT16: 16}
+COPY_MODES = ["deferred", "immediate"]
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda_fp16.h"
+    if shutil.which(os.environ.get("CXX", "g++")) is None or not include.is_file():
+        pytest.skip("the host emulation needs g++ (C++20) and the CUDA headers ($CUDA_HOME/include)")
+    out = tmp_path_factory.mktemp("prefill_emulated")
+    script = REPO / "contrib_ops" / "cuda" / "tools" / "emulate_prefill.sh"
+    result = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, f"emulate_prefill.sh failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    lib = ctypes.CDLL(str(out / "libmambafuse_prefill_emulated.so"))
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
+    lib.mambafuse_chunk_scan_path.argtypes = [i64, i64, i]
+    lib.mambafuse_causal_conv1d_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, p]
+    return lib
+
+
+@pytest.fixture(params=COPY_MODES)
+def copy_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("MAMBAFUSE_EMU_COPY", request.param)
+    return request.param
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def run_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: int = 1) -> tuple[np.ndarray, ...]:
+    """The emulated MambaChunkScan (path 1 chunked, 2 sequential) on ``inputs``; out and final state start NaN."""
+    batch, length, heads, head_dim = inputs["x"].shape
+    groups, state_size = inputs["B"].shape[2:]
+    out = np.full((batch, length, heads, head_dim), np.nan, np.float32)
+    final = np.full((batch, heads, head_dim, state_size), np.nan, np.float32)
+    d, state = inputs["D"], inputs["initial_state"]
+    rc = emulated.mambafuse_chunk_scan_launch(
+        *(_ptr(inputs[n]) for n in ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")),
+        _ptr(out),
+        _ptr(final),
+        ONNX_TYPE[inputs["x"].dtype],
+        ONNX_TYPE[d.dtype if d is not None else FLOAT],
+        ONNX_TYPE[state.dtype if state is not None else FLOAT],
+        batch,
+        length,
+        heads,
+        head_dim,
+        groups,
+        state_size,
+        1,
+        0.0,
+        float("inf"),
+        path,
+        None,
+    )
+    assert rc == 0
+    return out, final
+
+
+def check_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: int = 1) -> None:
+    out, final = run_scan(emulated, inputs, path)
+    ok, summary = scan_budget_report(out, final, **inputs)
+    assert ok, summary
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("state_size", [128, 64])
+@pytest.mark.parametrize(("length", "initial"), [(1, True), (65, True), (130, False)], ids=["1", "65", "130-no-state"])
+def test_the_half_path(
+    emulated: ctypes.CDLL, copy_mode: str, t: np.dtype, state_size: int, length: int, initial: bool
+) -> None:
+    """The build for the models' widths (P = 64, N = 128 or 64, float16 / bfloat16): one token, a chunk and one more,
+    two chunks and a short one; with D and a state, and without both."""
+    rng = np.random.default_rng(length + state_size)
+    kind = FLOAT if initial else None
+    inputs = scan_inputs(
+        rng,
+        t,
+        batch=1,
+        length=length,
+        heads=2,
+        head_dim=64,
+        groups=1,
+        state_size=state_size,
+        d_type=kind,
+        state_type=kind,
+    )
+    check_scan(emulated, inputs)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize(
+    ("head_dim", "state_size", "length"), [(64, 128, 130), (40, 24, 70), (8, 16, 65)], ids=["real", "odd", "small"]
+)
+def test_the_kernel_for_any_widths(
+    emulated: ctypes.CDLL,
+    monkeypatch: pytest.MonkeyPatch,
+    copy_mode: str,
+    t: np.dtype,
+    head_dim: int,
+    state_size: int,
+    length: int,
+) -> None:
+    """The chunked kernel for any widths (MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS=any also at the models' widths), P and N
+    padded to 16, two groups, state and D in T."""
+    monkeypatch.setenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS", "any")
+    rng = np.random.default_rng(head_dim + length)
+    inputs = scan_inputs(
+        rng,
+        t,
+        batch=1,
+        length=length,
+        heads=2,
+        head_dim=head_dim,
+        groups=2,
+        state_size=state_size,
+        d_type=t,
+        state_type=t,
+    )
+    check_scan(emulated, inputs)
+
+
+def test_the_sequential_kernel(emulated: ctypes.CDLL) -> None:
+    rng = np.random.default_rng(3)
+    inputs = scan_inputs(rng, FLOAT16, batch=2, length=40, heads=2, head_dim=8, groups=1, state_size=24)
+    check_scan(emulated, inputs, path=2)
+
+
+def test_the_emulation_sees_a_wrong_result(emulated: ctypes.CDLL) -> None:
+    """The check above can fail: a state changed after the kernel ran is outside the budget."""
+    rng = np.random.default_rng(4)
+    inputs = scan_inputs(rng, FLOAT16, batch=1, length=65, heads=2, head_dim=64, groups=1, state_size=64)
+    out, final = run_scan(emulated, inputs)
+    assert scan_budget_report(out, final, **inputs)[0]
+    final[0, 1, 5, 7] *= 1.001
+    assert not scan_budget_report(out, final, **inputs)[0]
+
+
+def check_conv(
+    emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], *, channels_last: int, activation: str = "silu"
+) -> None:
+    x, weight, state = inputs["x"], inputs["weight"], inputs["initial_state"]
+    t = x.dtype
+    batch = x.shape[0]
+    length, channels = (x.shape[1], x.shape[2]) if channels_last else (x.shape[2], x.shape[1])
+    state_len = state.shape[2] if state is not None else weight.shape[2] - 1
+    y = np.full(x.shape, np.nan, t)
+    final = np.full((batch, channels, state_len), np.nan, t)
+    rc = emulated.mambafuse_causal_conv1d_launch(
+        _ptr(x),
+        _ptr(weight),
+        _ptr(inputs["bias"]),
+        _ptr(state),
+        _ptr(y),
+        _ptr(final),
+        ONNX_TYPE[t],
+        batch,
+        channels,
+        length,
+        state_len,
+        weight.shape[2],
+        int(activation == "silu"),
+        channels_last,
+        None,
+    )
+    assert rc == 0
+    ok, message = conv_budget_report(
+        y,
+        final,
+        x,
+        weight,
+        inputs["bias"],
+        state,
+        activation=activation,
+        channels_last=channels_last,
+        state_width=state_len,
+    )
+    assert ok, message
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("channels_last", [1, 0], ids=["BLC", "BCL"])
+@pytest.mark.parametrize(
+    ("channels", "length", "width"),
+    [(40, 24, 4), (37, 19, 4), (2048, 200, 4), (24, 9, 3)],
+    ids=["vector", "scalar", "tiles", "any-width"],
+)
+def test_the_conv(
+    emulated: ctypes.CDLL, t: np.dtype, channels_last: int, channels: int, length: int, width: int
+) -> None:
+    """CausalConv1d's kernels: 16-byte vectors and single channels (C = 37), many token tiles (2048 channels, 200
+    tokens, batch 4: the channels-last grid is 2 channel blocks by the tiles that fit one round), and K = 3."""
+    rng = np.random.default_rng(channels + length)
+    batch = 4 if channels == 2048 else 2
+    inputs = conv_inputs(
+        rng,
+        t=t,
+        batch=batch,
+        channels=channels,
+        length=length,
+        width=width,
+        state_width=max(width - 1, 4),
+        channels_last=channels_last,
+    )
+    check_conv(emulated, inputs, channels_last=channels_last)
