@@ -1,10 +1,15 @@
-"""Whether ONNX Runtime can run the CUDA execution provider here (one check for every GPU test module), and the
-sessions and feeds the CUDA kernel tests share."""
+"""Whether ONNX Runtime can run the CUDA execution provider here (one check for every GPU test module), the
+sessions and feeds the CUDA kernel tests share, and the host emulation's build (the kernels' logic without a GPU)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
+import shutil
+import subprocess
 from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -14,6 +19,7 @@ import contrib_ops
 from fusion.reference._bounds import bfloat16
 
 CUDA = "CUDAExecutionProvider"
+TOOLS = Path(__file__).resolve().parents[1] / "contrib_ops" / "cuda" / "tools"
 
 
 def with_supported_ir(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -65,3 +71,16 @@ def feeds_of(inputs: Iterable[tuple[str, np.ndarray | None]]) -> dict[str, np.nd
     """numpy feeds of (name, value) pairs, absent ones left out: bfloat16 values enter as float32 (the tests'
     one-node models cast them on the GPU, exactly)."""
     return {name: (v.astype(np.float32) if v.dtype == bfloat16 else v) for name, v in inputs if v is not None}
+
+
+def emulated_library(script: str, library: str, out: Path) -> ctypes.CDLL:
+    """Build CUDA kernels for the host emulation with ``contrib_ops/cuda/tools/<script>`` into ``out`` and load
+    ``<library>`` from there; skip where there is no g++ or no CUDA headers ($CUDA_HOME/include)."""
+    include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda_fp16.h"
+    if shutil.which(os.environ.get("CXX", "g++")) is None or not include.is_file():
+        import pytest
+
+        pytest.skip("the host emulation needs g++ (C++20) and the CUDA headers ($CUDA_HOME/include)")
+    result = subprocess.run(["bash", str(TOOLS / script), str(out)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return ctypes.CDLL(str(out / library))

@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,13 +26,12 @@ from fusion.reference.causal_conv1d_update import budget_report as conv_budget_r
 from fusion.reference.causal_conv1d_update import causal_conv1d_update
 from fusion.reference.selective_state_update import budget_report as ssu_budget_report
 from fusion.reference.selective_state_update import selective_state_update
-from tests._cuda import cuda_problem, cuda_session, feeds_of
+from tests._cuda import cuda_problem, cuda_session, emulated_library, feeds_of
 from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
 from tests.test_selective_state_update_special import special_cases
 
 ort = pytest.importorskip("onnxruntime")
 _problem = cuda_problem(ort)
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -360,14 +355,7 @@ def test_conv_bad_inputs_name_the_input() -> None:
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda_fp16.h"
-    if shutil.which(os.environ.get("CXX", "g++")) is None or not include.is_file():
-        pytest.skip("the host emulation needs g++ (C++20) and the CUDA headers ($CUDA_HOME/include)")
-    out = tmp_path_factory.mktemp("emulated")
-    script = REPO / "contrib_ops" / "cuda" / "tools" / "emulate_decode.sh"
-    result = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, check=False)
-    assert result.returncode == 0, f"emulate_decode.sh failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    lib = ctypes.CDLL(str(out / "libmambafuse_decode_emulated.so"))
+    lib = emulated_library("emulate_decode.sh", "libmambafuse_decode_emulated.so", tmp_path_factory.mktemp("emulated"))
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.mambafuse_ssu_launch.argtypes = [p] * 10 + [i, i, i] + [i64] * 5 + [i, p]
     lib.mambafuse_conv_update_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, p]

@@ -14,35 +14,25 @@ real kernels on a GPU.
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fusion.reference.causal_conv1d import budget_report as conv_budget_report
 from fusion.reference.mamba_chunk_scan import budget_report as scan_budget_report
+from tests._cuda import emulated_library
 from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16
 from tests.test_causal_conv1d_kernel import make_inputs as conv_inputs
 from tests.test_mamba_chunk_scan_kernel import make_inputs as scan_inputs
 
-REPO = Path(__file__).resolve().parents[1]
 ONNX_TYPE = {FLOAT: 1, FLOAT16: 10, BFLOAT16: 16}
 COPY_MODES = ["deferred", "immediate"]
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda_fp16.h"
-    if shutil.which(os.environ.get("CXX", "g++")) is None or not include.is_file():
-        pytest.skip("the host emulation needs g++ (C++20) and the CUDA headers ($CUDA_HOME/include)")
     out = tmp_path_factory.mktemp("prefill_emulated")
-    script = REPO / "contrib_ops" / "cuda" / "tools" / "emulate_prefill.sh"
-    result = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True, check=False)
-    assert result.returncode == 0, f"emulate_prefill.sh failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    lib = ctypes.CDLL(str(out / "libmambafuse_prefill_emulated.so"))
+    lib = emulated_library("emulate_prefill.sh", "libmambafuse_prefill_emulated.so", out)
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_chunk_scan_path.argtypes = [i64, i64, i]
