@@ -128,7 +128,8 @@ def test_a_prompt_in_pieces_equals_the_prompt_at_once(path: str, t: np.dtype) ->
 
 def test_the_two_kernels_agree_at_real_width(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nemotron-H-8B's head and state widths (P 64, N 128, 16 heads a group), 300 tokens in float16: both kernels
-    within the budget, and within 1e-4 of each other."""
+    within the budget, and within 1e-4 of each other plus a millionth of the largest output (the slowly decaying
+    head's outputs reach ~260 here, where the two kernels' float32 sums part by ~1e-4 in the host emulation)."""
     rng = np.random.default_rng(11)
     inputs = make_inputs(rng, FLOAT16, batch=1, length=300, heads=16, head_dim=64, groups=1, state_size=128)
     results = {}
@@ -136,7 +137,7 @@ def test_the_two_kernels_agree_at_real_width(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setenv(PATH_VARIABLE, name)
         results[name] = check(inputs)
     for a, b in zip(results["chunked"], results["sequential"], strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 + 1e-6 * float(np.abs(b).max()))
 
 
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)

@@ -47,7 +47,7 @@ def make_inputs(
     (A = -0.02): with A alone from the usual range (down to -4.5 a unit of time) the state's share of a chunk's later
     rows falls below the budget, and a kernel reading the wrong state or C there would pass."""
     a = -np.exp(rng.uniform(-2, 1.5, heads)).astype(np.float32)
-    a[0] = -0.02
+    a[:1] = -0.02  # (no head: nothing)
     return {
         "x": rng.standard_normal((batch, length, heads, head_dim)).astype(t),
         "dt": (rng.standard_normal((batch, length, heads)) - 1).astype(t),
