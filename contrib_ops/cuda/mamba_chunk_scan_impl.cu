@@ -170,6 +170,21 @@ __device__ __forceinline__ void LoadBColumns2(Tf32Operand<2, kSplit> (&b)[2], co
   for (int i = 0; i < 4; ++i) b[i / 2].Set(i % 2, __uint_as_float(r[i]));
 }
 
+// d[n8] += A·B (with MmaSplit's second accumulator) on a 16 × 16 tile over k < k_end, A[r][k] at a[r·lda + k] and
+// B[k][n] at b[n·ldb + k]: C·Sᵀ and C·Bᵀ in the kernel for any widths.
+template <bool kSplitA, bool kSplitB>
+__device__ __forceinline__ void ProductTile(float (&d)[2][4], float (&small)[2][4], const float* a, int lda,
+                                            const float* b, int ldb, int k_end, int lane) {
+  for (int k0 = 0; k0 < k_end; k0 += 8) {
+    Tf32Operand<4, kSplitA> fa;
+    LoadARows(fa, a + k0, lda, lane);
+    Tf32Operand<2, kSplitB> fb[2];
+    LoadBColumns2(fb, b + k0, ldb, lane);
+    MmaSplit(d[0], small[0], fa, fb[0]);
+    MmaSplit(d[1], small[1], fa, fb[1]);
+  }
+}
+
 // The two 16-bit values of T in a 32-bit word (the lower address first) in float.
 template <typename T>
 __device__ __forceinline__ float2 WidenPair(uint32_t word) {
@@ -611,14 +626,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
           }
         }
       } else {
-        for (int k0 = 0; k0 < n16; k0 += 8) {
-          Tf32Operand<4, kSplitInput> a;
-          LoadARows(a, cm + i * 16 * ldn + k0, ldn, lane);
-          Tf32Operand<2, true> s[2];
-          LoadBColumns2(s, ss + j * 16 * lds + k0, lds, lane);
-          MmaSplit(y[k][0], small[0], a, s[0]);
-          MmaSplit(y[k][1], small[1], a, s[1]);
-        }
+        ProductTile<kSplitInput, true>(y[k], small, cm + i * 16 * ldn, ldn, ss + j * 16 * lds, lds, n16, lane);
       }
       AddSmall(y[k][0], small[0]);
       AddSmall(y[k][1], small[1]);
@@ -640,14 +648,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
           MmaHalf<T>(w[1], a, bt[2], bt[3]);
         }
       } else {
-        for (int k0 = 0; k0 < n16; k0 += 8) {
-          Tf32Operand<4, kSplitInput> a;
-          LoadARows(a, cm + i * 16 * ldn + k0, ldn, lane);
-          Tf32Operand<2, kSplitInput> bt[2];
-          LoadBColumns2(bt, bs + j * 16 * ldn + k0, ldn, lane);
-          MmaSplit(w[0], small[0], a, bt[0]);
-          MmaSplit(w[1], small[1], a, bt[1]);
-        }
+        ProductTile<kSplitInput, kSplitInput>(w, small, cm + i * 16 * ldn, ldn, bs + j * 16 * ldn, ldn, n16, lane);
       }
       if constexpr (kSplitInput) {
         AddSmall(w[0], small[0]);
