@@ -74,17 +74,26 @@ T& EmuSlot(EmuWarp& warp, unsigned lane) {
   return *reinterpret_cast<T*>(warp.slots[lane]);
 }
 
+// A warp-wide instruction: this lane puts `operands` in its slot, the 32 lanes meet, each computes its result by
+// `result(warp, lane)` from every lane's slot, and they meet again before any slot is reused.
+template <typename Operands, typename Result>
+auto EmuWarpWide(const Operands& operands, Result result) {
+  EmuWarp& w = EmuThisWarp();
+  const unsigned lane = EmuLane();
+  EmuSlot<Operands>(w, lane) = operands;
+  w.bar.arrive_and_wait();
+  const auto r = result(w, lane);
+  w.bar.arrive_and_wait();
+  return r;
+}
+
 // v of lane `source(lane)` (the lane's own v where that is outside the warp), after all 32 lanes gave theirs.
 template <typename T, typename Source>
 T EmuShuffle(T v, Source source) {
-  EmuWarp& w = EmuThisWarp();
-  const unsigned lane = EmuLane();
-  EmuSlot<T>(w, lane) = v;
-  w.bar.arrive_and_wait();
-  const int from = source(static_cast<int>(lane));
-  const T r = from >= 0 && from < 32 ? EmuSlot<T>(w, static_cast<unsigned>(from)) : v;
-  w.bar.arrive_and_wait();
-  return r;
+  return EmuWarpWide(v, [&](EmuWarp& w, unsigned lane) {
+    const int from = source(static_cast<int>(lane));
+    return from >= 0 && from < 32 ? EmuSlot<T>(w, static_cast<unsigned>(from)) : v;
+  });
 }
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int mask) {

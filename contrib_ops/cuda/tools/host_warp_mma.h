@@ -8,6 +8,7 @@
 // that lands in a buffer other threads still read then shows).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -44,19 +45,18 @@ struct MmaOperands {
 // B(k, column) read from the warp's slots.
 template <int kK, typename AFn, typename BFn>
 void MmaLane(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, AFn a_at, BFn b_at) {
-  EmuWarp& w = EmuThisWarp();
-  const unsigned lane = EmuLane();
-  EmuSlot<MmaOperands>(w, lane) = {{a[0], a[1], a[2], a[3]}, {b0, b1}, {d[0], d[1], d[2], d[3]}};
-  w.bar.arrive_and_wait();
-  const int g = static_cast<int>(lane / 4), t = static_cast<int>(lane % 4);
-  float out[4];
-  for (int e = 0; e < 4; ++e) {
-    const int row = g + 8 * (e / 2), column = 2 * t + e % 2;
-    double sum = d[e];
-    for (int k = 0; k < kK; ++k) sum += static_cast<double>(a_at(w, row, k)) * static_cast<double>(b_at(w, k, column));
-    out[e] = static_cast<float>(sum);
-  }
-  w.bar.arrive_and_wait();
+  const MmaOperands operands = {{a[0], a[1], a[2], a[3]}, {b0, b1}, {d[0], d[1], d[2], d[3]}};
+  const auto out = EmuWarpWide(operands, [&](EmuWarp& w, unsigned lane) {
+    const int g = static_cast<int>(lane / 4), t = static_cast<int>(lane % 4);
+    std::array<float, 4> sums;
+    for (int e = 0; e < 4; ++e) {
+      const int row = g + 8 * (e / 2), column = 2 * t + e % 2;
+      double sum = d[e];
+      for (int k = 0; k < kK; ++k) sum += static_cast<double>(a_at(w, row, k)) * static_cast<double>(b_at(w, k, column));
+      sums[e] = static_cast<float>(sum);
+    }
+    return sums;
+  });
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 
@@ -101,14 +101,14 @@ void MmaHalf(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 // ldmatrix x4: lane i gives the address of row i % 8 of block i / 8; lane L receives in r[j] the 32-bit word
 // L % 4 of row L / 4 of block j.
 inline void LoadMatrixX4(uint32_t (&r)[4], const void* row_address) {
-  EmuWarp& w = EmuThisWarp();
-  const unsigned lane = EmuLane();
-  EmuSlot<const unsigned char*>(w, lane) = static_cast<const unsigned char*>(row_address);
-  w.bar.arrive_and_wait();
-  for (unsigned j = 0; j < 4; ++j) {
-    std::memcpy(&r[j], EmuSlot<const unsigned char*>(w, 8 * j + lane / 4) + 4 * (lane % 4), 4);
-  }
-  w.bar.arrive_and_wait();
+  const auto words = EmuWarpWide(static_cast<const unsigned char*>(row_address), [](EmuWarp& w, unsigned lane) {
+    std::array<uint32_t, 4> loaded;
+    for (unsigned j = 0; j < 4; ++j) {
+      std::memcpy(&loaded[j], EmuSlot<const unsigned char*>(w, 8 * j + lane / 4) + 4 * (lane % 4), 4);
+    }
+    return loaded;
+  });
+  for (unsigned j = 0; j < 4; ++j) r[j] = words[j];
 }
 
 inline void CopyAsync16(void* shared, const void* global) {
