@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx.helper as oh
+import pytest
 
 import contrib_ops
 from fusion.reference._bounds import bfloat16
@@ -73,13 +74,20 @@ def feeds_of(inputs: Iterable[tuple[str, np.ndarray | None]]) -> dict[str, np.nd
     return {name: (v.astype(np.float32) if v.dtype == bfloat16 else v) for name, v in inputs if v is not None}
 
 
+#: The ONNX element type numbers the emulated libraries' entry points take.
+ONNX_TYPE = {np.dtype(np.float32): 1, np.dtype(np.float16): 10, np.dtype(bfloat16): 16}
+
+
+def host_pointer(a: np.ndarray | None) -> int | None:
+    """The address of ``a``'s data for an emulated kernel (None for an absent optional input)."""
+    return None if a is None else a.ctypes.data
+
+
 def emulated_library(script: str, library: str, out: Path) -> ctypes.CDLL:
     """Build CUDA kernels for the host emulation with ``contrib_ops/cuda/tools/<script>`` into ``out`` and load
     ``<library>`` from there; skip where there is no g++ or no CUDA headers ($CUDA_HOME/include)."""
     include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda_fp16.h"
     if shutil.which(os.environ.get("CXX", "g++")) is None or not include.is_file():
-        import pytest
-
         pytest.skip("the host emulation needs g++ (C++20) and the CUDA headers ($CUDA_HOME/include)")
     result = subprocess.run(["bash", str(TOOLS / script), str(out)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"

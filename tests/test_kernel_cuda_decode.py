@@ -26,8 +26,8 @@ from fusion.reference.causal_conv1d_update import budget_report as conv_budget_r
 from fusion.reference.causal_conv1d_update import causal_conv1d_update
 from fusion.reference.selective_state_update import budget_report as ssu_budget_report
 from fusion.reference.selective_state_update import selective_state_update
-from tests._cuda import cuda_problem, cuda_session, emulated_library, feeds_of
-from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
+from tests._cuda import ONNX_TYPE, cuda_problem, cuda_session, emulated_library, feeds_of, host_pointer
+from tests._decode_step import DTYPE_IDS, DTYPES, FLOAT, FLOAT16, one_node_model
 from tests.test_selective_state_update_special import special_cases
 
 ort = pytest.importorskip("onnxruntime")
@@ -362,13 +362,6 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return lib
 
 
-ONNX_TYPE = {FLOAT: 1, FLOAT16: 10, BFLOAT16: 16}
-
-
-def _ptr(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data
-
-
 def _emulated_ssu(
     emulated: ctypes.CDLL, inputs: dict[str, np.ndarray], t: type, s: type, dt_softplus: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -377,9 +370,9 @@ def _emulated_ssu(
     out = np.full(inputs["x"].shape, np.nan, t)
     present = np.full(inputs["state"].shape, np.nan, s)
     rc = emulated.mambafuse_ssu_launch(
-        *(_ptr(inputs[n]) for n in SSU_NAMES),
-        _ptr(out),
-        _ptr(present),
+        *(host_pointer(inputs[n]) for n in SSU_NAMES),
+        host_pointer(out),
+        host_pointer(present),
         ONNX_TYPE[t],
         ONNX_TYPE[s],
         ONNX_TYPE[inputs["D"].dtype],
@@ -432,9 +425,9 @@ def test_emulated_kernels_within_budget(emulated: ctypes.CDLL, monkeypatch: pyte
         y = np.full(inputs["x"].shape, np.nan, t)
         present = np.full(inputs["conv_state"].shape, np.nan, t)
         rc = emulated.mambafuse_conv_update_launch(
-            *(_ptr(inputs[n]) for n in CONV_NAMES),
-            _ptr(y),
-            _ptr(present),
+            *(host_pointer(inputs[n]) for n in CONV_NAMES),
+            host_pointer(y),
+            host_pointer(present),
             ONNX_TYPE[t],
             batch,
             channels,

@@ -20,12 +20,11 @@ import pytest
 
 from fusion.reference.causal_conv1d import budget_report as conv_budget_report
 from fusion.reference.mamba_chunk_scan import budget_report as scan_budget_report
-from tests._cuda import emulated_library
+from tests._cuda import ONNX_TYPE, emulated_library, host_pointer
 from tests._decode_step import BFLOAT16, DTYPE_IDS, DTYPES, FLOAT, FLOAT16
 from tests.test_causal_conv1d_kernel import make_inputs as conv_inputs
 from tests.test_mamba_chunk_scan_kernel import make_inputs as scan_inputs
 
-ONNX_TYPE = {FLOAT: 1, FLOAT16: 10, BFLOAT16: 16}
 COPY_MODES = ["deferred", "immediate"]
 
 
@@ -35,7 +34,6 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib = emulated_library("emulate_prefill.sh", "libmambafuse_prefill_emulated.so", out)
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
-    lib.mambafuse_chunk_scan_path.argtypes = [i64, i64, i]
     lib.mambafuse_causal_conv1d_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, p]
     return lib
 
@@ -46,10 +44,6 @@ def copy_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     return request.param
 
 
-def _ptr(a: np.ndarray | None) -> int | None:
-    return None if a is None else a.ctypes.data
-
-
 def run_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: int = 1) -> tuple[np.ndarray, ...]:
     """The emulated MambaChunkScan (path 1 chunked, 2 sequential) on ``inputs``; out and final state start NaN."""
     batch, length, heads, head_dim = inputs["x"].shape
@@ -58,9 +52,9 @@ def run_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: 
     final = np.full((batch, heads, head_dim, state_size), np.nan, np.float32)
     d, state = inputs["D"], inputs["initial_state"]
     rc = emulated.mambafuse_chunk_scan_launch(
-        *(_ptr(inputs[n]) for n in ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")),
-        _ptr(out),
-        _ptr(final),
+        *(host_pointer(inputs[n]) for n in ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")),
+        host_pointer(out),
+        host_pointer(final),
         ONNX_TYPE[inputs["x"].dtype],
         ONNX_TYPE[d.dtype if d is not None else FLOAT],
         ONNX_TYPE[state.dtype if state is not None else FLOAT],
@@ -172,12 +166,12 @@ def check_conv(
     y = np.full(x.shape, np.nan, t)
     final = np.full((batch, channels, state_len), np.nan, t)
     rc = emulated.mambafuse_causal_conv1d_launch(
-        _ptr(x),
-        _ptr(weight),
-        _ptr(inputs["bias"]),
-        _ptr(state),
-        _ptr(y),
-        _ptr(final),
+        host_pointer(x),
+        host_pointer(weight),
+        host_pointer(inputs["bias"]),
+        host_pointer(state),
+        host_pointer(y),
+        host_pointer(final),
         ONNX_TYPE[t],
         batch,
         channels,

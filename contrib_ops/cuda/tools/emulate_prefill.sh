@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Builds the prefill CUDA kernels (MambaChunkScan, CausalConv1d) for the host emulation in host_emulation.h and
 # host_warp_mma.h, with g++ and the CUDA headers only (no GPU, no nvcc run): libmambafuse_prefill_emulated.so, the
-# benchmarks' ctypes entry points (tools/cuda_prefill_bench_launch.cc) on host memory, used by the emulation tests of
-# tests/test_mamba_chunk_scan_cuda.py and tests/test_causal_conv1d_cuda.py. The kernel sources are copied with their
-# `<<<grid, block, bytes, stream>>>` launches rewritten to EmuLaunch and their `extern __shared__` arrays to
-# EmuDynamicShared, and host_warp_mma.h and host_approx_math.h copied in as warp_mma.cuh and approx_math.cuh; nothing
-# else changes. The CPU core's argument
+# benchmarks' ctypes entry points (tools/cuda_prefill_bench_launch.cc) on host memory, used by
+# tests/test_prefill_cuda_emulation.py. The kernel sources are copied with their `<<<grid, block, bytes, stream>>>`
+# launches rewritten to EmuLaunch and their `extern __shared__` arrays to EmuDynamicShared, and host_warp_mma.h and
+# host_approx_math.h copied in as warp_mma.cuh and approx_math.cuh; nothing else changes. The CPU core's argument
 # checks link in; its math entry points (which the emulated library never calls) are stubs that abort.
 # Usage: emulate_prefill.sh <out dir> [kernel source for mamba_chunk_scan_impl.cu]   (the second: try a variant)
 set -euo pipefail
