@@ -107,6 +107,36 @@ def test_the_half_path(
     check_scan(emulated, inputs)
 
 
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("state_size", [128, 64])
+def test_the_half_path_over_many_chunks(emulated: ctypes.CDLL, copy_mode: str, t: np.dtype, state_size: int) -> None:
+    """Four chunks and a short fifth (the staging buffers go round more than once), two batch rows, four heads in
+    two groups, a state of the input type."""
+    rng = np.random.default_rng(state_size + 7)
+    inputs = scan_inputs(
+        rng, t, batch=2, length=300, heads=4, head_dim=64, groups=2, state_size=state_size, d_type=t, state_type=t
+    )
+    check_scan(emulated, inputs)
+
+
+def test_a_nan_on_the_half_path_stays_in_its_head_and_after_its_token(emulated: ctypes.CDLL) -> None:
+    """A NaN time step at token 70 of head 1: that head's outputs from token 70 on and its state are NaN; its
+    earlier tokens (70 is in the second chunk) and the other heads are what they are without it."""
+    rng = np.random.default_rng(5)
+    inputs = scan_inputs(rng, FLOAT16, batch=1, length=100, heads=4, head_dim=64, groups=2, state_size=128)
+    inputs["dt"][0, 70, 1] = np.nan
+    out, final = run_scan(emulated, inputs)
+    assert np.isnan(out[0, 70:, 1]).all() and np.isnan(final[0, 1]).all()
+    assert np.isfinite(out[0, :70, 1]).all()
+    others = [0, 2, 3]
+    assert np.isfinite(out[:, :, others]).all() and np.isfinite(final[:, others]).all()
+    clean = dict(inputs, dt=inputs["dt"].copy())
+    clean["dt"][0, 70, 1] = 0
+    ref_out, ref_final = run_scan(emulated, clean)
+    np.testing.assert_array_equal(out[:, :, others], ref_out[:, :, others])
+    np.testing.assert_array_equal(final[:, others], ref_final[:, others])
+
+
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize(
     ("head_dim", "state_size", "length"), [(64, 128, 130), (40, 24, 70), (8, 16, 65)], ids=["real", "odd", "small"]
