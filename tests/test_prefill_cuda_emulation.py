@@ -252,3 +252,12 @@ def test_the_conv(
         channels_last=channels_last,
     )
     check_conv(emulated, inputs, channels_last=channels_last)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+def test_the_conv_over_many_tiles_and_a_part_step(emulated: ctypes.CDLL, t: np.dtype) -> None:
+    """The channels-last kernel over 203 tokens: tiles of 16 (four steps each) and a last tile of 11 (two steps and a
+    part step of three tokens), at batch 2."""
+    rng = np.random.default_rng(203)
+    inputs = conv_inputs(rng, t=t, batch=2, channels=48, length=203, width=4, state_width=4, channels_last=1)
+    check_conv(emulated, inputs, channels_last=1)

@@ -3,15 +3,19 @@
 // The op moves x in and y out once, so the kernels aim at a copy's pace: each reads x in wide coalesced loads, keeps
 // what neighbouring tokens' K taps share in registers, and spends few instructions per output.
 //
-// Channels-last (x [B, L, C], the in_proj's layout; K = 4): a thread owns V channels (V = 16 bytes of T: 8 float16 or
-// bfloat16, 4 float; V = 1 where C is not a multiple of it or x or y is not 16-byte aligned), a block 128 threads
+// Channels-last (x [B, L, C], the in_proj's layout; K = 4): a thread owns V channels (V = 8 bytes of T: 4 float16 or
+// bfloat16, 2 float; V = 1 where C is not a multiple of it or x or y is not 8-byte aligned), a block 128 threads
 // (128 V channels) of one batch row and one tile of tokens. The thread loads the K - 1 halo rows before its tile
 // (from x, or from the initial state's last K - 1 columns for the first tile) and walks the tile 4 tokens at a time:
-// four 16-byte loads of x in flight, then four outputs from the register window of the last K + 3 rows, then the
-// window slides. A warp's load of one row is 512 contiguous bytes. The tile length is picked so that the grid fills
-// the GPU's resident blocks once (at least 16 tokens, so the halo rows are at most (K - 1) / 16 more reads, most of
-// them from L2): at C = 10240, L = 2048, float16, batch 1, 10 channel blocks times 52 tiles of 40 tokens on 132
-// multiprocessors holding 4 each. The block holding a row's last tokens writes the final state of its channels.
+// four loads of x in flight, then four outputs from the register window of the last K + 3 rows, then the window
+// slides. A warp's load of one row is 256 contiguous bytes. 8 bytes rather than 16: the kernel waits on its loads
+// with few warps to switch to (Nsight Compute, H100: half the issue slots idle, mostly on loads in flight), and
+// at 8 bytes a thread needs ~80 registers, so a multiprocessor holds 6 blocks (24 warps) instead of 4 (16 warps at
+// 128 registers); staging the loads through shared memory with cp.async, or loading the next step before this
+// step's arithmetic, measured slower (benchmarks/RESULTS.md). The tile length is picked so that the grid fills the
+// GPU's resident blocks once (at least 16 tokens, so the halo rows are at most (K - 1) / 16 more reads, most of them
+// from L2): at C = 10240, L = 2048, float16, batch 1, 20 channel blocks times 37 tiles of 56 tokens on 132
+// multiprocessors holding 6 each. The block holding a row's last tokens writes the final state of its channels.
 //
 // Channels-first (x [B, C, L]; K = 4): a thread owns V consecutive tokens of one channel (V = 16 bytes of T where L
 // is a multiple of it, else 1), threads numbered along the rows, so a warp reads 512 contiguous bytes. Its K - 1
@@ -23,10 +27,11 @@
 //
 // Rounding (the contract's): the K products and their sum in float32, in k order, as separate multiplies and adds
 // (no FMA: the exported Conv's arithmetic, and CausalConv1dUpdate's CUDA kernel's), the bias added last, one
-// rounding to T; SiLU as the exported Sigmoid then Mul, each rounded to T. The sigmoid (SigmoidModerate) takes 7
-// instructions, within 10 float32 unit roundoffs where the budget allows 16; the arithmetic per output is what
-// bounds the kernel's pace next to a copy's (docs/causal_conv1d.md, CUDA kernel). The final state is a copy of T's
-// bits.
+// rounding to T; SiLU as the exported Sigmoid then Mul, each rounded to T (for float16 and bfloat16 the Mul is one
+// packed multiply of the two rounded pairs, which gives the float32 product's rounding). The sigmoid
+// (SigmoidModerate) takes 7 instructions, within 10 float32 unit roundoffs where the budget allows 16; the
+// arithmetic per output and the loads' latency are what bound the kernel's pace next to a copy's
+// (docs/causal_conv1d.md, CUDA kernel). The final state is a copy of T's bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -43,10 +48,35 @@
 namespace mambafuse {
 namespace {
 
+// The channels-last kernel's compile-time settings (benchmarks/sweep_cuda_conv.py builds and times other values):
+// the tokens of a step, the resident blocks a multiprocessor is asked to hold (__launch_bounds__'s second argument),
+// the bytes of a thread's vector of channels, the sum's products by FMA (a different rounding, within the budget;
+// for measurements) and SiLU's product as a packed multiply of 16-bit pairs (the same bits).
+#ifndef MAMBAFUSE_CONV_UNROLL
+#define MAMBAFUSE_CONV_UNROLL 4
+#endif
+#ifndef MAMBAFUSE_CONV_MIN_BLOCKS
+#define MAMBAFUSE_CONV_MIN_BLOCKS 4
+#endif
+#ifndef MAMBAFUSE_CONV_VECTOR_BYTES
+#define MAMBAFUSE_CONV_VECTOR_BYTES 8
+#endif
+#ifndef MAMBAFUSE_CONV_FUSED_SUM
+#define MAMBAFUSE_CONV_FUSED_SUM 0
+#endif
+#ifndef MAMBAFUSE_CONV_HALF_PRODUCT
+#define MAMBAFUSE_CONV_HALF_PRODUCT 1
+#endif
+
 constexpr int kThreads = 128;
-constexpr int kUnroll = 4;    // tokens a channels-last thread loads before it computes
+constexpr int kUnroll = MAMBAFUSE_CONV_UNROLL;  // tokens of a channels-last step
+constexpr int kVectorBytes = MAMBAFUSE_CONV_VECTOR_BYTES;
+constexpr bool kFusedSum = MAMBAFUSE_CONV_FUSED_SUM != 0;  // the channels-last sum's products by FMA (a diagnostic)
+constexpr bool kHalfProduct = MAMBAFUSE_CONV_HALF_PRODUCT != 0;  // SiLU's product of 16-bit pairs in T (Activate)
 constexpr int kMinTile = 16;  // fewest tokens a channels-last block walks
 constexpr int kFastWidth = 4;
+static_assert(kUnroll >= 1 && kMinTile % kUnroll == 0, "a tile is a whole number of steps");
+static_assert(kVectorBytes == 4 || kVectorBytes == 8 || kVectorBytes == 16, "vectors of 4, 8 or 16 bytes");
 
 struct Params {
   const void* x;
@@ -158,34 +188,85 @@ __device__ __forceinline__ void NarrowVector(const float (&a)[V], Pack<T, V>& ou
   }
 }
 
+// The pair type of a 16-bit T, and a pair of floats rounded to it (one packed conversion, each element rounded to
+// nearest even).
+template <typename T>
+using PairOf = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+template <typename T>
+__device__ __forceinline__ PairOf<T> RoundPair(float a, float b) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __floats2half2_rn(a, b);
+  } else {
+    return __floats2bfloat162_rn(a, b);
+  }
+}
+template <typename T>
+__device__ __forceinline__ float2 WidenPair(PairOf<T> pair) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __half22float2(pair);
+  } else {
+    return __bfloat1622float2(pair);
+  }
+}
+
+// sigmoid(v[i]) for V values: SigmoidModerate where every |v| is below kModerate (or NaN), else SigmoidAnyValue.
+template <int V>
+__device__ __forceinline__ void SigmoidVector(const float (&v)[V], float (&sigmoid)[V]) {
+  float largest = 0.f;  // of |v|; fmaxf skips a NaN, which stays NaN on either path
+#pragma unroll
+  for (int i = 0; i < V; ++i) largest = fmaxf(largest, fabsf(v[i]));
+  if (largest < kModerate) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) sigmoid[i] = SigmoidModerate(v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) sigmoid[i] = SigmoidAnyValue(v[i]);
+  }
+}
+
 // The outputs of V float32 sums: v = round_T(sum), then SiLU as Sigmoid and Mul, each rounded to T.
 template <typename T, int V>
 __device__ __forceinline__ Pack<T, V> Activate(float (&sum)[V], int silu) {
+  Pack<T, V> out;
+  if constexpr (kHalfProduct && !std::is_same_v<T, float> && V % 2 == 0) {
+    if (silu) {
+      // v and sigmoid(v) rounded to T in pairs; their product by one packed multiply of T, which rounds the exact
+      // product as a float32 product narrowed to T does (at most 11 significant bits each, 8 in bfloat16, so the
+      // float32 product is exact): the same bits in a quarter of the instructions.
+      PairOf<T> v_pairs[V / 2];
+#pragma unroll
+      for (int i = 0; i < V; i += 2) {
+        v_pairs[i / 2] = RoundPair<T>(sum[i], sum[i + 1]);
+        const float2 v = WidenPair<T>(v_pairs[i / 2]);
+        sum[i] = v.x;
+        sum[i + 1] = v.y;
+      }
+      float sigmoid[V];
+      SigmoidVector<V>(sum, sigmoid);
+#pragma unroll
+      for (int i = 0; i < V; i += 2) {
+        const PairOf<T> y = __hmul2(v_pairs[i / 2], RoundPair<T>(sigmoid[i], sigmoid[i + 1]));
+        out.v[i] = y.x;
+        out.v[i + 1] = y.y;
+      }
+      return out;
+    }
+  }
   if (silu) {
     RoundVector<T, V>(sum);
     float sigmoid[V];
-    float largest = 0.f;  // of |v|; fmaxf skips a NaN, which stays NaN on either path
-#pragma unroll
-    for (int i = 0; i < V; ++i) largest = fmaxf(largest, fabsf(sum[i]));
-    if (largest < kModerate) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) sigmoid[i] = SigmoidModerate(sum[i]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < V; ++i) sigmoid[i] = SigmoidAnyValue(sum[i]);
-    }
+    SigmoidVector<V>(sum, sigmoid);
     RoundVector<T, V>(sigmoid);
 #pragma unroll
     for (int i = 0; i < V; ++i) sum[i] = __fmul_rn(sum[i], sigmoid[i]);
   }
-  Pack<T, V> out;
   NarrowVector<T, V>(sum, out);
   return out;
 }
 
 // x [B, L, C]: block (channel block, token tile, batch row); thread: channels c0 .. c0 + V, tokens t0 .. t1.
 template <typename T, int V>
-__global__ void __launch_bounds__(kThreads) ChannelsLastKernel(const Params p) {
+__global__ void __launch_bounds__(kThreads, MAMBAFUSE_CONV_MIN_BLOCKS) ChannelsLastKernel(const Params p) {
   constexpr int kK = kFastWidth;
   constexpr int kHalo = kK - 1;
   const int64_t channels = p.channels;
@@ -210,7 +291,7 @@ __global__ void __launch_bounds__(kThreads) ChannelsLastKernel(const Params p) {
     bias[v] = has_bias ? Widen(static_cast<const T*>(p.bias)[c0 + v]) : 0.f;
   }
 
-  // Rows t - K + 1 .. t + 3 of the window (in x's rows; a row before 0 is the state's column S + row).
+  // Rows t - K + 1 .. t + kUnroll - 1 of the window (in x's rows; a row before 0 is the state's column S + row).
   float window[kHalo + kUnroll][V];
 #pragma unroll
   for (int j = 0; j < kHalo; ++j) {
@@ -254,7 +335,10 @@ __global__ void __launch_bounds__(kThreads) ChannelsLastKernel(const Params p) {
         for (int v = 0; v < V; ++v) {
           sum[v] = __fmul_rn(w[0][v], window[u][v]);
 #pragma unroll
-          for (int k = 1; k < kK; ++k) sum[v] = __fadd_rn(sum[v], __fmul_rn(w[k][v], window[u + k][v]));
+          for (int k = 1; k < kK; ++k) {
+            sum[v] = kFusedSum ? __fmaf_rn(w[k][v], window[u + k][v], sum[v])
+                               : __fadd_rn(sum[v], __fmul_rn(w[k][v], window[u + k][v]));
+          }
           if (has_bias) sum[v] = __fadd_rn(sum[v], bias[v]);
         }
         StorePack<T, V>(y + static_cast<int64_t>(t + u) * channels, Activate<T, V>(sum, p.silu));
@@ -471,22 +555,24 @@ cudaError_t LaunchAnyWidth(const Params& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// 16 bytes of T where the layout's contiguous dimension and both pointers allow it, else 1.
-int VectorWidth(const CausalConv1dCpuArgs& a, int element_bytes) {
-  const int v = 16 / element_bytes;
+// Whether a vector of `bytes` bytes of T fits: the layout's contiguous dimension a multiple of it and both pointers
+// aligned to it.
+bool VectorFits(const CausalConv1dCpuArgs& a, int element_bytes, int bytes) {
   const int64_t contiguous = a.channels_last ? a.channels : a.length;
-  return contiguous % v == 0 && Aligned(a.x, 16) && Aligned(a.y, 16) ? v : 1;
+  return contiguous % (bytes / element_bytes) == 0 && Aligned(a.x, bytes) && Aligned(a.y, bytes);
 }
 
 template <typename T>
 cudaError_t LaunchTyped(const CausalConv1dCpuArgs& a, const Params& p, cudaStream_t stream) {
   constexpr int kV = 16 / sizeof(T);
-  const bool vector = VectorWidth(a, sizeof(T)) == kV;
+  constexpr int kLastV = kVectorBytes / sizeof(T);
   switch (ChooseCausalConv1dCudaPath(a)) {
     case CausalConv1dCudaPath::kTiledChannelsLast:
-      return vector ? LaunchChannelsLast<T, kV>(p, stream) : LaunchChannelsLast<T, 1>(p, stream);
+      return VectorFits(a, sizeof(T), kVectorBytes) ? LaunchChannelsLast<T, kLastV>(p, stream)
+                                                    : LaunchChannelsLast<T, 1>(p, stream);
     case CausalConv1dCudaPath::kVectorChannelsFirst:
-      return vector ? LaunchChannelsFirst<T, kV>(p, stream) : LaunchChannelsFirst<T, 1>(p, stream);
+      return VectorFits(a, sizeof(T), 16) ? LaunchChannelsFirst<T, kV>(p, stream)
+                                          : LaunchChannelsFirst<T, 1>(p, stream);
     default: return LaunchAnyWidth<T>(p, stream);
   }
 }
