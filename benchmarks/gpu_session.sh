@@ -11,6 +11,9 @@
 #                                                                  # compare it in the same process
 #   STEPS=mobius bash ...  # the mobius cuda-target builds under the CUDA EP and in onnxruntime-genai-cuda
 #   STEPS=e2e bash ...   # the Nemotron-H-8B-shaped model (benchmarks/bench_gpu_nemotron.py; graphs exported first)
+#   STEPS="pytest_prefill sanitizer_prefill bench_prefill conv_sweep" bash ...  # the prefill ops (MambaChunkScan,
+#       CausalConv1d): their GPU suites, compute-sanitizer memcheck + racecheck, the benchmark (with Triton where
+#       .bench-vendor/mamba_ssm_ssd holds mamba_ssm's package) and the conv kernel's variants side by side
 #
 # Needs onnxruntime-gpu importable for pytest_cuda and the ORT tables (e.g. PYTHONPATH=/root/ortgpu), torch with
 # CUDA, ONNX Runtime headers for a build (ONNXRUNTIME_ROOT, default .ort-headers), and for the Triton column
@@ -22,7 +25,9 @@ mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 failed=()
-steps=" ${STEPS:-build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda mobius sanitizer bench ncu e2e} "  # a subset for split sessions
+all_steps="build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda mobius sanitizer bench ncu e2e"
+all_steps+=" pytest_prefill sanitizer_prefill bench_prefill conv_sweep"
+steps=" ${STEPS:-$all_steps} "  # a subset for split sessions
 step() {  # step <name> <command...>: runs, logs to $out/<name>.log, remembers failures
   local name=$1
   shift
@@ -90,5 +95,22 @@ step ncu ncu_profile
 # The Nemotron-H-8B-shaped model, graphs exported here beforehand (python -m benchmarks.bench_gpu_nemotron export)
 step e2e "$py" benchmarks/bench_gpu_nemotron.py run --graphs "${E2E_GRAPHS:-.bench-vendor/nemotron}" \
   --library "$build/libmambafuse_ops.so" --markdown "$out/e2e.md"
+# The prefill ops: GPU suites, compute-sanitizer on their kernels, the benchmark, the conv kernel's variants
+step pytest_prefill "$py" -m pytest -q -p no:cacheprovider -rs tests/test_mamba_chunk_scan_cuda.py \
+  tests/test_causal_conv1d_cuda.py tests/test_prefill_ops_placement.py
+sanitize_prefill() {
+  local tool
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$py" contrib_ops/cuda/tools/sanitize_prefill.py \
+      "$build/cuda/libmambafuse_cuda_prefill_bench.so" --quick || return 1
+  done
+}
+step sanitizer_prefill sanitize_prefill
+triton_args=()
+[[ -d .bench-vendor/mamba_ssm_ssd ]] && triton_args=(--triton .bench-vendor/mamba_ssm_ssd)
+step bench_prefill "$py" benchmarks/bench_cuda_prefill.py --bench-lib "$build/cuda/libmambafuse_cuda_prefill_bench.so" \
+  "${triton_args[@]}" --markdown "$out/bench_prefill.md"
+step conv_sweep "$py" benchmarks/sweep_cuda_conv.py --variant v8= --variant "v16=-DMAMBAFUSE_CONV_VECTOR_BYTES=16" \
+  --variant "v4=-DMAMBAFUSE_CONV_VECTOR_BYTES=4" --markdown "$out/conv_sweep.md"
 echo "=== failed steps: ${failed[*]:-none}"
 [[ ${#failed[@]} -eq 0 ]]
