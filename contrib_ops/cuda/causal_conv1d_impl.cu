@@ -140,54 +140,6 @@ __device__ __forceinline__ void StorePack(T* p, const Pack<T, V>& value) {
   *reinterpret_cast<Pack<T, V>*>(p) = value;
 }
 
-// a[i] = round_T(a[i]) as float; float16 and bfloat16 two at a time (one packed conversion a pair, the same
-// round-to-nearest-even of each element).
-template <typename T, int V>
-__device__ __forceinline__ void RoundVector(float (&a)[V]) {
-  if constexpr (std::is_same_v<T, float>) {
-    return;
-  } else if constexpr (V % 2 == 0 && std::is_same_v<T, __half>) {
-#pragma unroll
-    for (int i = 0; i < V; i += 2) {
-      const float2 pair = __half22float2(__floats2half2_rn(a[i], a[i + 1]));
-      a[i] = pair.x;
-      a[i + 1] = pair.y;
-    }
-  } else if constexpr (V % 2 == 0) {
-#pragma unroll
-    for (int i = 0; i < V; i += 2) {
-      const float2 pair = __bfloat1622float2(__floats2bfloat162_rn(a[i], a[i + 1]));
-      a[i] = pair.x;
-      a[i + 1] = pair.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < V; ++i) a[i] = RoundTo<T>(a[i]);
-  }
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void NarrowVector(const float (&a)[V], Pack<T, V>& out) {
-  if constexpr (V % 2 == 0 && std::is_same_v<T, __half>) {
-#pragma unroll
-    for (int i = 0; i < V; i += 2) {
-      const __half2 pair = __floats2half2_rn(a[i], a[i + 1]);
-      out.v[i] = __low2half(pair);
-      out.v[i + 1] = __high2half(pair);
-    }
-  } else if constexpr (V % 2 == 0 && std::is_same_v<T, __nv_bfloat16>) {
-#pragma unroll
-    for (int i = 0; i < V; i += 2) {
-      const __nv_bfloat162 pair = __floats2bfloat162_rn(a[i], a[i + 1]);
-      out.v[i] = __low2bfloat16(pair);
-      out.v[i + 1] = __high2bfloat16(pair);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < V; ++i) out.v[i] = Narrow<T>(a[i]);
-  }
-}
-
 // The pair type of a 16-bit T, and a pair of floats rounded to it (one packed conversion, each element rounded to
 // nearest even).
 template <typename T>
@@ -206,6 +158,40 @@ __device__ __forceinline__ float2 WidenPair(PairOf<T> pair) {
     return __half22float2(pair);
   } else {
     return __bfloat1622float2(pair);
+  }
+}
+
+// a[i] = round_T(a[i]) as float; float16 and bfloat16 two at a time (one packed conversion a pair, the same
+// round-to-nearest-even of each element).
+template <typename T, int V>
+__device__ __forceinline__ void RoundVector(float (&a)[V]) {
+  if constexpr (std::is_same_v<T, float>) {
+    return;
+  } else if constexpr (V % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < V; i += 2) {
+      const float2 pair = WidenPair<T>(RoundPair<T>(a[i], a[i + 1]));
+      a[i] = pair.x;
+      a[i + 1] = pair.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) a[i] = RoundTo<T>(a[i]);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void NarrowVector(const float (&a)[V], Pack<T, V>& out) {
+  if constexpr (V % 2 == 0 && !std::is_same_v<T, float>) {
+#pragma unroll
+    for (int i = 0; i < V; i += 2) {
+      const PairOf<T> pair = RoundPair<T>(a[i], a[i + 1]);
+      out.v[i] = pair.x;
+      out.v[i + 1] = pair.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) out.v[i] = Narrow<T>(a[i]);
   }
 }
 
