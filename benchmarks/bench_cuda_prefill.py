@@ -49,6 +49,7 @@ WIDTHS = {
 ONNX_FLOAT, ONNX_FLOAT16 = 1, 10
 PATHS = {"chunked": 1, "sequential": 2}
 WARPS_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS"
+STATE_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"
 
 
 def _time_graph(torch, fn, calls: int = 20, repeats: int = 7) -> tuple[float, float, float]:
@@ -83,7 +84,17 @@ def _flops(length: int, batch: int, widths: tuple[int, int, int, int], chunk: in
     return 2.0 * batch * length * (g * chunk * n + h * chunk * p + 2 * h * n * p)
 
 
-def _measure(torch, launch, combined, name: str, batch: int, length: int) -> str:
+def _with_env(variable: str, value: str, fn):
+    """``fn()`` with ``variable`` set (the launcher reads it at each launch, so a graph captured inside keeps the
+    kernel it chose)."""
+    os.environ[variable] = value
+    try:
+        return fn()
+    finally:
+        del os.environ[variable]
+
+
+def _measure(torch, launch, combined, name: str, batch: int, length: int, sequential: bool) -> str:
     """One row of the table: every column's timing for these widths, batch and prompt length."""
     widths = WIDTHS[name]
     h, pd, g, n = widths
@@ -107,14 +118,18 @@ def _measure(torch, launch, combined, name: str, batch: int, length: int) -> str
         if rc != 0:
             raise RuntimeError(f"mambafuse_chunk_scan_launch returned {rc}")
 
-    times = {label: _time_graph(torch, lambda code=code: ours(code)) for label, code in PATHS.items()}
-    os.environ[WARPS_VARIABLE] = "8"  # read at each launch: the chunked kernel with 8 warps a block, not 16
-    try:
-        times["chunked8"] = _time_graph(torch, lambda: ours(PATHS["chunked"]))
-    finally:
-        del os.environ[WARPS_VARIABLE]
-    ours(PATHS["chunked"])
+    chunked = PATHS["chunked"]
+    times = {"chunked": _time_graph(torch, lambda: ours(chunked))}
+    if sequential:
+        times["sequential"] = _time_graph(torch, lambda: ours(PATHS["sequential"]))
+    times["chunked8"] = _with_env(WARPS_VARIABLE, "8", lambda: _time_graph(torch, lambda: ours(chunked)))
+    times["registers"] = _with_env(STATE_VARIABLE, "registers", lambda: _time_graph(torch, lambda: ours(chunked)))
+    _with_env(STATE_VARIABLE, "registers", lambda: ours(chunked))
     torch.cuda.synchronize()
+    out_registers = out.clone()
+    ours(chunked)
+    torch.cuda.synchronize()
+    diff_kernels = f"{(out_registers - out).abs().max().item():.2e}"
     diff = "-"
     if combined is not None:
         bias = dt_bias.float()
@@ -127,7 +142,7 @@ def _measure(torch, launch, combined, name: str, batch: int, length: int) -> str
         times["triton"] = _time_graph(torch, triton)
         y_triton, _ = triton()
         torch.cuda.synchronize()
-        diff = f"{(y_triton.float() - out).abs().max().item():.2e}"
+        diff = f"{(y_triton.float() - out_registers).abs().max().item():.2e}"
     moved = sum(t.numel() * t.element_size() for t in (x, dt, bm, cm, out, state))
     src = torch.empty(moved // 2, device=dev, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -139,13 +154,14 @@ def _measure(torch, launch, combined, name: str, batch: int, length: int) -> str
         med, lo, hi = times[key]
         return f"{med:.1f} ({lo:.1f}-{hi:.1f})"
 
-    chunked = times["chunked"][0]
-    ratio_triton = f"{times['triton'][0] / chunked:.2f}x" if "triton" in times else "-"
-    tflops = _flops(length, batch, widths, 64) / (chunked * 1e-6) / 1e12
+    best = times["registers"][0]
+    ratio = f"{times['chunked'][0] / best:.2f}x"
+    ratio_triton = f"{times['triton'][0] / best:.2f}x" if "triton" in times else "-"
+    tflops = _flops(length, batch, widths, 64) / (best * 1e-6) / 1e12
     return (
-        f"| {name} {widths} | {batch} | {length} | {cell('chunked')} | {cell('chunked8')} | {cell('sequential')} | "
-        f"{cell('triton')} | "
-        f"{cell('copy')} | {ratio_triton} | {chunked / times['copy'][0]:.2f} | {tflops:.1f} | {diff} |"
+        f"| {name} {widths} | {batch} | {length} | {cell('chunked')} | {cell('registers')} | {cell('chunked8')} | "
+        f"{cell('sequential')} | {cell('triton')} | {cell('copy')} | {ratio} | {ratio_triton} | "
+        f"{best / times['copy'][0]:.2f} | {tflops:.1f} | {diff_kernels} | {diff} |"
     )
 
 
@@ -197,6 +213,7 @@ def main() -> None:
     parser.add_argument("--widths", default=",".join(WIDTHS))
     parser.add_argument("--conv-channels", default="10240")
     parser.add_argument("--skip-scan", action="store_true")
+    parser.add_argument("--skip-sequential", action="store_true", help="leave out the sequential kernel's column")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
 
@@ -218,16 +235,17 @@ def main() -> None:
         f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; Python {platform.python_version()}; "
         f"CUDA graph of 20 calls, median (min-max) µs a call of 7 replays; L2 warm (back-to-back calls)",
         "",
-        "| widths (H, P, G, N) | B | T | ours, chunked µs | chunked, 8 warps µs | ours, sequential µs | "
-        "mamba_ssm Triton µs | copy µs | chunked / Triton | chunked / copy | ours TFLOP/s (Q 64) | "
-        "max abs diff vs Triton |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| widths (H, P, G, N) | B | T | ours, state in shared memory µs | ours, state in registers µs | "
+        "shared, 8 warps µs | ours, sequential µs | mamba_ssm Triton µs | copy µs | shared / registers | "
+        "Triton / registers | registers / copy | registers TFLOP/s (Q 64) | max abs diff registers vs shared | "
+        "max abs diff registers vs Triton |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     torch.manual_seed(0)
     for name in [] if args.skip_scan else args.widths.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for length in (int(t) for t in args.lengths.split(",")):
-                line = _measure(torch, launch, combined, name, batch, length)
+                line = _measure(torch, launch, combined, name, batch, length, not args.skip_sequential)
                 print(line, flush=True)
                 lines.append(line)
                 torch.cuda.empty_cache()
@@ -248,8 +266,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
     lines += [
         "",
-        "chunked / Triton > 1: ours faster. chunked / copy: our time in copies of the same bytes (1: the memory "
-        "floor).",
+        "shared / registers and Triton / registers > 1: the register-state kernel faster. registers / copy: its time "
+        "in copies of the same bytes (1: the memory floor). The state-in-shared-memory kernel is the half path "
+        "(MAMBAFUSE_CHUNK_SCAN_CUDA_STATE unset), the registers one RegisterStateScan "
+        "(MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers).",
     ]
     text = "\n".join(lines)
     print(text)

@@ -29,6 +29,7 @@ PATH_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA"
 PATHS = ["chunked", "sequential"]
 WARPS_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS"
 WIDTHS_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS"
+STATE_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"
 
 
 def run_cuda(inputs: dict[str, np.ndarray | None], **attrs: object) -> list[np.ndarray]:
@@ -171,6 +172,71 @@ def test_the_half_path_and_the_kernel_for_any_widths_agree(
     monkeypatch.setenv(WIDTHS_VARIABLE, "any")
     for a, b in zip(half, check(inputs), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("state_size", [128, 64])
+@pytest.mark.parametrize("length", [1, 2, 63, 64, 65, 129, 300])
+@pytest.mark.parametrize(("d_kind", "state_kind"), [("D-f32", "S-f32"), ("D-T", "S-T"), ("no-D", "no-state")])
+def test_the_register_state_kernel(
+    monkeypatch: pytest.MonkeyPatch, t: np.dtype, state_size: int, length: int, d_kind: str, state_kind: str
+) -> None:
+    """MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers (RegisterStateScan, the state in registers) at the models' widths:
+    within the budget, and within 1e-4 of the half path's kernel (state in shared memory) on the same inputs, over
+    prompt lengths around the chunk of 64 and 300 tokens (the three staging slots go round), D and the initial state
+    as float, as T, or absent."""
+    monkeypatch.setenv(PATH_VARIABLE, "chunked")
+    rng = np.random.default_rng(length + state_size)
+    kind = {"D-f32": FLOAT, "S-f32": FLOAT, "D-T": t, "S-T": t, "no-D": None, "no-state": None}
+    inputs = make_inputs(
+        rng, t, batch=2, length=length, heads=4, head_dim=64, groups=2, state_size=state_size,
+        d_type=kind[d_kind], state_type=kind[state_kind],
+    )  # fmt: skip
+    monkeypatch.setenv(STATE_VARIABLE, "shared")
+    shared = check(inputs)
+    monkeypatch.setenv(STATE_VARIABLE, "registers")
+    registers = check(inputs)
+    for a, b in zip(registers, shared, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+def test_the_register_state_kernel_in_pieces_and_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, t: np.dtype) -> None:
+    """RegisterStateScan over 4 × 130 tokens with the state carried equals the prompt at once (within 1e-4), and a
+    one-token prompt replayed in ORT's CUDA graph at Nemotron-H-8B's head widths stays within the budget."""
+    monkeypatch.setenv(PATH_VARIABLE, "chunked")
+    monkeypatch.setenv(STATE_VARIABLE, "registers")
+    rng = np.random.default_rng(21)
+    inputs = make_inputs(rng, t, batch=1, length=520, heads=2, head_dim=64, groups=1, state_size=128)
+    whole_out, whole_state = check(inputs)
+    state, outs = inputs["initial_state"], []
+    for start in range(0, 520, 130):
+        piece = dict(inputs, initial_state=state)
+        for name in ("x", "dt", "B", "C"):
+            piece[name] = inputs[name][:, start : start + 130]
+        out, state = check(piece)
+        outs.append(out)
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), whole_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state, whole_state, rtol=1e-4, atol=1e-4)
+    shape = {"batch": 1, "length": 1, "heads": 16, "head_dim": 64, "groups": 2, "state_size": 128}
+    first = make_inputs(rng, t, **shape)
+    sess = cuda_session(one_node_model(OP, [(n, first[n]) for n in NAMES], OUTPUTS), enable_cuda_graph="1")
+    binding = sess.io_binding()
+    bound = {}
+    for name, value in feeds_of(first.items()).items():
+        bound[name] = ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0)
+        binding.bind_ortvalue_input(name, bound[name])
+    out_value = ort.OrtValue.ortvalue_from_shape_and_type(first["x"].shape, np.float32, "cuda", 0)
+    state_value = ort.OrtValue.ortvalue_from_shape_and_type(first["initial_state"].shape, np.float32, "cuda", 0)
+    binding.bind_ortvalue_output("out", out_value)
+    binding.bind_ortvalue_output("final_state", state_value)
+    for step in range(3):
+        inputs = first if step == 0 else make_inputs(rng, t, **shape)
+        for name, value in feeds_of(inputs.items()).items():
+            bound[name].update_inplace(value)
+        sess.run_with_iobinding(binding)
+        ok, summary = budget_report(out_value.numpy(), state_value.numpy(), **inputs)
+        assert ok, f"replay {step}: {summary}"
 
 
 def test_misaligned_tensors_take_the_plain_loads(monkeypatch: pytest.MonkeyPatch) -> None:

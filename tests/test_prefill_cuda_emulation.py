@@ -26,6 +26,10 @@ from tests.test_causal_conv1d_kernel import make_inputs as conv_inputs
 from tests.test_mamba_chunk_scan_kernel import make_inputs as scan_inputs
 
 COPY_MODES = ["deferred", "immediate"]
+# The half path's two kernels: the state in shared memory (ChunkedScan) and in registers (RegisterStateScan,
+# MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers).
+STATE_KERNELS = ["shared", "registers"]
+STATE_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +45,12 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 @pytest.fixture(params=COPY_MODES)
 def copy_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("MAMBAFUSE_EMU_COPY", request.param)
+    return request.param
+
+
+@pytest.fixture(params=STATE_KERNELS)
+def state_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv(STATE_VARIABLE, request.param)
     return request.param
 
 
@@ -86,7 +96,7 @@ def check_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path
 @pytest.mark.parametrize("state_size", [128, 64])
 @pytest.mark.parametrize(("length", "initial"), [(1, True), (65, True), (130, False)], ids=["1", "65", "130-no-state"])
 def test_the_half_path(
-    emulated: ctypes.CDLL, copy_mode: str, t: np.dtype, state_size: int, length: int, initial: bool
+    emulated: ctypes.CDLL, copy_mode: str, state_kernel: str, t: np.dtype, state_size: int, length: int, initial: bool
 ) -> None:
     """The build for the models' widths (P = 64, N = 128 or 64, float16 / bfloat16): one token, a chunk and one more,
     two chunks and a short one; with D and a state, and without both."""
@@ -109,7 +119,9 @@ def test_the_half_path(
 
 @pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("state_size", [128, 64])
-def test_the_half_path_over_many_chunks(emulated: ctypes.CDLL, copy_mode: str, t: np.dtype, state_size: int) -> None:
+def test_the_half_path_over_many_chunks(
+    emulated: ctypes.CDLL, copy_mode: str, state_kernel: str, t: np.dtype, state_size: int
+) -> None:
     """Four chunks and a short fifth (the staging buffers go round more than once), two batch rows, four heads in
     two groups, a state of the input type."""
     rng = np.random.default_rng(state_size + 7)
@@ -119,7 +131,7 @@ def test_the_half_path_over_many_chunks(emulated: ctypes.CDLL, copy_mode: str, t
     check_scan(emulated, inputs)
 
 
-def test_a_nan_on_the_half_path_stays_in_its_head_and_after_its_token(emulated: ctypes.CDLL) -> None:
+def test_a_nan_on_the_half_path_stays_in_its_head_and_after_its_token(emulated: ctypes.CDLL, state_kernel: str) -> None:
     """A NaN time step at token 70 of head 1: that head's outputs from token 70 on and its state are NaN; its
     earlier tokens (70 is in the second chunk) and the other heads are what they are without it."""
     rng = np.random.default_rng(5)
@@ -135,6 +147,19 @@ def test_a_nan_on_the_half_path_stays_in_its_head_and_after_its_token(emulated: 
     ref_out, ref_final = run_scan(emulated, clean)
     np.testing.assert_array_equal(out[:, :, others], ref_out[:, :, others])
     np.testing.assert_array_equal(final[:, others], ref_final[:, others])
+
+
+def test_the_state_switch_runs_another_kernel(emulated: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers runs RegisterStateScan, whose sums go in another order: its outputs
+    are within the budget (the tests above) but not the bits of ChunkedScan's, so the switch is seen to act."""
+    rng = np.random.default_rng(11)
+    inputs = scan_inputs(rng, FLOAT16, batch=1, length=100, heads=2, head_dim=64, groups=1, state_size=128)
+    monkeypatch.setenv(STATE_VARIABLE, "shared")
+    shared = run_scan(emulated, inputs)
+    monkeypatch.setenv(STATE_VARIABLE, "registers")
+    registers = run_scan(emulated, inputs)
+    assert not np.array_equal(shared[0], registers[0])
+    np.testing.assert_allclose(registers[0], shared[0], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)

@@ -756,6 +756,365 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
   }
 }
 
+// --- register-state kernel --------------------------------------------------------------------------------------
+
+// RegisterStateScan: the half path's widths (P = 64, N = 128 or 64; float16 and bfloat16) with the state in
+// registers for the whole prompt. One block of 16 warps per (batch row, head), in two roles:
+// - 8 state warps. Warp w holds Sᵀ[16·(w / 2) + 0..15][n] for its half of N (n in [N/2·(w % 2), N/2·(w % 2 + 1))) as
+//   m16n8 accumulators, and for each chunk computes, from its registers and the chunk's staged x, B and C:
+//     its half of exp(cs)·C·Sᵀ for the chunk's 64 tokens (Yᵀ = Sᵀ·Cᵀ: the accumulator of Sᵀ's k-step is the A
+//     fragment of TF32 m16n8k8 once the k-step's columns are taken in the order 2t, 2t + 1, so S never moves);
+//     W·x and D·x on the 4 token tiles of 8 it owns (the other 4 are its partner's, the warp of the other half),
+//     the partner's partial sums of those tiles added through shared memory, and `out` stored;
+//     S ← exp(cs_end)·S + uᵀ·B for its half, u = x·d·exp(cs_end − cs) formed from x's fragments.
+// - 8 helper warps prepare the next chunk while the state warps run this one: its asynchronous copies (two
+//   chunks ahead), time steps, cumulative sums and W = (exp(cs_l − cs_s)·d_s)[s ≤ l] ∘ C·Bᵀ (C·Bᵀ on m16n8k16
+//   tensor cores with T's values as they are).
+// One block-wide barrier a chunk; a pair of state warps meets at its own named barrier to exchange partial sums,
+// the helpers at theirs. The products, their TF32 splits and the rounding points are the chunked kernel's: x, B and
+// C exact in TF32, the state, W and u split in two TF32 parts.
+constexpr int kRsThreads = 512;
+constexpr int kRsHelperThreads = 256;  // warps 8-15
+constexpr int kRsHelperBarrier = 5;    // named barrier ids: 1-4 the state warps' pairs, 5 the helpers
+constexpr int kRsSlots = 3;            // staging slots: the chunk the state warps read, the next, the one landing
+constexpr int kRsP = 64;
+constexpr int kRsLdx = kRsP + 8;       // x's staging rows (16-bit elements): 8 ldmatrix rows on 8 16-byte segments
+constexpr int kRsLdw = kQ + 8;         // W's rows (floats): lanes (g, t) reading W[g][2t, 2t + 1] hit 32 banks
+constexpr int kRsExchangeFloats = 8 * 4 * 4 * 32;  // a state warp's 4 tiles for its partner: [warp][tile][e][lane]
+
+__host__ __device__ constexpr int64_t RsLdn(int64_t n) { return n + 8; }
+__host__ __device__ constexpr int64_t RegisterStateSharedBytes(int64_t n) {
+  return kRsSlots * kQ * (kRsLdx + 2 * RsLdn(n)) * 2 + (2 * kQ * kRsLdw + kRsExchangeFloats + 8 * kQ) * 4;
+}
+
+// The partner warp of the other half of N owns token tile j (8 tokens) where this is its half's index.
+__device__ __forceinline__ int RsOwner(int j) { return (j ^ (j >> 1)) & 1; }
+
+template <typename T, int kN>
+__global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
+  static_assert(kN == 128 || kN == 64, "RegisterStateScan: N = 128 or 64");
+  static_assert(!std::is_same_v<T, float>, "RegisterStateScan: 16-bit types");
+  constexpr int kVec = 8;             // 16-bit elements a 16-byte copy moves
+  constexpr int kLdn = static_cast<int>(RsLdn(kN));
+  constexpr int kHalfN = kN / 2;      // a state warp's columns of S
+  constexpr int kN8 = kHalfN / 8;     // its accumulator tiles
+  constexpr int kSlotElems = kQ * (kRsLdx + 2 * kLdn);
+  constexpr int kCausalTiles = (kQ / 16) * (kQ / 16 + 1) / 2;
+  extern __shared__ __align__(128) float smem[];
+  float* const ws = smem;                              // [2][Q][kRsLdw] W by chunk parity
+  float* const exchange = ws + 2 * kQ * kRsLdw;        // [8][4][4][32] the state warps' partial sums
+  float* const tokens = exchange + kRsExchangeFloats;  // [2][4][Q] by parity: d, cs, exp(cs), exp(cs_end − cs)
+  T* const staging = reinterpret_cast<T*>(tokens + 8 * kQ);  // [3] slots of x [Q][kRsLdx], B and C [Q][kLdn]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g8 = lane >> 2, t4 = lane & 3;
+  const int64_t bh = blockIdx.x;
+  const int64_t b = bh / p.heads;
+  const int h = static_cast<int>(bh % p.heads);
+  const int g = h / (p.heads / p.groups);
+  const int64_t len = p.length;
+  const auto* const x_in = static_cast<const T*>(p.x);
+  const auto* const b_in = static_cast<const T*>(p.b);
+  const auto* const c_in = static_cast<const T*>(p.c);
+  const auto slot_x = [&](int64_t chunk) { return staging + (chunk % kRsSlots) * kSlotElems; };
+  const auto slot_b = [&](int64_t chunk) { return slot_x(chunk) + kQ * kRsLdx; };
+  const auto slot_c = [&](int64_t chunk) { return slot_b(chunk) + kQ * kLdn; };
+
+  if (warp >= 8) {
+    // --- helper warps ---
+    const int hid = tid - 8 * 32, hw = warp - 8;
+    const int64_t x_row = static_cast<int64_t>(p.heads) * kRsP, bc_row = static_cast<int64_t>(p.groups) * kN;
+    // The chunk's prompt rows into its slot, 16 bytes a copy; rows past the prompt zeroed.
+    const auto stage = [&](int64_t chunk) {
+      const int64_t t0 = chunk * kQ;
+      const int q = static_cast<int>(len - t0 < kQ ? len - t0 : kQ);
+      T* const rx = slot_x(chunk);
+      T* const rb = slot_b(chunk);
+      T* const rc = slot_c(chunk);
+      const T* const x_chunk = x_in + (b * len + t0) * x_row + static_cast<int64_t>(h) * kRsP;
+      for (int i = hid; i < kQ * (kRsP / kVec); i += kRsHelperThreads) {
+        const int l = i / (kRsP / kVec), v = i % (kRsP / kVec);
+        if (l < q) {
+          CopyAsync16(rx + l * kRsLdx + v * kVec, x_chunk + l * x_row + v * kVec);
+        } else {
+          *reinterpret_cast<uint4*>(rx + l * kRsLdx + v * kVec) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      const int64_t bc_chunk = (b * len + t0) * bc_row + static_cast<int64_t>(g) * kN;
+      for (int i = hid; i < kQ * (kN / kVec); i += kRsHelperThreads) {
+        const int l = i / (kN / kVec), v = i % (kN / kVec);
+        if (l < q) {
+          const int64_t row = bc_chunk + l * bc_row + v * kVec;
+          CopyAsync16(rb + l * kLdn + v * kVec, b_in + row);
+          CopyAsync16(rc + l * kLdn + v * kVec, c_in + row);
+        } else {
+          *reinterpret_cast<uint4*>(rb + l * kLdn + v * kVec) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(rc + l * kLdn + v * kVec) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    };
+    const float a_h = p.a[h];
+    // Chunk `chunk` (landed in its slot, or landing: this thread waits for its own copies) into W and the per-token
+    // arrays of its parity. Called with every helper thread.
+    const auto prepare = [&](int64_t chunk) {
+      const int64_t t0 = chunk * kQ;
+      float* const tok = tokens + (chunk & 1) * 4 * kQ;
+      if (hid < kQ) tok[hid] = t0 + hid < len ? TimeStep<T>(p, b * len + t0 + hid, h) : 0.f;
+      CopyAsyncWaitGroup<1>();  // this chunk's group; the one after it may stay in flight
+      NamedBarrierSync(kRsHelperBarrier, kRsHelperThreads);
+      if (hw == 0) {
+        // d, cs, exp(cs) and exp(cs_end − cs), two tokens a lane.
+        const int l0 = 2 * lane;
+        const float a0 = __fmul_rn(a_h, tok[l0]), a1 = __fmul_rn(a_h, tok[l0 + 1]);
+        float inclusive = __fadd_rn(a0, a1);
+        for (int offset = 1; offset < 32; offset *= 2) {
+          const float v = __shfl_up_sync(kFull, inclusive, offset);
+          if (lane >= offset) inclusive = __fadd_rn(inclusive, v);
+        }
+        float before = __shfl_up_sync(kFull, inclusive, 1);
+        if (lane == 0) before = 0.f;
+        const float c0 = __fadd_rn(before, a0), c1 = __fadd_rn(c0, a1);
+        const float end = __shfl_sync(kFull, c1, 31);
+        tok[kQ + l0] = c0;
+        tok[kQ + l0 + 1] = c1;
+        tok[2 * kQ + l0] = expf(c0);
+        tok[2 * kQ + l0 + 1] = expf(c1);
+        tok[3 * kQ + l0] = expf(__fsub_rn(end, c0));
+        tok[3 * kQ + l0 + 1] = expf(__fsub_rn(end, c1));
+      }
+      // C·Bᵀ on the causal 16 × 16 tiles (s ≤ l), tiles hw and hw + 8.
+      const T* const rb = slot_b(chunk);
+      const T* const rc = slot_c(chunk);
+      float w[2][2][4] = {};
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int tile = hw + 8 * k;
+        if (tile >= kCausalTiles) continue;
+        int i = 0, j = tile;
+        while (j > i) j -= ++i;
+        const T* const c_tile = HalfTileRow<false>(rc + i * 16 * kLdn, kLdn, lane);
+        const T* const b_tile = HalfTileRow<true>(rb + j * 16 * kLdn, kLdn, lane);
+#pragma unroll
+        for (int k0 = 0; k0 < kN; k0 += 16) {
+          uint32_t a[4], bt[4];
+          LoadMatrixX4(a, c_tile + k0);
+          LoadMatrixX4(bt, b_tile + k0);
+          MmaHalf<T>(w[k][0], a, bt[0], bt[1]);
+          MmaHalf<T>(w[k][1], a, bt[2], bt[3]);
+        }
+      }
+      NamedBarrierSync(kRsHelperBarrier, kRsHelperThreads);  // the cumulative sums
+      const float* const cumsum = tok + kQ;
+      float* const wc = ws + (chunk & 1) * kQ * kRsLdw;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int tile = hw + 8 * k;
+        if (tile >= kCausalTiles) continue;
+        int i = 0, j = tile;
+        while (j > i) j -= ++i;
+#pragma unroll
+        for (int n8 = 0; n8 < 2; ++n8) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int l = i * 16 + g8 + 8 * r, s = j * 16 + 8 * n8 + 2 * t4;
+            const float cs_l = cumsum[l];
+            float pair[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              pair[e] = s + e <= l ? w[k][n8][2 * r + e] * expf(__fsub_rn(cs_l, cumsum[s + e])) * tok[s + e] : 0.f;
+            }
+            *reinterpret_cast<float2*>(wc + l * kRsLdw + s) = make_float2(pair[0], pair[1]);
+          }
+        }
+      }
+    };
+    stage(0);
+    CopyAsyncCommit();
+    if (kQ < len) stage(1);
+    CopyAsyncCommit();
+    prepare(0);
+    __syncthreads();
+    for (int64_t chunk = 0; chunk * kQ < len; ++chunk) {
+      if ((chunk + 2) * kQ < len) stage(chunk + 2);
+      CopyAsyncCommit();
+      if ((chunk + 1) * kQ < len) prepare(chunk + 1);
+      __syncthreads();
+    }
+    CopyAsyncWaitAll();
+    return;
+  }
+
+  // --- state warps --- (the body once per side, so that a warp's own tiles are compile-time register indices)
+  const auto state_warp = [&](auto side_constant) {
+    constexpr int side = decltype(side_constant)::value;
+    const int pi = warp >> 1;
+    const int p0 = 16 * pi, n_base = kHalfN * side;
+    float acc[kN8][4];  // Sᵀ[p0 + g (+ 8)][n_base + 8·k8 + 2t (+ 1)]
+  #pragma unroll
+    for (int k8 = 0; k8 < kN8; ++k8) {
+  #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = p0 + g8 + 8 * (e >> 1), n = n_base + 8 * k8 + 2 * t4 + (e & 1);
+        acc[k8][e] = p.initial_state != nullptr
+                         ? LoadFloatOrT<T>(p.initial_state, p.state_is_float, (bh * kRsP + row) * kN + n)
+                         : 0.f;
+      }
+    }
+    const float skip = p.d != nullptr ? LoadFloatOrT<T>(p.d, p.d_is_float, h) : 0.f;
+    bool state_zero = p.initial_state == nullptr;
+    float* const mine = exchange + warp * (4 * 4 * 32);
+    const float* const partner = exchange + (warp ^ 1) * (4 * 4 * 32);
+    __syncthreads();  // the helpers' first chunk
+    for (int64_t chunk = 0; chunk * kQ < len; ++chunk) {
+      const int64_t t0 = chunk * kQ;
+      const int q = static_cast<int>(len - t0 < kQ ? len - t0 : kQ);
+      const T* const rx = slot_x(chunk);
+      const T* const rb = slot_b(chunk);
+      const T* const rc = slot_c(chunk);
+      const float* const tok = tokens + (chunk & 1) * 4 * kQ;
+      const float* const decay_in = tok + 2 * kQ;
+      const float* const decay_out = tok + 3 * kQ;
+      const float* const wc = ws + (chunk & 1) * kQ * kRsLdw;
+
+      // 1. This half of exp(cs)·C·Sᵀ for the 8 token tiles; the partner's 4 tiles to shared memory, this warp's
+      // (tiles 2k + ((k ^ side) & 1)) kept.
+      float own[4][4];
+      {
+        float y[8][4] = {};
+        if (!state_zero) {
+  #pragma unroll
+          for (int k8 = 0; k8 < kN8; ++k8) {
+            Tf32Operand<4, true> s;
+            s.Set(0, acc[k8][0]);
+            s.Set(1, acc[k8][2]);
+            s.Set(2, acc[k8][1]);
+            s.Set(3, acc[k8][3]);
+  #pragma unroll
+            for (int rows = 0; rows < 2; ++rows) {
+              // C[l][n_base + 8·k8 + 2t, + 1] for the 4 token tiles from row 32·rows: B fragments of Cᵀ.
+              uint32_t r[4];
+              LoadMatrixX4(r, rc + (32 * rows + lane) * kLdn + n_base + 8 * k8);
+  #pragma unroll
+              for (int jj = 0; jj < 4; ++jj) {
+                const float2 c = WidenPair<T>(r[jj]);
+                MmaTf32(y[4 * rows + jj], s.lo, __float_as_uint(c.x), __float_as_uint(c.y));
+                MmaTf32(y[4 * rows + jj], s.hi, __float_as_uint(c.x), __float_as_uint(c.y));
+              }
+            }
+          }
+  #pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float2 in = *reinterpret_cast<const float2*>(decay_in + 8 * j + 2 * t4);
+            y[j][0] *= in.x;
+            y[j][1] *= in.y;
+            y[j][2] *= in.x;
+            y[j][3] *= in.y;
+          }
+        }
+  #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const bool first_is_mine = RsOwner(2 * k) == side;
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            own[k][e] = first_is_mine ? y[2 * k][e] : y[2 * k + 1][e];
+            mine[(k * 4 + e) * 32 + lane] = first_is_mine ? y[2 * k + 1][e] : y[2 * k][e];
+          }
+        }
+      }
+
+      // 2. Over the chunk's 8 k-steps of 8 tokens: x's fragments (xᵀ as A, by ldmatrix.trans: lane (g, t) gets
+      // x[s0 + 2t, + 1][p0 + g (+ 8)]), W·x on this warp's tiles at or after the step, D·x at the step's own tile,
+      // and the state update from u = x·d·exp(cs_end − cs) (A) and B (by ldmatrix.trans: B[s0 + 2t, + 1][n + g]).
+      const float decay_chunk = decay_in[kQ - 1];
+  #pragma unroll
+      for (int k8 = 0; k8 < kN8; ++k8) {
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) acc[k8][e] *= decay_chunk;
+      }
+      float dx[4][4];
+  #pragma unroll
+      for (int s16 = 0; s16 < kQ / 16; ++s16) {
+        uint32_t xr[4];
+        LoadMatrixX4Trans(xr, rx + (16 * s16 + (lane & 7) + 8 * (lane >> 4)) * kRsLdx + p0 + 8 * ((lane >> 3) & 1));
+  #pragma unroll
+        for (int sub = 0; sub < 2; ++sub) {
+          const int step = 2 * s16 + sub, s0 = 8 * step;
+          const float2 top = WidenPair<T>(xr[2 * sub]), bottom = WidenPair<T>(xr[2 * sub + 1]);
+          const float xa[4] = {top.x, bottom.x, top.y, bottom.y};  // p = g, g + 8 at s0 + 2t; the same at s0 + 2t + 1
+          uint32_t xf[4];
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) xf[e] = __float_as_uint(xa[e]);
+  #pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int j = 2 * k + ((k ^ side) & 1);  // this warp's k-th tile
+            if (j < step) continue;
+            const float2 wp = *reinterpret_cast<const float2*>(wc + (8 * j + g8) * kRsLdw + s0 + 2 * t4);
+            Tf32Operand<2, true> wf;
+            wf.Set(0, wp.x);
+            wf.Set(1, wp.y);
+            MmaTf32(own[k], xf, wf.lo[0], wf.lo[1]);
+            MmaTf32(own[k], xf, wf.hi[0], wf.hi[1]);
+            if (j == step) {
+              dx[k][0] = __fmul_rn(skip, xa[0]);
+              dx[k][1] = __fmul_rn(skip, xa[2]);
+              dx[k][2] = __fmul_rn(skip, xa[1]);
+              dx[k][3] = __fmul_rn(skip, xa[3]);
+            }
+          }
+          const float2 d2 = *reinterpret_cast<const float2*>(tok + s0 + 2 * t4);
+          const float2 o2 = *reinterpret_cast<const float2*>(decay_out + s0 + 2 * t4);
+          Tf32Operand<4, true> u;
+          u.Set(0, __fmul_rn(xa[0], d2.x) * o2.x);
+          u.Set(1, __fmul_rn(xa[1], d2.x) * o2.x);
+          u.Set(2, __fmul_rn(xa[2], d2.y) * o2.y);
+          u.Set(3, __fmul_rn(xa[3], d2.y) * o2.y);
+  #pragma unroll
+          for (int n32 = 0; n32 < kN8 / 4; ++n32) {
+            uint32_t br[4];
+            LoadMatrixX4Trans(br, rb + (s0 + (lane & 7)) * kLdn + n_base + 32 * n32 + 8 * (lane >> 3));
+  #pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+              const float2 bp = WidenPair<T>(br[jj]);
+              MmaTf32(acc[4 * n32 + jj], u.lo, __float_as_uint(bp.x), __float_as_uint(bp.y));
+              MmaTf32(acc[4 * n32 + jj], u.hi, __float_as_uint(bp.x), __float_as_uint(bp.y));
+            }
+          }
+        }
+      }
+
+      // 3. The partner's partial sums of this warp's tiles, then out = y + D·x.
+      NamedBarrierSync(1 + pi, 64);
+  #pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int j = 2 * k + ((k ^ side) & 1);
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = own[k][e] + partner[(k * 4 + e) * 32 + lane];
+          if (p.d != nullptr) v = __fadd_rn(v, dx[k][e]);
+          const int l = 8 * j + 2 * t4 + (e & 1), row = p0 + g8 + 8 * (e >> 1);
+          if (l < q) p.out[((b * len + t0 + l) * p.heads + h) * kRsP + row] = v;
+        }
+      }
+      state_zero = false;
+      __syncthreads();  // the next chunk is prepared; this one's buffers and the exchange are free
+    }
+  #pragma unroll
+    for (int k8 = 0; k8 < kN8; ++k8) {
+  #pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = p0 + g8 + 8 * r, n = n_base + 8 * k8 + 2 * t4;
+        *reinterpret_cast<float2*>(p.final_state + (bh * kRsP + row) * kN + n) =
+            make_float2(acc[k8][2 * r], acc[k8][2 * r + 1]);
+      }
+    }
+  };
+  if (warp & 1) {
+    state_warp(std::integral_constant<int, 1>{});
+  } else {
+    state_warp(std::integral_constant<int, 0>{});
+  }
+}
+
 // --- sequential kernel -----------------------------------------------------------------------------------------
 
 template <typename T>
@@ -818,6 +1177,7 @@ struct ChunkedPlan {
   size_t bytes = 0;
   size_t half_bytes = 0;  // the half path's shared memory where it runs (float16 or bfloat16, staged, P = 64 and
                           // N = 128 or 64), else 0
+  size_t register_bytes = 0;  // RegisterStateScan's where the half path runs and it fits, else 0
 };
 
 size_t ElemSize(ElemType type) { return type == ElemType::kFloat ? 4 : 2; }
@@ -846,6 +1206,8 @@ bool PlanChunked(const MambaChunkScanCpuArgs& args, int64_t limit, ChunkedPlan& 
   if (plan.staged && args.type != ElemType::kFloat && args.head_dim == 64 &&
       (args.state_size == 128 || args.state_size == 64) && half <= limit) {
     plan.half_bytes = static_cast<size_t>(half);
+    const int64_t registers = RegisterStateSharedBytes(args.state_size);
+    if (registers <= limit) plan.register_bytes = static_cast<size_t>(registers);
   }
   return true;
 }
@@ -883,22 +1245,31 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
     // 16 warps by default, on the half path where the plan has it (the models' widths in float16 and bfloat16);
     // MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS=8 runs 8 warps and MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS=any the kernel for any
     // widths (a benchmark's or a test's comparison).
+    // MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers runs RegisterStateScan where the half path runs.
     const char* warps = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS");
     const char* widths = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS");
+    const char* state = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_STATE");
     const bool eight = warps != nullptr && std::strcmp(warps, "8") == 0;
     const bool any = eight || (widths != nullptr && std::strcmp(widths, "any") == 0);
+    const bool registers = state != nullptr && std::strcmp(state, "registers") == 0;
     void (*kernel)(Params) = eight ? &ChunkedScan<T, 8, 0, 0> : &ChunkedScan<T, 16, 0, 0>;
     size_t bytes = plan.bytes;
+    unsigned threads = (eight ? 8 : 16) * 32;
     if constexpr (!std::is_same_v<T, float>) {
       if (!any && plan.half_bytes != 0) {
         kernel = args.state_size == 128 ? &ChunkedScan<T, 16, 64, 128> : &ChunkedScan<T, 16, 64, 64>;
         bytes = plan.half_bytes;
+        if (registers && plan.register_bytes != 0) {
+          kernel = args.state_size == 128 ? &RegisterStateScan<T, 128> : &RegisterStateScan<T, 64>;
+          bytes = plan.register_bytes;
+          threads = kRsThreads;
+        }
       }
     }
     if (const cudaError_t error = opt_in(reinterpret_cast<const void*>(kernel), bytes); error != cudaSuccess) {
       return error;
     }
-    kernel<<<dim3(static_cast<unsigned>(blocks)), (eight ? 8 : 16) * 32, bytes, stream>>>(params);
+    kernel<<<dim3(static_cast<unsigned>(blocks)), threads, bytes, stream>>>(params);
   } else {
     const size_t bytes = static_cast<size_t>(kSeqWarps) * static_cast<size_t>(args.state_size) * sizeof(float);
     if (const cudaError_t error = opt_in(reinterpret_cast<const void*>(&SequentialScan<T>), bytes);

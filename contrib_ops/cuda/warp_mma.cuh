@@ -1,6 +1,6 @@
 // The PTX instructions of the chunked MambaChunkScan kernel, one inline function each: the tensor-core products
 // (mma.sync m16n8k8 TF32, m16n8k16 float16 / bfloat16), the shared-memory matrix loads (ldmatrix x4, plain and
-// .trans) and the asynchronous copies (cp.async). tools/host_warp_mma.h gives the same functions on the host, where
+// .trans), the named barriers (bar.sync) and the asynchronous copies (cp.async). tools/host_warp_mma.h gives the same functions on the host, where
 // tools/emulate_prefill.sh builds the kernels without a GPU; the fragment layouts here are the ones it follows.
 #pragma once
 
@@ -51,6 +51,22 @@ __device__ __forceinline__ void LoadMatrixX4(uint32_t (&r)[4], const void* row_a
                : "r"(address));
 }
 
+// The same with .trans: lane i gives the address of row i % 8 of block i / 8, and receives in r[j] the 16-bit elements
+// [2·(lane % 4)][lane / 4] and [2·(lane % 4) + 1][lane / 4] of block j (the lower row in the low half): two rows of
+// one column, a B fragment of m16n8k16 from a row-major K × N block, or a TF32 pair whose k order is 2t, 2t + 1.
+__device__ __forceinline__ void LoadMatrixX4Trans(uint32_t (&r)[4], const void* row_address) {
+  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(row_address));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// A barrier of `threads` threads (whole warps) under the id `id` (1 to 15; 0 is __syncthreads'), with the memory
+// ordering of __syncthreads among them.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // cp.async of 16 bytes from global to shared memory (sm_80 and later), and the waits on them.
 __device__ __forceinline__ void CopyAsync16(void* shared, const void* global) {
   const auto address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
@@ -58,5 +74,10 @@ __device__ __forceinline__ void CopyAsync16(void* shared, const void* global) {
 }
 __device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void CopyAsyncWaitAll() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits until at most kPending of this thread's newest committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWaitGroup() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 }  // namespace mambafuse

@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 #undef __global__
@@ -46,6 +47,9 @@ struct EmuBlock {
     unsigned char bytes[128];
   };
   std::vector<Line> shared;  // the dynamic shared memory
+  // The named barriers (bar.sync id, count), made by their first user with its count; 0 is `bar`.
+  std::unique_ptr<std::barrier<>> named[16];
+  std::mutex named_mutex;
 };
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;

@@ -64,7 +64,14 @@ struct PendingCopy {
   void* shared;
   const void* global;
 };
+// This thread's copies not yet landed: the committed groups, oldest first, and the copies since the last commit.
+inline thread_local std::vector<std::vector<PendingCopy>> committed_copies;
 inline thread_local std::vector<PendingCopy> pending_copies;
+
+inline void Land(std::vector<PendingCopy>& copies) {
+  for (const PendingCopy& copy : copies) std::memcpy(copy.shared, copy.global, 16);
+  copies.clear();
+}
 
 inline bool CopyAtOnce() {
   const char* mode = std::getenv("MAMBAFUSE_EMU_COPY");
@@ -118,10 +125,53 @@ inline void CopyAsync16(void* shared, const void* global) {
     emu::pending_copies.push_back({shared, global});
   }
 }
-inline void CopyAsyncCommit() {}
-inline void CopyAsyncWaitAll() {
-  for (const emu::PendingCopy& copy : emu::pending_copies) std::memcpy(copy.shared, copy.global, 16);
+inline void CopyAsyncCommit() {
+  emu::committed_copies.push_back(std::move(emu::pending_copies));
   emu::pending_copies.clear();
+}
+inline void CopyAsyncWaitAll() {
+  for (auto& group : emu::committed_copies) emu::Land(group);
+  emu::committed_copies.clear();
+  emu::Land(emu::pending_copies);
+}
+// The newest kPending committed groups stay in flight (and the copies not committed: cp.async.wait_group does not
+// wait for them); the older ones land.
+template <int kPending>
+void CopyAsyncWaitGroup() {
+  auto& groups = emu::committed_copies;
+  while (groups.size() > static_cast<size_t>(kPending)) {
+    emu::Land(groups.front());
+    groups.erase(groups.begin());
+  }
+}
+
+// ldmatrix x4 .trans: lane L receives in r[j] the 16-bit elements [2·(L % 4)][L / 4] and [2·(L % 4) + 1][L / 4] of
+// block j, whose row r lane 8·j + r addressed.
+inline void LoadMatrixX4Trans(uint32_t (&r)[4], const void* row_address) {
+  const auto words = EmuWarpWide(static_cast<const unsigned char*>(row_address), [](EmuWarp& w, unsigned lane) {
+    std::array<uint32_t, 4> loaded;
+    for (unsigned j = 0; j < 4; ++j) {
+      uint16_t low, high;
+      std::memcpy(&low, EmuSlot<const unsigned char*>(w, 8 * j + 2 * (lane % 4)) + 2 * (lane / 4), 2);
+      std::memcpy(&high, EmuSlot<const unsigned char*>(w, 8 * j + 2 * (lane % 4) + 1) + 2 * (lane / 4), 2);
+      loaded[j] = static_cast<uint32_t>(low) | static_cast<uint32_t>(high) << 16;
+    }
+    return loaded;
+  });
+  for (unsigned j = 0; j < 4; ++j) r[j] = words[j];
+}
+
+// bar.sync id, threads: the first thread to arrive makes the barrier with its count, and every later use of the id
+// must give the same count (as on the GPU, where a mismatch is undefined).
+inline void NamedBarrierSync(int id, int threads) {
+  EmuBlock& block = *emu_block;
+  std::barrier<>* barrier = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(block.named_mutex);
+    if (!block.named[id]) block.named[id] = std::make_unique<std::barrier<>>(threads);
+    barrier = block.named[id].get();
+  }
+  barrier->arrive_and_wait();
 }
 
 }  // namespace mambafuse
