@@ -79,15 +79,20 @@ __device__ __forceinline__ float Softplus(float v) {
   return static_cast<float>(log1p(static_cast<double>(e)));
 }
 
-// The time step d of token row `bt` (b·T + t) and head h, at the contract's rounding points.
+// The time step d of head h from its raw value v (dt's element, in float), at the contract's rounding points.
 template <typename T>
-__device__ __forceinline__ float TimeStep(const Params& p, int64_t bt, int h) {
-  float v = Load<T>(p.dt, bt * p.heads + h);
+__device__ __forceinline__ float TimeStepOf(const Params& p, float v, int h) {
   if (p.dt_bias != nullptr) v = RoundTo<T>(v + Load<T>(p.dt_bias, h));
   if (p.softplus && !(v > 20.f)) v = RoundTo<T>(Softplus(v));
   const float lo = RoundTo<T>(p.dt_min), hi = RoundTo<T>(p.dt_max);
   v = v < lo ? lo : v;  // a NaN time step stays NaN, as in the CPU kernel
   return hi < v ? hi : v;
+}
+
+// The time step d of token row `bt` (b·T + t) and head h.
+template <typename T>
+__device__ __forceinline__ float TimeStep(const Params& p, int64_t bt, int h) {
+  return TimeStepOf<T>(p, Load<T>(p.dt, bt * p.heads + h), h);
 }
 
 // --- chunked kernel ------------------------------------------------------------------------------------------
@@ -775,7 +780,14 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
 // C exact in TF32, the state, W and u split in two TF32 parts.
 constexpr int kRsThreads = 512;
 constexpr int kRsHelperThreads = 256;  // warps 8-15
-constexpr int kRsHelperBarrier = 5;    // named barrier ids: 1-4 the state warps' pairs, 5 the helpers
+constexpr int kRsBlockBarrier = 0;     // named barrier ids: 0 the block, 1-4 the state warps' pairs, 5 the helpers
+constexpr int kRsHelperBarrier = 5;
+// A timing diagnostic, never for results: 1 the helpers stage but do not prepare (the state warps' time alone), 2
+// the state warps skip their chunk's work (the helpers' time alone).
+#ifndef MAMBAFUSE_RS_DIAGNOSTIC
+#define MAMBAFUSE_RS_DIAGNOSTIC 0
+#endif
+constexpr int kRsDiagnostic = MAMBAFUSE_RS_DIAGNOSTIC;
 constexpr int kRsSlots = 3;            // staging slots: the chunk the state warps read, the next, the one landing
 constexpr int kRsP = 64;
 constexpr int kRsLdx = kRsP + 8;       // x's staging rows (16-bit elements): 8 ldmatrix rows on 8 16-byte segments
@@ -784,7 +796,45 @@ constexpr int kRsExchangeFloats = 8 * 4 * 4 * 32;  // a state warp's 4 tiles for
 
 __host__ __device__ constexpr int64_t RsLdn(int64_t n) { return n + 8; }
 __host__ __device__ constexpr int64_t RegisterStateSharedBytes(int64_t n) {
-  return kRsSlots * kQ * (kRsLdx + 2 * RsLdn(n)) * 2 + (2 * kQ * kRsLdw + kRsExchangeFloats + 8 * kQ) * 4;
+  return kRsSlots * kQ * (kRsLdx + 2 * RsLdn(n)) * 2 + (2 * kQ * kRsLdw + kRsExchangeFloats + kRsSlots * 4 * kQ) * 4;
+}
+
+// float16 I/O: the state enters C·Sᵀ as two float16 parts of a row scaled by a power of two (RsRowScale), on
+// m16n8k16 tensor cores with C as it is — half the instructions of the TF32 split and no widening of C.
+// MAMBAFUSE_RS_F16_SPLIT=0 builds the TF32 split for float16 too (a comparison). MAMBAFUSE_RS_F16_UPDATE=1 (a
+// measurement only: it needs more than the 128 registers a thread has here, and spills) does the same for u in the
+// state update.
+#ifndef MAMBAFUSE_RS_F16_SPLIT
+#define MAMBAFUSE_RS_F16_SPLIT 1
+#endif
+#ifndef MAMBAFUSE_RS_F16_UPDATE
+#define MAMBAFUSE_RS_F16_UPDATE 0
+#endif
+
+// The powers of two that take a row whose largest magnitude is `m` to [2^14, 2^15) (`down`) and back (`up`): the
+// float16 parts of the scaled row keep 22 significant bits of each element, as the TF32 split does, and an element
+// under 2^-29 of the row's largest (below float16's normal range once scaled) keeps an absolute 2^-40 of it. The
+// exponent is clamped to [2^-112, 2^127], where both factors are normal floats; an infinite or NaN row stays one.
+__device__ __forceinline__ void RsRowScale(float m, float& down, float& up) {
+  int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xffu);
+  e = e < 15 ? 15 : (e > 254 ? 254 : e);
+  down = __uint_as_float(static_cast<uint32_t>(268 - e) << 23);
+  up = __uint_as_float(static_cast<uint32_t>(e - 14) << 23);
+}
+
+// (v0, v1) as float16 pairs hi + lo: hi the rounding of each to nearest, lo the rounding of the rest.
+__device__ __forceinline__ void SplitHalf2(float v0, float v1, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(v0, v1);
+  const float2 back = __half22float2(h);
+  const __half2 l = __floats2half2_rn(__fsub_rn(v0, back.x), __fsub_rn(v1, back.y));
+  memcpy(&hi, &h, 4);
+  memcpy(&lo, &l, 4);
+}
+
+// The largest of the four lanes' `m` of a row (lanes 4g .. 4g + 3).
+__device__ __forceinline__ float RowMax4(float m) {
+  m = fmaxf(m, __shfl_xor_sync(kFull, m, 1));
+  return fmaxf(m, __shfl_xor_sync(kFull, m, 2));
 }
 
 // The partner warp of the other half of N owns token tile j (8 tokens) where this is its half's index.
@@ -800,11 +850,13 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
   constexpr int kN8 = kHalfN / 8;     // its accumulator tiles
   constexpr int kSlotElems = kQ * (kRsLdx + 2 * kLdn);
   constexpr int kCausalTiles = (kQ / 16) * (kQ / 16 + 1) / 2;
+  constexpr bool kF16 = std::is_same_v<T, __half> && MAMBAFUSE_RS_F16_SPLIT;
+  constexpr bool kF16Update = kF16 && MAMBAFUSE_RS_F16_UPDATE;
   extern __shared__ __align__(128) float smem[];
   float* const ws = smem;                              // [2][Q][kRsLdw] W by chunk parity
   float* const exchange = ws + 2 * kQ * kRsLdw;        // [8][4][4][32] the state warps' partial sums
-  float* const tokens = exchange + kRsExchangeFloats;  // [2][4][Q] by parity: d, cs, exp(cs), exp(cs_end − cs)
-  T* const staging = reinterpret_cast<T*>(tokens + 8 * kQ);  // [3] slots of x [Q][kRsLdx], B and C [Q][kLdn]
+  float* const tokens = exchange + kRsExchangeFloats;  // [3][4][Q] by slot: d, cs, exp(cs), exp(cs_end − cs)
+  T* const staging = reinterpret_cast<T*>(tokens + kRsSlots * 4 * kQ);  // [3] slots of x [Q][kRsLdx], B, C [Q][kLdn]
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g8 = lane >> 2, t4 = lane & 3;
@@ -819,6 +871,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
   const auto slot_x = [&](int64_t chunk) { return staging + (chunk % kRsSlots) * kSlotElems; };
   const auto slot_b = [&](int64_t chunk) { return slot_x(chunk) + kQ * kRsLdx; };
   const auto slot_c = [&](int64_t chunk) { return slot_b(chunk) + kQ * kLdn; };
+  const auto slot_tokens = [&](int64_t chunk) { return tokens + (chunk % kRsSlots) * 4 * kQ; };
 
   if (warp >= 8) {
     // --- helper warps ---
@@ -857,12 +910,10 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     // Chunk `chunk` (landed in its slot, or landing: this thread waits for its own copies) into W and the per-token
     // arrays of its parity. Called with every helper thread.
     const auto prepare = [&](int64_t chunk) {
-      const int64_t t0 = chunk * kQ;
-      float* const tok = tokens + (chunk & 1) * 4 * kQ;
-      if (hid < kQ) tok[hid] = t0 + hid < len ? TimeStep<T>(p, b * len + t0 + hid, h) : 0.f;
+      float* const tok = slot_tokens(chunk);  // its time steps are there (the iteration before)
       CopyAsyncWaitGroup<1>();  // this chunk's group; the one after it may stay in flight
       NamedBarrierSync(kRsHelperBarrier, kRsHelperThreads);
-      if (hw == 0) {
+      if (hw == 2) {  // a warp with one C·Bᵀ tile
         // d, cs, exp(cs) and exp(cs_end − cs), two tokens a lane.
         const int l0 = 2 * lane;
         const float a0 = __fmul_rn(a_h, tok[l0]), a1 = __fmul_rn(a_h, tok[l0 + 1]);
@@ -928,17 +979,38 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
         }
       }
     };
+    // Warps 14 and 15 (one C·Bᵀ tile each) find the time steps two chunks ahead: dt's loads at the start of an
+    // iteration, the softplus and the store at its end, off the path of the chunk being prepared.
+    const int step_lane = hid - (kRsHelperThreads - kQ);
+    const auto load_dt = [&](int64_t chunk) {
+      const int64_t t = chunk * kQ + step_lane;
+      return step_lane >= 0 && t < len ? Load<T>(p.dt, (b * len + t) * p.heads + h) : 0.f;
+    };
+    const auto store_time_step = [&](int64_t chunk, float raw) {
+      if (step_lane < 0) return;
+      slot_tokens(chunk)[step_lane] = chunk * kQ + step_lane < len ? TimeStepOf<T>(p, raw, h) : 0.f;
+    };
     stage(0);
     CopyAsyncCommit();
     if (kQ < len) stage(1);
     CopyAsyncCommit();
+    store_time_step(0, load_dt(0));
+    store_time_step(1, load_dt(1));
     prepare(0);
-    __syncthreads();
+    NamedBarrierSync(kRsBlockBarrier, kRsThreads);
     for (int64_t chunk = 0; chunk * kQ < len; ++chunk) {
+      const float raw = load_dt(chunk + 2);
       if ((chunk + 2) * kQ < len) stage(chunk + 2);
       CopyAsyncCommit();
-      if ((chunk + 1) * kQ < len) prepare(chunk + 1);
-      __syncthreads();
+      if ((chunk + 1) * kQ < len) {
+        if constexpr (kRsDiagnostic == 1) {
+          CopyAsyncWaitGroup<1>();
+        } else {
+          prepare(chunk + 1);
+        }
+      }
+      store_time_step(chunk + 2, raw);
+      NamedBarrierSync(kRsBlockBarrier, kRsThreads);
     }
     CopyAsyncWaitAll();
     return;
@@ -964,14 +1036,18 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     bool state_zero = p.initial_state == nullptr;
     float* const mine = exchange + warp * (4 * 4 * 32);
     const float* const partner = exchange + (warp ^ 1) * (4 * 4 * 32);
-    __syncthreads();  // the helpers' first chunk
+    NamedBarrierSync(kRsBlockBarrier, kRsThreads);  // the helpers' first chunk
     for (int64_t chunk = 0; chunk * kQ < len; ++chunk) {
+      if constexpr (kRsDiagnostic == 2) {
+        NamedBarrierSync(kRsBlockBarrier, kRsThreads);
+        continue;
+      }
       const int64_t t0 = chunk * kQ;
       const int q = static_cast<int>(len - t0 < kQ ? len - t0 : kQ);
       const T* const rx = slot_x(chunk);
       const T* const rb = slot_b(chunk);
       const T* const rc = slot_c(chunk);
-      const float* const tok = tokens + (chunk & 1) * 4 * kQ;
+      const float* const tok = slot_tokens(chunk);
       const float* const decay_in = tok + 2 * kQ;
       const float* const decay_out = tok + 3 * kQ;
       const float* const wc = ws + (chunk & 1) * kQ * kRsLdw;
@@ -981,7 +1057,45 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       float own[4][4];
       {
         float y[8][4] = {};
-        if (!state_zero) {
+        if (!state_zero && kF16) {
+          // Rows g and g + 8 of this half scaled into float16's range, split in two parts; Cᵀ's fragments are C's rows
+          // as they are (ldmatrix: lane (g, t) gets C[l0 + g][n0 + 2t, + 1]).
+          float down[2], up[2];
+  #pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            float m = 0.f;
+  #pragma unroll
+            for (int k8 = 0; k8 < kN8; ++k8) m = fmaxf(m, fmaxf(fabsf(acc[k8][2 * r]), fabsf(acc[k8][2 * r + 1])));
+            RsRowScale(RowMax4(m), down[r], up[r]);
+          }
+  #pragma unroll
+          for (int kk = 0; kk < kN8 / 2; ++kk) {
+            uint32_t hi[4], lo[4];
+  #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float* const pair = acc[2 * kk + i / 2] + 2 * (i % 2);
+              SplitHalf2(pair[0] * down[i % 2], pair[1] * down[i % 2], hi[i], lo[i]);
+            }
+  #pragma unroll
+            for (int jp = 0; jp < 4; ++jp) {
+              uint32_t r[4];
+              LoadMatrixX4(r, rc + (16 * jp + (lane & 7) + 8 * (lane >> 4)) * kLdn + n_base + 16 * kk +
+                                  8 * ((lane >> 3) & 1));
+              MmaHalf<T>(y[2 * jp], lo, r[0], r[1]);
+              MmaHalf<T>(y[2 * jp], hi, r[0], r[1]);
+              MmaHalf<T>(y[2 * jp + 1], lo, r[2], r[3]);
+              MmaHalf<T>(y[2 * jp + 1], hi, r[2], r[3]);
+            }
+          }
+  #pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float2 in = *reinterpret_cast<const float2*>(decay_in + 8 * j + 2 * t4);
+            y[j][0] = y[j][0] * up[0] * in.x;
+            y[j][1] = y[j][1] * up[0] * in.y;
+            y[j][2] = y[j][2] * up[1] * in.x;
+            y[j][3] = y[j][3] * up[1] * in.y;
+          }
+        } else if (!state_zero) {
   #pragma unroll
           for (int k8 = 0; k8 < kN8; ++k8) {
             Tf32Operand<4, true> s;
@@ -1023,19 +1137,61 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       }
 
       // 2. Over the chunk's 8 k-steps of 8 tokens: x's fragments (xᵀ as A, by ldmatrix.trans: lane (g, t) gets
-      // x[s0 + 2t, + 1][p0 + g (+ 8)]), W·x on this warp's tiles at or after the step, D·x at the step's own tile,
-      // and the state update from u = x·d·exp(cs_end − cs) (A) and B (by ldmatrix.trans: B[s0 + 2t, + 1][n + g]).
+      // x[s0 + 2t, + 1][p0 + g (+ 8)]), W·x on this warp's tiles at or after the step, and the state update from u = x·d·exp(cs_end − cs) (A) and B (by ldmatrix.trans: B[s0 + 2t, + 1][n + g]).
       const float decay_chunk = decay_in[kQ - 1];
   #pragma unroll
       for (int k8 = 0; k8 < kN8; ++k8) {
   #pragma unroll
         for (int e = 0; e < 4; ++e) acc[k8][e] *= decay_chunk;
       }
-      float dx[4][4];
   #pragma unroll
       for (int s16 = 0; s16 < kQ / 16; ++s16) {
         uint32_t xr[4];
         LoadMatrixX4Trans(xr, rx + (16 * s16 + (lane & 7) + 8 * (lane >> 4)) * kRsLdx + p0 + 8 * ((lane >> 3) & 1));
+        if constexpr (kF16Update) {
+          // uᵀ over the 16 tokens: xr holds x[s0 + 2t, + 1 (+ 8)][p0 + g (+ 8)], m16n8k16's A fragment of xᵀ; u's
+          // rows scaled into float16's range and split, against B's k-step as it is (ldmatrix.trans: lane (g, t)
+          // gets B[s0 + 2t, + 1 (+ 8)][n + g]); each product lands in a fresh accumulator and enters S scaled back.
+          const int s0 = 16 * s16;
+          const float2 d_lo = *reinterpret_cast<const float2*>(tok + s0 + 2 * t4);
+          const float2 d_hi = *reinterpret_cast<const float2*>(tok + s0 + 8 + 2 * t4);
+          const float2 o_lo = *reinterpret_cast<const float2*>(decay_out + s0 + 2 * t4);
+          const float2 o_hi = *reinterpret_cast<const float2*>(decay_out + s0 + 8 + 2 * t4);
+          float u[4][2];  // A fragment order: (g; 2t, 2t + 1), (g + 8; ...), (g; + 8), (g + 8; + 8)
+  #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 xv = WidenPair<T>(xr[i]);
+            const float2 d = i < 2 ? d_lo : d_hi, o = i < 2 ? o_lo : o_hi;
+            u[i][0] = __fmul_rn(xv.x, d.x) * o.x;
+            u[i][1] = __fmul_rn(xv.y, d.y) * o.y;
+          }
+          float down[2], up[2];
+  #pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float m = fmaxf(fmaxf(fabsf(u[r][0]), fabsf(u[r][1])), fmaxf(fabsf(u[r + 2][0]), fabsf(u[r + 2][1])));
+            RsRowScale(RowMax4(m), down[r], up[r]);
+          }
+          uint32_t hi[4], lo[4];
+  #pragma unroll
+          for (int i = 0; i < 4; ++i) SplitHalf2(u[i][0] * down[i % 2], u[i][1] * down[i % 2], hi[i], lo[i]);
+  #pragma unroll
+          for (int n16 = 0; n16 < kN8 / 2; ++n16) {
+            uint32_t br[4];
+            LoadMatrixX4Trans(br, rb + (s0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kLdn + n_base + 16 * n16 +
+                                      8 * (lane >> 4));
+  #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              float part[4] = {};
+              MmaHalf<T>(part, lo, br[2 * half], br[2 * half + 1]);
+              MmaHalf<T>(part, hi, br[2 * half], br[2 * half + 1]);
+              float* const s = acc[2 * n16 + half];
+              s[0] = fmaf(part[0], up[0], s[0]);
+              s[1] = fmaf(part[1], up[0], s[1]);
+              s[2] = fmaf(part[2], up[1], s[2]);
+              s[3] = fmaf(part[3], up[1], s[3]);
+            }
+          }
+        }
   #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
           const int step = 2 * s16 + sub, s0 = 8 * step;
@@ -1054,13 +1210,8 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
             wf.Set(1, wp.y);
             MmaTf32(own[k], xf, wf.lo[0], wf.lo[1]);
             MmaTf32(own[k], xf, wf.hi[0], wf.hi[1]);
-            if (j == step) {
-              dx[k][0] = __fmul_rn(skip, xa[0]);
-              dx[k][1] = __fmul_rn(skip, xa[2]);
-              dx[k][2] = __fmul_rn(skip, xa[1]);
-              dx[k][3] = __fmul_rn(skip, xa[3]);
-            }
           }
+          if constexpr (kF16Update) continue;  // the update above, once per 16 tokens
           const float2 d2 = *reinterpret_cast<const float2*>(tok + s0 + 2 * t4);
           const float2 o2 = *reinterpret_cast<const float2*>(decay_out + s0 + 2 * t4);
           Tf32Operand<4, true> u;
@@ -1080,6 +1231,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
             }
           }
         }
+
       }
 
       // 3. The partner's partial sums of this warp's tiles, then out = y + D·x.
@@ -1089,14 +1241,14 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
         const int j = 2 * k + ((k ^ side) & 1);
   #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float v = own[k][e] + partner[(k * 4 + e) * 32 + lane];
-          if (p.d != nullptr) v = __fadd_rn(v, dx[k][e]);
           const int l = 8 * j + 2 * t4 + (e & 1), row = p0 + g8 + 8 * (e >> 1);
+          float v = own[k][e] + partner[(k * 4 + e) * 32 + lane];
+          if (p.d != nullptr) v = __fadd_rn(v, __fmul_rn(skip, Widen(rx[l * kRsLdx + row])));
           if (l < q) p.out[((b * len + t0 + l) * p.heads + h) * kRsP + row] = v;
         }
       }
       state_zero = false;
-      __syncthreads();  // the next chunk is prepared; this one's buffers and the exchange are free
+      NamedBarrierSync(kRsBlockBarrier, kRsThreads);  // the next chunk is prepared; this one's buffers are free
     }
   #pragma unroll
     for (int k8 = 0; k8 < kN8; ++k8) {

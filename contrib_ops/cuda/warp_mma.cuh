@@ -61,10 +61,12 @@ __device__ __forceinline__ void LoadMatrixX4Trans(uint32_t (&r)[4], const void* 
                : "r"(address));
 }
 
-// A barrier of `threads` threads (whole warps) under the id `id` (1 to 15; 0 is __syncthreads'), with the memory
-// ordering of __syncthreads among them.
+// A barrier of `threads` threads (whole warps) under the id `id` (0 to 15), with the memory ordering of
+// __syncthreads among them. barrier.sync without .aligned: its threads may reach it from different instructions, as
+// the roles of a warp-specialized kernel do (__syncthreads and bar.sync are .aligned: one instruction for the whole
+// block, which compute-sanitizer's synccheck holds them to).
 __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // cp.async of 16 bytes from global to shared memory (sm_80 and later), and the waits on them.
