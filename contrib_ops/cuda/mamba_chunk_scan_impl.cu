@@ -780,8 +780,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
 // C exact in TF32, the state, W and u split in two TF32 parts.
 constexpr int kRsThreads = 512;
 constexpr int kRsHelperThreads = 256;  // warps 8-15
-constexpr int kRsBlockBarrier = 0;     // named barrier ids: 0 the block, 1-4 the state warps' pairs, 5 the helpers
+// Named barrier ids: 1-4 the state warps' pairs, 5 the helpers, 6-8 a slot's chunk is ready (the helpers arrive,
+// the state warps wait), 9-11 a slot is free again (the state warps arrive, the helpers wait before refilling it).
 constexpr int kRsHelperBarrier = 5;
+constexpr int kRsFullBarrier = 6;
+constexpr int kRsEmptyBarrier = 9;
 // A timing diagnostic, never for results: 1 the helpers stage but do not prepare (the state warps' time alone), 2
 // the state warps skip their chunk's work (the helpers' time alone).
 #ifndef MAMBAFUSE_RS_DIAGNOSTIC
@@ -792,11 +795,11 @@ constexpr int kRsSlots = 3;            // staging slots: the chunk the state war
 constexpr int kRsP = 64;
 constexpr int kRsLdx = kRsP + 8;       // x's staging rows (16-bit elements): 8 ldmatrix rows on 8 16-byte segments
 constexpr int kRsLdw = kQ + 8;         // W's rows (floats): lanes (g, t) reading W[g][2t, 2t + 1] hit 32 banks
-constexpr int kRsExchangeFloats = 8 * 4 * 4 * 32;  // a state warp's 4 tiles for its partner: [warp][tile][e][lane]
+constexpr int kRsExchangeFloats = 2 * 8 * 4 * 4 * 32;  // [chunk parity][warp][tile][e][lane]: 4 tiles a warp
 
 __host__ __device__ constexpr int64_t RsLdn(int64_t n) { return n + 8; }
 __host__ __device__ constexpr int64_t RegisterStateSharedBytes(int64_t n) {
-  return kRsSlots * kQ * (kRsLdx + 2 * RsLdn(n)) * 2 + (2 * kQ * kRsLdw + kRsExchangeFloats + kRsSlots * 4 * kQ) * 4;
+  return kRsSlots * kQ * (kRsLdx + 2 * RsLdn(n)) * 2 + (kRsSlots * kQ * kRsLdw + kRsExchangeFloats + kRsSlots * 4 * kQ) * 4;
 }
 
 // float16 I/O: the state enters C·Sᵀ as two float16 parts of a row scaled by a power of two (RsRowScale), on
@@ -853,8 +856,8 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
   constexpr bool kF16 = std::is_same_v<T, __half> && MAMBAFUSE_RS_F16_SPLIT;
   constexpr bool kF16Update = kF16 && MAMBAFUSE_RS_F16_UPDATE;
   extern __shared__ __align__(128) float smem[];
-  float* const ws = smem;                              // [2][Q][kRsLdw] W by chunk parity
-  float* const exchange = ws + 2 * kQ * kRsLdw;        // [8][4][4][32] the state warps' partial sums
+  float* const ws = smem;                                   // [3][Q][kRsLdw] W by slot
+  float* const exchange = ws + kRsSlots * kQ * kRsLdw;      // [2][8][4][4][32] the state warps' partial sums
   float* const tokens = exchange + kRsExchangeFloats;  // [3][4][Q] by slot: d, cs, exp(cs), exp(cs_end − cs)
   T* const staging = reinterpret_cast<T*>(tokens + kRsSlots * 4 * kQ);  // [3] slots of x [Q][kRsLdx], B, C [Q][kLdn]
 
@@ -956,7 +959,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       }
       NamedBarrierSync(kRsHelperBarrier, kRsHelperThreads);  // the cumulative sums
       const float* const cumsum = tok + kQ;
-      float* const wc = ws + (chunk & 1) * kQ * kRsLdw;
+      float* const wc = ws + (chunk % kRsSlots) * kQ * kRsLdw;
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int tile = hw + 8 * k;
@@ -980,7 +983,8 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       }
     };
     // Warps 14 and 15 (one C·Bᵀ tile each) find the time steps two chunks ahead: dt's loads at the start of an
-    // iteration, the softplus and the store at its end, off the path of the chunk being prepared.
+    // iteration, the softplus and the store at its end, off the path of the chunk being prepared. Every slot's
+    // staging rows, time steps, sums and W are written only after the state warps have freed it.
     const int step_lane = hid - (kRsHelperThreads - kQ);
     const auto load_dt = [&](int64_t chunk) {
       const int64_t t = chunk * kQ + step_lane;
@@ -995,22 +999,28 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     if (kQ < len) stage(1);
     CopyAsyncCommit();
     store_time_step(0, load_dt(0));
-    store_time_step(1, load_dt(1));
+    if (kQ < len) store_time_step(1, load_dt(1));
     prepare(0);
-    NamedBarrierSync(kRsBlockBarrier, kRsThreads);
+    NamedBarrierArrive(kRsFullBarrier, kRsThreads);
+    // Chunk c + 2 goes into the slot of chunk c − 1 once the state warps are done with it; chunk c + 1, staged an
+    // iteration ago, is prepared and announced. The helpers run ahead of the state warps by up to two chunks.
     for (int64_t chunk = 0; chunk * kQ < len; ++chunk) {
+      const bool third = (chunk + 2) * kQ < len, second = (chunk + 1) * kQ < len;
       const float raw = load_dt(chunk + 2);
-      if ((chunk + 2) * kQ < len) stage(chunk + 2);
+      if (third) {
+        if (chunk >= 1) NamedBarrierSync(kRsEmptyBarrier + static_cast<int>((chunk + 2) % kRsSlots), kRsThreads);
+        stage(chunk + 2);
+      }
       CopyAsyncCommit();
-      if ((chunk + 1) * kQ < len) {
+      if (second) {
         if constexpr (kRsDiagnostic == 1) {
           CopyAsyncWaitGroup<1>();
         } else {
           prepare(chunk + 1);
         }
       }
-      store_time_step(chunk + 2, raw);
-      NamedBarrierSync(kRsBlockBarrier, kRsThreads);
+      if (third) store_time_step(chunk + 2, raw);
+      if (second) NamedBarrierArrive(kRsFullBarrier + static_cast<int>((chunk + 1) % kRsSlots), kRsThreads);
     }
     CopyAsyncWaitAll();
     return;
@@ -1034,14 +1044,18 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     }
     const float skip = p.d != nullptr ? LoadFloatOrT<T>(p.d, p.d_is_float, h) : 0.f;
     bool state_zero = p.initial_state == nullptr;
-    float* const mine = exchange + warp * (4 * 4 * 32);
-    const float* const partner = exchange + (warp ^ 1) * (4 * 4 * 32);
-    NamedBarrierSync(kRsBlockBarrier, kRsThreads);  // the helpers' first chunk
     for (int64_t chunk = 0; chunk * kQ < len; ++chunk) {
+      const int slot = static_cast<int>(chunk % kRsSlots);
+      NamedBarrierSync(kRsFullBarrier + slot, kRsThreads);  // the helpers have prepared it
+      const bool refilled = (chunk + 3) * kQ < len;          // the helpers wait for this slot again
       if constexpr (kRsDiagnostic == 2) {
-        NamedBarrierSync(kRsBlockBarrier, kRsThreads);
+        if (refilled) NamedBarrierArrive(kRsEmptyBarrier + slot, kRsThreads);
         continue;
       }
+      // The pair's partial sums alternate between two buffers: a warp a chunk ahead of its partner (it has passed
+      // the pair's barrier of this chunk, so the partner has read the other buffer) writes the other one.
+      float* const mine = exchange + ((chunk & 1) * 8 + warp) * (4 * 4 * 32);
+      const float* const partner = exchange + ((chunk & 1) * 8 + (warp ^ 1)) * (4 * 4 * 32);
       const int64_t t0 = chunk * kQ;
       const int q = static_cast<int>(len - t0 < kQ ? len - t0 : kQ);
       const T* const rx = slot_x(chunk);
@@ -1050,7 +1064,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       const float* const tok = slot_tokens(chunk);
       const float* const decay_in = tok + 2 * kQ;
       const float* const decay_out = tok + 3 * kQ;
-      const float* const wc = ws + (chunk & 1) * kQ * kRsLdw;
+      const float* const wc = ws + slot * kQ * kRsLdw;
 
       // 1. This half of exp(cs)·C·Sᵀ for the 8 token tiles; the partner's 4 tiles to shared memory, this warp's
       // (tiles 2k + ((k ^ side) & 1)) kept.
@@ -1248,7 +1262,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
         }
       }
       state_zero = false;
-      NamedBarrierSync(kRsBlockBarrier, kRsThreads);  // the next chunk is prepared; this one's buffers are free
+      if (refilled) NamedBarrierArrive(kRsEmptyBarrier + slot, kRsThreads);  // the last read of the slot is above
     }
   #pragma unroll
     for (int k8 = 0; k8 < kN8; ++k8) {
