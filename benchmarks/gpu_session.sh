@@ -11,8 +11,9 @@
 #                                                                  # compare it in the same process
 #   STEPS=mobius bash ...  # the mobius cuda-target builds under the CUDA EP and in onnxruntime-genai-cuda
 #   STEPS=e2e bash ...   # the Nemotron-H-8B-shaped model (benchmarks/bench_gpu_nemotron.py; graphs exported first)
-#   STEPS="pytest_prefill sanitizer_prefill bench_prefill conv_sweep" bash ...  # the prefill ops (MambaChunkScan,
-#       CausalConv1d): their GPU suites, compute-sanitizer memcheck + racecheck, the benchmark (with Triton where
+#   STEPS="pytest_prefill budget_prefill sanitizer_prefill bench_prefill conv_sweep" bash ...  # the prefill ops
+#       (MambaChunkScan, CausalConv1d): their GPU suites, the scan kernels against the budget without ORT,
+#       compute-sanitizer memcheck + racecheck, the benchmark (with Triton where
 #       .bench-vendor/mamba_ssm_ssd holds mamba_ssm's package) and the conv kernel's variants side by side
 #
 # Needs onnxruntime-gpu importable for pytest_cuda and the ORT tables (e.g. PYTHONPATH=/root/ortgpu), torch with
@@ -26,7 +27,7 @@ py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 failed=()
 all_steps="build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda mobius sanitizer bench ncu e2e"
-all_steps+=" pytest_prefill sanitizer_prefill bench_prefill conv_sweep"
+all_steps+=" pytest_prefill budget_prefill sanitizer_prefill bench_prefill conv_sweep"
 steps=" ${STEPS:-$all_steps} "  # a subset for split sessions
 step() {  # step <name> <command...>: runs, logs to $out/<name>.log, remembers failures
   local name=$1
@@ -98,6 +99,8 @@ step e2e "$py" benchmarks/bench_gpu_nemotron.py run --graphs "${E2E_GRAPHS:-.ben
 # The prefill ops: GPU suites, compute-sanitizer on their kernels, the benchmark, the conv kernel's variants
 step pytest_prefill "$py" -m pytest -q -p no:cacheprovider -rs tests/test_mamba_chunk_scan_cuda.py \
   tests/test_causal_conv1d_cuda.py tests/test_prefill_ops_placement.py
+# Both half-path scan kernels against the float64 budget without ONNX Runtime (the bench library and PyTorch)
+step budget_prefill "$py" contrib_ops/cuda/tools/scan_budget_gpu.py "$build/cuda/libmambafuse_cuda_prefill_bench.so"
 sanitize_prefill() {
   local tool
   for tool in memcheck racecheck; do

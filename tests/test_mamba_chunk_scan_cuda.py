@@ -181,8 +181,8 @@ def test_the_half_path_and_the_kernel_for_any_widths_agree(
 def test_the_register_state_kernel(
     monkeypatch: pytest.MonkeyPatch, t: np.dtype, state_size: int, length: int, d_kind: str, state_kind: str
 ) -> None:
-    """MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers (RegisterStateScan, the state in registers) at the models' widths:
-    within the budget, and within 1e-4 of the half path's kernel (state in shared memory) on the same inputs, over
+    """RegisterStateScan (the state in registers; the default at the models' widths) within the budget, and within
+    1e-4 of the half path's other kernel (MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared) on the same inputs, over
     prompt lengths around the chunk of 64 and 300 tokens (the three staging slots go round), D and the initial state
     as float, as T, or absent."""
     monkeypatch.setenv(PATH_VARIABLE, "chunked")

@@ -26,8 +26,8 @@ from tests.test_causal_conv1d_kernel import make_inputs as conv_inputs
 from tests.test_mamba_chunk_scan_kernel import make_inputs as scan_inputs
 
 COPY_MODES = ["deferred", "immediate"]
-# The half path's two kernels: the state in shared memory (ChunkedScan) and in registers (RegisterStateScan,
-# MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers).
+# The half path's two kernels: the state in registers (RegisterStateScan, the default) and in shared memory
+# (ChunkedScan, MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared).
 STATE_KERNELS = ["shared", "registers"]
 STATE_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"
 
@@ -150,14 +150,19 @@ def test_a_nan_on_the_half_path_stays_in_its_head_and_after_its_token(emulated: 
 
 
 def test_the_state_switch_runs_another_kernel(emulated: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers runs RegisterStateScan, whose sums go in another order: its outputs
-    are within the budget (the tests above) but not the bits of ChunkedScan's, so the switch is seen to act."""
+    """RegisterStateScan is the half path's default; MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared runs ChunkedScan, whose
+    sums go in another order: its outputs are within the budget (the tests above) but not RegisterStateScan's bits,
+    so the switch and the default are seen to act."""
     rng = np.random.default_rng(11)
     inputs = scan_inputs(rng, FLOAT16, batch=1, length=100, heads=2, head_dim=64, groups=1, state_size=128)
-    monkeypatch.setenv(STATE_VARIABLE, "shared")
-    shared = run_scan(emulated, inputs)
+    monkeypatch.delenv(STATE_VARIABLE, raising=False)
+    default = run_scan(emulated, inputs)
     monkeypatch.setenv(STATE_VARIABLE, "registers")
     registers = run_scan(emulated, inputs)
+    monkeypatch.setenv(STATE_VARIABLE, "shared")
+    shared = run_scan(emulated, inputs)
+    for a, b in zip(default, registers, strict=True):
+        np.testing.assert_array_equal(a, b)
     assert not np.array_equal(shared[0], registers[0])
     np.testing.assert_allclose(registers[0], shared[0], rtol=1e-4, atol=1e-4)
 

@@ -16,8 +16,9 @@
 // rounding of W would not (mamba_ssm's Triton kernels round W and the state to the input type).
 //
 // For the models' widths (P = 64, N = 128 or 64) in float16 and bfloat16 a build with those widths fixed takes the
-// half path (see ChunkedScan): B and C read in their 16-bit staging buffer, C·Bᵀ on m16n8k16 tensor cores, u and B
-// stored transposed for the state update.
+// half path: RegisterStateScan by default (the state in registers, warp-specialized; see there), or with
+// MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared ChunkedScan's fixed-width build (B and C read in their 16-bit staging
+// buffer, C·Bᵀ on m16n8k16 tensor cores, u and B stored transposed for the state update).
 //
 // Sequential kernel (any P and N; also what the tests compare with): one warp per (batch row, head, channel p),
 // the recurrence token by token with the state row in shared memory, the readout a warp sum.
@@ -780,11 +781,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
 // C exact in TF32, the state, W and u split in two TF32 parts.
 constexpr int kRsThreads = 512;
 constexpr int kRsHelperThreads = 256;  // warps 8-15
-// Named barrier ids: 1-4 the state warps' pairs, 5 the helpers, 6-8 a slot's chunk is ready (the helpers arrive,
-// the state warps wait), 9-11 a slot is free again (the state warps arrive, the helpers wait before refilling it).
+constexpr int kRsBlockBarrier = 0;     // named barrier ids: 0 the block, 1-4 the state warps' pairs, 5 the helpers
 constexpr int kRsHelperBarrier = 5;
-constexpr int kRsFullBarrier = 6;
-constexpr int kRsEmptyBarrier = 9;
 // A timing diagnostic, never for results: 1 the helpers stage but do not prepare (the state warps' time alone), 2
 // the state warps skip their chunk's work (the helpers' time alone).
 #ifndef MAMBAFUSE_RS_DIAGNOSTIC
@@ -795,23 +793,20 @@ constexpr int kRsSlots = 3;            // staging slots: the chunk the state war
 constexpr int kRsP = 64;
 constexpr int kRsLdx = kRsP + 8;       // x's staging rows (16-bit elements): 8 ldmatrix rows on 8 16-byte segments
 constexpr int kRsLdw = kQ + 8;         // W's rows (floats): lanes (g, t) reading W[g][2t, 2t + 1] hit 32 banks
-constexpr int kRsExchangeFloats = 2 * 8 * 4 * 4 * 32;  // [chunk parity][warp][tile][e][lane]: 4 tiles a warp
+constexpr int kRsExchangeFloats = 8 * 4 * 4 * 32;  // a state warp's 4 tiles for its partner: [warp][tile][e][lane]
 
 __host__ __device__ constexpr int64_t RsLdn(int64_t n) { return n + 8; }
 __host__ __device__ constexpr int64_t RegisterStateSharedBytes(int64_t n) {
-  return kRsSlots * kQ * (kRsLdx + 2 * RsLdn(n)) * 2 + (kRsSlots * kQ * kRsLdw + kRsExchangeFloats + kRsSlots * 4 * kQ) * 4;
+  return kRsSlots * kQ * (kRsLdx + 2 * RsLdn(n)) * 2 + (2 * kQ * kRsLdw + kRsExchangeFloats + kRsSlots * 4 * kQ) * 4;
 }
 
 // float16 I/O: the state enters C·Sᵀ as two float16 parts of a row scaled by a power of two (RsRowScale), on
 // m16n8k16 tensor cores with C as it is — half the instructions of the TF32 split and no widening of C.
-// MAMBAFUSE_RS_F16_SPLIT=0 builds the TF32 split for float16 too (a comparison). MAMBAFUSE_RS_F16_UPDATE=1 (a
-// measurement only: it needs more than the 128 registers a thread has here, and spills) does the same for u in the
-// state update.
+// MAMBAFUSE_RS_F16_SPLIT=0 builds the TF32 split for float16 too (a comparison). The update uᵀ·B keeps the TF32
+// split: its float16 form (u's rows scaled per 16 tokens, each product in a fresh accumulator) needs more than the
+// 128 registers a thread has here.
 #ifndef MAMBAFUSE_RS_F16_SPLIT
 #define MAMBAFUSE_RS_F16_SPLIT 1
-#endif
-#ifndef MAMBAFUSE_RS_F16_UPDATE
-#define MAMBAFUSE_RS_F16_UPDATE 0
 #endif
 
 // The powers of two that take a row whose largest magnitude is `m` to [2^14, 2^15) (`down`) and back (`up`): the
@@ -854,10 +849,9 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
   constexpr int kSlotElems = kQ * (kRsLdx + 2 * kLdn);
   constexpr int kCausalTiles = (kQ / 16) * (kQ / 16 + 1) / 2;
   constexpr bool kF16 = std::is_same_v<T, __half> && MAMBAFUSE_RS_F16_SPLIT;
-  constexpr bool kF16Update = kF16 && MAMBAFUSE_RS_F16_UPDATE;
   extern __shared__ __align__(128) float smem[];
-  float* const ws = smem;                                   // [3][Q][kRsLdw] W by slot
-  float* const exchange = ws + kRsSlots * kQ * kRsLdw;      // [2][8][4][4][32] the state warps' partial sums
+  float* const ws = smem;                              // [2][Q][kRsLdw] W by chunk parity
+  float* const exchange = ws + 2 * kQ * kRsLdw;        // [8][4][4][32] the state warps' partial sums
   float* const tokens = exchange + kRsExchangeFloats;  // [3][4][Q] by slot: d, cs, exp(cs), exp(cs_end − cs)
   T* const staging = reinterpret_cast<T*>(tokens + kRsSlots * 4 * kQ);  // [3] slots of x [Q][kRsLdx], B, C [Q][kLdn]
 
@@ -959,7 +953,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       }
       NamedBarrierSync(kRsHelperBarrier, kRsHelperThreads);  // the cumulative sums
       const float* const cumsum = tok + kQ;
-      float* const wc = ws + (chunk % kRsSlots) * kQ * kRsLdw;
+      float* const wc = ws + (chunk & 1) * kQ * kRsLdw;
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int tile = hw + 8 * k;
@@ -983,8 +977,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       }
     };
     // Warps 14 and 15 (one C·Bᵀ tile each) find the time steps two chunks ahead: dt's loads at the start of an
-    // iteration, the softplus and the store at its end, off the path of the chunk being prepared. Every slot's
-    // staging rows, time steps, sums and W are written only after the state warps have freed it.
+    // iteration, the softplus and the store at its end, off the path of the chunk being prepared.
     const int step_lane = hid - (kRsHelperThreads - kQ);
     const auto load_dt = [&](int64_t chunk) {
       const int64_t t = chunk * kQ + step_lane;
@@ -999,28 +992,22 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     if (kQ < len) stage(1);
     CopyAsyncCommit();
     store_time_step(0, load_dt(0));
-    if (kQ < len) store_time_step(1, load_dt(1));
+    store_time_step(1, load_dt(1));
     prepare(0);
-    NamedBarrierArrive(kRsFullBarrier, kRsThreads);
-    // Chunk c + 2 goes into the slot of chunk c − 1 once the state warps are done with it; chunk c + 1, staged an
-    // iteration ago, is prepared and announced. The helpers run ahead of the state warps by up to two chunks.
+    NamedBarrierSync(kRsBlockBarrier, kRsThreads);
     for (int64_t chunk = 0; chunk * kQ < len; ++chunk) {
-      const bool third = (chunk + 2) * kQ < len, second = (chunk + 1) * kQ < len;
       const float raw = load_dt(chunk + 2);
-      if (third) {
-        if (chunk >= 1) NamedBarrierSync(kRsEmptyBarrier + static_cast<int>((chunk + 2) % kRsSlots), kRsThreads);
-        stage(chunk + 2);
-      }
+      if ((chunk + 2) * kQ < len) stage(chunk + 2);
       CopyAsyncCommit();
-      if (second) {
+      if ((chunk + 1) * kQ < len) {
         if constexpr (kRsDiagnostic == 1) {
           CopyAsyncWaitGroup<1>();
         } else {
           prepare(chunk + 1);
         }
       }
-      if (third) store_time_step(chunk + 2, raw);
-      if (second) NamedBarrierArrive(kRsFullBarrier + static_cast<int>((chunk + 1) % kRsSlots), kRsThreads);
+      store_time_step(chunk + 2, raw);
+      NamedBarrierSync(kRsBlockBarrier, kRsThreads);
     }
     CopyAsyncWaitAll();
     return;
@@ -1044,18 +1031,14 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     }
     const float skip = p.d != nullptr ? LoadFloatOrT<T>(p.d, p.d_is_float, h) : 0.f;
     bool state_zero = p.initial_state == nullptr;
+    float* const mine = exchange + warp * (4 * 4 * 32);
+    const float* const partner = exchange + (warp ^ 1) * (4 * 4 * 32);
+    NamedBarrierSync(kRsBlockBarrier, kRsThreads);  // the helpers' first chunk
     for (int64_t chunk = 0; chunk * kQ < len; ++chunk) {
-      const int slot = static_cast<int>(chunk % kRsSlots);
-      NamedBarrierSync(kRsFullBarrier + slot, kRsThreads);  // the helpers have prepared it
-      const bool refilled = (chunk + 3) * kQ < len;          // the helpers wait for this slot again
       if constexpr (kRsDiagnostic == 2) {
-        if (refilled) NamedBarrierArrive(kRsEmptyBarrier + slot, kRsThreads);
+        NamedBarrierSync(kRsBlockBarrier, kRsThreads);
         continue;
       }
-      // The pair's partial sums alternate between two buffers: a warp a chunk ahead of its partner (it has passed
-      // the pair's barrier of this chunk, so the partner has read the other buffer) writes the other one.
-      float* const mine = exchange + ((chunk & 1) * 8 + warp) * (4 * 4 * 32);
-      const float* const partner = exchange + ((chunk & 1) * 8 + (warp ^ 1)) * (4 * 4 * 32);
       const int64_t t0 = chunk * kQ;
       const int q = static_cast<int>(len - t0 < kQ ? len - t0 : kQ);
       const T* const rx = slot_x(chunk);
@@ -1064,7 +1047,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       const float* const tok = slot_tokens(chunk);
       const float* const decay_in = tok + 2 * kQ;
       const float* const decay_out = tok + 3 * kQ;
-      const float* const wc = ws + slot * kQ * kRsLdw;
+      const float* const wc = ws + (chunk & 1) * kQ * kRsLdw;
 
       // 1. This half of exp(cs)·C·Sᵀ for the 8 token tiles; the partner's 4 tiles to shared memory, this warp's
       // (tiles 2k + ((k ^ side) & 1)) kept.
@@ -1162,50 +1145,6 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       for (int s16 = 0; s16 < kQ / 16; ++s16) {
         uint32_t xr[4];
         LoadMatrixX4Trans(xr, rx + (16 * s16 + (lane & 7) + 8 * (lane >> 4)) * kRsLdx + p0 + 8 * ((lane >> 3) & 1));
-        if constexpr (kF16Update) {
-          // uᵀ over the 16 tokens: xr holds x[s0 + 2t, + 1 (+ 8)][p0 + g (+ 8)], m16n8k16's A fragment of xᵀ; u's
-          // rows scaled into float16's range and split, against B's k-step as it is (ldmatrix.trans: lane (g, t)
-          // gets B[s0 + 2t, + 1 (+ 8)][n + g]); each product lands in a fresh accumulator and enters S scaled back.
-          const int s0 = 16 * s16;
-          const float2 d_lo = *reinterpret_cast<const float2*>(tok + s0 + 2 * t4);
-          const float2 d_hi = *reinterpret_cast<const float2*>(tok + s0 + 8 + 2 * t4);
-          const float2 o_lo = *reinterpret_cast<const float2*>(decay_out + s0 + 2 * t4);
-          const float2 o_hi = *reinterpret_cast<const float2*>(decay_out + s0 + 8 + 2 * t4);
-          float u[4][2];  // A fragment order: (g; 2t, 2t + 1), (g + 8; ...), (g; + 8), (g + 8; + 8)
-  #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 xv = WidenPair<T>(xr[i]);
-            const float2 d = i < 2 ? d_lo : d_hi, o = i < 2 ? o_lo : o_hi;
-            u[i][0] = __fmul_rn(xv.x, d.x) * o.x;
-            u[i][1] = __fmul_rn(xv.y, d.y) * o.y;
-          }
-          float down[2], up[2];
-  #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const float m = fmaxf(fmaxf(fabsf(u[r][0]), fabsf(u[r][1])), fmaxf(fabsf(u[r + 2][0]), fabsf(u[r + 2][1])));
-            RsRowScale(RowMax4(m), down[r], up[r]);
-          }
-          uint32_t hi[4], lo[4];
-  #pragma unroll
-          for (int i = 0; i < 4; ++i) SplitHalf2(u[i][0] * down[i % 2], u[i][1] * down[i % 2], hi[i], lo[i]);
-  #pragma unroll
-          for (int n16 = 0; n16 < kN8 / 2; ++n16) {
-            uint32_t br[4];
-            LoadMatrixX4Trans(br, rb + (s0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kLdn + n_base + 16 * n16 +
-                                      8 * (lane >> 4));
-  #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              float part[4] = {};
-              MmaHalf<T>(part, lo, br[2 * half], br[2 * half + 1]);
-              MmaHalf<T>(part, hi, br[2 * half], br[2 * half + 1]);
-              float* const s = acc[2 * n16 + half];
-              s[0] = fmaf(part[0], up[0], s[0]);
-              s[1] = fmaf(part[1], up[0], s[1]);
-              s[2] = fmaf(part[2], up[1], s[2]);
-              s[3] = fmaf(part[3], up[1], s[3]);
-            }
-          }
-        }
   #pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
           const int step = 2 * s16 + sub, s0 = 8 * step;
@@ -1225,7 +1164,6 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
             MmaTf32(own[k], xf, wf.lo[0], wf.lo[1]);
             MmaTf32(own[k], xf, wf.hi[0], wf.hi[1]);
           }
-          if constexpr (kF16Update) continue;  // the update above, once per 16 tokens
           const float2 d2 = *reinterpret_cast<const float2*>(tok + s0 + 2 * t4);
           const float2 o2 = *reinterpret_cast<const float2*>(decay_out + s0 + 2 * t4);
           Tf32Operand<4, true> u;
@@ -1262,7 +1200,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
         }
       }
       state_zero = false;
-      if (refilled) NamedBarrierArrive(kRsEmptyBarrier + slot, kRsThreads);  // the last read of the slot is above
+      NamedBarrierSync(kRsBlockBarrier, kRsThreads);  // the next chunk is prepared; this one's buffers are free
     }
   #pragma unroll
     for (int k8 = 0; k8 < kN8; ++k8) {
@@ -1411,13 +1349,14 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
     // 16 warps by default, on the half path where the plan has it (the models' widths in float16 and bfloat16);
     // MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS=8 runs 8 warps and MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS=any the kernel for any
     // widths (a benchmark's or a test's comparison).
-    // MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers runs RegisterStateScan where the half path runs.
+    // Where the half path runs, RegisterStateScan (the state in registers) unless
+    // MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared asks for the half path's kernel with the state in shared memory.
     const char* warps = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS");
     const char* widths = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_WIDTHS");
     const char* state = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA_STATE");
     const bool eight = warps != nullptr && std::strcmp(warps, "8") == 0;
     const bool any = eight || (widths != nullptr && std::strcmp(widths, "any") == 0);
-    const bool registers = state != nullptr && std::strcmp(state, "registers") == 0;
+    const bool registers = state == nullptr || std::strcmp(state, "shared") != 0;
     void (*kernel)(Params) = eight ? &ChunkedScan<T, 8, 0, 0> : &ChunkedScan<T, 16, 0, 0>;
     size_t bytes = plan.bytes;
     unsigned threads = (eight ? 8 : 16) * 32;

@@ -69,12 +69,6 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
   asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Arrives at the named barrier `id` of `threads` threads without waiting for it (barrier.arrive, not .aligned): a
-// producer's signal to the threads that wait there with NamedBarrierSync.
-__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
-  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // cp.async of 16 bytes from global to shared memory (sm_80 and later), and the waits on them.
 __device__ __forceinline__ void CopyAsync16(void* shared, const void* global) {
   const auto address = static_cast<unsigned>(__cvta_generic_to_shared(shared));

@@ -163,17 +163,15 @@ inline void LoadMatrixX4Trans(uint32_t (&r)[4], const void* row_address) {
 
 // bar.sync id, threads: the first thread to arrive makes the barrier with its count, and every later use of the id
 // must give the same count (as on the GPU, where a mismatch is undefined).
-inline std::barrier<>& EmuNamedBarrier(int id, int threads) {
+inline void NamedBarrierSync(int id, int threads) {
   EmuBlock& block = *emu_block;
-  std::lock_guard<std::mutex> lock(block.named_mutex);
-  if (!block.named[id]) block.named[id] = std::make_unique<std::barrier<>>(threads);
-  return *block.named[id];
-}
-inline void NamedBarrierSync(int id, int threads) { EmuNamedBarrier(id, threads).arrive_and_wait(); }
-// barrier.arrive: counts this thread in the barrier's current phase and goes on.
-inline void NamedBarrierArrive(int id, int threads) {
-  auto token = EmuNamedBarrier(id, threads).arrive();
-  (void)token;
+  std::barrier<>* barrier = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(block.named_mutex);
+    if (!block.named[id]) block.named[id] = std::make_unique<std::barrier<>>(threads);
+    barrier = block.named[id].get();
+  }
+  barrier->arrive_and_wait();
 }
 
 }  // namespace mambafuse

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import sys
 
 import torch
@@ -26,7 +27,7 @@ def main() -> int:
     launch.argtypes = [p] * 10 + [ctypes.c_int] * 3 + [i64] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
     launch.argtypes += [ctypes.c_int, p]
     # The last two: the chunked kernel's half path (float16 and bfloat16 at P = 64, N = 128 or 64), over four and five
-    # chunks.
+    # chunks (--quick keeps both).
     shapes = [
         (2, 70, 4, 8, 2, 16),
         (1, 130, 2, 17, 1, 33),
@@ -35,11 +36,14 @@ def main() -> int:
         (1, 200, 2, 64, 1, 64),
     ]
     if quick:
-        shapes = shapes[:2] + shapes[-1:]
+        shapes = shapes[:2] + shapes[-2:]
     cases = 0
-    for (batch, length, heads, head_dim, groups, n), type_id, path, extras in itertools.product(
-        shapes, TYPES, (1, 2), (False, True)
+    # The chunked path (1) with each half-path kernel where the shape takes it, and the sequential one (2).
+    runs = [(1, "registers"), (1, "shared"), (2, "registers")]
+    for (batch, length, heads, head_dim, groups, n), type_id, (path, state), extras in itertools.product(
+        shapes, TYPES, runs, (False, True)
     ):
+        os.environ["MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"] = state  # read at each launch
         t = TYPES[type_id]
         dev = "cuda"
         x = torch.randn(batch, length, heads, head_dim, device=dev).to(t)
@@ -63,7 +67,8 @@ def main() -> int:
         )  # fmt: skip
         torch.cuda.synchronize()
         if rc != 0:
-            print(f"launch failed ({rc}): {(batch, length, heads, head_dim, groups, n)} type {type_id} path {path}")
+            shape = (batch, length, heads, head_dim, groups, n)
+            print(f"launch failed ({rc}): {shape} type {type_id} path {path} state {state}")
             return 1
         cases += 1
     conv = lib.mambafuse_causal_conv1d_launch

@@ -1,8 +1,8 @@
 """MambaChunkScan's chunked CUDA kernels on the GPU against the op's float64 budget, without ONNX Runtime: launched
 through libmambafuse_cuda_prefill_bench.so on PyTorch's buffers, the inputs from the test suite's make_inputs (numpy,
 seeded), the outputs checked with fusion.reference.mamba_chunk_scan.budget_report. Both kernels of the models' widths
-(P = 64, N = 128 or 64; float16 and bfloat16): the state in shared memory and in registers
-(MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=registers), which must also agree within 1e-4. For a GPU session where the
+(P = 64, N = 128 or 64; float16 and bfloat16): the state in registers (the default) and in shared memory
+(MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared), which must also agree within 1e-4. For a GPU session where the
 onnxruntime-gpu suites (tests/test_mamba_chunk_scan_cuda.py) cannot run; they remain the suites of record.
 
     python3 contrib_ops/cuda/tools/scan_budget_gpu.py <libmambafuse_cuda_prefill_bench.so>
