@@ -778,7 +778,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
 //   tensor cores with T's values as they are).
 // One block-wide barrier a chunk; a pair of state warps meets at its own named barrier to exchange partial sums,
 // the helpers at theirs. The products, their TF32 splits and the rounding points are the chunked kernel's: x, B and
-// C exact in TF32, the state, W and u split in two TF32 parts.
+// C exact in TF32, the state, W and u split in two TF32 parts (for float16 inputs the readout's state is split in
+// two float16 parts instead, below).
 constexpr int kRsThreads = 512;
 constexpr int kRsHelperThreads = 256;  // warps 8-15
 constexpr int kRsBlockBarrier = 0;     // named barrier ids: 0 the block, 1-4 the state warps' pairs, 5 the helpers
