@@ -77,6 +77,14 @@ def _time_graph(torch, fn, calls: int = 20, repeats: int = 7) -> tuple[float, fl
     return statistics.median(times), min(times), max(times)
 
 
+def emit_table(lines: list[str], markdown: Path | None) -> None:
+    """Print the table (the rows were printed as they came; this is the whole of it) and write it to ``markdown``."""
+    text = "\n".join(lines)
+    print(text)
+    if markdown is not None:
+        markdown.write_text(text + "\n")
+
+
 def _flops(length: int, batch: int, widths: tuple[int, int, int, int], chunk: int) -> float:
     """The chunked algorithm's nominal FLOPs at chunk ``chunk``: C·Bᵀ per group, the intra-chunk product, the chunk
     states and their readout per head (2T·(G·Q·N + H·Q·P + 2·H·N·P)), causal halves not skipped."""
@@ -270,10 +278,7 @@ def main() -> None:
         "in copies of the same bytes (1: the memory floor). At these widths the half path's kernels: the state in "
         "registers (RegisterStateScan, the default) and in shared memory (MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared).",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown is not None:
-        args.markdown.write_text(text + "\n")
+    emit_table(lines, args.markdown)
 
 
 if __name__ == "__main__":

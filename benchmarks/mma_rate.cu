@@ -55,7 +55,9 @@ int main() {
   cudaMalloc(&out, sms * 1024 * sizeof(float));
   cudaMalloc(&cycles, sms * sizeof(long long));
   std::printf("%s, %d multiprocessors; %d chains a warp, %d steps\n", prop.name, sms, kChains, kSteps);
-  std::printf("| product | warps a block | cycles a product a multiprocessor | products a cycle a scheduler | TFLOP/s (all SMs, wall clock) |\n|---|---|---|---|---|\n");
+  std::printf(
+      "| product | warps a block | cycles a product a multiprocessor | products a cycle a scheduler | "
+      "TFLOP/s (all SMs, wall clock) |\n|---|---|---|---|---|\n");
   for (int tf32 = 1; tf32 >= 0; --tf32) {
     for (int warps : {1, 2, 4, 8, 16}) {
       auto kernel = tf32 ? Products<true> : Products<false>;

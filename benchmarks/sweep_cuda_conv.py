@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_cuda_prefill import _time_graph  # noqa: E402
+from benchmarks.bench_cuda_prefill import _time_graph, emit_table  # noqa: E402
 
 DEFAULT_SOURCE = REPO / "contrib_ops" / "cuda" / "causal_conv1d_impl.cu"
 TYPES = {"float16": 10, "bfloat16": 16, "float32": 1}
@@ -214,10 +214,7 @@ def main() -> None:
             print(line, flush=True)
             lines.append(line)
             torch.cuda.empty_cache()
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown is not None:
-        args.markdown.write_text(text + "\n")
+    emit_table(lines, args.markdown)
 
 
 if __name__ == "__main__":

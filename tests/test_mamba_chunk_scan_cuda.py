@@ -45,6 +45,30 @@ def check(inputs: dict[str, np.ndarray | None], **attrs: object) -> list[np.ndar
     return [out, state]
 
 
+def check_graph_replays(rng: np.random.Generator, t: np.dtype, replays: int, **shape: int) -> None:
+    """ORT's CUDA graph: captured at the first Run, replayed with new inputs of ``shape`` (make_inputs, drawn from
+    ``rng`` one replay after another) written into the bound buffers; every replay's answer is within the budget (a
+    stale or garbled replay is not)."""
+    first = make_inputs(rng, t, **shape)
+    sess = cuda_session(one_node_model(OP, [(n, first[n]) for n in NAMES], OUTPUTS), enable_cuda_graph="1")
+    binding = sess.io_binding()
+    bound = {}
+    for name, value in feeds_of(first.items()).items():
+        bound[name] = ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0)
+        binding.bind_ortvalue_input(name, bound[name])
+    out_value = ort.OrtValue.ortvalue_from_shape_and_type(first["x"].shape, np.float32, "cuda", 0)
+    state_value = ort.OrtValue.ortvalue_from_shape_and_type(first["initial_state"].shape, np.float32, "cuda", 0)
+    binding.bind_ortvalue_output("out", out_value)
+    binding.bind_ortvalue_output("final_state", state_value)
+    for step in range(replays):
+        inputs = first if step == 0 else make_inputs(rng, t, **shape)
+        for name, value in feeds_of(inputs.items()).items():
+            bound[name].update_inplace(value)
+        sess.run_with_iobinding(binding)
+        ok, summary = budget_report(out_value.numpy(), state_value.numpy(), **inputs)
+        assert ok, f"replay {step}: {summary}"
+
+
 @pytest.fixture(params=PATHS)
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv(PATH_VARIABLE, request.param)
@@ -218,25 +242,7 @@ def test_the_register_state_kernel_in_pieces_and_in_a_cuda_graph(monkeypatch: py
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, axis=1), whole_out, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(state, whole_state, rtol=1e-4, atol=1e-4)
-    shape = {"batch": 1, "length": 1, "heads": 16, "head_dim": 64, "groups": 2, "state_size": 128}
-    first = make_inputs(rng, t, **shape)
-    sess = cuda_session(one_node_model(OP, [(n, first[n]) for n in NAMES], OUTPUTS), enable_cuda_graph="1")
-    binding = sess.io_binding()
-    bound = {}
-    for name, value in feeds_of(first.items()).items():
-        bound[name] = ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0)
-        binding.bind_ortvalue_input(name, bound[name])
-    out_value = ort.OrtValue.ortvalue_from_shape_and_type(first["x"].shape, np.float32, "cuda", 0)
-    state_value = ort.OrtValue.ortvalue_from_shape_and_type(first["initial_state"].shape, np.float32, "cuda", 0)
-    binding.bind_ortvalue_output("out", out_value)
-    binding.bind_ortvalue_output("final_state", state_value)
-    for step in range(3):
-        inputs = first if step == 0 else make_inputs(rng, t, **shape)
-        for name, value in feeds_of(inputs.items()).items():
-            bound[name].update_inplace(value)
-        sess.run_with_iobinding(binding)
-        ok, summary = budget_report(out_value.numpy(), state_value.numpy(), **inputs)
-        assert ok, f"replay {step}: {summary}"
+    check_graph_replays(rng, t, 3, batch=1, length=1, heads=16, head_dim=64, groups=2, state_size=128)
 
 
 def test_misaligned_tensors_take_the_plain_loads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,31 +268,9 @@ def test_a_nan_stays_in_its_head(path: str) -> None:
 
 
 def test_a_one_token_prompt_in_a_cuda_graph(path: str) -> None:
-    """ORT's CUDA graph: captured at the first Run, replayed with new values written into the bound buffers; every
-    replay's one-token answer is within the budget (a stale or garbled replay is not)."""
+    """A one-token prompt in ORT's CUDA graph, replayed three times with new values (check_graph_replays)."""
     rng = np.random.default_rng(6)
-    first = make_inputs(rng, FLOAT16, batch=2, length=1, heads=8, head_dim=16, groups=4, state_size=64)
-    sess = cuda_session(one_node_model(OP, [(n, first[n]) for n in NAMES], OUTPUTS), enable_cuda_graph="1")
-    binding = sess.io_binding()
-    bound = {}
-    for name, value in feeds_of(first.items()).items():
-        bound[name] = ort.OrtValue.ortvalue_from_numpy(value, "cuda", 0)
-        binding.bind_ortvalue_input(name, bound[name])
-    out_value = ort.OrtValue.ortvalue_from_shape_and_type(first["x"].shape, np.float32, "cuda", 0)
-    state_value = ort.OrtValue.ortvalue_from_shape_and_type(first["initial_state"].shape, np.float32, "cuda", 0)
-    binding.bind_ortvalue_output("out", out_value)
-    binding.bind_ortvalue_output("final_state", state_value)
-    for step in range(4):
-        inputs = (
-            first
-            if step == 0
-            else make_inputs(rng, FLOAT16, batch=2, length=1, heads=8, head_dim=16, groups=4, state_size=64)
-        )
-        for name, value in feeds_of(inputs.items()).items():
-            bound[name].update_inplace(value)
-        sess.run_with_iobinding(binding)
-        ok, summary = budget_report(out_value.numpy(), state_value.numpy(), **inputs)
-        assert ok, f"replay {step}: {summary}"
+    check_graph_replays(rng, FLOAT16, 4, batch=2, length=1, heads=8, head_dim=16, groups=4, state_size=64)
 
 
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)

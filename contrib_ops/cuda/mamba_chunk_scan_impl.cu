@@ -365,6 +365,73 @@ __device__ __forceinline__ void UpdateStateTileTransposed(float* ss, int lds, co
   StoreStateTile(acc, ss, lds, p0, n0, lane);
 }
 
+// A chunk's cumulative sums from its time steps, one warp, two tokens a lane (d0, d1 at tokens 2·lane and
+// 2·lane + 1): cs = the float32 running sum of a = A·d from the chunk's first token into out[Q + l], exp(cs) into
+// out[2Q + l] and exp(cs_end − cs) into out[3Q + l].
+__device__ __forceinline__ void ChunkSums(float d0, float d1, float a_h, int lane, float* out) {
+  const int l0 = 2 * lane;
+  const float a0 = __fmul_rn(a_h, d0), a1 = __fmul_rn(a_h, d1);
+  float inclusive = __fadd_rn(a0, a1);
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const float v = __shfl_up_sync(kFull, inclusive, offset);
+    if (lane >= offset) inclusive = __fadd_rn(inclusive, v);
+  }
+  float before = __shfl_up_sync(kFull, inclusive, 1);
+  if (lane == 0) before = 0.f;
+  const float c0 = __fadd_rn(before, a0), c1 = __fadd_rn(c0, a1);
+  const float end = __shfl_sync(kFull, c1, 31);
+  out[kQ + l0] = c0;
+  out[kQ + l0 + 1] = c1;
+  out[2 * kQ + l0] = expf(c0);
+  out[2 * kQ + l0 + 1] = expf(c1);
+  out[3 * kQ + l0] = expf(__fsub_rn(end, c0));
+  out[3 * kQ + l0 + 1] = expf(__fsub_rn(end, c1));
+}
+
+// The row and column tiles (i, j), j ≤ i, of causal 16 × 16 tile number `tile` (row by row).
+__device__ __forceinline__ void CausalTile(int tile, int& i, int& j) {
+  i = 0;
+  j = tile;
+  while (j > i) j -= ++i;
+}
+
+// C·Bᵀ on the causal tile (i, j) from the 16-bit staging rows of C and B (row stride ld) over k < n: m16n8k16 with
+// T's values as they are (exact products, float32 sums) into w[n8].
+template <typename T>
+__device__ __forceinline__ void CausalTileProduct(float (&w)[2][4], const T* c_rows, const T* b_rows, int ld, int i,
+                                                  int j, int n, int lane) {
+  const T* const c_tile = HalfTileRow<false>(c_rows + i * 16 * ld, ld, lane);
+  const T* const b_tile = HalfTileRow<true>(b_rows + j * 16 * ld, ld, lane);
+#pragma unroll
+  for (int k0 = 0; k0 < n; k0 += 16) {
+    uint32_t a[4], bt[4];
+    LoadMatrixX4(a, c_tile + k0);
+    LoadMatrixX4(bt, b_tile + k0);
+    MmaHalf<T>(w[0], a, bt[0], bt[1]);
+    MmaHalf<T>(w[1], a, bt[2], bt[3]);
+  }
+}
+
+// W = (exp(cs_l − cs_s)·d_s)[s ≤ l] ∘ C·Bᵀ on the causal tile (i, j), from lane (g, t)'s C·Bᵀ accumulators, into
+// ws (row stride ld).
+__device__ __forceinline__ void StoreWTile(const float (&w)[2][4], int i, int j, const float* cumsum,
+                                           const float* step, float* ws, int ld, int g, int t) {
+#pragma unroll
+  for (int n8 = 0; n8 < 2; ++n8) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int l = i * 16 + g + 8 * r, s = j * 16 + 8 * n8 + 2 * t;
+      const float cs_l = cumsum[l];
+      float pair[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        pair[e] = s + e <= l ? w[n8][2 * r + e] * expf(__fsub_rn(cs_l, cumsum[s + e])) * step[s + e] : 0.f;
+      }
+      *reinterpret_cast<float2*>(ws + l * ld + s) = make_float2(pair[0], pair[1]);
+    }
+  }
+}
+
 // Three phases a chunk, a barrier after each:
 //   1. x, B and C of the chunk in float (from the staging buffer, 16 bytes a thread-step, or from global memory),
 //      and u·exp(cs_end − cs); then the next chunk's asynchronous loads start.
@@ -454,26 +521,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
   const float a_h = p.a[h];
   // Warp 0: the chunk's d, cs, exp(cs) and exp(cs_end − cs) into `tokens` from step_next, two tokens a lane.
   const auto chunk_sums = [&](float* out) {
-    const int l0 = 2 * lane;
-    const float d0 = step_next[l0], d1 = step_next[l0 + 1];
-    const float a0 = __fmul_rn(a_h, d0), a1 = __fmul_rn(a_h, d1);
-    float inclusive = __fadd_rn(a0, a1);
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const float v = __shfl_up_sync(kFull, inclusive, offset);
-      if (lane >= offset) inclusive = __fadd_rn(inclusive, v);
-    }
-    float before = __shfl_up_sync(kFull, inclusive, 1);
-    if (lane == 0) before = 0.f;
-    const float c0 = __fadd_rn(before, a0), c1 = __fadd_rn(c0, a1);
-    const float end = __shfl_sync(kFull, c1, 31);
-    out[l0] = d0;
-    out[l0 + 1] = d1;
-    out[kQ + l0] = c0;
-    out[kQ + l0 + 1] = c1;
-    out[2 * kQ + l0] = expf(c0);
-    out[2 * kQ + l0 + 1] = expf(c1);
-    out[3 * kQ + l0] = expf(__fsub_rn(end, c0));
-    out[3 * kQ + l0 + 1] = expf(__fsub_rn(end, c1));
+    const float d0 = step_next[2 * lane], d1 = step_next[2 * lane + 1];
+    ChunkSums(d0, d1, a_h, lane, out);
+    out[2 * lane] = d0;
+    out[2 * lane + 1] = d1;
   };
 
   if (p.staged) stage(0);
@@ -639,20 +690,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
     }
     // C·Bᵀ on the causal tiles (s ≤ l), then W = (exp(cs_l − cs_s)·d_s)[s ≤ l] ∘ C·Bᵀ.
     for (int tile = warp; tile < kCausalTiles; tile += kWarps) {
-      int i = 0, j = tile;
-      while (j > i) j -= ++i;
+      int i, j;
+      CausalTile(tile, i, j);
       float w[2][4] = {}, small[2][4] = {};
       if constexpr (kHalfPath) {
         // Both operands from the staging buffer as they are: C's rows (A) and B's rows (Bᵀ's columns).
-        const T* const c_tile = HalfTileRow<false>(raw_c + i * 16 * ldr_n, ldr_n, lane);
-        const T* const b_tile = HalfTileRow<true>(raw_b + j * 16 * ldr_n, ldr_n, lane);
-        for (int k0 = 0; k0 < n16; k0 += 16) {
-          uint32_t a[4], bt[4];
-          LoadMatrixX4(a, c_tile + k0);
-          LoadMatrixX4(bt, b_tile + k0);
-          MmaHalf<T>(w[0], a, bt[0], bt[1]);
-          MmaHalf<T>(w[1], a, bt[2], bt[3]);
-        }
+        CausalTileProduct<T>(w, raw_c, raw_b, ldr_n, i, j, n16, lane);
       } else {
         ProductTile<kSplitInput, kSplitInput>(w, small, cm + i * 16 * ldn, ldn, bs + j * 16 * ldn, ldn, n16, lane);
       }
@@ -660,6 +703,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
         AddSmall(w[0], small[0]);
         AddSmall(w[1], small[1]);
       }
+      // StoreWTile's loop, written out here: through the function ptxas schedules this kernel differently (up to
+      // +216 instructions), and this kernel's timings are those measured with it inline.
 #pragma unroll
       for (int n8 = 0; n8 < 2; ++n8) {
 #pragma unroll
@@ -911,70 +956,21 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       float* const tok = slot_tokens(chunk);  // its time steps are there (the iteration before)
       CopyAsyncWaitGroup<1>();  // this chunk's group; the one after it may stay in flight
       NamedBarrierSync(kRsHelperBarrier, kRsHelperThreads);
-      if (hw == 2) {  // a warp with one C·Bᵀ tile
-        // d, cs, exp(cs) and exp(cs_end − cs), two tokens a lane.
-        const int l0 = 2 * lane;
-        const float a0 = __fmul_rn(a_h, tok[l0]), a1 = __fmul_rn(a_h, tok[l0 + 1]);
-        float inclusive = __fadd_rn(a0, a1);
-        for (int offset = 1; offset < 32; offset *= 2) {
-          const float v = __shfl_up_sync(kFull, inclusive, offset);
-          if (lane >= offset) inclusive = __fadd_rn(inclusive, v);
-        }
-        float before = __shfl_up_sync(kFull, inclusive, 1);
-        if (lane == 0) before = 0.f;
-        const float c0 = __fadd_rn(before, a0), c1 = __fadd_rn(c0, a1);
-        const float end = __shfl_sync(kFull, c1, 31);
-        tok[kQ + l0] = c0;
-        tok[kQ + l0 + 1] = c1;
-        tok[2 * kQ + l0] = expf(c0);
-        tok[2 * kQ + l0 + 1] = expf(c1);
-        tok[3 * kQ + l0] = expf(__fsub_rn(end, c0));
-        tok[3 * kQ + l0 + 1] = expf(__fsub_rn(end, c1));
-      }
-      // C·Bᵀ on the causal 16 × 16 tiles (s ≤ l), tiles hw and hw + 8.
-      const T* const rb = slot_b(chunk);
-      const T* const rc = slot_c(chunk);
+      if (hw == 2) ChunkSums(tok[2 * lane], tok[2 * lane + 1], a_h, lane, tok);  // a warp with one C·Bᵀ tile
+      // C·Bᵀ on the causal 16 × 16 tiles (s ≤ l), tiles hw and hw + 8, then W from them once the sums are there.
       float w[2][2][4] = {};
+      int tile_i[2], tile_j[2];
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        const int tile = hw + 8 * k;
-        if (tile >= kCausalTiles) continue;
-        int i = 0, j = tile;
-        while (j > i) j -= ++i;
-        const T* const c_tile = HalfTileRow<false>(rc + i * 16 * kLdn, kLdn, lane);
-        const T* const b_tile = HalfTileRow<true>(rb + j * 16 * kLdn, kLdn, lane);
-#pragma unroll
-        for (int k0 = 0; k0 < kN; k0 += 16) {
-          uint32_t a[4], bt[4];
-          LoadMatrixX4(a, c_tile + k0);
-          LoadMatrixX4(bt, b_tile + k0);
-          MmaHalf<T>(w[k][0], a, bt[0], bt[1]);
-          MmaHalf<T>(w[k][1], a, bt[2], bt[3]);
-        }
+        if (hw + 8 * k >= kCausalTiles) continue;
+        CausalTile(hw + 8 * k, tile_i[k], tile_j[k]);
+        CausalTileProduct<T>(w[k], slot_c(chunk), slot_b(chunk), kLdn, tile_i[k], tile_j[k], kN, lane);
       }
       NamedBarrierSync(kRsHelperBarrier, kRsHelperThreads);  // the cumulative sums
-      const float* const cumsum = tok + kQ;
       float* const wc = ws + (chunk & 1) * kQ * kRsLdw;
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        const int tile = hw + 8 * k;
-        if (tile >= kCausalTiles) continue;
-        int i = 0, j = tile;
-        while (j > i) j -= ++i;
-#pragma unroll
-        for (int n8 = 0; n8 < 2; ++n8) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int l = i * 16 + g8 + 8 * r, s = j * 16 + 8 * n8 + 2 * t4;
-            const float cs_l = cumsum[l];
-            float pair[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              pair[e] = s + e <= l ? w[k][n8][2 * r + e] * expf(__fsub_rn(cs_l, cumsum[s + e])) * tok[s + e] : 0.f;
-            }
-            *reinterpret_cast<float2*>(wc + l * kRsLdw + s) = make_float2(pair[0], pair[1]);
-          }
-        }
+        if (hw + 8 * k < kCausalTiles) StoreWTile(w[k], tile_i[k], tile_j[k], tok + kQ, tok, wc, kRsLdw, g8, t4);
       }
     };
     // Warps 14 and 15 (one C·Bᵀ tile each) find the time steps two chunks ahead: dt's loads at the start of an
@@ -1020,9 +1016,9 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     const int pi = warp >> 1;
     const int p0 = 16 * pi, n_base = kHalfN * side;
     float acc[kN8][4];  // Sᵀ[p0 + g (+ 8)][n_base + 8·k8 + 2t (+ 1)]
-  #pragma unroll
+#pragma unroll
     for (int k8 = 0; k8 < kN8; ++k8) {
-  #pragma unroll
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = p0 + g8 + 8 * (e >> 1), n = n_base + 8 * k8 + 2 * t4 + (e & 1);
         acc[k8][e] = p.initial_state != nullptr
@@ -1055,37 +1051,61 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       float own[4][4];
       {
         float y[8][4] = {};
-        if (!state_zero && kF16) {
-          // Rows g and g + 8 of this half scaled into float16's range, split in two parts; Cᵀ's fragments are C's rows
-          // as they are (ldmatrix: lane (g, t) gets C[l0 + g][n0 + 2t, + 1]).
-          float down[2], up[2];
-  #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float m = 0.f;
-  #pragma unroll
-            for (int k8 = 0; k8 < kN8; ++k8) m = fmaxf(m, fmaxf(fabsf(acc[k8][2 * r]), fabsf(acc[k8][2 * r + 1])));
-            RsRowScale(RowMax4(m), down[r], up[r]);
-          }
-  #pragma unroll
-          for (int kk = 0; kk < kN8 / 2; ++kk) {
-            uint32_t hi[4], lo[4];
-  #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float* const pair = acc[2 * kk + i / 2] + 2 * (i % 2);
-              SplitHalf2(pair[0] * down[i % 2], pair[1] * down[i % 2], hi[i], lo[i]);
+        if (!state_zero) {
+          float up[2] = {1.f, 1.f};  // the float16 rows' scales back (1: the TF32 split is not scaled)
+          if constexpr (kF16) {
+            // Rows g and g + 8 of this half scaled into float16's range, split in two parts; Cᵀ's fragments are C's
+            // rows as they are (ldmatrix: lane (g, t) gets C[l0 + g][n0 + 2t, + 1]).
+            float down[2];
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+              float m = 0.f;
+#pragma unroll
+              for (int k8 = 0; k8 < kN8; ++k8) m = fmaxf(m, fmaxf(fabsf(acc[k8][2 * r]), fabsf(acc[k8][2 * r + 1])));
+              RsRowScale(RowMax4(m), down[r], up[r]);
             }
-  #pragma unroll
-            for (int jp = 0; jp < 4; ++jp) {
-              uint32_t r[4];
-              LoadMatrixX4(r, rc + (16 * jp + (lane & 7) + 8 * (lane >> 4)) * kLdn + n_base + 16 * kk +
-                                  8 * ((lane >> 3) & 1));
-              MmaHalf<T>(y[2 * jp], lo, r[0], r[1]);
-              MmaHalf<T>(y[2 * jp], hi, r[0], r[1]);
-              MmaHalf<T>(y[2 * jp + 1], lo, r[2], r[3]);
-              MmaHalf<T>(y[2 * jp + 1], hi, r[2], r[3]);
+#pragma unroll
+            for (int kk = 0; kk < kN8 / 2; ++kk) {
+              uint32_t hi[4], lo[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const float* const pair = acc[2 * kk + i / 2] + 2 * (i % 2);
+                SplitHalf2(pair[0] * down[i % 2], pair[1] * down[i % 2], hi[i], lo[i]);
+              }
+#pragma unroll
+              for (int jp = 0; jp < 4; ++jp) {
+                uint32_t r[4];
+                LoadMatrixX4(r, rc + (16 * jp + (lane & 7) + 8 * (lane >> 4)) * kLdn + n_base + 16 * kk +
+                                    8 * ((lane >> 3) & 1));
+                MmaHalf<T>(y[2 * jp], lo, r[0], r[1]);
+                MmaHalf<T>(y[2 * jp], hi, r[0], r[1]);
+                MmaHalf<T>(y[2 * jp + 1], lo, r[2], r[3]);
+                MmaHalf<T>(y[2 * jp + 1], hi, r[2], r[3]);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int k8 = 0; k8 < kN8; ++k8) {
+              Tf32Operand<4, true> s;
+              s.Set(0, acc[k8][0]);
+              s.Set(1, acc[k8][2]);
+              s.Set(2, acc[k8][1]);
+              s.Set(3, acc[k8][3]);
+#pragma unroll
+              for (int rows = 0; rows < 2; ++rows) {
+                // C[l][n_base + 8·k8 + 2t, + 1] for the 4 token tiles from row 32·rows: B fragments of Cᵀ.
+                uint32_t r[4];
+                LoadMatrixX4(r, rc + (32 * rows + lane) * kLdn + n_base + 8 * k8);
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                  const float2 c = WidenPair<T>(r[jj]);
+                  MmaTf32(y[4 * rows + jj], s.lo, __float_as_uint(c.x), __float_as_uint(c.y));
+                  MmaTf32(y[4 * rows + jj], s.hi, __float_as_uint(c.x), __float_as_uint(c.y));
+                }
+              }
             }
           }
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < 8; ++j) {
             const float2 in = *reinterpret_cast<const float2*>(decay_in + 8 * j + 2 * t4);
             y[j][0] = y[j][0] * up[0] * in.x;
@@ -1093,40 +1113,11 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
             y[j][2] = y[j][2] * up[1] * in.x;
             y[j][3] = y[j][3] * up[1] * in.y;
           }
-        } else if (!state_zero) {
-  #pragma unroll
-          for (int k8 = 0; k8 < kN8; ++k8) {
-            Tf32Operand<4, true> s;
-            s.Set(0, acc[k8][0]);
-            s.Set(1, acc[k8][2]);
-            s.Set(2, acc[k8][1]);
-            s.Set(3, acc[k8][3]);
-  #pragma unroll
-            for (int rows = 0; rows < 2; ++rows) {
-              // C[l][n_base + 8·k8 + 2t, + 1] for the 4 token tiles from row 32·rows: B fragments of Cᵀ.
-              uint32_t r[4];
-              LoadMatrixX4(r, rc + (32 * rows + lane) * kLdn + n_base + 8 * k8);
-  #pragma unroll
-              for (int jj = 0; jj < 4; ++jj) {
-                const float2 c = WidenPair<T>(r[jj]);
-                MmaTf32(y[4 * rows + jj], s.lo, __float_as_uint(c.x), __float_as_uint(c.y));
-                MmaTf32(y[4 * rows + jj], s.hi, __float_as_uint(c.x), __float_as_uint(c.y));
-              }
-            }
-          }
-  #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float2 in = *reinterpret_cast<const float2*>(decay_in + 8 * j + 2 * t4);
-            y[j][0] *= in.x;
-            y[j][1] *= in.y;
-            y[j][2] *= in.x;
-            y[j][3] *= in.y;
-          }
         }
-  #pragma unroll
+#pragma unroll
         for (int k = 0; k < 4; ++k) {
           const bool first_is_mine = RsOwner(2 * k) == side;
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e) {
             own[k][e] = first_is_mine ? y[2 * k][e] : y[2 * k + 1][e];
             mine[(k * 4 + e) * 32 + lane] = first_is_mine ? y[2 * k + 1][e] : y[2 * k][e];
@@ -1135,26 +1126,27 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       }
 
       // 2. Over the chunk's 8 k-steps of 8 tokens: x's fragments (xᵀ as A, by ldmatrix.trans: lane (g, t) gets
-      // x[s0 + 2t, + 1][p0 + g (+ 8)]), W·x on this warp's tiles at or after the step, and the state update from u = x·d·exp(cs_end − cs) (A) and B (by ldmatrix.trans: B[s0 + 2t, + 1][n + g]).
+      // x[s0 + 2t, + 1][p0 + g (+ 8)]), W·x on this warp's tiles at or after the step, and the state update from
+      // u = x·d·exp(cs_end − cs) (A) and B (by ldmatrix.trans: B[s0 + 2t, + 1][n + g]).
       const float decay_chunk = decay_in[kQ - 1];
-  #pragma unroll
+#pragma unroll
       for (int k8 = 0; k8 < kN8; ++k8) {
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) acc[k8][e] *= decay_chunk;
       }
-  #pragma unroll
+#pragma unroll
       for (int s16 = 0; s16 < kQ / 16; ++s16) {
         uint32_t xr[4];
         LoadMatrixX4Trans(xr, rx + (16 * s16 + (lane & 7) + 8 * (lane >> 4)) * kRsLdx + p0 + 8 * ((lane >> 3) & 1));
-  #pragma unroll
+#pragma unroll
         for (int sub = 0; sub < 2; ++sub) {
           const int step = 2 * s16 + sub, s0 = 8 * step;
           const float2 top = WidenPair<T>(xr[2 * sub]), bottom = WidenPair<T>(xr[2 * sub + 1]);
           const float xa[4] = {top.x, bottom.x, top.y, bottom.y};  // p = g, g + 8 at s0 + 2t; the same at s0 + 2t + 1
           uint32_t xf[4];
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e) xf[e] = __float_as_uint(xa[e]);
-  #pragma unroll
+#pragma unroll
           for (int k = 0; k < 4; ++k) {
             const int j = 2 * k + ((k ^ side) & 1);  // this warp's k-th tile
             if (j < step) continue;
@@ -1172,11 +1164,11 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
           u.Set(1, __fmul_rn(xa[1], d2.x) * o2.x);
           u.Set(2, __fmul_rn(xa[2], d2.y) * o2.y);
           u.Set(3, __fmul_rn(xa[3], d2.y) * o2.y);
-  #pragma unroll
+#pragma unroll
           for (int n32 = 0; n32 < kN8 / 4; ++n32) {
             uint32_t br[4];
             LoadMatrixX4Trans(br, rb + (s0 + (lane & 7)) * kLdn + n_base + 32 * n32 + 8 * (lane >> 3));
-  #pragma unroll
+#pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
               const float2 bp = WidenPair<T>(br[jj]);
               MmaTf32(acc[4 * n32 + jj], u.lo, __float_as_uint(bp.x), __float_as_uint(bp.y));
@@ -1184,15 +1176,14 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
             }
           }
         }
-
       }
 
       // 3. The partner's partial sums of this warp's tiles, then out = y + D·x.
       NamedBarrierSync(1 + pi, 64);
-  #pragma unroll
+#pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int j = 2 * k + ((k ^ side) & 1);
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int l = 8 * j + 2 * t4 + (e & 1), row = p0 + g8 + 8 * (e >> 1);
           float v = own[k][e] + partner[(k * 4 + e) * 32 + lane];
@@ -1203,9 +1194,9 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       state_zero = false;
       NamedBarrierSync(kRsBlockBarrier, kRsThreads);  // the next chunk is prepared; this one's buffers are free
     }
-  #pragma unroll
+#pragma unroll
     for (int k8 = 0; k8 < kN8; ++k8) {
-  #pragma unroll
+#pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = p0 + g8 + 8 * r, n = n_base + 8 * k8 + 2 * t4;
         *reinterpret_cast<float2*>(p.final_state + (bh * kRsP + row) * kN + n) =

@@ -1,7 +1,8 @@
-// The PTX instructions of the chunked MambaChunkScan kernel, one inline function each: the tensor-core products
+// The PTX instructions of the chunked MambaChunkScan kernels, one inline function each: the tensor-core products
 // (mma.sync m16n8k8 TF32, m16n8k16 float16 / bfloat16), the shared-memory matrix loads (ldmatrix x4, plain and
-// .trans), the named barriers (bar.sync) and the asynchronous copies (cp.async). tools/host_warp_mma.h gives the same functions on the host, where
-// tools/emulate_prefill.sh builds the kernels without a GPU; the fragment layouts here are the ones it follows.
+// .trans), the named barriers (barrier.sync) and the asynchronous copies (cp.async). tools/host_warp_mma.h gives the
+// same functions on the host, where tools/emulate_prefill.sh builds the kernels without a GPU; the fragment layouts
+// here are the ones it follows.
 #pragma once
 
 #include <cuda_bf16.h>
