@@ -56,6 +56,15 @@ logit difference from the unfused step, so that a variant computing something el
     python benchmarks/bench_gpu_nemotron.py step --graphs .bench-vendor/nemotron \\
         --library build/cuda/libmambafuse_ops.so
 
+The prefill's variants the same way (``step --mode prefill`` or ``prefill-dynamic``): ``export`` writes each prefill
+graph also as ``mambafuse optimize`` writes it, and ``export --builder mobius`` its graph as written by ``optimize``
+and by ``optimize --opt-in linear_attention_scan`` ("optimize-scan": ORT's LinearAttention as MambaChunkScan); in
+place of the floor, a prefill's Run is put beside the GPU time of its own MatMul kernels (the prefill target:
+within 1.3x of them):
+
+    python benchmarks/bench_gpu_nemotron.py step --mode prefill --dtypes fp16 \\
+        --graphs .bench-vendor/nemotron --library build/cuda/libmambafuse_ops.so
+
 Only the projections' and the embedding's weights are random on the GPU machine: a tensor the fused graph
 bakes into its nodes (Mamba's A, folded to (H, P, N) by the exporter, and read per head by the rewrite) keeps
 its values, or the unfused and the fused step would compute different things.
@@ -217,7 +226,8 @@ def quantize_int4(source: Path, target: Path) -> Path:
 def step_variant(source: Path, folder: Path, name: str) -> Path:
     """Write the ``name`` variant of the decode step at `source` into `folder` and return its path: "norm" is
     the gated norm alone fused (``rewrite_model(decode_steps=False)``), "optimize" is ``mambafuse optimize``
-    (onnxscript's ORT fusions, then every mambafuse fusion), "gemv" that with ``--opt-in decode_matmul``;
+    (onnxscript's ORT fusions, then every mambafuse fusion), "optimize-scan" that with ``--opt-in
+    linear_attention_scan`` (mobius builds), "gemv" that with ``--opt-in decode_matmul``;
     "int4-before" the step quantized (``quantize_int4``), "int4-optimize" and "int4-gemv" (``--opt-in
     decode_matmul_nbits``) that optimized. ("after" is ``mambafuse rewrite``'s default: every mambafuse fusion.)"""
     import onnx_ir as ir
@@ -236,6 +246,8 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
         model, report = rewrite_model(ir.load(source), decode_steps=False)
     elif name in ("optimize", "int4-optimize"):
         model, report = optimize_model(ir.load(source))
+    elif name == "optimize-scan":  # a mobius build's LinearAttention as MambaChunkScan (an opt-in rule)
+        model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan"])
     elif name in ("gemv", "int4-gemv"):
         opt_in = "decode_matmul_nbits" if name == "int4-gemv" else "decode_matmul"
         model, report = optimize_model(ir.load(source), opt_in=[opt_in])
@@ -288,6 +300,8 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
                 if mode == "decode":  # the step's variants (``step``): norm only, and optimize
                     names = ("norm", "optimize", "gemv", "int4-before", "int4-optimize", "int4-gemv")
                     variants += [(name, step_variant(source, Path(tmp), name)) for name in names]
+                else:  # the prefill as ``mambafuse optimize`` writes it, too
+                    variants.append(("optimize", step_variant(source, Path(tmp), "optimize")))
                 for name, path in variants:
                     target = out / f"{dtype}-{key}-{name}.onnx"
                     manifest = save_stripped(path, target, layout, location)
@@ -326,6 +340,8 @@ def pin_prefill(out: Path, dtype: str) -> None:
     try:
         dynamic = meta["graphs"]["prefill-dynamic-before"]
         model = onnx.load(str(out / dynamic["graph"]), load_external_data=False)
+        # the large tensors _externalize kept in the graph (their values matter: the conv's weights)
+        kept = {t.name for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
         for value in [*model.graph.input, *model.graph.output, *model.graph.value_info]:  # every mention of seq
             for dim in value.type.tensor_type.shape.dim:
                 if dim.dim_param == "seq":
@@ -340,15 +356,21 @@ def pin_prefill(out: Path, dtype: str) -> None:
         fused = out / f"{dtype}-prefill-after.onnx"
         count = fuse(source, fused, f"{dtype} prefill")
         print(f"{dtype} prefill: {count} chains fused in the pinned graph", flush=True)
-        for path in (source, fused):  # still the shared layout
+        from fusion.optimize import optimize_model
+
+        optimized = out / f"{dtype}-prefill-optimize.onnx"
+        model, report = optimize_model(ir.load(str(source)))
+        ir.save(model, str(optimized))  # its weights stay where they are in the shared file
+        print(f"{dtype} prefill: optimize: {report.summary().splitlines()[0]}", flush=True)
+        for path in (source, fused, optimized):  # still the shared layout
             for t in onnx.load(str(path), load_external_data=False).graph.initializer:
                 if t.data_location == onnx.TensorProto.EXTERNAL:
                     entry = {e.key: e.value for e in t.external_data}
                     if meta["layout"].get(t.name, [None])[0] != int(entry["offset"]):
                         raise SystemExit(f"{path.name}: {t.name} left the shared layout")
-                elif len(t.raw_data) > KEEP_BYTES and t.data_type in FLOAT_TYPES:
+                elif len(t.raw_data) > KEEP_BYTES and t.data_type in FLOAT_TYPES and t.name not in kept:
                     raise SystemExit(f"{path.name}: folding made a {len(t.raw_data)}-byte tensor {t.name}")
-        for name, path in (("before", source), ("after", fused)):
+        for name, path in (("before", source), ("after", fused), ("optimize", optimized)):
             meta["graphs"][f"prefill-{name}"] = {"graph": path.name, "weights": dynamic["weights"]}
         (out / f"{dtype}.json").write_text(json.dumps(meta, indent=1))
     finally:
@@ -410,7 +432,9 @@ def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None
             layout: dict[str, tuple[int, int]] = {}
             location = f"weights-{dtype}.bin"
             entries = {}
-            for name, path in (("before", source), ("after", fused)):
+            variants = [("before", source), ("after", fused)]
+            variants += [(name, step_variant(source, build_dir, name)) for name in ("optimize", "optimize-scan")]
+            for name, path in variants:
                 target = out / f"{dtype}-{name}.onnx"
                 manifest = save_stripped(path, target, layout, location)
                 for mode in ("decode", "prefill"):  # one graph for both
@@ -601,12 +625,13 @@ def run(args: argparse.Namespace) -> None:
         args.markdown.write_text("\n".join(lines) + "\n")
 
 
-#: The decode step's variants (``export`` writes them, ``step`` measures them side by side).
+#: A step's variants (``export`` writes them, ``step`` measures them side by side).
 STEP_VARIANTS = {
     "before": "unfused",
     "norm": "gated norm fused",
     "after": "mambafuse rewrite",
     "optimize": "mambafuse optimize",
+    "optimize-scan": "optimize --opt-in linear_attention_scan",
     "gemv": "optimize + DecodeMatMul",
     "int4-before": "int4 unfused",
     "int4-optimize": "int4 optimize",
@@ -619,12 +644,18 @@ STEP_SETTINGS = {
     "int4-before-fpaintb": ("int4-before", {"ep.cuda.fpa_intb_gemm": "1"}),
     "int4-optimize-fpaintb": ("int4-optimize", {"ep.cuda.fpa_intb_gemm": "1"}),
 }
+#: The family of the projections' kernels (the first entry of KERNEL_FAMILIES that names GEMMs).
+MATMUL_FAMILY = "MatMul (GEMM/GEMV)"
 #: Kernel families by CUPTI kernel name (first match wins): our three ops by their kernels' names, then what
 #: ONNX Runtime's CUDA EP and the libraries it calls name their kernels.
 KERNEL_FAMILIES = (
     ("GatedGroupRMSNorm", ("cuda_kernels::WarpPathKernel", "cuda_kernels::VectorPathKernel")),
     ("SelectiveStateUpdate", ("ssu_kernels::",)),
     ("CausalConv1dUpdate", ("ConvUpdateKernel",)),
+    ("MambaChunkScan", ("RegisterStateScan", "ChunkedScan", "SequentialScan")),
+    ("CausalConv1d", ("ChannelsLastKernel", "ChannelsFirstKernel", "AnyWidthKernel", "FinalStateKernel")),
+    # before the GEMMs: fused attention kernels' names can contain "cutlass" or "gemm"
+    ("attention / softmax", ("Softmax", "softmax", "Attention", "attention", "flash", "fmha", "mha", "MHA")),
     (
         "MatMul (GEMM/GEMV)",
         (
@@ -647,7 +678,6 @@ KERNEL_FAMILIES = (
     ("Conv (cuDNN)", ("cudnn", "conv2d", "Conv")),
     ("copies and memsets", ("memcpy", "memset", "Memcpy", "Memset")),
     ("norms (ORT)", ("LayerNorm", "layer_norm", "SkipLayerNorm", "RMSNorm")),
-    ("attention / softmax", ("Softmax", "softmax", "Attention", "attention", "flash", "mha", "MHA")),
     ("reductions", ("reduce", "Reduce")),
     ("transpose / concat / slice / gather", ("Transpose", "transpose", "Concat", "Slice", "Gather", "Expand", "Split")),
     ("elementwise", ("ElementWise", "Elementwise", "elementwise", "Unary", "Binary", "Cast", "Impl", "Where", "Pow")),
@@ -723,8 +753,9 @@ def cpu_outputs(ort, torch, path, feeds, dims, library, runs, with_outputs=True)
 
 
 def run_step(args: argparse.Namespace) -> None:
-    """The decode step's variants side by side (STEP_VARIANTS): Run time with and without ORT's CUDA graph,
-    kernels and GPU time per Run by kernel family (CUPTI), and the weight-streaming floor."""
+    """A step's variants side by side (STEP_VARIANTS): Run time with and without ORT's CUDA graph, kernels and
+    GPU time per Run by kernel family (CUPTI); the decode step against its weight-streaming floor, a prefill
+    against its own MatMul kernels' GPU time (the prefill target: within 1.3x of them)."""
     import onnxruntime as ort
     import torch
 
@@ -738,17 +769,24 @@ def run_step(args: argparse.Namespace) -> None:
         print(line, flush=True)
         lines.append(line)
 
+    decode = args.mode == "decode"
+    global PREFILL_TOKENS
+    PREFILL_TOKENS = args.prefill_tokens
+    runs = args.runs if decode else max(5, args.runs // 5)  # a prefill Run takes ~10 ms
+    gpu_runs = 200 if decode else 10
     copy_rate = copy_bandwidth(torch, 1024 if DEVICE == "cuda" else 64)
     device_name = torch.cuda.get_device_properties(0).name if DEVICE == "cuda" else "CPU (smoke test)"
     emit(
         f"Environment: {device_name}, onnxruntime {ort.__version__}, torch "
         f"{torch.__version__}; CUDA EP, IO binding, the mambafuse library registered in every session; "
-        f"{len(LAYERS)} layers (4 Mamba-2, 3 MLP, 1 attention), vocabulary {VOCAB}, random weights; batch 1, one "
-        f"token after a past of {PAST}. Run times: medians (min-max) of 7 interleaved repeats of {args.runs} Runs. "
+        f"{len(LAYERS)} layers (4 Mamba-2, 3 MLP, 1 attention), vocabulary {VOCAB}, random weights; batch 1, "
+        + (f"one token after a past of {PAST}" if decode else f"a {args.mode} of {PREFILL_TOKENS} tokens")
+        + f". Run times: medians (min-max) of 7 interleaved repeats of {runs} Runs. "
         f"Device copy bandwidth (1 GiB device-to-device, read + written): {copy_rate / 1e12:.2f} TB/s."
     )
     families = [family for family, _ in KERNEL_FAMILIES] + ["other"]
     family_rows = []
+    largest: list[str] = []
     unknown: set[str] = set()
     for folder, dtype in [(f, d) for f in args.graphs for d in args.dtypes.split(",")]:
         write_weights(folder, dtype)
@@ -757,42 +795,51 @@ def run_step(args: argparse.Namespace) -> None:
         names = [
             v
             for v in STEP_VARIANTS
-            if f"decode-{v}" in meta["graphs"]
-            or (v in STEP_SETTINGS and f"decode-{STEP_SETTINGS[v][0]}" in meta["graphs"])
+            if f"{args.mode}-{v}" in meta["graphs"]
+            or (v in STEP_SETTINGS and f"{args.mode}-{STEP_SETTINGS[v][0]}" in meta["graphs"])
         ]
+        if "before" not in names:
+            emit(f"\n{builder} {dtype}: no {args.mode} graphs in {folder}")
+            continue
         graph_of = {v: STEP_SETTINGS[v][0] if v in STEP_SETTINGS else v for v in names}
-        paths = {v: folder / meta["graphs"][f"decode-{graph_of[v]}"]["graph"] for v in names}
+        paths = {v: folder / meta["graphs"][f"{args.mode}-{graph_of[v]}"]["graph"] for v in names}
         settings = {v: STEP_SETTINGS[v][1] for v in names if v in STEP_SETTINGS}
         graphs = {v: onnx.load(str(path), load_external_data=False) for v, path in paths.items()}
-        feeds, dims = (mobius_step_inputs if builder == "mobius" else step_inputs)(graphs["before"], "decode")
-        weights = weight_bytes_per_step(graphs["before"])
-        floor_us = weights / copy_rate * 1e6
-        gemv = gemv_read_rate(torch, dtype)
+        feeds, dims = (mobius_step_inputs if builder == "mobius" else step_inputs)(graphs["before"], args.mode)
         emit()
-        emit(
-            f"### {builder} {dtype}: weights read per step {weights / 1e9:.3f} GB; weight-streaming floor "
-            f"{floor_us:.0f} µs at the copy bandwidth (torch's cuBLAS GEMV streams a 4096 x 21504 weight at "
-            f"{gemv / 1e12:.2f} TB/s: {weights / gemv * 1e6:.0f} µs)"
-        )
+        if decode:
+            weights = weight_bytes_per_step(graphs["before"])
+            floor_us = weights / copy_rate * 1e6
+            gemv = gemv_read_rate(torch, dtype)
+            emit(
+                f"### {builder} {dtype}: weights read per step {weights / 1e9:.3f} GB; weight-streaming floor "
+                f"{floor_us:.0f} µs at the copy bandwidth (torch's cuBLAS GEMV streams a 4096 x 21504 weight at "
+                f"{gemv / 1e12:.2f} TB/s: {weights / gemv * 1e6:.0f} µs)"
+            )
+        else:
+            emit(f"### {builder} {dtype} {args.mode}, {feeds['input_ids'][0].shape[-1]} tokens")
         emit()
         gpu, outputs = {}, {}
         for v, path in paths.items():
             if DEVICE == "cuda":
                 gpu[v], outputs[v] = gpu_kernels(
-                    ort, torch, path, feeds, dims, args.library, 200, with_outputs=True, settings=settings.get(v)
+                    ort, torch, path, feeds, dims, args.library, gpu_runs, with_outputs=True, settings=settings.get(v)
                 )
             else:
-                gpu[v], outputs[v] = cpu_outputs(ort, torch, path, feeds, dims, args.library, 200, with_outputs=True)
+                gpu[v], outputs[v] = cpu_outputs(
+                    ort, torch, path, feeds, dims, args.library, gpu_runs, with_outputs=True
+                )
             unknown.update(n for n in gpu[v]["robust"] if kernel_family(n) == "other")
         timing = {}
         for graph in (False, True):
             try:
-                timing[graph] = measure(ort, torch, paths, feeds, dims, args.library, graph, args.runs, settings)
+                timing[graph] = measure(ort, torch, paths, feeds, dims, args.library, graph, runs, settings)
             except Exception as error:  # noqa: BLE001 - reported in the table (e.g. capture refused)
                 timing[graph] = {v: {"error": str(error).splitlines()[0][:200]} for v in paths}
+        bound = "x floor" if decode else "x its MatMuls"
         emit(
             "| variant | nodes | kernels per Run | GPU time per Run (µs) | Run, CUDA graph (µs) | speed-up "
-            "| x floor | Run, no CUDA graph (µs) | speed-up | logits vs unfused (max abs diff; int4 vs int4) |"
+            f"| {bound} | Run, no CUDA graph (µs) | speed-up | logits vs unfused (max abs diff; int4 vs int4) |"
         )
         emit("|---|---|---|---|---|---|---|---|---|---|")
         for v in names:
@@ -803,8 +850,11 @@ def run_step(args: argparse.Namespace) -> None:
                     cells += [stats.get("error", ""), "", ""] if graph else [stats.get("error", ""), ""]
                     continue
                 cells += [fmt(stats), f"{base['median'] / stats['median']:.2f}x"]
-                if graph:  # against the floor of the bytes this variant reads (int4's are fewer)
+                if graph and decode:  # against the floor of the bytes this variant reads (int4's are fewer)
                     cells.append(f"{stats['median'] / (weight_bytes_per_step(graphs[v]) / copy_rate * 1e6):.2f}x")
+                elif graph:  # against the GPU time of this variant's own MatMul kernels
+                    matmul_us = sum(us for n, us in gpu[v]["robust"].items() if kernel_family(n) == MATMUL_FAMILY)
+                    cells.append(f"{stats['median'] / matmul_us:.2f}x" if matmul_us > 0 else "n/a")
             # an int4 step against the int4 step unfused: quantization is not what the fusions may change
             baseline = "int4-before" if v.startswith("int4-") and "int4-before" in outputs else "before"
             diff = max(
@@ -819,6 +869,12 @@ def run_step(args: argparse.Namespace) -> None:
             for name, us in gpu[v]["robust"].items():
                 by_family[kernel_family(name)] += us
             family_rows.append((f"{builder} {dtype} {STEP_VARIANTS[v]}", by_family))
+            rest = sorted(
+                ((us, n) for n, us in gpu[v]["robust"].items() if kernel_family(n) != MATMUL_FAMILY), reverse=True
+            )
+            largest.append(
+                f"- {builder} {dtype} {STEP_VARIANTS[v]}: " + "; ".join(f"{n[:70]} {us:.0f}" for us, n in rest[:8])
+            )
     emit()
     emit("GPU time per Run by kernel family (µs; CUPTI, no CUDA graph; families by kernel name):")
     emit()
@@ -830,6 +886,11 @@ def run_step(args: argparse.Namespace) -> None:
     if unknown:
         emit()
         emit("Kernels counted as other: " + "; ".join(n[:80] for n in sorted(unknown)[:12]))
+    emit()
+    emit("The largest kernels outside the MatMuls (µs per Run, by kernel name):")
+    emit()
+    for line in largest:
+        emit(line)
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")
 
@@ -1163,7 +1224,9 @@ def main() -> int:
     r.add_argument("--markdown", type=Path, default=None)
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of this script")
     r.add_argument("--graph-modes", default="no,yes", help="ORT CUDA graph off/on (cpu: no)")
-    t = sub.add_parser("step", help="the decode step's variants side by side, with the weight-streaming floor")
+    t = sub.add_parser("step", help="a step's variants side by side, by kernel family (decode: with its floor)")
+    t.add_argument("--mode", choices=MODES, default="decode")
+    t.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="smaller for a CPU smoke test")
     t.add_argument("--graphs", type=Path, nargs="+", default=[REPO / ".bench-vendor" / "nemotron"])
     t.add_argument("--library", type=Path, required=True)
     t.add_argument("--dtypes", default=",".join(DTYPES))

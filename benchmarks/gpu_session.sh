@@ -13,8 +13,9 @@
 #   STEPS=e2e bash ...   # the Nemotron-H-8B-shaped model (benchmarks/bench_gpu_nemotron.py; graphs exported first)
 #   STEPS="pytest_prefill budget_prefill sanitizer_prefill bench_prefill conv_sweep" bash ...  # the prefill ops
 #       (MambaChunkScan, CausalConv1d): their GPU suites, the scan kernels against the budget without ORT,
-#       compute-sanitizer memcheck + racecheck, the benchmark (with Triton where
-#       .bench-vendor/mamba_ssm_ssd holds mamba_ssm's package) and the conv kernel's variants side by side
+#       compute-sanitizer memcheck, racecheck (not on RegisterStateScan) and synccheck, the benchmark (with
+#       Triton where .bench-vendor/mamba_ssm_ssd holds mamba_ssm's package) and the conv kernel's variants side by side
+#   STEPS=e2e_prefill bash ...  # the Nemotron-H-8B-shaped model's 2048-token prefill: unfused, rewrite, optimize
 #
 # Needs onnxruntime-gpu importable for pytest_cuda and the ORT tables (e.g. PYTHONPATH=/root/ortgpu), torch with
 # CUDA, ONNX Runtime headers for a build (ONNXRUNTIME_ROOT, default .ort-headers), and for the Triton column
@@ -27,7 +28,7 @@ py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 failed=()
 all_steps="build selfcheck selfcheck4 selfcheck2 selfcheck_generic pytest_cuda mobius sanitizer bench ncu e2e"
-all_steps+=" pytest_prefill budget_prefill sanitizer_prefill bench_prefill conv_sweep"
+all_steps+=" e2e_prefill pytest_prefill budget_prefill sanitizer_prefill bench_prefill conv_sweep"
 steps=" ${STEPS:-$all_steps} "  # a subset for split sessions
 step() {  # step <name> <command...>: runs, logs to $out/<name>.log, remembers failures
   local name=$1
@@ -96,16 +97,29 @@ step ncu ncu_profile
 # The Nemotron-H-8B-shaped model, graphs exported here beforehand (python -m benchmarks.bench_gpu_nemotron export)
 step e2e "$py" benchmarks/bench_gpu_nemotron.py run --graphs "${E2E_GRAPHS:-.bench-vendor/nemotron}" \
   --library "$build/libmambafuse_ops.so" --markdown "$out/e2e.md"
+# Its prefill by variant and kernel family (graphs exported with --modes prefill; mobius folders: --builder mobius)
+e2e_prefill() {
+  local mode
+  for mode in prefill prefill-dynamic; do
+    "$py" benchmarks/bench_gpu_nemotron.py step --mode "$mode" --graphs "${E2E_GRAPHS:-.bench-vendor/nemotron}" \
+      --dtypes fp16 --library "$build/libmambafuse_ops.so" --markdown "$out/e2e_$mode.md" || return 1
+  done
+}
+step e2e_prefill e2e_prefill
 # The prefill ops: GPU suites, compute-sanitizer on their kernels, the benchmark, the conv kernel's variants
 step pytest_prefill "$py" -m pytest -q -p no:cacheprovider -rs tests/test_mamba_chunk_scan_cuda.py \
   tests/test_causal_conv1d_cuda.py tests/test_prefill_ops_placement.py
 # Both half-path scan kernels against the float64 budget without ONNX Runtime (the bench library and PyTorch)
 step budget_prefill "$py" contrib_ops/cuda/tools/scan_budget_gpu.py "$build/cuda/libmambafuse_cuda_prefill_bench.so"
+# racecheck leaves RegisterStateScan out: it mis-reports that kernel's barriers (sanitize_prefill.py's docstring);
+# tests/test_prefill_cuda_races.py checks them
 sanitize_prefill() {
-  local tool
-  for tool in memcheck racecheck; do
+  local tool states
+  for tool in memcheck racecheck synccheck; do
+    states=registers,shared
+    [[ $tool == racecheck ]] && states=shared
     compute-sanitizer --tool "$tool" --error-exitcode 9 "$py" contrib_ops/cuda/tools/sanitize_prefill.py \
-      "$build/cuda/libmambafuse_cuda_prefill_bench.so" --quick || return 1
+      "$build/cuda/libmambafuse_cuda_prefill_bench.so" --quick --states "$states" || return 1
   done
 }
 step sanitizer_prefill sanitize_prefill
