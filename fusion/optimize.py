@@ -693,6 +693,13 @@ def _unit_transposes(model: ir.Model) -> tuple[dict[str, int], list[str]]:
     return {"Transpose as Reshape": transposes_to_reshapes(model)}, []
 
 
+def _squares(model: ir.Model) -> tuple[dict[str, int], list[str]]:
+    """Write ``Pow(x, 2)`` as ``Mul(x, x)`` (square.py)."""
+    from fusion.rules.square import squares_to_products
+
+    return {"Pow as Mul": squares_to_products(model)}, []
+
+
 def optimize_model(
     model: ModelT,
     *,
@@ -709,10 +716,9 @@ def optimize_model(
     each undone with its reason when it leaves a graph ONNX Runtime would refuse or cannot load; skipped with
     ``ort_fusions=False``); mambafuse's decode attention fusion (GroupQueryAttention, with the chains it refused
     and why); every mambafuse fusion again, for chains the passes before made provable (and ``int4_accuracy_level``
-    as ``rewrite_model`` sets it); the float16 residual norms
-    (after the mambafuse fusions, whose nodes carry a symbolic batch to the residual Adds) and the unit-axis
-    Transposes. A ModelProto is left untouched (a new one is returned); an ``ir.Model`` is optimized in place and
-    returned.
+    as ``rewrite_model`` sets it); the float16 residual norms (after the mambafuse fusions, whose nodes carry a
+    symbolic batch to the residual Adds), the unit-axis Transposes and the squares (``Pow(x, 2)`` as ``Mul(x, x)``).
+    A ModelProto is left untouched (a new one is returned); an ``ir.Model`` is optimized in place and returned.
     """
     if not isinstance(model, (onnx.ModelProto, ir.Model)):
         raise TypeError(f"optimize_model takes an onnx.ModelProto or an onnx_ir.Model, not {type(model).__name__}")
@@ -774,6 +780,7 @@ def optimize_model(
     # After the mambafuse fusions: their nodes prove the residual Adds' dims under a symbolic batch.
     report.passes.append(_own_pass("mambafuse residual norms", model, _residual_norms))
     report.passes.append(_own_pass("mambafuse layout", model, _unit_transposes))
+    report.passes.append(_own_pass("mambafuse squares", model, _squares))
     return model, report
 
 

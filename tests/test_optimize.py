@@ -195,13 +195,16 @@ def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     output = tmp_path / "model.optimized.onnx"
     assert data["output"] == str(output) and output.is_file()
-    mambafuse_pass, ort_pass, attention_pass, norm_pass, layout_pass = data["passes"]
+    mambafuse_pass, ort_pass, attention_pass, norm_pass, layout_pass, squares_pass = data["passes"]
     assert mambafuse_pass["name"] == "mambafuse" and ort_pass["name"] == "onnxscript ORT fusions"
     assert any(reason.startswith("skip_rms_normalization broke the graph (") for reason in ort_pass["undone"])
     assert attention_pass["name"] == "mambafuse attention" and attention_pass["fused"] == {"GroupQueryAttention": 1}
     assert norm_pass["name"] == "mambafuse residual norms" and sum(norm_pass["fused"].values()) == 5
     assert mambafuse_pass["fused"]["GatedGroupRMSNorm"] == 2
     assert layout_pass["name"] == "mambafuse layout" and layout_pass["fused"] == {"Transpose as Reshape": 4}
+    # the MLP layer's squared ReLU (the norms' squares are inside ORT's fused norms by then)
+    assert squares_pass["name"] == "mambafuse squares" and squares_pass["fused"] == {"Pow as Mul": 1}
+    assert not any(node.op_type == "Pow" for node in onnx.load(output).graph.node)
     assert data["nodes_after"] == len(onnx.load(output).graph.node)
 
 
@@ -212,13 +215,21 @@ def test_cli_optimize_without_ort_fusions_is_the_rewrite(tmp_path: Path) -> None
     assert "onnxscript ORT fusions: skipped (--no-ort-fusions)" in result.stdout
     assert _mambafuse("rewrite", str(source), str(tmp_path / "b.onnx")).returncode == 0
     a, b = onnx.load(tmp_path / "a.onnx"), onnx.load(tmp_path / "b.onnx")
-    # The rewrite's nodes, but for the layout pass's Reshapes in place of Transposes that move only unit axes.
+    # The rewrite's nodes, but for the layout pass's Reshapes in place of Transposes that move only unit axes and
+    # the squares pass's Mul(x, x) in place of Pow(x, 2).
     layout = {n.name for n in a.graph.node if n.op_type == "Reshape" and n.name.endswith("_as_reshape")}
     assert len(layout) >= 4, "at least the conv updates' four (B, 1, C) <-> (B, C, 1) Transposes"
-    unlaid = [
-        ("Transpose", list(n.input[:1])) if n.name in layout else (n.op_type, list(n.input)) for n in a.graph.node
+    squares = {n.name for n in a.graph.node if n.op_type == "Mul" and n.name.endswith("_as_mul")}
+    assert len(squares) == sum(n.op_type == "Pow" for n in b.graph.node) > 0
+
+    def unlaid(node: onnx.NodeProto) -> tuple[str, list[str]]:
+        if node.name in layout:
+            return "Transpose", list(node.input[:1])
+        return ("Pow", list(node.input[:1])) if node.name in squares else (node.op_type, list(node.input))
+
+    assert [unlaid(n) for n in a.graph.node] == [
+        (n.op_type, list(n.input[:1]) if n.op_type == "Pow" else list(n.input)) for n in b.graph.node
     ]
-    assert unlaid == [(n.op_type, list(n.input)) for n in b.graph.node]
 
 
 @pytest.mark.parametrize(

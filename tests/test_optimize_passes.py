@@ -1,5 +1,6 @@
-"""``mambafuse optimize``'s two graph-level passes on small graphs: the half-precision residual RMSNorm
-(fusion/rules/residual_norm.py) and Transposes of unit axes written as Reshapes (fusion/rules/unit_transpose.py).
+"""``mambafuse optimize``'s graph-level passes on small graphs: the half-precision residual RMSNorm
+(fusion/rules/residual_norm.py), Transposes of unit axes written as Reshapes (fusion/rules/unit_transpose.py) and
+squares written as products (fusion/rules/square.py).
 
 Each fused graph is run in ONNX Runtime against the graph it came from; every refusal is checked to keep the
 graph as it was and to give its reason.
@@ -17,6 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from fusion.rules.residual_norm import fuse_residual_norms
+from fusion.rules.square import squares_to_products
 from fusion.rules.unit_transpose import _target, transposes_to_reshapes
 
 D = 256
@@ -280,3 +282,100 @@ def test_transposes_to_reshapes_on_a_graph(dims: list, perm: list[int], count: i
         x = np.random.default_rng(batch).standard_normal(shape).astype(np.float32)
         for w, g in zip(_session(original).run(None, {"x": x}), _session(fused).run(None, {"x": x}), strict=True):
             np.testing.assert_array_equal(g, w)
+
+
+# --- squares --------------------------------------------------------------------------------------------
+
+
+def _pow_model(x_type: int, exponent: onnx.TensorProto | None, x_dims=("n",), constant_node: bool = False):
+    """y = Pow(x, e), e an initializer (or a Constant node's value), x's dims as given."""
+    nodes = []
+    initializers = []
+    if constant_node:
+        nodes.append(helper.make_node("Constant", [], ["e"], value=exponent))
+    else:
+        initializers.append(exponent)
+    nodes.append(helper.make_node("Pow", ["x", "e"], ["y"], name="pow"))
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", x_type, list(x_dims) if x_dims is not None else None)],
+        [helper.make_tensor_value_info("y", x_type, None)],
+        initializers,
+    )
+
+
+def _every_float16() -> np.ndarray:
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+
+
+def _some_float32() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(1 << 20).astype(np.float32) * np.float32(1e4)
+    values[:8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, 3.4e38, -2.0]
+    return values
+
+
+@pytest.mark.parametrize(
+    ("x_type", "values"),
+    [(TensorProto.FLOAT16, _every_float16()), (TensorProto.FLOAT, _some_float32())],
+    ids=["float16-every-value", "float32"],
+)
+def test_squares_are_the_bits_of_pow_and_of_the_rounded_square(x_type: int, values: np.ndarray) -> None:
+    """Mul(x, x) after the pass gives the bits ORT's Pow(x, 2) gave, which are x² rounded once to the type."""
+    numpy_type = values.dtype
+    original = _pow_model(x_type, helper.make_tensor("e", x_type, [], [2.0]))
+    fused, done = _fused(original, squares_to_products)
+    assert done == 1 and [n.op_type for n in fused.graph.node] == ["Mul"]
+    (want,) = _session(original).run(None, {"x": values})
+    (got,) = _session(fused).run(None, {"x": values})
+    bits = np.uint16 if numpy_type == np.float16 else np.uint32
+    np.testing.assert_array_equal(got.view(bits), want.view(bits))
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = (values.astype(np.float64) ** 2).astype(numpy_type)  # exact in float64, then one rounding
+    finite = ~np.isnan(values)
+    np.testing.assert_array_equal(got[finite].view(bits), rounded[finite].view(bits))
+    assert np.isnan(got[~finite]).all()
+
+
+@pytest.mark.parametrize(
+    ("x_type", "exponent", "x_dims", "constant_node", "count"),
+    [
+        (TensorProto.FLOAT, helper.make_tensor("e", TensorProto.FLOAT, [], [2.0]), ("n",), False, 1),
+        (TensorProto.FLOAT16, helper.make_tensor("e", TensorProto.FLOAT16, [], [2.0]), ("n",), True, 1),
+        (TensorProto.FLOAT, helper.make_tensor("e", TensorProto.INT64, [], [2]), ("n",), False, 1),
+        (TensorProto.FLOAT, helper.make_tensor("e", TensorProto.FLOAT, [1], [2.0]), (2, "n"), False, 1),
+        (TensorProto.FLOAT, helper.make_tensor("e", TensorProto.FLOAT, [1, 1], [2.0]), ("n",), False, 0),
+        (TensorProto.FLOAT, helper.make_tensor("e", TensorProto.FLOAT, [1], [2.0]), None, False, 0),
+        (TensorProto.FLOAT, helper.make_tensor("e", TensorProto.FLOAT, [], [3.0]), ("n",), False, 0),
+        (TensorProto.FLOAT, helper.make_tensor("e", TensorProto.FLOAT, [], [2.0000002]), ("n",), False, 0),
+        (TensorProto.FLOAT, helper.make_tensor("e", TensorProto.FLOAT, [2], [2.0, 2.0]), (2,), False, 0),
+        (TensorProto.INT32, helper.make_tensor("e", TensorProto.INT32, [], [2]), ("n",), False, 0),
+    ],
+    ids=[
+        "scalar",
+        "float16-constant-node",
+        "integer-exponent",
+        "rank-1-exponent-under-rank-2-x",
+        "exponent-of-higher-rank",
+        "x-of-unknown-rank",
+        "cube",
+        "not-exactly-two",
+        "two-exponents",
+        "integer-x",
+    ],
+)
+def test_squares_to_products_fuses_only_a_proven_square(
+    x_type: int, exponent: onnx.TensorProto, x_dims, constant_node: bool, count: int
+) -> None:
+    original = _pow_model(x_type, exponent, x_dims, constant_node)
+    fused, done = _fused(original, squares_to_products)
+    assert done == count
+    ops = [n.op_type for n in fused.graph.node if n.op_type != "Constant"]
+    assert ops == (["Mul"] if count else ["Pow"])
+    assert [o.name for o in fused.graph.output] == ["y"]
+    shape = [d if isinstance(d, int) else 5 for d in x_dims] if x_dims is not None else [5]
+    numpy_type = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.INT32: np.int32}
+    x = (np.arange(np.prod(shape)) - 4).reshape(shape).astype(numpy_type[x_type])
+    for want, got in zip(_session(original).run(None, {"x": x}), _session(fused).run(None, {"x": x}), strict=True):
+        assert want.shape == got.shape and want.dtype == got.dtype
+        np.testing.assert_array_equal(got, want)
