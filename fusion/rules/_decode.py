@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from fusion._graph import remove_dead_producers, value_info_preserved
+from fusion._graph import NameSource, remove_dead_producers, value_info_preserved
 from fusion.rules._log import FusionLog
 from fusion.shapes import arith as _arith
 from fusion.shapes.dims import Dim, ForwardShapes, constant_array, resolve_shape_tensor
@@ -420,6 +420,32 @@ def take_over(old: ir.Value, new: ir.Value, old_suffix: str = "_unfused") -> Non
         new.type, new.shape = old.type, old.shape
         new.name, old.name = old.name, f"{old.name}{old_suffix}"
     ir.convenience.replace_all_uses_with(old, new)
+
+
+def rewrite_each(
+    model: ir.Model,
+    op_type: str,
+    replacement: Callable[[ir.Node, DecodeShapes, NameSource], ir.Node | None],
+    old_suffix: str,
+) -> int:
+    """Put ``replacement(node, shapes, fresh)`` in place of every ONNX ``op_type`` node of ``model``'s main graph
+    for which it returns a node (one output, which takes over the old node's: ``take_over``, the old value renamed
+    with ``old_suffix``); return how many were replaced. ``shapes`` proves dims, ``fresh`` names new values."""
+    graph = model.graph
+    shapes = DecodeShapes(graph)
+    fresh = NameSource(model)
+    count = 0
+    for node in list(graph):
+        if node.op_type != op_type or node.domain not in ("", "ai.onnx") or not node.inputs or None in node.inputs:
+            continue
+        new = replacement(node, shapes, fresh)
+        if new is None:
+            continue
+        graph.insert_before(node, new)
+        take_over(node.outputs[0], new.outputs[0], old_suffix)
+        graph.remove(node, safe=True)
+        count += 1
+    return count
 
 
 def negative_zeros(name: str, count: int, dtype: ir.DataType) -> ir.Value:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusion._graph import NameSource
-from fusion.rules._decode import DecodeShapes, take_over
+from fusion.rules._decode import DecodeShapes, rewrite_each
 from fusion.shapes.dims import constant_array
 
 _ONNX = ("", "ai.onnx")
@@ -41,33 +41,27 @@ def _constant_rank(value: ir.Value) -> int | None:
     return 0 if attribute.name in ("value_float", "value_int") else None
 
 
+def _product(node: ir.Node, shapes: DecodeShapes, fresh: NameSource) -> ir.Node | None:
+    """``Mul(x, x)`` for a ``Pow(x, 2)`` proven as above, else None."""
+    if len(node.inputs) != 2:
+        return None
+    x, exponent = node.inputs
+    values = constant_array(exponent)
+    rank = _constant_rank(exponent)
+    if x.dtype not in _FLOAT_TYPES or values is None or values.size != 1 or rank is None:
+        return None
+    if float(values.reshape(-1)[0]) != 2.0:
+        return None
+    if rank > 0:
+        dims = shapes(x)
+        if dims is None or len(dims) < rank:
+            return None
+    return ir.Node("", "Mul", [x, x], num_outputs=1, name=fresh(f"{node.name or 'pow'}_as_mul"))
+
+
 def squares_to_products(model: ir.Model) -> int:
     """Replace every ``Pow(x, 2)`` of ``model``'s main graph whose square is proven as above; return how many."""
-    graph = model.graph
-    shapes = DecodeShapes(graph)
-    fresh = NameSource(model)
-    count = 0
-    for node in list(graph):
-        if node.op_type != "Pow" or node.domain not in _ONNX or len(node.inputs) != 2 or None in node.inputs:
-            continue
-        x, exponent = node.inputs
-        if x.dtype not in _FLOAT_TYPES:
-            continue
-        values = constant_array(exponent)
-        rank = _constant_rank(exponent)
-        if values is None or values.size != 1 or rank is None or float(values.reshape(-1)[0]) != 2.0:
-            continue
-        if rank > 0:
-            dims = shapes(x)
-            if dims is None or len(dims) < rank:
-                continue
-        name = fresh(f"{node.name or 'pow'}_as_mul")
-        product = ir.Node("", "Mul", [x, x], num_outputs=1, name=name)
-        graph.insert_before(node, product)
-        take_over(node.outputs[0], product.outputs[0], "_pow")
-        graph.remove(node, safe=True)
-        count += 1
-    return count
+    return rewrite_each(model, "Pow", _product, "_pow")
 
 
 __all__ = ["squares_to_products"]

@@ -18,10 +18,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fusion._graph import NameSource
-from fusion.rules._decode import DecodeShapes, take_over
+from fusion.rules._decode import DecodeShapes, rewrite_each
 from fusion.shapes.dims import Dim
-
-_ONNX = ("", "ai.onnx")
 
 
 def _target(dims: list[Dim], perm: list[int]) -> list[int] | None:
@@ -47,31 +45,24 @@ def _target(dims: list[Dim], perm: list[int]) -> list[int] | None:
     return target
 
 
+def _reshape(node: ir.Node, shapes: DecodeShapes, fresh: NameSource) -> ir.Node | None:
+    """The Reshape a Transpose is, else None."""
+    dims = shapes(node.inputs[0])
+    perm_attribute = node.attributes.get("perm")
+    if dims is None or perm_attribute is None:
+        return None
+    target = _target(dims, list(perm_attribute.as_ints()))
+    if target is None:
+        return None
+    name = fresh(f"{node.name or 'transpose'}_as_reshape")
+    shape = ir.Value(name=name, const_value=ir.tensor(np.array(target, dtype=np.int64), name=name))
+    node.graph.register_initializer(shape)
+    return ir.Node("", "Reshape", [node.inputs[0], shape], num_outputs=1, name=name)
+
+
 def transposes_to_reshapes(model: ir.Model) -> int:
     """Replace every Transpose of ``model``'s main graph that moves only axes of size 1; return how many."""
-    graph = model.graph
-    shapes = DecodeShapes(graph)
-    fresh = NameSource(model)
-    count = 0
-    for node in list(graph):
-        if node.op_type != "Transpose" or node.domain not in _ONNX or not node.inputs or node.inputs[0] is None:
-            continue
-        dims = shapes(node.inputs[0])
-        perm_attribute = node.attributes.get("perm")
-        if dims is None or perm_attribute is None:
-            continue
-        target = _target(dims, list(perm_attribute.as_ints()))
-        if target is None:
-            continue
-        name = fresh(f"{node.name or 'transpose'}_as_reshape")
-        shape = ir.Value(name=name, const_value=ir.tensor(np.array(target, dtype=np.int64), name=name))
-        graph.register_initializer(shape)
-        reshape = ir.Node("", "Reshape", [node.inputs[0], shape], num_outputs=1, name=name)
-        graph.insert_before(node, reshape)
-        take_over(node.outputs[0], reshape.outputs[0], "_transposed")
-        graph.remove(node, safe=True)
-        count += 1
-    return count
+    return rewrite_each(model, "Transpose", _reshape, "_transposed")
 
 
 __all__ = ["transposes_to_reshapes"]
