@@ -654,6 +654,9 @@ KERNEL_FAMILIES = (
     ("CausalConv1dUpdate", ("ConvUpdateKernel",)),
     ("MambaChunkScan", ("RegisterStateScan", "ChunkedScan", "SequentialScan")),
     ("CausalConv1d", ("ChannelsLastKernel", "ChannelsFirstKernel", "AnyWidthKernel", "FinalStateKernel")),
+    # ORT's ops of the builders' Mamba-2 mixers (mobius: LinearAttention, CausalConvWithState), before the
+    # attention and conv families their names would otherwise fall in
+    ("Mamba-2 ops (ORT)", ("LinearAttention", "CausalConv")),
     # before the GEMMs: fused attention kernels' names can contain "cutlass" or "gemm"
     ("attention / softmax", ("Softmax", "softmax", "Attention", "attention", "flash", "fmha", "mha", "MHA")),
     (
