@@ -1,13 +1,15 @@
 """Write ``Pow(x, 2)`` as ``Mul(x, x)``.
 
 Used by ``mambafuse optimize``. Nemotron-H's MLP is a squared ReLU, which torch exports as ``Pow(Relu(h), 2)``
-over the prompt's (tokens × 21504) activations. ONNX Runtime's CUDA provider computes every Pow with ``powf`` in
-float32: three of them take 554 µs of a 2048-token prefill of the Nemotron-H-8B-shaped model on an H100
+over the prompt's (tokens × 21504) activations. ONNX Runtime's CUDA provider computes a float16 or float32 Pow
+with ``powf`` in float32: three of them take 554 µs of a 2048-token prefill of the Nemotron-H-8B-shaped model on an H100
 (benchmarks/RESULTS.md), where a product of the same bytes runs at the copy rate. The square of a floating-point
 value rounded once to its type is what ``Mul(x, x)`` computes: exact, for float, float16, bfloat16 and double
 alike (the product of two p-bit significands fits in float32 or float64 before the one rounding ORT's kernels
 make), and it is ``Pow``'s value too; ONNX Runtime's CPU ``Pow`` gives those same bits for every float16 value
-and for a million float32 ones (``tests/test_optimize_passes.py``). NaN, ±Inf and -0 square alike.
+and for a million float32 ones (``tests/test_optimize_passes.py``). ``powf``, which the CUDA provider's Pow
+goes through, is documented to a few units in the last place of float32, so there the product may be the closer of
+the two in a last bit. NaN, ±Inf and -0 square alike.
 
 What is proven from the graph: the exponent is a constant (an initializer or a ``Constant``) holding one value,
 exactly 2, and its rank cannot widen the output (rank 0, or no more than ``x``'s proven rank: ``Pow``'s output
