@@ -660,7 +660,7 @@ KERNEL_FAMILIES = (
     # before the GEMMs: fused attention kernels' names can contain "cutlass" or "gemm"
     ("attention / softmax", ("Softmax", "softmax", "Attention", "attention", "flash", "fmha", "mha", "MHA")),
     (
-        "MatMul (GEMM/GEMV)",
+        MATMUL_FAMILY,
         (
             "gemm",
             "gemv",
@@ -822,7 +822,7 @@ def run_step(args: argparse.Namespace) -> None:
         else:
             emit(f"### {builder} {dtype} {args.mode}, {feeds['input_ids'][0].shape[-1]} tokens")
         emit()
-        gpu, outputs = {}, {}
+        gpu, outputs, family_of = {}, {}, {}
         for v, path in paths.items():
             if DEVICE == "cuda":
                 gpu[v], outputs[v] = gpu_kernels(
@@ -832,7 +832,8 @@ def run_step(args: argparse.Namespace) -> None:
                 gpu[v], outputs[v] = cpu_outputs(
                     ort, torch, path, feeds, dims, args.library, gpu_runs, with_outputs=True
                 )
-            unknown.update(n for n in gpu[v]["robust"] if kernel_family(n) == "other")
+            family_of[v] = {name: kernel_family(name) for name in gpu[v]["robust"]}
+            unknown.update(name for name, family in family_of[v].items() if family == "other")
         timing = {}
         for graph in (False, True):
             try:
@@ -846,6 +847,9 @@ def run_step(args: argparse.Namespace) -> None:
         )
         emit("|---|---|---|---|---|---|---|---|---|---|")
         for v in names:
+            by_family = dict.fromkeys(families, 0.0)
+            for name, us in gpu[v]["robust"].items():
+                by_family[family_of[v][name]] += us
             cells = []
             for graph in (True, False):
                 stats, base = timing[graph][v], timing[graph]["before"]
@@ -856,7 +860,7 @@ def run_step(args: argparse.Namespace) -> None:
                 if graph and decode:  # against the floor of the bytes this variant reads (int4's are fewer)
                     cells.append(f"{stats['median'] / (weight_bytes_per_step(graphs[v]) / copy_rate * 1e6):.2f}x")
                 elif graph:  # against the GPU time of this variant's own MatMul kernels
-                    matmul_us = sum(us for n, us in gpu[v]["robust"].items() if kernel_family(n) == MATMUL_FAMILY)
+                    matmul_us = by_family[MATMUL_FAMILY]
                     cells.append(f"{stats['median'] / matmul_us:.2f}x" if matmul_us > 0 else "n/a")
             # an int4 step against the int4 step unfused: quantization is not what the fusions may change
             baseline = "int4-before" if v.startswith("int4-") and "int4-before" in outputs else "before"
@@ -868,12 +872,9 @@ def run_step(args: argparse.Namespace) -> None:
                 f"| {STEP_VARIANTS[v]} | {len(graphs[v].graph.node)} | {gpu[v]['launches']:.0f} | "
                 f"{gpu[v]['robust_total']:.0f} | " + " | ".join(cells) + f" | {diff:.2e} |"
             )
-            by_family = dict.fromkeys(families, 0.0)
-            for name, us in gpu[v]["robust"].items():
-                by_family[kernel_family(name)] += us
             family_rows.append((f"{builder} {dtype} {STEP_VARIANTS[v]}", by_family))
             rest = sorted(
-                ((us, n) for n, us in gpu[v]["robust"].items() if kernel_family(n) != MATMUL_FAMILY), reverse=True
+                ((us, n) for n, us in gpu[v]["robust"].items() if family_of[v][n] != MATMUL_FAMILY), reverse=True
             )
             largest.append(
                 f"- {builder} {dtype} {STEP_VARIANTS[v]}: " + "; ".join(f"{n[:70]} {us:.0f}" for us, n in rest[:8])

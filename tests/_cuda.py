@@ -83,12 +83,21 @@ def host_pointer(a: np.ndarray | None) -> int | None:
     return None if a is None else a.ctypes.data
 
 
-def emulated_library(script: str, library: str, out: Path) -> ctypes.CDLL:
-    """Build CUDA kernels for the host emulation with ``contrib_ops/cuda/tools/<script>`` into ``out`` and load
-    ``<library>`` from there; skip where there is no g++ or no CUDA headers ($CUDA_HOME/include)."""
+def build_emulation(script: str, out: Path, *arguments: str, cxx_flags: str = "") -> None:
+    """Build CUDA kernels for the host emulation with ``contrib_ops/cuda/tools/<script> <out> <arguments>`` (g++
+    with ``cxx_flags`` added); skip where there is no g++ or no CUDA headers ($CUDA_HOME/include)."""
     include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda_fp16.h"
-    if shutil.which(os.environ.get("CXX", "g++")) is None or not include.is_file():
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None or not include.is_file():
         pytest.skip("the host emulation needs g++ (C++20) and the CUDA headers ($CUDA_HOME/include)")
-    result = subprocess.run(["bash", str(TOOLS / script), str(out)], capture_output=True, text=True, check=False)
+    env = dict(os.environ, CXX=f"{cxx} {cxx_flags}".strip())
+    command = ["bash", str(TOOLS / script), str(out), *arguments]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+def emulated_library(script: str, library: str, out: Path) -> ctypes.CDLL:
+    """Build CUDA kernels for the host emulation with ``contrib_ops/cuda/tools/<script>`` into ``out``
+    (``build_emulation``) and load ``<library>`` from there."""
+    build_emulation(script, out)
     return ctypes.CDLL(str(out / library))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._cuda import TOOLS
+from tests._cuda import build_emulation
 
 REPO = Path(__file__).resolve().parent.parent
 SCAN_SOURCE = REPO / "contrib_ops" / "cuda" / "mamba_chunk_scan_impl.cu"
@@ -44,13 +44,7 @@ def libtsan() -> str:
 
 def build(out: Path, source: Path | None = None) -> Path:
     """The emulated prefill library built with -fsanitize=thread (of `source` in place of the scan kernels)."""
-    include = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include" / "cuda_fp16.h"
-    if not include.is_file():
-        pytest.skip("the host emulation needs the CUDA headers ($CUDA_HOME/include)")
-    env = dict(os.environ, CXX=f"{os.environ.get('CXX', 'g++')} -fsanitize=thread -g")
-    command = ["bash", str(TOOLS / "emulate_prefill.sh"), str(out)] + ([str(source)] if source else [])
-    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    assert result.returncode == 0, f"emulate_prefill.sh failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    build_emulation("emulate_prefill.sh", out, *([str(source)] if source else []), cxx_flags="-fsanitize=thread -g")
     return out / "libmambafuse_prefill_emulated.so"
 
 

@@ -17,6 +17,7 @@ synchronization is checked by tests/test_prefill_cuda_races.py instead (ThreadSa
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import itertools
 import os
@@ -28,14 +29,16 @@ TYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
 
 
 def main() -> int:
-    lib = ctypes.CDLL(sys.argv[1])
-    quick = "--quick" in sys.argv
-    states = ["registers", "shared"]
-    if "--states" in sys.argv:
-        states = sys.argv[sys.argv.index("--states") + 1].split(",")
-        if not states or any(s not in ("registers", "shared") for s in states):
-            print(f"--states takes registers and/or shared, comma-separated, not {states}")
-            return 2
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("library", help="libmambafuse_cuda_prefill_bench.so")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--states", default="registers,shared", help="comma-separated: registers, shared")
+    args = parser.parse_args()
+    states = args.states.split(",")
+    if any(state not in ("registers", "shared") for state in states):
+        parser.error(f"--states takes registers and/or shared, comma-separated, not {args.states!r}")
+    quick = args.quick
+    lib = ctypes.CDLL(args.library)
     launch = lib.mambafuse_chunk_scan_launch
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     launch.argtypes = [p] * 10 + [ctypes.c_int] * 3 + [i64] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
