@@ -57,10 +57,11 @@ logit difference from the unfused step, so that a variant computing something el
         --library build/cuda/libmambafuse_ops.so
 
 The prefill's variants the same way (``step --mode prefill`` or ``prefill-dynamic``): ``export`` writes each prefill
-graph also as ``mambafuse optimize`` writes it, and ``export --builder mobius`` its graph as written by ``optimize``
-and by ``optimize --opt-in linear_attention_scan`` ("optimize-scan": ORT's LinearAttention as MambaChunkScan); in
-place of the floor, a prefill's Run is put beside the GPU time of its own MatMul kernels (the prefill target:
-within 1.3x of them):
+graph also as ``mambafuse optimize`` writes it and as it wrote it before its conv parts pass
+("optimize-whole-conv": the prompt convs whole, their output split by a copy), and ``export --builder mobius`` its
+graph as written by ``optimize`` and by ``optimize --opt-in linear_attention_scan`` ("optimize-scan": ORT's
+LinearAttention as MambaChunkScan); in place of the floor, a prefill's Run is put beside the GPU time of its own
+MatMul kernels (the prefill target: within 1.3x of them):
 
     python benchmarks/bench_gpu_nemotron.py step --mode prefill --dtypes fp16 \\
         --graphs .bench-vendor/nemotron --library build/cuda/libmambafuse_ops.so
@@ -223,10 +224,21 @@ def quantize_int4(source: Path, target: Path) -> Path:
     return target
 
 
+def optimize_whole_conv(model):
+    """``optimize_model`` without its conv parts pass: what it wrote before that pass, for the side-by-side."""
+    from unittest import mock
+
+    from fusion.optimize import optimize_model
+
+    with mock.patch("fusion.optimize._conv_parts", lambda _model: ({}, [])):
+        return optimize_model(model)
+
+
 def step_variant(source: Path, folder: Path, name: str) -> Path:
     """Write the ``name`` variant of the decode step at `source` into `folder` and return its path: "norm" is
     the gated norm alone fused (``rewrite_model(decode_steps=False)``), "optimize" is ``mambafuse optimize``
-    (onnxscript's ORT fusions, then every mambafuse fusion), "optimize-scan" that with ``--opt-in
+    (onnxscript's ORT fusions, then every mambafuse fusion), "optimize-whole-conv" that without its conv parts
+    pass (the prompt convs left whole, as before it), "optimize-scan" that with ``--opt-in
     linear_attention_scan`` (mobius builds), "gemv" that with ``--opt-in decode_matmul``;
     "int4-before" the step quantized (``quantize_int4``), "int4-optimize" and "int4-gemv" (``--opt-in
     decode_matmul_nbits``) that optimized. ("after" is ``mambafuse rewrite``'s default: every mambafuse fusion.)"""
@@ -246,6 +258,8 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
         model, report = rewrite_model(ir.load(source), decode_steps=False)
     elif name in ("optimize", "int4-optimize"):
         model, report = optimize_model(ir.load(source))
+    elif name == "optimize-whole-conv":
+        model, report = optimize_whole_conv(ir.load(source))
     elif name == "optimize-scan":  # a mobius build's LinearAttention as MambaChunkScan (an opt-in rule)
         model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan"])
     elif name in ("gemv", "int4-gemv"):
@@ -301,7 +315,8 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
                     names = ("norm", "optimize", "gemv", "int4-before", "int4-optimize", "int4-gemv")
                     variants += [(name, step_variant(source, Path(tmp), name)) for name in names]
                 else:  # the prefill as ``mambafuse optimize`` writes it, too
-                    variants.append(("optimize", step_variant(source, Path(tmp), "optimize")))
+                    names = ("optimize", "optimize-whole-conv")
+                    variants += [(name, step_variant(source, Path(tmp), name)) for name in names]
                 for name, path in variants:
                     target = out / f"{dtype}-{key}-{name}.onnx"
                     manifest = save_stripped(path, target, layout, location)
@@ -358,24 +373,33 @@ def pin_prefill(out: Path, dtype: str) -> None:
         print(f"{dtype} prefill: {count} chains fused in the pinned graph", flush=True)
         from fusion.optimize import optimize_model
 
-        optimized = out / f"{dtype}-prefill-optimize.onnx"
-        model, report = optimize_model(ir.load(str(source)))
-        ir.save(model, str(optimized))  # its weights stay where they are in the shared file
-        print(f"{dtype} prefill: optimize: {report.summary().splitlines()[0]}", flush=True)
-        for path in (source, fused, optimized):  # still the shared layout
+        variants = [("before", source), ("after", fused)]
+        for name, run in (("optimize", optimize_model), ("optimize-whole-conv", optimize_whole_conv)):
+            optimized = out / f"{dtype}-prefill-{name}.onnx"
+            model, report = run(ir.load(str(source)))
+            ir.save(model, str(optimized))  # its weights stay where they are in the shared file
+            print(f"{dtype} prefill: {name}: {report.summary().splitlines()[0]}", flush=True)
+            variants.append((name, optimized))
+        for _, path in variants:  # still the shared layout
             for t in onnx.load(str(path), load_external_data=False).graph.initializer:
                 if t.data_location == onnx.TensorProto.EXTERNAL:
                     entry = {e.key: e.value for e in t.external_data}
                     if meta["layout"].get(t.name, [None])[0] != int(entry["offset"]):
                         raise SystemExit(f"{path.name}: {t.name} left the shared layout")
-                elif len(t.raw_data) > KEEP_BYTES and t.data_type in FLOAT_TYPES and t.name not in kept:
+                elif len(t.raw_data) > KEEP_BYTES and t.data_type in FLOAT_TYPES and not _kept(t.name, kept):
                     raise SystemExit(f"{path.name}: folding made a {len(t.raw_data)}-byte tensor {t.name}")
-        for name, path in (("before", source), ("after", fused), ("optimize", optimized)):
+        for name, path in variants:
             meta["graphs"][f"prefill-{name}"] = {"graph": path.name, "weights": dynamic["weights"]}
         (out / f"{dtype}.json").write_text(json.dumps(meta, indent=1))
     finally:
         if created:
             weights.unlink()
+
+
+def _kept(name: str, kept: set[str]) -> bool:
+    """Whether the in-graph tensor ``name`` is one of ``kept`` or a part of one (the conv parts pass cuts a conv's
+    weight and bias by channels into ``<name>_channels_<start>_<end>``)."""
+    return name in kept or any(name.startswith(f"{k}_channels_") for k in kept)
 
 
 #: mobius' names for its dtypes.
@@ -631,6 +655,7 @@ STEP_VARIANTS = {
     "norm": "gated norm fused",
     "after": "mambafuse rewrite",
     "optimize": "mambafuse optimize",
+    "optimize-whole-conv": "optimize, convs whole (no conv parts pass)",
     "optimize-scan": "optimize --opt-in linear_attention_scan",
     "gemv": "optimize + DecodeMatMul",
     "int4-before": "int4 unfused",

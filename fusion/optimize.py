@@ -700,6 +700,14 @@ def _squares(model: ir.Model) -> tuple[dict[str, int], list[str]]:
     return {"Pow as Mul": squares_to_products(model)}, []
 
 
+def _conv_parts(model: ir.Model) -> tuple[dict[str, int], list[str]]:
+    """Run each prompt conv whose output is split as one conv per part, cut by the projection's Split
+    (conv_parts.py)."""
+    from fusion.rules.conv_parts import split_conv_parts
+
+    return split_conv_parts(model)
+
+
 def optimize_model(
     model: ModelT,
     *,
@@ -717,7 +725,8 @@ def optimize_model(
     ``ort_fusions=False``); mambafuse's decode attention fusion (GroupQueryAttention, with the chains it refused
     and why); every mambafuse fusion again, for chains the passes before made provable (and ``int4_accuracy_level``
     as ``rewrite_model`` sets it); the float16 residual norms (after the mambafuse fusions, whose nodes carry a
-    symbolic batch to the residual Adds), the unit-axis Transposes and the squares (``Pow(x, 2)`` as ``Mul(x, x)``).
+    symbolic batch to the residual Adds), the unit-axis Transposes, the squares (``Pow(x, 2)`` as ``Mul(x, x)``)
+    and the prompt convs by part (a split conv output cut by the in-projection's Split instead).
     A ModelProto is left untouched (a new one is returned); an ``ir.Model`` is optimized in place and returned.
     """
     if not isinstance(model, (onnx.ModelProto, ir.Model)):
@@ -781,6 +790,7 @@ def optimize_model(
     report.passes.append(_own_pass("mambafuse residual norms", model, _residual_norms))
     report.passes.append(_own_pass("mambafuse layout", model, _unit_transposes))
     report.passes.append(_own_pass("mambafuse squares", model, _squares))
+    report.passes.append(_own_pass("mambafuse conv parts", model, _conv_parts))
     return model, report
 
 

@@ -184,6 +184,9 @@ def test_cli_optimize_writes_a_verified_model(tmp_path: Path) -> None:
     optimized = onnx.load(output)
     assert sum(node.op_type == "GatedGroupRMSNorm" for node in optimized.graph.node) == 3
     assert sum(node.op_type == "SkipSimplifiedLayerNormalization" for node in optimized.graph.node) == 3
+    # the prefill's three convs, each as x, B and C, fed by the in-projection's one Split
+    assert "  mambafuse conv parts: CausalConv1d by part 3; nodes " in result.stdout
+    assert sum(node.op_type == "CausalConv1d" for node in optimized.graph.node) == 9
     assert source.read_bytes() == before  # the input model is never modified
 
 
@@ -195,7 +198,7 @@ def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     output = tmp_path / "model.optimized.onnx"
     assert data["output"] == str(output) and output.is_file()
-    mambafuse_pass, ort_pass, attention_pass, norm_pass, layout_pass, squares_pass = data["passes"]
+    mambafuse_pass, ort_pass, attention_pass, norm_pass, layout_pass, squares_pass, parts_pass = data["passes"]
     assert mambafuse_pass["name"] == "mambafuse" and ort_pass["name"] == "onnxscript ORT fusions"
     assert any(reason.startswith("skip_rms_normalization broke the graph (") for reason in ort_pass["undone"])
     assert attention_pass["name"] == "mambafuse attention" and attention_pass["fused"] == {"GroupQueryAttention": 1}
@@ -205,6 +208,7 @@ def test_cli_optimize_default_output_and_json(tmp_path: Path) -> None:
     # the MLP layer's squared ReLU (the norms' squares are inside ORT's fused norms by then)
     assert squares_pass["name"] == "mambafuse squares" and squares_pass["fused"] == {"Pow as Mul": 1}
     assert not any(node.op_type == "Pow" for node in onnx.load(output).graph.node)
+    assert parts_pass["name"] == "mambafuse conv parts" and parts_pass["fused"] == {}  # a decode step: no prompt conv
     assert data["nodes_after"] == len(onnx.load(output).graph.node)
 
 

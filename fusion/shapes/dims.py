@@ -1127,8 +1127,8 @@ def _own_op_dims(node: ir.Node, index: int, dims_of: Callable[[ir.Value | None],
     x = dims_of(node.inputs[x_index])
     if index == 0:
         return x
-    if index != 1 or state_index is None:
-        return None
+    if index != 1 or state_index is None or len(node.inputs) <= state_index:
+        return None  # an optional state left out (the prompt conv's initial state): no dims to give
     state = dims_of(node.inputs[state_index])
     if state is None or x is None or not state or not x:
         return state

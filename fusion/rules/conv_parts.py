@@ -1,0 +1,356 @@
+"""Run a prompt conv whose output is split by channels as one ``CausalConv1d`` per part, read from the projection's
+own Split.
+
+Used by ``mambafuse optimize``. Every Mamba-2 mixer splits its input projection, runs the prompt conv over one
+part and splits the conv's output into the scan's inputs::
+
+    z, xBC, dt = Split(P, [d_inner, d_conv, H], axis=-1)       # P: the in-projection, (B, L, d_in_proj)
+    y, state   = CausalConv1d(xBC, w, b, s0)                    # d_conv = d_inner + 2 G N channels
+    x, B, C    = Split(y, [d_inner, G N, G N], axis=-1)
+
+ONNX Runtime runs each Split as a copy of its input. The conv is depthwise: channel ``c`` of ``y`` and of ``state``
+reads channel ``c`` of ``xBC``, ``w``, ``b`` and ``s0`` and nothing else. So one conv per part of ``y``, each over
+that part of ``xBC``, computes the same values, and the first Split can cut those parts directly::
+
+    z, x_in, B_in, C_in, dt = Split(P, [d_inner, d_inner, G N, G N, H], axis=-1)
+    x, state_x = CausalConv1d(x_in, w[0:d_inner], b[0:d_inner], s0[:, 0:d_inner])     # and B, C alike
+    state      = Concat(state_x, state_B, state_C, axis=1)                             # where the graph reads it
+
+The second Split, a copy of the whole conv output, is gone (at Nemotron-H-8B widths and 2048 tokens, 42 MB read
+and 42 MB written per layer in float16). Each output element is the same arithmetic on the same numbers: the op
+contract (docs/causal_conv1d.md) fixes every channel's sum, order and roundings, whatever the other channels are.
+
+What is proven from the graph:
+
+* the conv is ``ai.mambafuse::CausalConv1d``, whose ``x`` and ``y`` are 3-D (the op requires it) with channels on
+  axis 2 (``channels_last``, the default) or 1; its weight's rows ``C`` are proven (a constant, or proven dims);
+* ``y`` is read by one Split only, over the channel axis, and is no graph output; that Split's sizes are a
+  constant (its input, or its ``split`` attribute) summing to ``C``, or an even split of ``C``;
+* ``x`` is one output of a Split over the same axis with constant sizes, and nothing else reads it but Shapes of
+  its other axes (the exporters' batch size for the zero initial state), which then read the Split's input.
+
+The weight, bias and initial state are cut along their channel axis (0, 0 and 1): constants here (an initializer,
+or one seen through Unsqueeze, Squeeze, Reshape or Identity; a ConstantOfShape of a constant shape, the zeros an
+exporter writes for a prompt with no cache), other values by Slice nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._graph import NameSource
+from fusion.reference._common import DOMAIN
+from fusion.reference.causal_conv1d import OP_TYPE
+from fusion.rules._decode import DecodeShapes, Refusal, take_over
+from fusion.shapes.dims import constant_array
+
+_ONNX = ("", "ai.onnx")
+_RANK = 3  # CausalConv1d's x and y
+#: The largest ConstantOfShape (an initial conv state of zeros) cut into initializers rather than Slices.
+_MAX_FILLED = 1 << 20
+_SEEN_THROUGH = ("Unsqueeze", "Squeeze", "Reshape", "Identity", "ConstantOfShape")
+
+
+@dataclasses.dataclass
+class _Plan:
+    conv: ir.Node
+    after: ir.Node  # the Split of the conv's output
+    before: ir.Node  # the Split whose output the conv reads
+    index: int  # which output of ``before`` that is
+    axis: int  # the channel axis, 1 or 2
+    part_sizes: list[int]  # ``after``'s sizes
+    before_sizes: list[int]
+    shape_readers: list[ir.Node]  # Shapes of the conv's input that read only its other axes
+
+
+def _axis(split: ir.Node) -> int:
+    """A Split's axis, normalized for a 3-D input."""
+    attribute = split.attributes.get("axis")
+    axis = 0 if attribute is None else attribute.as_int()
+    return axis + _RANK if axis < 0 else axis
+
+
+def _split_sizes(split: ir.Node, total: int | None) -> list[int] | None:
+    """A Split's sizes: its constant ``split`` input or attribute, or an even split of ``total``; None otherwise."""
+    if len(split.inputs) > 1 and split.inputs[1] is not None:
+        sizes = constant_array(split.inputs[1])
+        return None if sizes is None else [int(size) for size in sizes.reshape(-1)]
+    attribute = split.attributes.get("split")
+    if attribute is not None:
+        return list(attribute.as_ints())
+    parts = len(split.outputs)
+    if total is None or parts == 0 or total % parts:
+        return None
+    return [total // parts] * parts
+
+
+def _folded(value: ir.Value) -> np.ndarray | None:
+    """``value``'s data where it is an initializer's, one's seen through Unsqueeze, Squeeze, Reshape (to a target
+    of positive ints) or Identity, or a ConstantOfShape's of a constant shape (up to _MAX_FILLED elements); else
+    None."""
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is None or producer.domain not in _ONNX or not producer.inputs or producer.inputs[0] is None:
+        return None
+    if producer.op_type == "ConstantOfShape":
+        return _filled(producer)
+    inner = _folded(producer.inputs[0])
+    if inner is None:
+        return None
+    if producer.op_type == "Identity":
+        return inner
+    if producer.op_type == "Squeeze":
+        if len(producer.inputs) < 2 or producer.inputs[1] is None:
+            return np.squeeze(inner)
+        axes = constant_array(producer.inputs[1])
+        if axes is None:
+            return None
+        return np.squeeze(inner, tuple(int(a) + inner.ndim if a < 0 else int(a) for a in axes.reshape(-1)))
+    if producer.op_type == "Unsqueeze" and len(producer.inputs) > 1:
+        axes = constant_array(producer.inputs[1])
+        if axes is None:
+            return None
+        rank = inner.ndim + axes.size
+        return np.expand_dims(inner, tuple(sorted(int(a) + rank if a < 0 else int(a) for a in axes.reshape(-1))))
+    if producer.op_type == "Reshape" and len(producer.inputs) > 1:
+        target = constant_array(producer.inputs[1])
+        if target is None or np.any(target <= 0) or int(np.prod(target)) != inner.size:
+            return None
+        return inner.reshape([int(d) for d in target])
+    return None
+
+
+def _filled(node: ir.Node) -> np.ndarray | None:
+    """A ConstantOfShape's output where its shape is a constant of at most _MAX_FILLED elements, else None."""
+    shape = constant_array(node.inputs[0])
+    if shape is None or np.any(shape < 0) or int(np.prod(shape)) > _MAX_FILLED:
+        return None
+    attribute = node.attributes.get("value")
+    fill = np.zeros(1, np.float32) if attribute is None else attribute.as_tensor().numpy().reshape(-1)
+    return np.full([int(d) for d in shape.reshape(-1)], fill[0], dtype=fill.dtype)
+
+
+def _plan(conv: ir.Node, shapes: DecodeShapes) -> _Plan | None:
+    """The rewrite of ``conv``, None when its output is not split, Refusal when it is but the rest is not proven."""
+    y = conv.outputs[0]
+    readers = y.uses()
+    if len(readers) != 1 or y.is_graph_output():
+        return None
+    after = readers[0].node
+    if after.op_type != "Split" or after.domain not in _ONNX or readers[0].idx != 0:
+        return None
+    channels_last = conv.attributes.get("channels_last")
+    axis = 2 if channels_last is None or channels_last.as_int() == 1 else 1
+    if _axis(after) != axis:
+        raise Refusal(f"the Split of the conv's output is over axis {_axis(after)}, not its channels' {axis}", after)
+    weight_dims = shapes(conv.inputs[1]) if len(conv.inputs) > 1 and conv.inputs[1] is not None else None
+    channels = weight_dims[0] if weight_dims else None
+    if not isinstance(channels, int):
+        raise Refusal("the conv's weight rows (its channels) are not proven", conv)
+    part_sizes = _split_sizes(after, channels)
+    if part_sizes is None or any(size < 0 for size in part_sizes) or sum(part_sizes) != channels:
+        raise Refusal(f"the Split of the conv's output has no constant sizes summing to its {channels} channels", after)
+    x = conv.inputs[0]
+    before = x.producer() if x is not None else None
+    if before is None or before.op_type != "Split" or before.domain not in _ONNX:
+        raise Refusal("the conv's input is not a Split's output (parts of it would be one more copy)", conv)
+    shape_readers = [use.node for use in x.uses() if use.node is not conv]
+    if x.is_graph_output() or len(x.uses()) != len(shape_readers) + 1:
+        raise Refusal("the conv's input is a graph output, or the conv reads it twice", x)
+    if not all(_reads_other_axes(node, axis) for node in shape_readers):
+        raise Refusal("the conv's input is read by other nodes too (other than Shapes of its other axes)", x)
+    if _axis(before) != axis:
+        raise Refusal(f"the Split before the conv is over axis {_axis(before)}, not its channels' {axis}", before)
+    index = list(before.outputs).index(x)
+    total = shapes(before.inputs[0])
+    before_sizes = _split_sizes(before, total[axis] if total and len(total) == _RANK else None)
+    if before_sizes is None or len(before_sizes) != len(before.outputs) or before_sizes[index] != channels:
+        raise Refusal(f"the Split before the conv has no constant sizes giving the conv's {channels} channels", before)
+    return _Plan(conv, after, before, index, axis, part_sizes, before_sizes, shape_readers)
+
+
+def _reads_other_axes(node: ir.Node, axis: int) -> bool:
+    """Whether ``node`` is a Shape of a 3-D tensor whose ``start`` / ``end`` leave out ``axis`` (it then reads what
+    the Split's input has on those axes: Split keeps them)."""
+    if node.op_type != "Shape" or node.domain not in _ONNX:
+        return False
+    start_attribute, end_attribute = node.attributes.get("start"), node.attributes.get("end")
+    start = 0 if start_attribute is None else start_attribute.as_int()
+    end = _RANK if end_attribute is None else end_attribute.as_int()
+    start = min(max(start + _RANK if start < 0 else start, 0), _RANK)
+    end = min(max(end + _RANK if end < 0 else end, 0), _RANK)
+    return not start <= axis < end
+
+
+def _channel_parts(
+    graph: ir.Graph, value: ir.Value | None, axis: int, sizes: list[int], fresh: NameSource, new_nodes: list[ir.Node]
+) -> list[ir.Value | None]:
+    """``value`` cut into ``sizes`` along ``axis``: initializers where its data is known, else Slice nodes (appended
+    to ``new_nodes``); Nones for an absent input."""
+    if value is None:
+        return [None] * len(sizes)
+    data = _folded(value)
+    parts: list[ir.Value | None] = []
+    start = 0
+    for size in sizes:
+        name = fresh(f"{value.name or 'conv_input'}_channels_{start}_{start + size}")
+        if data is not None:
+            cut = np.take(data, np.arange(start, start + size), axis=axis)
+            part = ir.Value(name=name, const_value=ir.tensor(cut, name=name))
+            graph.register_initializer(part)
+        else:
+            bounds = [
+                _int64s(graph, [v], fresh(f"{name}_{what}"))
+                for what, v in (("start", start), ("end", start + size), ("axis", axis))
+            ]
+            slice_node = ir.Node("", "Slice", [value, *bounds], num_outputs=1, name=name)
+            slice_node.outputs[0].name = name
+            if value.dtype is not None:
+                slice_node.outputs[0].dtype = value.dtype
+            new_nodes.append(slice_node)
+            part = slice_node.outputs[0]
+        parts.append(part)
+        start += size
+    return parts
+
+
+def _int64s(graph: ir.Graph, ints: list[int], name: str) -> ir.Value:
+    """A new 1-D int64 initializer of ``graph``."""
+    value = ir.Value(name=name, const_value=ir.tensor(np.array(ints, dtype=np.int64), name=name))
+    graph.register_initializer(value)
+    return value
+
+
+def _rewrite(plan: _Plan, fresh: NameSource) -> None:
+    conv, after, before = plan.conv, plan.after, plan.before
+    graph = conv.graph
+    k = plan.index
+    sizes = plan.before_sizes[:k] + plan.part_sizes + plan.before_sizes[k + 1 :]
+    attributes = {"axis": ir.AttrInt64("axis", plan.axis)}
+    opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 0))
+    inputs: list[ir.Value | None] = [before.inputs[0]]
+    if opset >= 13:
+        inputs.append(_int64s(graph, sizes, fresh("conv_parts_split_sizes")))
+    else:
+        attributes["split"] = ir.AttrInt64s("split", sizes)
+    split = ir.Node(
+        "",
+        "Split",
+        inputs,
+        attributes=attributes,
+        num_outputs=len(sizes),
+        name=fresh(f"{before.name or 'split'}_parts"),
+    )
+    olds = [*before.outputs[:k], *[None] * len(plan.part_sizes), *before.outputs[k + 1 :]]
+    for output, old in zip(split.outputs, olds, strict=True):
+        output.name = fresh(f"{old.name if old is not None else conv.name or 'conv'}_part")
+        if before.inputs[0].dtype is not None:
+            output.dtype = before.inputs[0].dtype
+    graph.insert_before(before, split)
+
+    new_nodes: list[ir.Node] = []
+    conv_inputs = list(conv.inputs) + [None] * (4 - len(conv.inputs))
+    weights = _channel_parts(graph, conv_inputs[1], 0, plan.part_sizes, fresh, new_nodes)
+    biases = _channel_parts(graph, conv_inputs[2], 0, plan.part_sizes, fresh, new_nodes)
+    states = _channel_parts(graph, conv_inputs[3], 1, plan.part_sizes, fresh, new_nodes)
+    convs = []
+    for i, size in enumerate(plan.part_sizes):
+        part_inputs = [split.outputs[k + i], weights[i], biases[i], states[i]]
+        while part_inputs and part_inputs[-1] is None:
+            part_inputs.pop()
+        node = ir.Node(
+            DOMAIN,
+            OP_TYPE,
+            part_inputs,
+            attributes=[ir.Attr(a.name, a.type, a.value) for a in conv.attributes.values()],
+            num_outputs=2,
+            name=fresh(f"{conv.name or 'conv'}_channels_{sum(plan.part_sizes[:i])}_{sum(plan.part_sizes[:i]) + size}"),
+            version=conv.version,
+            overload=conv.overload,
+        )
+        for output, old in zip(node.outputs, conv.outputs, strict=False):
+            output.name = fresh(f"{old.name or 'conv'}_part{i}")
+            if old.dtype is not None:
+                output.dtype = old.dtype
+        convs.append(node)
+    new_nodes += convs
+    state = conv.outputs[1] if len(conv.outputs) > 1 else None
+    concat = None
+    if state is not None and (state.uses() or state.is_graph_output()):
+        concat = ir.Node(
+            "",
+            "Concat",
+            [node.outputs[1] for node in convs],
+            attributes=[ir.AttrInt64("axis", 1)],
+            num_outputs=1,
+            name=fresh(f"{conv.name or 'conv'}_state_parts"),
+        )
+        concat.outputs[0].name = fresh(f"{state.name or 'conv_state'}_parts")
+        if state.dtype is not None:
+            concat.outputs[0].dtype = state.dtype
+        new_nodes.append(concat)
+    graph.insert_before(conv, new_nodes)
+
+    for j, old in enumerate(before.outputs):
+        if j < k:
+            take_over(old, split.outputs[j], "_unsplit")
+        elif j > k:
+            take_over(old, split.outputs[j - 1 + len(plan.part_sizes)], "_unsplit")
+    for old, node in zip(after.outputs, convs, strict=True):
+        take_over(old, node.outputs[0], "_unsplit")
+    if concat is not None:
+        take_over(state, concat.outputs[0], "_unsplit")
+    for reader in plan.shape_readers:
+        reader.replace_input_with(0, before.inputs[0])
+    old_inputs = [v for v in [*conv_inputs[1:], *after.inputs[1:], *before.inputs[1:]] if v is not None]
+    graph.remove([after, conv, before], safe=True)
+    _drop_unused(graph, old_inputs)
+
+
+def _drop_unused(graph: ir.Graph, values: list[ir.Value]) -> None:
+    """Remove the initializers among ``values`` (and the nodes of _SEEN_THROUGH they were seen through, with their
+    own constant inputs) that nothing reads any more."""
+    for value in values:
+        if value.uses() or value.is_graph_output() or value.is_graph_input():
+            continue
+        producer = value.producer()
+        if producer is None:
+            if value.name in graph.initializers:
+                del graph.initializers[value.name]
+        elif producer.op_type in _SEEN_THROUGH and len(producer.outputs) == 1:
+            inputs = [v for v in producer.inputs if v is not None]
+            graph.remove(producer, safe=True)
+            _drop_unused(graph, inputs)
+
+
+def split_conv_parts(model: ir.Model) -> tuple[dict[str, int], list[str]]:
+    """Rewrite every prompt conv of ``model``'s main graph whose output is split, as above, in place.
+
+    Returns how many were rewritten, and for each one refused, where and why.
+    """
+    graph = model.graph
+    shapes = DecodeShapes(graph)
+    fresh = NameSource(model)
+    plans: list[_Plan] = []
+    refused: list[str] = []
+    for node in list(graph):
+        if node.op_type != OP_TYPE or node.domain != DOMAIN or not node.inputs:
+            continue
+        try:
+            plan = _plan(node, shapes)
+        except Refusal as refusal:
+            where = getattr(refusal.culprit, "name", None) or node.name
+            refused.append(f"{where}: {refusal.reason}")
+            continue
+        if plan is not None and not any(plan.before is other.before for other in plans):
+            plans.append(plan)
+    for plan in plans:
+        _rewrite(plan, fresh)
+    return {"CausalConv1d by part": len(plans)}, refused
+
+
+__all__ = ["split_conv_parts"]

@@ -1,0 +1,263 @@
+"""``mambafuse optimize``'s conv parts (fusion/rules/conv_parts.py): a prompt conv whose output is split by channels
+becomes one CausalConv1d per part, cut by the projection's Split, and computes the same bits.
+
+Every fused prefill fixture of the torch exporters (dynamo, TorchScript; every family) loses its second Split and
+gives the same outputs bit for bit, through the kernels and through the model-local function. Small graphs cover
+the forms the fixtures do not (an initial state computed in the graph, the final state read, channels-first, a
+Split's sizes as an attribute or an even split) and each refusal.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import contrib_ops
+from fusion.rewrite import rewrite_model
+from fusion.rules import attach_functions
+from fusion.rules.conv_parts import split_conv_parts
+from models.runtime import feeds, load_references
+from tests._cuda import CUDA, cuda_problem, with_supported_ir
+from tests.test_decode_step_rules import MANIFESTS, SETS, _run
+
+PREFILL = sorted(
+    (name, stem)
+    for name, manifest in MANIFESTS.items()
+    for stem, record in manifest["fixtures"].items()
+    if record["mode"] == "prefill"
+)
+KEY = "CausalConv1d by part"
+
+
+@cache
+def _fused(name: str, stem: str) -> onnx.ModelProto:
+    return rewrite_model(onnx.load(SETS[name] / MANIFESTS[name]["fixtures"][stem]["file"]))[0]
+
+
+def _parts(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, int], list[str]]:
+    graph = ir.from_proto(model)
+    counts, refused = split_conv_parts(graph)
+    return ir.to_proto(graph), counts, refused
+
+
+def _split_convs(model: onnx.ModelProto) -> int:
+    """CausalConv1d nodes whose output some Split reads."""
+    split_inputs = {node.input[0] for node in model.graph.node if node.op_type == "Split"}
+    return sum(node.op_type == "CausalConv1d" and node.output[0] in split_inputs for node in model.graph.node)
+
+
+def _same_bits(actual: list[np.ndarray], expected: list[np.ndarray]) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        assert a.dtype == e.dtype and a.shape == e.shape
+        differ = int(np.sum(~((a == e) | (np.isnan(a) & np.isnan(e)))))
+        assert differ == 0, f"{differ} of {a.size} elements differ"
+
+
+@pytest.mark.parametrize(("name", "stem"), PREFILL)
+def test_every_fixture_conv_is_cut_and_computes_the_same_bits(name: str, stem: str) -> None:
+    record = MANIFESTS[name]["fixtures"][stem]
+    fused = _fused(name, stem)
+    after, counts, refused = _parts(fused)
+    before_convs = sum(node.op_type == "CausalConv1d" for node in fused.graph.node)
+    if "-transformers-" in stem:
+        # transformers' exporter computes the cached conv state from the conv's input in the graph: that reader
+        # needs the whole input, so the conv stays whole (and says so where its output is split)
+        assert counts[KEY] == 0
+        assert all("read by other nodes" in reason for reason in refused)
+        return
+    assert not refused
+    onnx.checker.check_model(after)
+    assert counts[KEY] == _split_convs(fused)
+    if "-noopt-" not in stem:
+        assert counts[KEY] > 0, "the form this pass exists for is gone from the exports"
+    assert _split_convs(after) == 0
+    splits = sum(node.op_type == "Split" for node in after.graph.node)
+    assert splits == sum(node.op_type == "Split" for node in fused.graph.node) - counts[KEY]
+    parts = sum(node.op_type == "CausalConv1d" for node in after.graph.node)
+    assert parts == before_convs + 2 * counts[KEY]  # x, B and C: three parts each
+    used = {name for node in after.graph.node for name in node.input}
+    assert all(tensor.name in used for tensor in after.graph.initializer), "an initializer was left behind"
+    if record["dtype"] == "bf16":
+        return  # ONNX Runtime's CPU has no bfloat16 Where or Conv: these exports do not run here
+    inputs = feeds(record, load_references(SETS[name])[stem])
+    _same_bits(_run(after, inputs, library=True), _run(fused, inputs, library=True))
+    _same_bits(_run(after, inputs), _run(fused, inputs))
+
+
+CUDA_PROBLEM = cuda_problem(pytest.importorskip("onnxruntime"))
+#: The fixtures that run on ONNX Runtime's CUDA provider with the library (no bfloat16 Where on the CPU either).
+CUDA_FIXTURES = [
+    (name, stem)
+    for name, stem in PREFILL
+    if "-transformers-" not in stem and "-noopt-" not in stem and MANIFESTS[name]["fixtures"][stem]["dtype"] != "bf16"
+]
+
+
+@pytest.mark.skipif(CUDA_PROBLEM is not None, reason=CUDA_PROBLEM or "")
+@pytest.mark.parametrize(("name", "stem"), CUDA_FIXTURES)
+def test_on_cuda_the_parts_compute_the_same_bits(name: str, stem: str) -> None:
+    """The CUDA kernel picks its path by the channel count (the parts are narrower than the whole): every path
+    computes each channel alike."""
+    fused = _fused(name, stem)
+    after, counts, _ = _parts(fused)
+    assert counts[KEY] > 0
+    inputs = feeds(MANIFESTS[name]["fixtures"][stem], load_references(SETS[name])[stem])
+
+    def run(model: onnx.ModelProto) -> list[np.ndarray]:
+        providers = [CUDA, "CPUExecutionProvider"]
+        return contrib_ops.session(with_supported_ir(model), providers=providers, use_library=True).run(None, inputs)
+
+    _same_bits(run(after), run(fused))
+
+
+# Small graphs: P (B, L, 4 + C + 2) split into (z, xBC, dt); the conv over xBC; its output split into parts.
+C, K, S = 24, 4, 3
+
+
+def _graph(
+    *,
+    parts: list[int] | None = (8, 8, 8),
+    part_axis: int = -1,
+    before_axis: int = -1,
+    channels_last: bool = True,
+    state: str = "input",  # "input": a graph input; "zeros": a constant ConstantOfShape; "none"
+    final_state_out: bool = False,
+    sizes_as_attribute: bool = False,
+    even: bool = False,
+    extra_x_reader: bool = False,
+    opset: int = 18,
+) -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    width = 4 + C + 2
+    p_shape = ["B", "L", width] if channels_last else ["B", width, "L"]
+    inputs = [helper.make_tensor_value_info("P", TensorProto.FLOAT, p_shape)]
+    initializers = [
+        numpy_helper.from_array(rng.standard_normal((C, 1, K)).astype(np.float32), "w"),
+        numpy_helper.from_array(rng.standard_normal(C).astype(np.float32), "b"),
+    ]
+    nodes = []
+    before_sizes = [4, C, 2]
+    if sizes_as_attribute:
+        nodes.append(helper.make_node("Split", ["P"], ["z", "xBC", "dt"], axis=before_axis, split=before_sizes))
+    else:
+        initializers.append(numpy_helper.from_array(np.array(before_sizes, np.int64), "before_sizes"))
+        nodes.append(helper.make_node("Split", ["P", "before_sizes"], ["z", "xBC", "dt"], axis=before_axis))
+    conv_inputs = ["xBC", "w", "b"]
+    if state == "input":
+        inputs.append(helper.make_tensor_value_info("s0", TensorProto.FLOAT, ["B", C, S]))
+        conv_inputs.append("s0")
+    elif state == "zeros":
+        initializers.append(numpy_helper.from_array(np.array([2, C, S], np.int64), "state_shape"))
+        nodes.append(helper.make_node("ConstantOfShape", ["state_shape"], ["s0"]))
+        conv_inputs.append("s0")
+    nodes.append(
+        helper.make_node(
+            "CausalConv1d",
+            conv_inputs,
+            ["y", "final_state"],
+            domain="ai.mambafuse",
+            state_width=S,
+            channels_last=int(channels_last),
+        )
+    )
+    names = ["x", "B_", "C_"][: len(parts) if parts else 3]
+    if even:
+        nodes.append(helper.make_node("Split", ["y"], names, axis=part_axis, num_outputs=len(names)))
+    elif sizes_as_attribute:
+        nodes.append(helper.make_node("Split", ["y"], names, axis=part_axis, split=list(parts)))
+    else:
+        initializers.append(numpy_helper.from_array(np.array(parts, np.int64), "part_sizes"))
+        nodes.append(helper.make_node("Split", ["y", "part_sizes"], names, axis=part_axis))
+    outputs = ["z", *names, "dt"]
+    if extra_x_reader:
+        nodes.append(helper.make_node("Neg", ["xBC"], ["xBC_neg"]))
+        outputs.append("xBC_neg")
+    if final_state_out:
+        outputs.append("final_state")
+    graph = helper.make_graph(
+        nodes, "g", inputs, [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs], initializers
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("ai.mambafuse", 1)]
+    )
+    return _with_functions(model)
+
+
+def _with_functions(model: onnx.ModelProto) -> onnx.ModelProto:
+    attach_functions(model)  # none below opset 15, the body's
+    return model
+
+
+def _feeds(model: onnx.ModelProto, batch: int = 2, length: int = 7) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1)
+    out = {}
+    for value in model.graph.input:
+        dims = [d.dim_value or {"B": batch, "L": length}[d.dim_param] for d in value.type.tensor_type.shape.dim]
+        out[value.name] = rng.standard_normal(dims).astype(np.float32)
+    return out
+
+
+FORMS = {
+    "state input": {},
+    "zeros": {"state": "zeros"},
+    "no state, final state read": {"state": "none", "final_state_out": True},
+    "channels first": {"channels_last": False, "part_axis": 1, "before_axis": 1, "final_state_out": True},
+    "sizes as attributes, opset 11": {"sizes_as_attribute": True, "opset": 11},
+    "even split": {"even": True},
+    "two uneven parts, positive axes": {"parts": [20, 4], "part_axis": 2, "before_axis": 2},
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_small_graph_is_cut_and_computes_the_same_bits(form: str) -> None:
+    kwargs = FORMS[form]
+    model = _graph(**kwargs)
+    after, counts, refused = _parts(model)
+    assert counts[KEY] == 1 and not refused
+    node_types = [node.op_type for node in after.graph.node]
+    assert node_types.count("Split") == 1
+    assert node_types.count("CausalConv1d") == len(kwargs.get("parts", (8, 8, 8)))
+    assert ("Concat" in node_types) == kwargs.get("final_state_out", False)
+    # the weight and bias are cut into initializers; the old ones are gone
+    initializer_names = {tensor.name for tensor in after.graph.initializer}
+    assert "w" not in initializer_names and "b" not in initializer_names
+    assert ("Slice" in node_types) == (kwargs.get("state", "input") == "input")
+    inputs = _feeds(model)
+    _same_bits(_run(after, inputs, library=True), _run(model, inputs, library=True))
+    if model.functions and kwargs.get("state") != "none":  # the body takes every input (docs/causal_conv1d.md)
+        assert len(after.functions) == 1
+        _same_bits(_run(after, inputs), _run(model, inputs))
+
+
+REFUSALS = {
+    "parts over the tokens": ({"part_axis": 1, "parts": [3, 4]}, "not its channels'"),
+    "projection split over the tokens": ({"before_axis": 1}, "the Split before the conv is over axis 1"),
+    "parts not summing to the channels": ({"parts": [8, 8, 4]}, "summing to its 24 channels"),
+    "input read elsewhere": ({"extra_x_reader": True}, "read by other nodes"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refusals_leave_the_graph_alone(case: str) -> None:
+    kwargs, reason = REFUSALS[case]
+    model = _graph(**kwargs)
+    after, counts, refused = _parts(model)
+    assert counts[KEY] == 0
+    assert len(refused) == 1 and reason in refused[0], refused
+    assert [n.op_type for n in after.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def test_a_conv_whose_output_is_not_split_is_not_a_candidate() -> None:
+    model = _graph()
+    del model.graph.node[-1]
+    model.graph.output.pop(1)
+    for _ in range(2):
+        model.graph.output.pop(1)
+    model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, None))
+    after, counts, refused = _parts(model)
+    assert counts[KEY] == 0 and not refused
