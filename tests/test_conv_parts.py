@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import contrib_ops
 from fusion.rewrite import rewrite_model
 from fusion.rules import attach_functions
-from fusion.rules.conv_parts import split_conv_parts
+from fusion.rules.conv_parts import _grouped, split_conv_parts
 from models.runtime import feeds, load_references
 from tests._cuda import CUDA, cuda_problem, with_supported_ir
 from tests.test_decode_step_rules import MANIFESTS, SETS, _run
@@ -75,11 +75,18 @@ def test_every_fixture_conv_is_cut_and_computes_the_same_bits(name: str, stem: s
     assert counts[KEY] == _split_convs(fused)
     if "-noopt-" not in stem:
         assert counts[KEY] > 0, "the form this pass exists for is gone from the exports"
-    assert _split_convs(after) == 0
-    splits = sum(node.op_type == "Split" for node in after.graph.node)
-    assert splits == sum(node.op_type == "Split" for node in fused.graph.node) - counts[KEY]
-    parts = sum(node.op_type == "CausalConv1d" for node in after.graph.node)
-    assert parts == before_convs + 2 * counts[KEY]  # x, B and C: three parts each
+    # x alone, B and C together (the projection's Split has room for two groups): one more conv each, the Split
+    # after it now over B and C only
+    assert sum(node.op_type == "Split" for node in after.graph.node) == sum(
+        node.op_type == "Split" for node in fused.graph.node
+    )
+    assert sum(node.op_type == "CausalConv1d" for node in after.graph.node) == before_convs + counts[KEY]
+    conv_outputs = {node.output[0] for node in after.graph.node if node.op_type == "CausalConv1d"}
+    assert all(len(n.output) == 2 for n in after.graph.node if n.op_type == "Split" and n.input[0] in conv_outputs)
+    assert _split_convs(after) == counts[KEY]
+    again, second, second_refused = _parts(after)
+    assert second[KEY] == 0 and len(second_refused) == counts[KEY]  # run again, it leaves its result alone
+    assert all("more than 4" in reason for reason in second_refused)
     used = {name for node in after.graph.node for name in node.input}
     assert all(tensor.name in used for tensor in after.graph.initializer), "an initializer was left behind"
     if record["dtype"] == "bf16":
@@ -220,8 +227,10 @@ def test_a_small_graph_is_cut_and_computes_the_same_bits(form: str) -> None:
     after, counts, refused = _parts(model)
     assert counts[KEY] == 1 and not refused
     node_types = [node.op_type for node in after.graph.node]
-    assert node_types.count("Split") == 1
-    assert node_types.count("CausalConv1d") == len(kwargs.get("parts", (8, 8, 8)))
+    parts = len(kwargs.get("parts", (8, 8, 8)))
+    # the projection's Split has room for two groups: three parts are x alone and the other two behind a Split
+    assert node_types.count("CausalConv1d") == min(parts, 2)
+    assert node_types.count("Split") == (2 if parts > 2 else 1)
     assert ("Concat" in node_types) == kwargs.get("final_state_out", False)
     # the weight and bias are cut into initializers; the old ones are gone
     initializer_names = {tensor.name for tensor in after.graph.initializer}
@@ -261,3 +270,27 @@ def test_a_conv_whose_output_is_not_split_is_not_a_candidate() -> None:
     model.graph.output.append(helper.make_tensor_value_info("y", TensorProto.FLOAT, None))
     after, counts, refused = _parts(model)
     assert counts[KEY] == 0 and not refused
+
+
+@pytest.mark.parametrize(
+    ("sizes", "count", "groups"),
+    [
+        ([8192, 1024, 1024], 2, [[8192], [1024, 1024]]),
+        ([1024, 1024, 8192], 2, [[1024, 1024], [8192]]),
+        ([5, 1, 1, 5], 3, [[5], [1, 1], [5]]),
+        ([8, 8, 8], 3, [[8], [8], [8]]),
+        ([3, 4], 4, [[3], [4]]),
+    ],
+)
+def test_parts_are_grouped_with_the_narrowest_shared_groups(sizes, count, groups) -> None:
+    assert _grouped(sizes, count) == groups
+
+
+def test_a_projection_split_without_room_for_two_groups_is_refused() -> None:
+    model = _graph()
+    split = model.graph.node[0]
+    model.graph.initializer.append(numpy_helper.from_array(np.array([2, 2, C, 1, 1], np.int64), "five_sizes"))
+    split.input[1] = "five_sizes"
+    split.output[:] = ["z", "z2", "xBC", "dt", "dt2"]
+    after, counts, refused = _parts(model)
+    assert counts[KEY] == 0 and len(refused) == 1 and "more than 4" in refused[0]

@@ -10,15 +10,19 @@ part and splits the conv's output into the scan's inputs::
 
 ONNX Runtime runs each Split as a copy of its input. The conv is depthwise: channel ``c`` of ``y`` and of ``state``
 reads channel ``c`` of ``xBC``, ``w``, ``b`` and ``s0`` and nothing else. So one conv per part of ``y``, each over
-that part of ``xBC``, computes the same values, and the first Split can cut those parts directly::
+that part of ``xBC``, computes the same values, and the first Split can cut those parts directly. It is given at
+most MAX_SPLIT_OUTPUTS (4) outputs, so the parts are grouped, the groups of several as narrow as can be, and such a
+group's conv output keeps a Split::
 
-    z, x_in, B_in, C_in, dt = Split(P, [d_inner, d_inner, G N, G N, H], axis=-1)
-    x, state_x = CausalConv1d(x_in, w[0:d_inner], b[0:d_inner], s0[:, 0:d_inner])     # and B, C alike
-    state      = Concat(state_x, state_B, state_C, axis=1)                             # where the graph reads it
+    z, x_in, BC_in, dt = Split(P, [d_inner, d_inner, 2 G N, H], axis=-1)
+    x, state_x   = CausalConv1d(x_in, w[0:d_inner], b[0:d_inner], s0[:, 0:d_inner])
+    BC, state_BC = CausalConv1d(BC_in, w[d_inner:], b[d_inner:], s0[:, d_inner:])
+    B, C         = Split(BC, [G N, G N], axis=-1)
+    state        = Concat(state_x, state_BC, axis=1)                   # where the graph reads it
 
-The second Split, a copy of the whole conv output, is gone (at Nemotron-H-8B widths and 2048 tokens, 42 MB read
-and 42 MB written per layer in float16). Each output element is the same arithmetic on the same numbers: the op
-contract (docs/causal_conv1d.md) fixes every channel's sum, order and roundings, whatever the other channels are.
+Of the second Split's copy only B and C's is left (at Nemotron-H-8B widths and 2048 tokens, 34 of its 42 MB read
+and written per layer in float16 are gone). Each output element is the same arithmetic on the same numbers: the
+op contract (docs/causal_conv1d.md) fixes every channel's sum, order and roundings, whatever the other channels are.
 
 What is proven from the graph:
 
@@ -27,7 +31,9 @@ What is proven from the graph:
 * ``y`` is read by one Split only, over the channel axis, and is no graph output; that Split's sizes are a
   constant (its input, or its ``split`` attribute) summing to ``C``, or an even split of ``C``;
 * ``x`` is one output of a Split over the same axis with constant sizes, and nothing else reads it but Shapes of
-  its other axes (the exporters' batch size for the zero initial state), which then read the Split's input.
+  its other axes (the exporters' batch size for the zero initial state), which then read the Split's input; that
+  Split has at most MAX_SPLIT_OUTPUTS - 1 outputs (room for two groups: the pass, run again, leaves its own
+  result alone).
 
 The weight, bias and initial state are cut along their channel axis (0, 0 and 1): constants here (an initializer,
 or one seen through Unsqueeze, Squeeze, Reshape or Identity; a ConstantOfShape of a constant shape, the zeros an
@@ -37,6 +43,7 @@ exporter writes for a prompt with no cache), other values by Slice nodes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import onnx_ir as ir
@@ -49,6 +56,12 @@ from fusion.shapes.dims import constant_array
 
 _ONNX = ("", "ai.onnx")
 _RANK = 3  # CausalConv1d's x and y
+#: The most outputs the projection's Split is given. ONNX Runtime's CUDA Split copies a last-axis Split of a few
+#: outputs with one vectorized kernel whose arguments carry the outputs; with more it runs a generic kernel (one
+#: element a thread) after copying its tables to the device (measured on an H100 with onnxruntime-gpu 1.31: the
+#: Nemotron-H-8B prefill's 3-output Splits ran 16-byte vectors, a 5-output one 2-byte elements and 4 more copies, so
+#: 5 outputs cost more than the copy they saved). A conv's parts beyond this are grouped.
+MAX_SPLIT_OUTPUTS = 4
 #: The largest ConstantOfShape (an initial conv state of zeros) cut into initializers rather than Slices.
 _MAX_FILLED = 1 << 20
 _SEEN_THROUGH = ("Unsqueeze", "Squeeze", "Reshape", "Identity", "ConstantOfShape")
@@ -62,6 +75,7 @@ class _Plan:
     index: int  # which output of ``before`` that is
     axis: int  # the channel axis, 1 or 2
     part_sizes: list[int]  # ``after``'s sizes
+    groups: list[list[int]]  # part_sizes in contiguous groups: a conv each, a Split after a group of several
     before_sizes: list[int]
     shape_readers: list[ir.Node]  # Shapes of the conv's input that read only its other axes
 
@@ -170,7 +184,34 @@ def _plan(conv: ir.Node, shapes: DecodeShapes) -> _Plan | None:
     before_sizes = _split_sizes(before, total[axis] if total and len(total) == _RANK else None)
     if before_sizes is None or len(before_sizes) != len(before.outputs) or before_sizes[index] != channels:
         raise Refusal(f"the Split before the conv has no constant sizes giving the conv's {channels} channels", before)
-    return _Plan(conv, after, before, index, axis, part_sizes, before_sizes, shape_readers)
+    room = MAX_SPLIT_OUTPUTS - (len(before_sizes) - 1)
+    if room < 2:
+        raise Refusal(
+            f"the Split before the conv has {len(before_sizes)} outputs: cut by part it would have more than "
+            f"{MAX_SPLIT_OUTPUTS}",
+            before,
+        )
+    groups = _grouped(part_sizes, room)
+    return _Plan(conv, after, before, index, axis, part_sizes, groups, before_sizes, shape_readers)
+
+
+def _grouped(sizes: list[int], count: int) -> list[list[int]]:
+    """``sizes`` in at most ``count`` contiguous groups, the channels of the groups of several parts (which keep a
+    Split after their conv) as few as possible; the first such grouping."""
+    if len(sizes) <= count:
+        return [[size] for size in sizes]
+    best: list[list[int]] | None = None
+    for cuts in itertools.combinations(range(1, len(sizes)), count - 1):
+        bounds = [0, *cuts, len(sizes)]
+        groups = [sizes[a:b] for a, b in itertools.pairwise(bounds)]
+        if best is None or _shared(groups) < _shared(best):
+            best = groups
+    assert best is not None
+    return best
+
+
+def _shared(groups: list[list[int]]) -> int:
+    return sum(sum(group) for group in groups if len(group) > 1)
 
 
 def _reads_other_axes(node: ir.Node, axis: int) -> bool:
@@ -225,40 +266,42 @@ def _int64s(graph: ir.Graph, ints: list[int], name: str) -> ir.Value:
     return value
 
 
+def _split_node(
+    graph: ir.Graph, source: ir.Value, axis: int, sizes: list[int], fresh: NameSource, name: str
+) -> ir.Node:
+    """A Split of ``source`` into ``sizes`` along ``axis``: sizes as an input (opset 13 and later) or an attribute."""
+    attributes = {"axis": ir.AttrInt64("axis", axis)}
+    opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 0))
+    inputs: list[ir.Value | None] = [source]
+    if opset >= 13:
+        inputs.append(_int64s(graph, sizes, fresh(f"{name}_sizes")))
+    else:
+        attributes["split"] = ir.AttrInt64s("split", sizes)
+    split = ir.Node("", "Split", inputs, attributes=attributes, num_outputs=len(sizes), name=fresh(name))
+    for i, output in enumerate(split.outputs):
+        output.name = fresh(f"{name}_{i}")
+        if source.dtype is not None:
+            output.dtype = source.dtype
+    return split
+
+
 def _rewrite(plan: _Plan, fresh: NameSource) -> None:
     conv, after, before = plan.conv, plan.after, plan.before
     graph = conv.graph
     k = plan.index
-    sizes = plan.before_sizes[:k] + plan.part_sizes + plan.before_sizes[k + 1 :]
-    attributes = {"axis": ir.AttrInt64("axis", plan.axis)}
-    opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 0))
-    inputs: list[ir.Value | None] = [before.inputs[0]]
-    if opset >= 13:
-        inputs.append(_int64s(graph, sizes, fresh("conv_parts_split_sizes")))
-    else:
-        attributes["split"] = ir.AttrInt64s("split", sizes)
-    split = ir.Node(
-        "",
-        "Split",
-        inputs,
-        attributes=attributes,
-        num_outputs=len(sizes),
-        name=fresh(f"{before.name or 'split'}_parts"),
-    )
-    olds = [*before.outputs[:k], *[None] * len(plan.part_sizes), *before.outputs[k + 1 :]]
-    for output, old in zip(split.outputs, olds, strict=True):
-        output.name = fresh(f"{old.name if old is not None else conv.name or 'conv'}_part")
-        if before.inputs[0].dtype is not None:
-            output.dtype = before.inputs[0].dtype
+    group_sizes = [sum(group) for group in plan.groups]
+    sizes = plan.before_sizes[:k] + group_sizes + plan.before_sizes[k + 1 :]
+    split = _split_node(graph, before.inputs[0], plan.axis, sizes, fresh, f"{before.name or 'split'}_parts")
     graph.insert_before(before, split)
 
     new_nodes: list[ir.Node] = []
     conv_inputs = list(conv.inputs) + [None] * (4 - len(conv.inputs))
-    weights = _channel_parts(graph, conv_inputs[1], 0, plan.part_sizes, fresh, new_nodes)
-    biases = _channel_parts(graph, conv_inputs[2], 0, plan.part_sizes, fresh, new_nodes)
-    states = _channel_parts(graph, conv_inputs[3], 1, plan.part_sizes, fresh, new_nodes)
-    convs = []
-    for i, size in enumerate(plan.part_sizes):
+    weights = _channel_parts(graph, conv_inputs[1], 0, group_sizes, fresh, new_nodes)
+    biases = _channel_parts(graph, conv_inputs[2], 0, group_sizes, fresh, new_nodes)
+    states = _channel_parts(graph, conv_inputs[3], 1, group_sizes, fresh, new_nodes)
+    convs, part_outputs = [], []
+    start = 0
+    for i, group in enumerate(plan.groups):
         part_inputs = [split.outputs[k + i], weights[i], biases[i], states[i]]
         while part_inputs and part_inputs[-1] is None:
             part_inputs.pop()
@@ -268,7 +311,7 @@ def _rewrite(plan: _Plan, fresh: NameSource) -> None:
             part_inputs,
             attributes=[ir.Attr(a.name, a.type, a.value) for a in conv.attributes.values()],
             num_outputs=2,
-            name=fresh(f"{conv.name or 'conv'}_channels_{sum(plan.part_sizes[:i])}_{sum(plan.part_sizes[:i]) + size}"),
+            name=fresh(f"{conv.name or 'conv'}_channels_{start}_{start + group_sizes[i]}"),
             version=conv.version,
             overload=conv.overload,
         )
@@ -277,7 +320,15 @@ def _rewrite(plan: _Plan, fresh: NameSource) -> None:
             if old.dtype is not None:
                 output.dtype = old.dtype
         convs.append(node)
-    new_nodes += convs
+        new_nodes.append(node)
+        if len(group) == 1:
+            part_outputs.append(node.outputs[0])
+        else:  # a group of parts: its conv's output split as the old Split did
+            name = f"{after.name or 'split'}_{start}_{start + group_sizes[i]}"
+            group_split = _split_node(graph, node.outputs[0], plan.axis, group, fresh, name)
+            new_nodes.append(group_split)
+            part_outputs += list(group_split.outputs)
+        start += group_sizes[i]
     state = conv.outputs[1] if len(conv.outputs) > 1 else None
     concat = None
     if state is not None and (state.uses() or state.is_graph_output()):
@@ -299,9 +350,9 @@ def _rewrite(plan: _Plan, fresh: NameSource) -> None:
         if j < k:
             take_over(old, split.outputs[j], "_unsplit")
         elif j > k:
-            take_over(old, split.outputs[j - 1 + len(plan.part_sizes)], "_unsplit")
-    for old, node in zip(after.outputs, convs, strict=True):
-        take_over(old, node.outputs[0], "_unsplit")
+            take_over(old, split.outputs[j - 1 + len(plan.groups)], "_unsplit")
+    for old, new in zip(after.outputs, part_outputs, strict=True):
+        take_over(old, new, "_unsplit")
     if concat is not None:
         take_over(state, concat.outputs[0], "_unsplit")
     for reader in plan.shape_readers:
