@@ -3,8 +3,9 @@ pass (fusion/rules/conv_parts.py), side by side in one process.
 
 The subgraph is what the prefill exports have around the conv, at Nemotron-H-8B widths: the in-projection's output
 P (1, L, 18560) split into z (8192), xBC (10240) and dt (128); the prompt conv over xBC (K = 4, SiLU, a zero
-initial state); its output split into x (8192), B (1024) and C (1024). After the pass: one Split of P into five
-parts and a conv per part. Both run the mambafuse library's CPU kernels; the outputs are checked bit for bit.
+initial state); its output split into x (8192), B (1024) and C (1024). After the pass: one Split of P into z, x,
+BC and dt, a conv for x and one for B and C, and a Split of the latter's output. Both run the mambafuse library's
+CPU kernels; the outputs are checked bit for bit.
 Times are medians of interleaved repeats.
 
     python -m benchmarks.bench_conv_parts_cpu [--lengths 512,2048] [--dtypes fp32,fp16] [--threads 1,2] [--runs 20]
@@ -92,7 +93,7 @@ def main() -> int:
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
     lines = [
-        "| dtype | L | threads | convs whole + 2 Splits (ms) | conv by part + 1 Split (ms) | speed-up |",
+        "| dtype | L | threads | convs whole + 2 Splits (ms) | by part (ms) | speed-up |",
         "|---|---|---|---|---|---|",
     ]
     for dtype in args.dtypes.split(","):
