@@ -74,8 +74,7 @@ class _Plan:
     before: ir.Node  # the Split whose output the conv reads
     index: int  # which output of ``before`` that is
     axis: int  # the channel axis, 1 or 2
-    part_sizes: list[int]  # ``after``'s sizes
-    groups: list[list[int]]  # part_sizes in contiguous groups: a conv each, a Split after a group of several
+    groups: list[list[int]]  # ``after``'s sizes in contiguous groups: a conv each, a Split after a group of several
     before_sizes: list[int]
     shape_readers: list[ir.Node]  # Shapes of the conv's input that read only its other axes
 
@@ -192,7 +191,7 @@ def _plan(conv: ir.Node, shapes: DecodeShapes) -> _Plan | None:
             before,
         )
     groups = _grouped(part_sizes, room)
-    return _Plan(conv, after, before, index, axis, part_sizes, groups, before_sizes, shape_readers)
+    return _Plan(conv, after, before, index, axis, groups, before_sizes, shape_readers)
 
 
 def _grouped(sizes: list[int], count: int) -> list[list[int]]:
