@@ -78,7 +78,8 @@ sanitize: $(STAMPS)/deps-test
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	MAMBAFUSE_LIBRARY=$(abspath build/sanitize/libmambafuse_ops.so) \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/test_kernel_cpu.py tests/test_causal_conv1d_update_kernel.py tests/test_selective_state_update_kernel.py \
-	  tests/test_mamba_chunk_scan_kernel.py tests/test_causal_conv1d_kernel.py tests/test_prefill_ops_placement.py
+	  tests/test_mamba_chunk_scan_kernel.py tests/test_causal_conv1d_kernel.py tests/test_prefill_ops_placement.py \
+	  tests/test_squared_relu_kernel.py
 
 lint: $(STAMPS)/deps-runtime
 	$(PIP) install ruff

@@ -57,8 +57,9 @@ logit difference from the unfused step, so that a variant computing something el
         --library build/cuda/libmambafuse_ops.so
 
 The prefill's variants the same way (``step --mode prefill`` or ``prefill-dynamic``): ``export`` writes each prefill
-graph also as ``mambafuse optimize`` writes it and as it wrote it before its conv parts pass
-("optimize-whole-conv": the prompt convs whole, their output split by a copy), and ``export --builder mobius`` its
+graph also as ``mambafuse optimize`` writes it and as it wrote it before its SquaredRelu fusion
+("optimize-relu-unfused": the MLP's squared ReLU as ORT's Relu and Mul; ``step_variant`` also writes
+"optimize-whole-conv", before the conv parts pass), and ``export --builder mobius`` its
 graph as written by ``optimize`` and by ``optimize --opt-in linear_attention_scan`` ("optimize-scan": ORT's
 LinearAttention as MambaChunkScan); in place of the floor, a prefill's Run is put beside the GPU time of its own
 MatMul kernels (the prefill target: within 1.3x of them):
@@ -224,21 +225,34 @@ def quantize_int4(source: Path, target: Path) -> Path:
     return target
 
 
-def optimize_whole_conv(model):
-    """``optimize_model`` without its conv parts pass: what it wrote before that pass, for the side-by-side."""
+def optimize_without(model, *, conv_parts: bool = True, squared_relu: bool = True):
+    """``optimize_model`` without its conv parts pass (``conv_parts=False``) or without the SquaredRelu fusion
+    (``squared_relu=False``): what it wrote before each, for the side-by-side."""
+    import contextlib
     from unittest import mock
 
     from fusion.optimize import optimize_model
+    from fusion.rules import registry
 
-    with mock.patch("fusion.optimize._conv_parts", lambda _model: ({}, [])):
+    with contextlib.ExitStack() as stack:
+        if not conv_parts:
+            stack.enter_context(mock.patch("fusion.optimize._conv_parts", lambda _model: ({}, [])))
+        if not squared_relu:
+            kept = tuple(f for f in registry.FUSIONS if f is not registry.SQUARED_RELU)
+            stack.enter_context(mock.patch.object(registry, "FUSIONS", kept))
         return optimize_model(model)
+
+
+#: The variants ``optimize_without`` writes: name -> its keywords.
+WITHOUT = {"optimize-whole-conv": {"conv_parts": False}, "optimize-relu-unfused": {"squared_relu": False}}
 
 
 def step_variant(source: Path, folder: Path, name: str) -> Path:
     """Write the ``name`` variant of the decode step at `source` into `folder` and return its path: "norm" is
     the gated norm alone fused (``rewrite_model(decode_steps=False)``), "optimize" is ``mambafuse optimize``
     (onnxscript's ORT fusions, then every mambafuse fusion), "optimize-whole-conv" that without its conv parts
-    pass (the prompt convs left whole, as before it), "optimize-scan" that with ``--opt-in
+    pass (the prompt convs left whole, as before it), "optimize-relu-unfused" that without the SquaredRelu
+    fusion (Relu + Mul, as before it), "optimize-scan" that with ``--opt-in
     linear_attention_scan`` (mobius builds), "gemv" that with ``--opt-in decode_matmul``;
     "int4-before" the step quantized (``quantize_int4``), "int4-optimize" and "int4-gemv" (``--opt-in
     decode_matmul_nbits``) that optimized. ("after" is ``mambafuse rewrite``'s default: every mambafuse fusion.)"""
@@ -258,8 +272,8 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
         model, report = rewrite_model(ir.load(source), decode_steps=False)
     elif name in ("optimize", "int4-optimize"):
         model, report = optimize_model(ir.load(source))
-    elif name == "optimize-whole-conv":
-        model, report = optimize_whole_conv(ir.load(source))
+    elif name in WITHOUT:
+        model, report = optimize_without(ir.load(source), **WITHOUT[name])
     elif name == "optimize-scan":  # a mobius build's LinearAttention as MambaChunkScan (an opt-in rule)
         model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan"])
     elif name in ("gemv", "int4-gemv"):
@@ -312,10 +326,18 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
                 count = fuse(source, fused, f"{dtype} {key}")
                 variants = [("before", source), ("after", fused)]
                 if mode == "decode":  # the step's variants (``step``): norm only, and optimize
-                    names = ("norm", "optimize", "gemv", "int4-before", "int4-optimize", "int4-gemv")
+                    names = (
+                        "norm",
+                        "optimize",
+                        "optimize-relu-unfused",
+                        "gemv",
+                        "int4-before",
+                        "int4-optimize",
+                        "int4-gemv",
+                    )
                     variants += [(name, step_variant(source, Path(tmp), name)) for name in names]
                 else:  # the prefill as ``mambafuse optimize`` writes it, too
-                    names = ("optimize", "optimize-whole-conv")
+                    names = ("optimize", "optimize-relu-unfused")
                     variants += [(name, step_variant(source, Path(tmp), name)) for name in names]
                 for name, path in variants:
                     target = out / f"{dtype}-{key}-{name}.onnx"
@@ -371,12 +393,10 @@ def pin_prefill(out: Path, dtype: str) -> None:
         fused = out / f"{dtype}-prefill-after.onnx"
         count = fuse(source, fused, f"{dtype} prefill")
         print(f"{dtype} prefill: {count} chains fused in the pinned graph", flush=True)
-        from fusion.optimize import optimize_model
-
         variants = [("before", source), ("after", fused)]
-        for name, run in (("optimize", optimize_model), ("optimize-whole-conv", optimize_whole_conv)):
+        for name in ("optimize", "optimize-relu-unfused"):
             optimized = out / f"{dtype}-prefill-{name}.onnx"
-            model, report = run(ir.load(str(source)))
+            model, report = optimize_without(ir.load(str(source)), **WITHOUT.get(name, {}))
             ir.save(model, str(optimized))  # its weights stay where they are in the shared file
             print(f"{dtype} prefill: {name}: {report.summary().splitlines()[0]}", flush=True)
             variants.append((name, optimized))
@@ -656,6 +676,7 @@ STEP_VARIANTS = {
     "after": "mambafuse rewrite",
     "optimize": "mambafuse optimize",
     "optimize-whole-conv": "optimize, convs whole (no conv parts pass)",
+    "optimize-relu-unfused": "optimize, squared ReLU as Relu + Mul (no SquaredRelu)",
     "optimize-scan": "optimize --opt-in linear_attention_scan",
     "gemv": "optimize + DecodeMatMul",
     "int4-before": "int4 unfused",
@@ -708,7 +729,11 @@ KERNEL_FAMILIES = (
     ("norms (ORT)", ("LayerNorm", "layer_norm", "SkipLayerNorm", "RMSNorm")),
     ("reductions", ("reduce", "Reduce")),
     ("transpose / concat / slice / gather", ("Transpose", "transpose", "Concat", "Slice", "Gather", "Expand", "Split")),
-    ("elementwise", ("ElementWise", "Elementwise", "elementwise", "Unary", "Binary", "Cast", "Impl", "Where", "Pow")),
+    # SquaredRelu's kernels with the elementwise ones they replace (ORT's Relu and Mul)
+    (
+        "elementwise",
+        ("ElementWise", "Elementwise", "elementwise", "Unary", "Binary", "Cast", "Impl", "Where", "Pow", "SquaredRelu"),
+    ),
 )
 
 

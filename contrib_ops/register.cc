@@ -1,6 +1,6 @@
 // Entry point of the mambafuse custom-op library: one domain (ai.mambafuse), its ops (GatedGroupRMSNorm,
-// CausalConv1dUpdate, SelectiveStateUpdate, MambaChunkScan, CausalConv1d; on CUDA also DecodeMatMul and
-// DecodeMatMulNBits), one kernel per op and execution provider. Loaded by ONNX Runtime through
+// CausalConv1dUpdate, SelectiveStateUpdate, MambaChunkScan, CausalConv1d, SquaredRelu; on CUDA also DecodeMatMul
+// and DecodeMatMulNBits), one kernel per op and execution provider. Loaded by ONNX Runtime through
 // SessionOptions.register_custom_ops_library; the library does not link libonnxruntime.
 #include <memory>
 #include <mutex>
@@ -13,6 +13,7 @@
 #include "cpu/gated_group_rms_norm.h"
 #include "cpu/mamba_chunk_scan.h"
 #include "cpu/selective_state_update.h"
+#include "cpu/squared_relu.h"
 #if defined(MAMBAFUSE_WITH_CUDA)
 #include "cuda/causal_conv1d_cuda.h"
 #include "cuda/causal_conv1d_update_cuda.h"
@@ -20,6 +21,7 @@
 #include "cuda/gated_group_rms_norm_cuda.h"
 #include "cuda/mamba_chunk_scan_cuda.h"
 #include "cuda/selective_state_update_cuda.h"
+#include "cuda/squared_relu_cuda.h"
 #endif
 
 #if defined(_WIN32)
@@ -39,12 +41,14 @@ struct Registry {
   mambafuse::SelectiveStateUpdateCpuOp state_update_op;
   mambafuse::MambaChunkScanCpuOp chunk_scan_op;
   mambafuse::CausalConv1dCpuOp conv_op;
+  mambafuse::SquaredReluCpuOp squared_relu_op;
 #if defined(MAMBAFUSE_WITH_CUDA)
   mambafuse::GatedGroupRMSNormCudaOp cuda_op;
   mambafuse::CausalConv1dUpdateCudaOp conv_update_cuda_op;
   mambafuse::SelectiveStateUpdateCudaOp state_update_cuda_op;
   mambafuse::MambaChunkScanCudaOp chunk_scan_cuda_op;
   mambafuse::CausalConv1dCudaOp conv_cuda_op;
+  mambafuse::SquaredReluCudaOp squared_relu_cuda_op;
   // CUDA only: on the CPU ORT inlines their model-local functions (MatMul / MatMulNBits).
   mambafuse::DecodeMatMulCudaOp matmul_cuda_op;
   mambafuse::DecodeMatMulNBitsCudaOp matmul_nbits_cuda_op;
@@ -100,6 +104,7 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     domain.Add(&Ops().cpu_op);
     domain.Add(&Ops().conv_update_op);
     domain.Add(&Ops().state_update_op);
+    domain.Add(&Ops().squared_relu_op);
     // A session whose preferred provider is a GPU sets "mambafuse.prefill_cpu_kernels" = "0" (contrib_ops.session
     // does): ORT would otherwise place a prefill node its GPU provider has no kernel for on the CPU kernel and copy
     // the prompt's tensors across. On CUDA the library's own prefill kernels take the nodes.
@@ -113,6 +118,7 @@ extern "C" MAMBAFUSE_EXPORT OrtStatus* ORT_API_CALL RegisterCustomOps(OrtSession
     domain.Add(&Ops().state_update_cuda_op);
     domain.Add(&Ops().chunk_scan_cuda_op);
     domain.Add(&Ops().conv_cuda_op);
+    domain.Add(&Ops().squared_relu_cuda_op);
     // The weight products have no CPU kernel (ORT's MLAS is the CPU's): declared to a CPU session, a node of theirs
     // would find no kernel and fail instead of inlining its function (MatMul / MatMulNBits). So only a session that
     // says it prefers a GPU (the setting above) gets them.

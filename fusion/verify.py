@@ -297,6 +297,13 @@ def _check_weight_product(arrays: list[np.ndarray | None], attrs: dict[str, Any]
     return outside == 0, (f"{outside} outputs outside the budget; " if outside else "") + detail
 
 
+def _check_squared_relu(arrays: list[np.ndarray | None], attrs: dict[str, Any]) -> tuple[bool, str]:
+    reference = importlib.import_module("fusion.reference.squared_relu")
+    x, y = arrays
+    differ, detail = reference.count_differences(y, x)
+    return differ == 0, (f"{differ} outputs differ from the once-rounded square; " if differ else "") + detail
+
+
 #: Per fused op type: how verify checks one node's real inputs and outputs against the op's reference budget.
 _NODE_CHECKS = {
     OP_TYPE: _check_gated_norm,
@@ -306,6 +313,7 @@ _NODE_CHECKS = {
     "CausalConv1d": _check_prompt_conv,
     "DecodeMatMul": _check_weight_product,
     "DecodeMatMulNBits": _check_weight_product,
+    "SquaredRelu": _check_squared_relu,
 }
 
 

@@ -42,6 +42,7 @@ KERNEL_SUITES = (
     "tests/test_selective_state_update_kernel.py",
     "tests/test_mamba_chunk_scan_kernel.py",
     "tests/test_causal_conv1d_kernel.py",
+    "tests/test_squared_relu_kernel.py",
 )
 
 

@@ -28,6 +28,7 @@ from fusion.function import decode_matmul as weight_function
 from fusion.function import gated_group_rms_norm as norm_function
 from fusion.function import mamba_chunk_scan as scan_function
 from fusion.function import selective_state_update as state_function
+from fusion.function import squared_relu as squared_relu_function
 from fusion.function._common import import_domain, model_onnx_opset, put_function
 from fusion.reference._common import DOMAIN
 from fusion.rules import causal_conv1d as prompt_conv_rules
@@ -38,6 +39,7 @@ from fusion.rules import gated_group_rms_norm as norm_rules
 from fusion.rules import linear_attention_scan as linear_attention_rules
 from fusion.rules import mamba_chunk_scan as scan_rules
 from fusion.rules import selective_state_update as state_rules
+from fusion.rules import squared_relu as squared_relu_rules
 from fusion.rules._log import FusionLog
 
 #: The version of the ``ai.mambafuse`` domain a fused model imports (every op has one version, 1).
@@ -155,6 +157,20 @@ CAUSAL_CONV1D = Fusion(
     function_domains=(("ai.onnx.ml", prompt_conv_function.ML_OPSET),),
 )
 
+#: Nemotron-H's MLP activation: not a Mamba-2 op, but after the mixers' fusions its two passes over the MLP's
+#: activations are the largest elementwise kernels left in a prompt (docs/squared_relu.md).
+SQUARED_RELU = Fusion(
+    name="squared_relu",
+    op_type="SquaredRelu",
+    counts="squared ReLUs",
+    rules=(squared_relu_rules.squared_relu_rules,),
+    fuse=squared_relu_rules.fuse_squared_relu,
+    find_anchors=squared_relu_rules.find_anchors,
+    make_function=squared_relu_function.make_function,
+    min_opset=squared_relu_function.MIN_OPSET,
+    form_of=squared_relu_rules.form_of,
+)
+
 #: mobius' ``LinearAttention(update_rule="gated")`` run as MambaChunkScan between Transposes of genai's state: faster
 #: on a CPU prompt (1.3-2.2x, benchmarks/RESULTS.md) but 3-4x slower on each decode step, which the same node serves,
 #: and not measured against ORT's CUDA LinearAttention; so not in ``FUSIONS``: ``--opt-in linear_attention_scan``
@@ -221,6 +237,7 @@ FUSIONS: tuple[Fusion, ...] = (
     SELECTIVE_STATE_UPDATE,
     MAMBA_CHUNK_SCAN,
     CAUSAL_CONV1D,
+    SQUARED_RELU,
 )
 
 #: Fusions that are right but not faster everywhere the fused model runs: never applied by default.
@@ -341,6 +358,7 @@ __all__ = [
     "OPSET_VERSION",
     "OPT_IN_FUSIONS",
     "SELECTIVE_STATE_UPDATE",
+    "SQUARED_RELU",
     "AllRulesSet",
     "Fusion",
     "FusionLog",

@@ -45,21 +45,30 @@ def _constant_rank(value: ir.Value) -> int | None:
     return 0 if attribute.name in ("value_float", "value_int") else None
 
 
-def _product(node: ir.Node, shapes: DecodeShapes, fresh: NameSource) -> ir.Node | None:
-    """``Mul(x, x)`` for a ``Pow(x, 2)`` proven as above, else None."""
-    if len(node.inputs) != 2:
-        return None
-    x, exponent = node.inputs
+def is_constant_two(exponent: ir.Value, base: ir.Value, shapes: DecodeShapes) -> bool:
+    """Whether ``exponent`` is a constant (an initializer or a Constant) holding one value, exactly 2, of a rank
+    that cannot widen ``Pow(base, exponent)`` past ``base``'s shape (0, or no more than base's proven rank)."""
     values = constant_array(exponent)
     rank = _constant_rank(exponent)
-    if x.dtype not in _FLOAT_TYPES or values is None or values.size != 1 or rank is None:
-        return None
-    if float(values.reshape(-1)[0]) != 2.0:
-        return None
+    if values is None or values.size != 1 or rank is None or float(values.reshape(-1)[0]) != 2.0:
+        return False
     if rank > 0:
-        dims = shapes(x)
+        dims = shapes(base)
         if dims is None or len(dims) < rank:
-            return None
+            return False
+    return True
+
+
+def is_square_exponent(x: ir.Value, exponent: ir.Value, shapes: DecodeShapes) -> bool:
+    """Whether ``Pow(x, exponent)`` is proven to be x's square, with x's shape: as the module says."""
+    return x.dtype in _FLOAT_TYPES and is_constant_two(exponent, x, shapes)
+
+
+def _product(node: ir.Node, shapes: DecodeShapes, fresh: NameSource) -> ir.Node | None:
+    """``Mul(x, x)`` for a ``Pow(x, 2)`` proven as above, else None."""
+    if len(node.inputs) != 2 or not is_square_exponent(*node.inputs, shapes):
+        return None
+    x = node.inputs[0]
     return ir.Node("", "Mul", [x, x], num_outputs=1, name=fresh(f"{node.name or 'pow'}_as_mul"))
 
 
@@ -68,4 +77,4 @@ def squares_to_products(model: ir.Model) -> int:
     return rewrite_each(model, "Pow", _product, "_pow")
 
 
-__all__ = ["squares_to_products"]
+__all__ = ["is_constant_two", "is_square_exponent", "squares_to_products"]

@@ -833,6 +833,7 @@ _OWN_OPS: dict[str, tuple[int, int | None, int]] = {
     # batch (CausalConv1d's x may be channels-last, so only axis 0 is shared in either layout)
     "MambaChunkScan": (0, 7, 1),
     "CausalConv1d": (0, 3, 1),
+    "SquaredRelu": (0, None, 0),
 }
 
 
