@@ -142,9 +142,18 @@ def _externalize(model: onnx.ModelProto, layout: dict[str, tuple[int, int]], loc
     does every integer tensor (random values would change what the graph computes)."""
     consumers: dict[str, set[str]] = {}
     scales = set()
+    # a Slice of a weight whose every reader is a MatMul (the conv parts pass's in-projection by part) reads it as a
+    # projection does: the parts are the same products of the same (random) weight in every variant
+    readers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers.setdefault(name, set()).add(node.op_type)
     for node in model.graph.node:
         for index, name in enumerate(node.input):
-            consumers.setdefault(name, set()).add(node.op_type if node.op_type != "Gather" or index == 0 else "?")
+            op = node.op_type if node.op_type != "Gather" or index == 0 else "?"
+            if op == "Slice":
+                op = "MatMul" if index == 0 and readers.get(node.output[0], {"?"}) == {"MatMul"} else "?"
+            consumers.setdefault(name, set()).add(op)
             if node.op_type in NBITS_OPS and index == 2:
                 scales.add(name)
             elif node.op_type in NBITS_OPS and index > 2:  # zero points: kept exactly
@@ -225,9 +234,10 @@ def quantize_int4(source: Path, target: Path) -> Path:
     return target
 
 
-def optimize_without(model, *, conv_parts: bool = True, squared_relu: bool = True):
-    """``optimize_model`` without its conv parts pass (``conv_parts=False``) or without the SquaredRelu fusion
-    (``squared_relu=False``): what it wrote before each, for the side-by-side."""
+def optimize_without(model, *, conv_parts: bool = True, squared_relu: bool = True, projection_parts: bool = True):
+    """``optimize_model`` without its conv parts pass (``conv_parts=False``), without the SquaredRelu fusion
+    (``squared_relu=False``) or with the conv parts read from the projection's Split rather than from a MatMul per
+    part (``projection_parts=False``): what it wrote before each, for the side-by-side."""
     import contextlib
     from unittest import mock
 
@@ -237,6 +247,8 @@ def optimize_without(model, *, conv_parts: bool = True, squared_relu: bool = Tru
     with contextlib.ExitStack() as stack:
         if not conv_parts:
             stack.enter_context(mock.patch("fusion.optimize._conv_parts", lambda _model: ({}, [])))
+        if not projection_parts:
+            stack.enter_context(mock.patch("fusion.rules.conv_parts._projection", lambda *_: None))
         if not squared_relu:
             kept = tuple(f for f in registry.FUSIONS if f is not registry.SQUARED_RELU)
             stack.enter_context(mock.patch.object(registry, "FUSIONS", kept))
@@ -244,7 +256,11 @@ def optimize_without(model, *, conv_parts: bool = True, squared_relu: bool = Tru
 
 
 #: The variants ``optimize_without`` writes: name -> its keywords.
-WITHOUT = {"optimize-whole-conv": {"conv_parts": False}, "optimize-relu-unfused": {"squared_relu": False}}
+WITHOUT = {
+    "optimize-whole-conv": {"conv_parts": False},
+    "optimize-relu-unfused": {"squared_relu": False},
+    "optimize-split-projection": {"projection_parts": False},
+}
 
 
 def step_variant(source: Path, folder: Path, name: str) -> Path:
@@ -337,7 +353,7 @@ def export(out: Path, dtypes: list[str], modes: list[str]) -> None:
                     )
                     variants += [(name, step_variant(source, Path(tmp), name)) for name in names]
                 else:  # the prefill as ``mambafuse optimize`` writes it, too
-                    names = ("optimize", "optimize-relu-unfused")
+                    names = ("optimize", "optimize-split-projection")
                     variants += [(name, step_variant(source, Path(tmp), name)) for name in names]
                 for name, path in variants:
                     target = out / f"{dtype}-{key}-{name}.onnx"
@@ -394,7 +410,7 @@ def pin_prefill(out: Path, dtype: str) -> None:
         count = fuse(source, fused, f"{dtype} prefill")
         print(f"{dtype} prefill: {count} chains fused in the pinned graph", flush=True)
         variants = [("before", source), ("after", fused)]
-        for name in ("optimize", "optimize-relu-unfused"):
+        for name in ("optimize", "optimize-split-projection"):
             optimized = out / f"{dtype}-prefill-{name}.onnx"
             model, report = optimize_without(ir.load(str(source)), **WITHOUT.get(name, {}))
             ir.save(model, str(optimized))  # its weights stay where they are in the shared file
@@ -677,6 +693,7 @@ STEP_VARIANTS = {
     "optimize": "mambafuse optimize",
     "optimize-whole-conv": "optimize, convs whole (no conv parts pass)",
     "optimize-relu-unfused": "optimize, squared ReLU as Relu + Mul (no SquaredRelu)",
+    "optimize-split-projection": "optimize, conv parts from the projection's Split (no MatMul per part)",
     "optimize-scan": "optimize --opt-in linear_attention_scan",
     "gemv": "optimize + DecodeMatMul",
     "int4-before": "int4 unfused",

@@ -184,8 +184,8 @@ def test_cli_optimize_writes_a_verified_model(tmp_path: Path) -> None:
     optimized = onnx.load(output)
     assert sum(node.op_type == "GatedGroupRMSNorm" for node in optimized.graph.node) == 3
     assert sum(node.op_type == "SkipSimplifiedLayerNormalization" for node in optimized.graph.node) == 3
-    # the prefill's three convs, each as x and BC, fed by the in-projection's one Split
-    assert "  mambafuse conv parts: CausalConv1d by part 3; nodes " in result.stdout
+    # the prefill's three convs, each as x and BC, fed by one in-projection MatMul per part (no Split of it)
+    assert "  mambafuse conv parts: CausalConv1d by part 3, in-projection by part 3; nodes " in result.stdout
     assert sum(node.op_type == "CausalConv1d" for node in optimized.graph.node) == 6
     assert source.read_bytes() == before  # the input model is never modified
 

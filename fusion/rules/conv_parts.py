@@ -24,6 +24,15 @@ Of the second Split's copy only B and C's is left (at Nemotron-H-8B widths and 2
 and written per layer in float16 are gone). Each output element is the same arithmetic on the same numbers: the
 op contract (docs/causal_conv1d.md) fixes every channel's sum, order and roundings, whatever the other channels are.
 
+Where ``P`` is ``MatMul(h, W)`` with a constant weight and the Split is its only reader (every torch export but
+Falcon-H1's, which scales P first), the Split goes too: each part is the product of h with W's columns of that part,
+``MatMul(h, Slice(W, columns))`` (ONNX Runtime folds the Slices when it creates the session; the model keeps one
+copy of W). Column j of a product is h times column j of W, so each part is the same dot products; a GEMM may sum
+them in another order at another width: ONNX Runtime's CUDA provider (cuBLAS) and its CPU float32 GEMM give the same
+bits over every fixture, its CPU float16 GEMM differs by 1-2 float16 ulps of the logits (tests/test_conv_parts.py).
+On an H100 the 2048-token prefill of the Nemotron-H-8B-shaped model goes from 8.16 to 7.84 ms (the Splits' 328 µs
+gone, the four products 104 µs slower than the one; benchmarks/RESULTS.md).
+
 What is proven from the graph:
 
 * the conv is ``ai.mambafuse::CausalConv1d``, whose ``x`` and ``y`` are 3-D (the op requires it) with channels on
@@ -31,9 +40,11 @@ What is proven from the graph:
 * ``y`` is read by one Split only, over the channel axis, and is no graph output; that Split's sizes are a
   constant (its input, or its ``split`` attribute) summing to ``C``, or an even split of ``C``;
 * ``x`` is one output of a Split over the same axis with constant sizes, and nothing else reads it but Shapes of
-  its other axes (the exporters' batch size for the zero initial state), which then read the Split's input; that
-  Split has at most MAX_SPLIT_OUTPUTS - 1 outputs (room for two groups: the pass, run again, leaves its own
-  result alone).
+  its other axes (the exporters' batch size for the zero initial state), which then read the Split's input (or h,
+  which has those axes too, where the Split goes); that Split has at most MAX_SPLIT_OUTPUTS - 1 outputs (room for
+  two groups: the pass, run again, leaves its own result alone);
+* for the products: the Split's input is a MatMul's output read by nothing else, of a constant (K, N) weight, and
+  the Split is over its last axis.
 
 The weight, bias and initial state are cut along their channel axis (0, 0 and 1): constants here (an initializer,
 or one seen through Unsqueeze, Squeeze, Reshape or Identity; a ConstantOfShape of a constant shape, the zeros an
@@ -77,6 +88,9 @@ class _Plan:
     groups: list[list[int]]  # ``after``'s sizes in contiguous groups: a conv each, a Split after a group of several
     before_sizes: list[int]
     shape_readers: list[ir.Node]  # Shapes of the conv's input that read only its other axes
+    #: the in-projection MatMul(h, W) whose output only ``before`` reads, cut by W's columns instead of a Split;
+    #: None: a Split of ``before``'s input
+    projection: ir.Node | None = None
 
 
 def _axis(split: ir.Node) -> int:
@@ -191,7 +205,24 @@ def _plan(conv: ir.Node, shapes: DecodeShapes) -> _Plan | None:
             before,
         )
     groups = _grouped(part_sizes, room)
-    return _Plan(conv, after, before, index, axis, groups, before_sizes, shape_readers)
+    projection = _projection(before, axis)
+    return _Plan(conv, after, before, index, axis, groups, before_sizes, shape_readers, projection)
+
+
+def _projection(before: ir.Node, axis: int) -> ir.Node | None:
+    """The ``MatMul(h, W)`` whose output the Split ``before`` alone reads, over its last axis, W a constant 2-D
+    weight (an initializer or a Constant); None where the Split's input is anything else."""
+    source = before.inputs[0]
+    producer = source.producer() if source is not None else None
+    if producer is None or producer.op_type != "MatMul" or producer.domain not in _ONNX or len(producer.inputs) != 2:
+        return None
+    h, weight = producer.inputs
+    if h is None or weight is None or axis != _RANK - 1 or source.is_graph_output() or len(source.uses()) != 1:
+        return None
+    tensor = weight.const_value
+    if tensor is None or len(tensor.shape) != 2:
+        return None
+    return producer
 
 
 def _grouped(sizes: list[int], count: int) -> list[list[int]]:
@@ -290,8 +321,12 @@ def _rewrite(plan: _Plan, fresh: NameSource) -> None:
     k = plan.index
     group_sizes = [sum(group) for group in plan.groups]
     sizes = plan.before_sizes[:k] + group_sizes + plan.before_sizes[k + 1 :]
-    split = _split_node(graph, before.inputs[0], plan.axis, sizes, fresh, f"{before.name or 'split'}_parts")
-    graph.insert_before(before, split)
+    if plan.projection is not None:
+        parts = _projection_parts(graph, plan.projection, sizes, fresh)
+    else:
+        split = _split_node(graph, before.inputs[0], plan.axis, sizes, fresh, f"{before.name or 'split'}_parts")
+        graph.insert_before(before, split)
+        parts = list(split.outputs)
 
     new_nodes: list[ir.Node] = []
     conv_inputs = list(conv.inputs) + [None] * (4 - len(conv.inputs))
@@ -301,7 +336,7 @@ def _rewrite(plan: _Plan, fresh: NameSource) -> None:
     convs, part_outputs = [], []
     start = 0
     for i, group in enumerate(plan.groups):
-        part_inputs = [split.outputs[k + i], weights[i], biases[i], states[i]]
+        part_inputs = [parts[k + i], weights[i], biases[i], states[i]]
         while part_inputs and part_inputs[-1] is None:
             part_inputs.pop()
         node = ir.Node(
@@ -347,18 +382,50 @@ def _rewrite(plan: _Plan, fresh: NameSource) -> None:
 
     for j, old in enumerate(before.outputs):
         if j < k:
-            take_over(old, split.outputs[j], "_unsplit")
+            take_over(old, parts[j], "_unsplit")
         elif j > k:
-            take_over(old, split.outputs[j - 1 + len(plan.groups)], "_unsplit")
+            take_over(old, parts[j - 1 + len(plan.groups)], "_unsplit")
     for old, new in zip(after.outputs, part_outputs, strict=True):
         take_over(old, new, "_unsplit")
     if concat is not None:
         take_over(state, concat.outputs[0], "_unsplit")
+    # the Shapes read the batch and length axes: the projection's input h has them too (MatMul keeps them)
+    source = plan.projection.inputs[0] if plan.projection is not None else before.inputs[0]
     for reader in plan.shape_readers:
-        reader.replace_input_with(0, before.inputs[0])
+        reader.replace_input_with(0, source)
     old_inputs = [v for v in [*conv_inputs[1:], *after.inputs[1:], *before.inputs[1:]] if v is not None]
-    graph.remove([after, conv, before], safe=True)
+    graph.remove([after, conv, before, *([plan.projection] if plan.projection is not None else [])], safe=True)
     _drop_unused(graph, old_inputs)
+
+
+def _projection_parts(graph: ir.Graph, projection: ir.Node, sizes: list[int], fresh: NameSource) -> list[ir.Value]:
+    """``MatMul(h, W[:, a:b])`` for each part [a, b) of ``sizes``, inserted before ``projection``: column j of a
+    product is h times column j of W, so each part is what the whole product's columns [a, b) are. The weight's
+    columns are Slices of the initializer (ONNX Runtime folds them when the session is created; the model keeps one
+    copy of the weight)."""
+    h, weight = projection.inputs
+    assert h is not None and weight is not None
+    name = projection.name or "projection"
+    nodes: list[ir.Node] = []
+    outputs: list[ir.Value] = []
+    start = 0
+    for size in sizes:
+        bounds = [
+            _int64s(graph, [v], fresh(f"{name}_columns_{start}_{start + size}_{what}"))
+            for what, v in (("start", start), ("end", start + size), ("axis", 1))
+        ]
+        columns = ir.Node("", "Slice", [weight, *bounds], num_outputs=1, name=fresh(f"{name}_weight_{start}"))
+        columns.outputs[0].name = fresh(f"{weight.name or 'weight'}_columns_{start}_{start + size}")
+        columns.outputs[0].dtype = weight.dtype
+        product = ir.Node("", "MatMul", [h, columns.outputs[0]], num_outputs=1, name=fresh(f"{name}_part_{start}"))
+        product.outputs[0].name = fresh(f"{projection.outputs[0].name or 'projection'}_{start}_{start + size}")
+        if projection.outputs[0].dtype is not None:
+            product.outputs[0].dtype = projection.outputs[0].dtype
+        nodes += [columns, product]
+        outputs.append(product.outputs[0])
+        start += size
+    graph.insert_before(projection, nodes)
+    return outputs
 
 
 def _drop_unused(graph: ir.Graph, values: list[ir.Value]) -> None:
@@ -400,7 +467,10 @@ def split_conv_parts(model: ir.Model) -> tuple[dict[str, int], list[str]]:
             plans.append(plan)
     for plan in plans:
         _rewrite(plan, fresh)
-    return {"CausalConv1d by part": len(plans)}, refused
+    return {
+        "CausalConv1d by part": len(plans),
+        "in-projection by part": sum(plan.projection is not None for plan in plans),
+    }, refused
 
 
 __all__ = ["split_conv_parts"]
