@@ -97,9 +97,10 @@ def test_every_fixture_conv_is_cut_and_computes_the_same_bits(name: str, stem: s
         assert counts[PROJECTION] == 0
     else:
         assert counts[PROJECTION] == counts[KEY]
-    assert sum(node.op_type == "Split" for node in after.graph.node) == sum(
-        node.op_type == "Split" for node in fused.graph.node
-    ) - counts[PROJECTION]
+    assert (
+        sum(node.op_type == "Split" for node in after.graph.node)
+        == sum(node.op_type == "Split" for node in fused.graph.node) - counts[PROJECTION]
+    )
     assert sum(node.op_type == "CausalConv1d" for node in after.graph.node) == before_convs + counts[KEY]
     conv_outputs = {node.output[0] for node in after.graph.node if node.op_type == "CausalConv1d"}
     assert all(len(n.output) == 2 for n in after.graph.node if n.op_type == "Split" and n.input[0] in conv_outputs)

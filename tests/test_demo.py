@@ -25,8 +25,13 @@ def test_demo_optimizes_verifies_and_reports(tmp_path: Path) -> None:
     assert "verify (mambafuse library): PASS" in result.stdout
     optimized = onnx.load(out / "nemotron_h-dynamo-fp32-decode.optimized.onnx")
     fused = {node.op_type for node in optimized.graph.node if node.domain == "ai.mambafuse"}
-    assert fused == {"GatedGroupRMSNorm", "CausalConv1dUpdate", "SelectiveStateUpdate"}
+    assert fused == {"GatedGroupRMSNorm", "CausalConv1dUpdate", "SelectiveStateUpdate", "SquaredRelu"}
     report = json.loads((out / "report.json").read_text())
-    assert report["fused_by_op"] == {"GatedGroupRMSNorm": 2, "CausalConv1dUpdate": 2, "SelectiveStateUpdate": 2}
+    assert report["fused_by_op"] == {
+        "GatedGroupRMSNorm": 2,
+        "CausalConv1dUpdate": 2,
+        "SelectiveStateUpdate": 2,
+        "SquaredRelu": 1,
+    }
     assert report["after"]["nodes"] == len(optimized.graph.node) < report["before"]["nodes"]
     assert f"results in {out}/" in result.stdout

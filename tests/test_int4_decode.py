@@ -94,12 +94,36 @@ def test_quantized_fused_matches_quantized_original(
     record = _record(directory, stem)
     inputs = feeds(record, _references(directory)[stem])
     quantized = _quantized(directory, stem, bits, fmt)
-    expected = _run(quantized, inputs)
-    actual = _run(_fused(directory, stem, bits, fmt)[0], inputs, library)
+    if fmt == "QDQ":
+        # ONNX Runtime turns DequantizeLinear -> MatMul into its MatMulNBits when it creates the session, at accuracy
+        # level 4 (int8 activations) by default; it leaves the MLP's down-projection behind a Pow(r, 2) in float32
+        # but not behind SquaredRelu's Mul or the op, so at level 4 the two models differ by that layer's int8
+        # rounding (3e-3 of the logits). At level 0 (float32 activations) both run every product alike.
+        expected = _run_level(quantized, inputs, level=0)
+        actual = _run_level(_fused(directory, stem, bits, fmt)[0], inputs, level=0, library=library)
+    else:
+        expected = _run(quantized, inputs)
+        actual = _run(_fused(directory, stem, bits, fmt)[0], inputs, library)
     for output, a, e in zip([o.name for o in quantized.graph.output], actual, expected, strict=True):
         assert a.shape == e.shape and a.dtype == e.dtype, output
         error, floor = scaled_error(np.asarray(a), np.asarray(e))
         assert error <= TOLERANCE[record["dtype"]] + floor, f"{output}: max error {error:.3g} of the output's scale"
+
+
+def _run_level(model: onnx.ModelProto, inputs: dict[str, np.ndarray], *, level: int, library: bool = False):
+    """The model's outputs on ONNX Runtime's CPU with the session's int4 QDQ products at accuracy level ``level``."""
+    import onnxruntime as ort
+
+    import contrib_ops
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(level))
+    if library:
+        return contrib_ops.session(model, session_options=options, use_library=True).run(None, inputs)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, inputs
+    )
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "zamba2"])

@@ -86,9 +86,10 @@ def test_surgeon_fuses_in_graph_surgeries(olive_run: Path) -> None:
     original = onnx.load(ROOT / "tests" / "fixtures" / "models" / "nemotron_h-dynamo-fp32-prefill.onnx")
     fused = onnx.load(olive_run / "fixture" / "model.onnx")
     assert len(_fused_nodes(fused)) == 2
-    # the surgeon runs every fusion: in this prefill the scans and the prompt convs too, each with its function
+    # the surgeon runs every fusion: in this prefill the scans, the prompt convs and the MLP's squared ReLU too, each
+    # with its function
     fused_ops = Counter(n.op_type for n in fused.graph.node if n.domain == DOMAIN)
-    assert fused_ops == {OP_TYPE: 2, "MambaChunkScan": 2, "CausalConv1d": 2}
+    assert fused_ops == {OP_TYPE: 2, "MambaChunkScan": 2, "CausalConv1d": 2, "SquaredRelu": 1}
     assert sorted(f.name for f in fused.functions if f.domain == DOMAIN) == sorted(fused_ops)
     before, after = Counter(n.op_type for n in original.graph.node), Counter(n.op_type for n in fused.graph.node)
     # each layer's gate sigmoid and its conv's SiLU sigmoid go
@@ -154,7 +155,13 @@ def test_surgeon_is_registered_and_checks_its_arguments(olive_run: Path) -> None
         "causal_conv_with_state, decode_matmul, decode_matmul_nbits)",
         "MambafuseGatedGroupRMSNorm: 'opt_in' must be a list of fusion names, got 3",
     ]
-    assert checks["opt_in_ops"] == ["CausalConv1d", "DecodeMatMul", "GatedGroupRMSNorm", "MambaChunkScan"]
+    assert checks["opt_in_ops"] == [
+        "CausalConv1d",
+        "DecodeMatMul",
+        "GatedGroupRMSNorm",
+        "MambaChunkScan",
+        "SquaredRelu",
+    ]
     assert checks["min_fused_error"] is not None
     assert "MambafuseGatedGroupRMSNorm: fused 2 chains, min_fused is 3" in checks["min_fused_error"]
 

@@ -22,7 +22,7 @@ import pytest
 from fusion.reference.squared_relu import count_differences
 from tests._cuda import CUDA, cuda_problem, cuda_session, feeds_of
 from tests._decode_step import DOMAIN, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, IR_VERSION, one_node_model
-from tests.test_squared_relu_kernel import SPECIALS, every_16_bit_value, float32_sweep
+from tests.test_squared_relu_kernel import SPECIALS, assert_exact, every_16_bit_value, float32_sweep
 
 ort = pytest.importorskip("onnxruntime")
 _problem = cuda_problem(ort)
@@ -35,11 +35,6 @@ def squared(x: np.ndarray, **provider_options: str) -> np.ndarray:
     model = one_node_model(OP, [("x", x)], [("y", x.dtype)])
     y = cuda_session(model, **provider_options).run(None, feeds_of([("x", x)]))[0]
     return y.astype(x.dtype)
-
-
-def assert_exact(y: np.ndarray, x: np.ndarray) -> None:
-    differ, detail = count_differences(y, x)
-    assert differ == 0, f"{differ} of {x.size} outputs differ from the once-rounded square; {detail}"
 
 
 @pytest.mark.parametrize("t", [FLOAT16, DTYPES[2]], ids=["f16", "bf16"])

@@ -148,9 +148,11 @@ def test_installed_console_command_fuses_and_runs_a_model(venv: Path, tmp_path: 
     code = (
         "import numpy as np, onnx, contrib_ops, onnxruntime as ort\n"
         "from fusion.reference import DOMAIN\n"
-        # this prefill's two layers: gated norms, chunked scans and prompt convs, all run by the wheel's kernels
+        # this prefill's two Mamba layers (gated norms, chunked scans and prompt convs) and its MLP layer's squared
+        # ReLU, all run by the wheel's kernels
         "fused_ops = sorted(n.op_type for n in onnx.load('again.onnx').graph.node if n.domain == DOMAIN)\n"
-        "assert fused_ops == sorted(['CausalConv1d', 'GatedGroupRMSNorm', 'MambaChunkScan'] * 2), fused_ops\n"
+        "mamba = ['CausalConv1d', 'GatedGroupRMSNorm', 'MambaChunkScan'] * 2\n"
+        "assert fused_ops == sorted([*mamba, 'SquaredRelu']), fused_ops\n"
         "feeds = {'input_ids': np.arange(8, dtype=np.int64)[None] % 64}\n"
         "original = ort.InferenceSession('model.onnx', providers=['CPUExecutionProvider']).run(None, feeds)[0]\n"
         "fused = contrib_ops.session('again.onnx').run(None, feeds)[0]\n"  # the wheel's kernel
