@@ -66,6 +66,12 @@ cudaError_t LaunchTyped(const SquaredReluCpuArgs& a, bool vectorized, cudaStream
   return cudaGetLastError();
 }
 
+// Whether the launch takes the vector path: x and y 16-byte aligned.
+bool Vectorized(const SquaredReluCpuArgs& a) {
+  const auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) % kVectorBytes) != 0; };
+  return !misaligned(a.x) && !misaligned(a.y);
+}
+
 }  // namespace
 
 const char* CheckSquaredReluArgs(const SquaredReluCpuArgs& a) {
@@ -79,15 +85,10 @@ const char* CheckSquaredReluArgs(const SquaredReluCpuArgs& a) {
   return nullptr;
 }
 
-bool SquaredReluVectorized(const SquaredReluCpuArgs& a) {
-  const auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) % kVectorBytes) != 0; };
-  return !misaligned(a.x) && !misaligned(a.y);
-}
-
 cudaError_t LaunchSquaredRelu(const SquaredReluCpuArgs& a, cudaStream_t stream) {
   if (CheckSquaredReluArgs(a) != nullptr) return cudaErrorInvalidValue;
   if (a.count == 0) return cudaSuccess;
-  const bool vectorized = SquaredReluVectorized(a);
+  const bool vectorized = Vectorized(a);
   switch (a.type) {
     case ElemType::kFloat16: return LaunchTyped<__half>(a, vectorized, stream);
     case ElemType::kBFloat16: return LaunchTyped<__nv_bfloat16>(a, vectorized, stream);

@@ -16,11 +16,8 @@ namespace mambafuse {
 // Null when the arguments can be launched, else what is wrong.
 const char* CheckSquaredReluArgs(const SquaredReluCpuArgs& args);
 
-// Whether the launch takes the vector path: x and y 16-byte aligned (each thread then moves 16 bytes), else
-// one element a thread.
-bool SquaredReluVectorized(const SquaredReluCpuArgs& args);
-
-// Enqueues the op on `stream`: no host synchronization, no allocation, safe under CUDA-graph capture. Returns the
+// Enqueues the op on `stream` (16 bytes a thread where x and y are 16-byte aligned, else one element a thread): no
+// host synchronization, no allocation, safe under CUDA-graph capture. Returns the
 // launch error, cudaErrorInvalidValue for arguments CheckSquaredReluArgs rejects, and cudaSuccess with nothing
 // launched for an empty tensor.
 cudaError_t LaunchSquaredRelu(const SquaredReluCpuArgs& args, cudaStream_t stream);

@@ -68,20 +68,20 @@ def _prove(relu: ir.Node, square: ir.Node, x: ir.Value) -> _Plan:
 class _SquaredReluFusion(PlannedRule):
     """A rule whose chain is ``Relu`` then the square that produces ``y``."""
 
-    def check(self, context, x, y, **kwargs: Any) -> pattern.MatchResult:
+    def check(self, context, x, y, **_: Any) -> pattern.MatchResult:
         result = pattern.MatchResult()
         square = y.producer()
         relu = square.inputs[0].producer() if square is not None and square.inputs[0] is not None else None
         if square is None or relu is None:
             return result.fail("no producer")
         try:
-            self.prove_square(square, kwargs)
+            self.prove_square(square)
             self._plan = _prove(relu, square, x)
         except Refusal as refusal:
             return self.refused(result, relu, refusal)
         return result
 
-    def prove_square(self, square: ir.Node, bindings: dict[str, Any]) -> None:
+    def prove_square(self, square: ir.Node) -> None:
         """Refuse a square that is not proven to be one (the Mul form needs no proof: its pattern is ``r * r``)."""
 
     def rewrite(self, op, x, **_: Any):
@@ -107,10 +107,11 @@ class ReluPowFusion(_SquaredReluFusion):
     def pattern(self, op, x, exponent):
         return op.Pow(op.Relu(x), exponent, _outputs=["y"])
 
-    def prove_square(self, square: ir.Node, bindings: dict[str, Any]) -> None:
+    def prove_square(self, square: ir.Node) -> None:
         r, exponent = square.inputs
-        graph = square.graph
-        if r is None or exponent is None or graph is None or not is_constant_two(exponent, r, DecodeShapes(graph)):
+        if self._shapes is None:  # one per pass (PlannedRule.setup), built on its first query
+            self._shapes = DecodeShapes(square.graph)
+        if r is None or exponent is None or not is_constant_two(exponent, r, self._shapes):
             raise Refusal("the exponent is not proven to be a constant 2 that keeps the ReLU's shape", exponent)
 
 
