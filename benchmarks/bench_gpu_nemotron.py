@@ -269,7 +269,8 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
     (onnxscript's ORT fusions, then every mambafuse fusion), "optimize-whole-conv" that without its conv parts
     pass (the prompt convs left whole, as before it), "optimize-relu-unfused" that without the SquaredRelu
     fusion (Relu + Mul, as before it), "optimize-scan" that with ``--opt-in
-    linear_attention_scan`` (mobius builds), "gemv" that with ``--opt-in decode_matmul``;
+    linear_attention_scan`` (mobius builds), "optimize-scan-widened" that with the scan reading the float32 x, B,
+    C and state the build widened (as before it read the 16-bit ones), "gemv" that with ``--opt-in decode_matmul``;
     "int4-before" the step quantized (``quantize_int4``), "int4-optimize" and "int4-gemv" (``--opt-in
     decode_matmul_nbits``) that optimized. ("after" is ``mambafuse rewrite``'s default: every mambafuse fusion.)"""
     import onnx_ir as ir
@@ -292,6 +293,11 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
         model, report = optimize_without(ir.load(source), **WITHOUT[name])
     elif name == "optimize-scan":  # a mobius build's LinearAttention as MambaChunkScan (an opt-in rule)
         model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan"])
+    elif name == "optimize-scan-widened":  # that with the scan reading the float32 x, B, C and state, as before
+        from unittest import mock
+
+        with mock.patch("fusion.rules.linear_attention_scan._widened", lambda _value: None):
+            model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan"])
     elif name in ("gemv", "int4-gemv"):
         opt_in = "decode_matmul_nbits" if name == "int4-gemv" else "decode_matmul"
         model, report = optimize_model(ir.load(source), opt_in=[opt_in])
@@ -493,7 +499,10 @@ def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None
             location = f"weights-{dtype}.bin"
             entries = {}
             variants = [("before", source), ("after", fused)]
-            variants += [(name, step_variant(source, build_dir, name)) for name in ("optimize", "optimize-scan")]
+            variants += [
+                (name, step_variant(source, build_dir, name))
+                for name in ("optimize", "optimize-scan", "optimize-scan-widened")
+            ]
             for name, path in variants:
                 target = out / f"{dtype}-{name}.onnx"
                 manifest = save_stripped(path, target, layout, location)
@@ -695,6 +704,7 @@ STEP_VARIANTS = {
     "optimize-relu-unfused": "optimize, squared ReLU as Relu + Mul (no SquaredRelu)",
     "optimize-split-projection": "optimize, conv parts from the projection's Split (no MatMul per part)",
     "optimize-scan": "optimize --opt-in linear_attention_scan",
+    "optimize-scan-widened": "optimize --opt-in linear_attention_scan, x, B, C and the state read widened to float",
     "gemv": "optimize + DecodeMatMul",
     "int4-before": "int4 unfused",
     "int4-optimize": "int4 optimize",
@@ -857,6 +867,7 @@ def run_step(args: argparse.Namespace) -> None:
     families = [family for family, _ in KERNEL_FAMILIES] + ["other"]
     family_rows = []
     largest: list[str] = []
+    idle_lines: list[str] = []
     unknown: set[str] = set()
     for folder, dtype in [(f, d) for f in args.graphs for d in args.dtypes.split(",")]:
         write_weights(folder, dtype)
@@ -946,6 +957,11 @@ def run_step(args: argparse.Namespace) -> None:
             largest.append(
                 f"- {builder} {dtype} {STEP_VARIANTS[v]}: " + "; ".join(f"{n[:70]} {us:.0f}" for us, n in rest[:8])
             )
+            if gpu[v].get("gaps") is not None:
+                idle_lines.append(
+                    f"- {builder} {dtype} {STEP_VARIANTS[v]}: idle {gpu[v]['idle']:.0f} of a {gpu[v]['span']:.0f} µs "
+                    "span; " + "; ".join(f"{us:.0f} after {a[:50]} before {b[:50]}" for us, a, b in gpu[v]["gaps"])
+                )
     emit()
     emit("GPU time per Run by kernel family (µs; CUPTI, no CUDA graph; families by kernel name):")
     emit()
@@ -957,6 +973,13 @@ def run_step(args: argparse.Namespace) -> None:
     if unknown:
         emit()
         emit("Kernels counted as other: " + "; ".join(n[:80] for n in sorted(unknown)[:12]))
+    emit()
+    emit(
+        "The GPU's idle time within a Run (CUPTI, no CUDA graph; medians over the Runs; the largest gaps by position):"
+    )
+    emit()
+    for line in idle_lines:
+        emit(line)
     emit()
     emit("The largest kernels outside the MatMuls (µs per Run, by kernel name):")
     emit()
@@ -1212,6 +1235,7 @@ def kernel_stats(launches: list[tuple[float, str, float]], runs: int) -> dict:
             robust[name] = robust.get(name, 0.0) + statistics.median(us for _, _, us in same_position)
     if not robust:
         robust = totals
+    idle, span, gaps = _idle_time(launches, per_run, runs) if robust is not totals else (float("nan"),) * 2 + ([],)
     fused_keys = [k for k in totals if "mambafuse" in k]
     fused = sum(totals[k] for k in fused_keys)
     fused_calls = sum(calls[k] for k in fused_keys) / runs
@@ -1229,7 +1253,34 @@ def kernel_stats(launches: list[tuple[float, str, float]], runs: int) -> dict:
         "fused_calls": fused_calls,
         "shortest": min(kernels.items(), key=lambda kv: kv[1]) if kernels else ("", float("nan")),
         "top": sorted(totals.items(), key=lambda kv: -kv[1])[:5],
+        "idle": idle,
+        "span": span,
+        "gaps": gaps,
     }
+
+
+def _idle_time(launches: list[tuple[float, str, float]], per_run: int, runs: int) -> tuple[float, float, list]:
+    """The GPU's idle time within a Run: per Run, the time from its first kernel's start to its last kernel's end
+    (the span) and the part of it with no kernel or copy running (the idle time), both medians over the Runs; and
+    the five largest idle gaps by position (median µs, the kernels before and after), where the Run waits on
+    something other than the GPU (the host, a copy's synchronization, a CPU node)."""
+    spans, idles, by_position = [], [], [[] for _ in range(per_run - 1)]
+    for r in range(runs):
+        run = launches[r * per_run : (r + 1) * per_run]
+        end = run[0][0] + run[0][2]
+        idle = 0.0
+        for k in range(1, len(run)):
+            gap = max(0.0, run[k][0] - end)
+            idle += gap
+            by_position[k - 1].append(gap)
+            end = max(end, run[k][0] + run[k][2])
+        spans.append(end - run[0][0])
+        idles.append(idle)
+    names = [name for _, name, _ in launches[:per_run]]
+    gaps = sorted(
+        ((statistics.median(g), names[k], names[k + 1]) for k, g in enumerate(by_position) if g), reverse=True
+    )[:5]
+    return statistics.median(idles), statistics.median(spans), gaps
 
 
 def profile(ort, torch, path, feeds, dims, library, runs: int = 5) -> dict:

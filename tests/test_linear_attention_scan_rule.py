@@ -71,11 +71,15 @@ def mobius_mixer(
     attributes: dict | None = None,
     domain: str = "com.microsoft",
     opset: int | None = None,
+    widen: dict[str, int] | None = None,
 ) -> onnx.ModelProto:
     """The scan of one mobius Mamba-2 mixer, node for node as mobius 0.1.0 writes it (tests/fixtures/mobius), from
     the in_proj's x, dt, B and C to LinearAttention's outputs (genai's present state among them). ``domain`` ``""``
-    writes ONNX's LinearAttention instead, at ``opset`` (by default 27); ``attributes`` override the node's."""
+    writes ONNX's LinearAttention instead, at ``opset`` (by default 27); ``attributes`` override the node's.
+    ``widen`` maps inputs among x_flat, B_flat, C_flat and past_state to an ONNX element type: each is then a graph
+    input of that type widened by a Cast to float32, as a mobius float16 or bfloat16 build widens them."""
     h, p, g, n = heads, head_dim, groups, state_size
+    widen = widen or {}
     rng = np.random.default_rng(3)
     inits = [
         oh.make_tensor("dt_bias", F32, [h], rng.standard_normal(h).astype(np.float32)),
@@ -93,7 +97,8 @@ def mobius_mixer(
             oh.make_tensor("repeat_shape", onnx.TensorProto.INT64, [5], repeats),
             oh.make_tensor("head_shape", onnx.TensorProto.INT64, [3], [0, 0, h * n]),
         ]
-    nodes = [oh.make_node("Add", ["dt", "dt_bias"], ["dt_biased"])]
+    nodes = [oh.make_node("Cast", [f"{name}_narrow"], [name], to=F32) for name in widen]
+    nodes.append(oh.make_node("Add", ["dt", "dt_bias"], ["dt_biased"]))
     nodes.append(
         oh.make_node("Softplus", ["dt_biased"], ["soft"])
         if softplus
@@ -136,11 +141,14 @@ def mobius_mixer(
     inputs = ["q", "k", "v", "past_state", "decay"] + (["beta"] if beta else [])
     nodes.append(oh.make_node("LinearAttention", inputs, ["o", "present_state"], domain=domain, **node_attributes))
     graph_inputs = [
-        oh.make_tensor_value_info("x_flat", F32, ["batch", "seq", h * p]),
-        oh.make_tensor_value_info("dt", F32, ["batch", "seq", h]),
-        oh.make_tensor_value_info("B_flat", F32, ["batch", "seq", g * n]),
-        oh.make_tensor_value_info("C_flat", F32, ["batch", "seq", g * n]),
-        oh.make_tensor_value_info("past_state", F32, ["batch", h, n, p]),
+        oh.make_tensor_value_info(f"{name}_narrow" if name in widen else name, widen.get(name, F32), ["batch", *dims])
+        for name, dims in (
+            ("x_flat", ["seq", h * p]),
+            ("dt", ["seq", h]),
+            ("B_flat", ["seq", g * n]),
+            ("C_flat", ["seq", g * n]),
+            ("past_state", [h, n, p]),
+        )
     ]
     if beta:
         graph_inputs.append(oh.make_tensor_value_info("beta", F32, ["batch", "seq", h]))
@@ -180,8 +188,14 @@ def mixer_feeds(model: onnx.ModelProto, batch: int, length: int, seed: int = 0) 
             for d in value.type.tensor_type.shape.dim
         ]
         shift = -2.0 if value.name == "dt" else 0.0
-        feeds[value.name] = (rng.standard_normal(shape) + shift).astype(np.float32)
+        values = (rng.standard_normal(shape) + shift).astype(np.float32)
+        feeds[value.name] = values.astype(onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type))
     return feeds
+
+
+def _widened_feeds(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The feeds by the float32 names the graph reads them as (a ``widen`` mixer's 16-bit inputs widened)."""
+    return {name.removesuffix("_narrow"): value.astype(np.float32) for name, value in feeds.items()}
 
 
 def graph_scan_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -190,7 +204,8 @@ def graph_scan_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> d
     probe.CopyFrom(model)
     del probe.graph.output[:]
     probe.graph.output.extend([oh.make_tensor_value_info(name, F32, None) for name in ("d", "A")])
-    d, A = contrib_ops.session(probe, use_library=False).run(None, feeds)
+    d, A = run(probe, feeds, False)
+    feeds = _widened_feeds(feeds)
     batch, length, _ = feeds["dt"].shape
     heads, head_dim, state_size = (
         feeds["past_state"].shape[1],
@@ -208,9 +223,22 @@ def graph_scan_inputs(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> d
     }
 
 
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], library: bool) -> list[np.ndarray]:
+    """``model``'s outputs on ``feeds`` (bfloat16 ones passed as their bits, typed: numpy has none ORT takes)."""
+    import onnxruntime as ort
+
+    values = {
+        name: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint16), onnx.TensorProto.BFLOAT16)
+        if a.dtype == onnx.helper.tensor_dtype_to_np_dtype(onnx.TensorProto.BFLOAT16)
+        else ort.OrtValue.ortvalue_from_numpy(a)
+        for name, a in feeds.items()
+    }
+    return [v.numpy() for v in contrib_ops.session(model, use_library=library).run_with_ort_values(None, values)]
+
+
 def within_budget(model: onnx.ModelProto, feeds: dict[str, np.ndarray], library: bool) -> tuple[bool, str]:
     """Run ``model``; return budget_report of its (o, present) against the recurrence on the graph's inputs."""
-    o, present = contrib_ops.session(model, use_library=library).run(None, feeds)
+    o, present = run(model, feeds, library)
     inputs = graph_scan_inputs(model, feeds)
     out = o.reshape(inputs["x"].shape)
     return budget_report(
@@ -312,6 +340,99 @@ def test_the_mobius_form_fuses_within_the_budget(
     for label, candidate, use_library in (("original", model, False), ("fused", fused, True)):
         ok, summary = within_budget(candidate, feeds, use_library)
         assert ok, f"{label}: {summary}"
+
+
+SIXTEEN_BITS = {"f16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}
+#: x, B, C and the state widened from 16 bits: what a mobius float16 or bfloat16 build writes
+WIDENED = ("x_flat", "B_flat", "C_flat", "past_state")
+
+
+def _scan_input_types(model: onnx.ModelProto) -> dict[str, int]:
+    """The fused MambaChunkScan's inputs x, dt, B, C and the state by their element types (inferred)."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.input]}
+    scan = next(n for n in model.graph.node if n.op_type == "MambaChunkScan")
+    transpose = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Transpose"}
+    reshape = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Reshape"}
+    x, dt, _, _, b, c, _, state = scan.input
+    return {
+        "x": types[reshape.get(x, x)],
+        "dt": types[dt],
+        "B": types[reshape.get(b, b)],
+        "C": types[reshape.get(c, c)],
+        "state": types[transpose[state]],
+    }
+
+
+def _without_narrowing(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` fused as before the rule read 16-bit x, B and C: every input the widened float32 one."""
+    from unittest import mock
+
+    with mock.patch("fusion.rules.linear_attention_scan._widened", lambda _value: None):
+        fused, count, _ = fuse(model)
+    assert count == 1
+    return fused
+
+
+@pytest.mark.parametrize("sixteen", SIXTEEN_BITS)
+@pytest.mark.parametrize("groups", [1, 2, 8])
+@pytest.mark.parametrize("length", [1, 70])
+@pytest.mark.parametrize("use_library", [True, False], ids=["library", "function"])
+def test_16_bit_activations_are_read_as_they_are(sixteen: str, groups: int, length: int, use_library: bool) -> None:
+    """x, B, C and the state widened from float16 or bfloat16 (mobius' 16-bit builds): the scan reads the 16-bit
+    values with the float32 time step, and computes exactly what it computes on the widened ones (a 16-bit value is
+    exact in float32), bit for bit, in the library's kernel and in the function body; within the budget."""
+    type_16 = SIXTEEN_BITS[sixteen]
+    model = mobius_mixer(groups=groups, widen=dict.fromkeys(WIDENED, type_16))
+    fused, count, log = fuse(model)
+    assert count == 1, log
+    assert _scan_input_types(fused) == {"x": type_16, "dt": F32, "B": type_16, "C": type_16, "state": type_16}
+    assert not [n for n in fused.graph.node if n.op_type == "Cast"], "the widening Casts stay in the fused graph"
+    feeds = mixer_feeds(model, batch=2, length=length)
+    got = run(fused, feeds, use_library)
+    want = run(_without_narrowing(model), feeds, use_library)
+    for have, expected in zip(got, want, strict=True):
+        np.testing.assert_array_equal(have, expected)
+    ok, summary = within_budget(fused, feeds, use_library)
+    assert ok, summary
+
+
+@pytest.mark.parametrize(
+    ("widen", "narrowed"),
+    [
+        ({"x_flat": onnx.TensorProto.FLOAT16, "B_flat": onnx.TensorProto.FLOAT16}, set()),  # C float32
+        (
+            {
+                "x_flat": onnx.TensorProto.FLOAT16,
+                "B_flat": onnx.TensorProto.FLOAT16,
+                "C_flat": onnx.TensorProto.BFLOAT16,
+            },
+            set(),
+        ),
+        (dict.fromkeys(("x_flat", "B_flat", "C_flat"), onnx.TensorProto.FLOAT16), {"x", "B", "C"}),  # the state float
+        (
+            {
+                **dict.fromkeys(("x_flat", "B_flat", "C_flat"), onnx.TensorProto.FLOAT16),
+                "past_state": SIXTEEN_BITS["bf16"],
+            },
+            {"x", "B", "C"},
+        ),
+    ],
+    ids=["C-float", "mixed-16-bit-types", "state-float", "state-other-16-bit-type"],
+)
+def test_only_x_B_and_C_of_one_16_bit_type_are_read_narrow(widen: dict[str, int], narrowed: set[str]) -> None:
+    """The scan takes x, B and C as 16-bit values only where all three widen from one type (the op's T), and the
+    state only where it widens from that type too; otherwise it reads the float32 values, as before."""
+    model = mobius_mixer(groups=2, widen=widen)
+    fused, count, log = fuse(model)
+    assert count == 1, log
+    types = _scan_input_types(fused)
+    assert {name for name in ("x", "B", "C", "state") if types[name] != F32} == narrowed
+    feeds = mixer_feeds(model, batch=1, length=9)
+    got = run(fused, feeds, True)
+    want = run(_without_narrowing(model), feeds, True)
+    for have, expected in zip(got, want, strict=True):
+        np.testing.assert_array_equal(have, expected)
 
 
 @pytest.mark.parametrize("domain", ["", "com.microsoft"], ids=["onnx", "ort"])

@@ -224,6 +224,49 @@ def test_the_register_state_kernel(
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
+def _float_time_step(rng: np.random.Generator, inputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | None]:
+    """``inputs`` with dt and dt_bias float32 values that are not values of x's 16-bit type."""
+    inputs["dt"] = (rng.standard_normal(inputs["dt"].shape) - 1).astype(FLOAT)
+    inputs["dt_bias"] = rng.standard_normal(inputs["dt_bias"].shape).astype(FLOAT)
+    return inputs
+
+
+def _widened(inputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | None]:
+    return {n: v if v is None or n in ("dt", "dt_bias") else v.astype(FLOAT) for n, v in inputs.items()}
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("length", [1, 70, 300])
+def test_a_float_time_step_with_16_bit_x_b_and_c(path: str, t: np.dtype, length: int) -> None:
+    """dt and dt_bias float with 16-bit x, B and C (a mobius build's scan): the time step is not rounded to T, within
+    the budget, and within 1e-4 of the kernel on x, B and C widened to float."""
+    rng = np.random.default_rng(length)
+    inputs = _float_time_step(rng, make_inputs(rng, t, length=length, d_type=FLOAT, state_type=t))
+    attrs = {"dt_min": 0.001, "dt_max": 7.3}
+    for a, b in zip(check(inputs, **attrs), check(_widened(inputs), **attrs), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("state_size", [128, 64])
+@pytest.mark.parametrize("state", ["registers", "shared"])
+@pytest.mark.parametrize("softplus", [1, 0])
+def test_a_float_time_step_on_the_half_path(
+    monkeypatch: pytest.MonkeyPatch, t: np.dtype, state_size: int, state: str, softplus: int
+) -> None:
+    """The half path's kernels (the models' widths) with a float time step and 16-bit x, B, C and state: within the
+    budget and within 1e-4 of the kernel for float inputs on the same values widened."""
+    monkeypatch.setenv(PATH_VARIABLE, "chunked")
+    monkeypatch.setenv(STATE_VARIABLE, state)
+    rng = np.random.default_rng(state_size + softplus)
+    inputs = make_inputs(
+        rng, t, batch=2, length=200, heads=4, head_dim=64, groups=2, state_size=state_size, d_type=FLOAT, state_type=t
+    )
+    inputs = _float_time_step(rng, inputs)
+    for a, b in zip(check(inputs, dt_softplus=softplus), check(_widened(inputs), dt_softplus=softplus), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
 def test_the_register_state_kernel_in_pieces_and_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, t: np.dtype) -> None:
     """RegisterStateScan over 4 × 130 tokens with the state carried equals the prompt at once (within 1e-4), and a

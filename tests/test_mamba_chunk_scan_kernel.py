@@ -249,6 +249,24 @@ def _bad(change) -> dict[str, np.ndarray | None]:
     return inputs
 
 
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("softplus", [1, 0])
+@pytest.mark.parametrize("length", [1, 70, 200])
+def test_a_float_time_step_with_16_bit_x_b_and_c(t: np.dtype, softplus: int, length: int) -> None:
+    """dt and dt_bias float with x, B and C of a 16-bit type (a graph that computes the time step in float32): no
+    rounding of the time step to T, and exactly what the op computes on x, B and C widened to float (a 16-bit value is
+    exact in float32), bit for bit; within the budget."""
+    rng = np.random.default_rng(length + softplus)
+    inputs = make_inputs(rng, t, length=length, d_type=FLOAT, state_type=t)
+    inputs["dt"] = (rng.standard_normal(inputs["dt"].shape) - 1).astype(FLOAT)  # not values of T
+    inputs["dt_bias"] = rng.standard_normal(inputs["dt_bias"].shape).astype(FLOAT)
+    attrs = {"dt_softplus": softplus, "dt_min": 0.001 if softplus else 0.0, "dt_max": 7.3}
+    mixed = check(inputs, **attrs)
+    widened = {n: v if v is None or n in ("dt", "dt_bias") else v.astype(FLOAT) for n, v in inputs.items()}
+    for a, b in zip(mixed, run_kernel(widened, **attrs), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -266,7 +284,15 @@ def _bad(change) -> dict[str, np.ndarray | None]:
         (lambda i: i.update(A=i["A"][None]), "A must have shape [4] (H)"),
         (lambda i: i.update(D=i["D"][:2]), "D must have shape [4] (H)"),
         (lambda i: i.update(initial_state=i["initial_state"][..., :3]), "initial_state must have shape [2, 4, 8, 16]"),
-        (lambda i: i.update(dt=i["dt"].astype(FLOAT16)), "dt must have x's type float, got float16"),
+        (lambda i: i.update(dt=i["dt"].astype(FLOAT16)), "dt must have x's type float or be float, got float16"),
+        (
+            lambda i: i.update(**{n: i[n].astype(FLOAT16) for n in ("x", "B", "C")}, dt=i["dt"].astype(BFLOAT16)),
+            "dt must have x's type float16 or be float, got bfloat16",
+        ),
+        (
+            lambda i: i.update(**{n: i[n].astype(FLOAT16) for n in ("x", "B", "C", "dt_bias")}),
+            "dt_bias must have dt's type float, got float16",
+        ),
         (lambda i: i.update(B=i["B"].astype(BFLOAT16)), "B must have x's type float, got bfloat16"),
         (lambda i: i.update(A=i["A"].astype(FLOAT16)), "A must be float, got float16"),
         (lambda i: i.update(D=i["D"].astype(FLOAT16)), "D must be float or x's type float, got float16"),

@@ -184,6 +184,7 @@ def test_the_time_step_is_rounded_and_clamped_in_the_activation_type() -> None:
         (lambda i: i.update(dt=i["dt"][:, :, :2]), "dt must have shape [2, 37, 4]"),
         (lambda i: i.update(initial_state=i["initial_state"][..., :3]), "initial_state must have shape"),
         (lambda i: i.update(dt=i["dt"].astype(np.float16)), "dt must have x's type"),
+        (lambda i: i.update(dt_bias=i["dt_bias"].astype(np.float16)), "dt_bias must have dt's type float32"),
         (lambda i: i.update(A=i["A"].astype(np.float16)), "A must be float"),
         (lambda i: i.update(x=i["x"].astype(np.float64)), "x must be float, float16 or bfloat16"),
     ],

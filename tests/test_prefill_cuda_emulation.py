@@ -38,6 +38,7 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib = emulated_library("emulate_prefill.sh", "libmambafuse_prefill_emulated.so", out)
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
+    lib.mambafuse_chunk_scan_launch_dt.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_causal_conv1d_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, p]
     return lib
 
@@ -61,11 +62,12 @@ def run_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: 
     out = np.full((batch, length, heads, head_dim), np.nan, np.float32)
     final = np.full((batch, heads, head_dim, state_size), np.nan, np.float32)
     d, state = inputs["D"], inputs["initial_state"]
-    rc = emulated.mambafuse_chunk_scan_launch(
+    rc = emulated.mambafuse_chunk_scan_launch_dt(
         *(host_pointer(inputs[n]) for n in ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")),
         host_pointer(out),
         host_pointer(final),
         ONNX_TYPE[inputs["x"].dtype],
+        ONNX_TYPE[inputs["dt"].dtype],
         ONNX_TYPE[d.dtype if d is not None else FLOAT],
         ONNX_TYPE[state.dtype if state is not None else FLOAT],
         batch,
@@ -128,6 +130,19 @@ def test_the_half_path_over_many_chunks(
     inputs = scan_inputs(
         rng, t, batch=2, length=300, heads=4, head_dim=64, groups=2, state_size=state_size, d_type=t, state_type=t
     )
+    check_scan(emulated, inputs)
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+def test_the_half_path_with_a_float_time_step(emulated: ctypes.CDLL, state_kernel: str, t: np.dtype) -> None:
+    """dt and dt_bias float with 16-bit x, B, C and state (a mobius build's scan): the time steps the helper warps
+    compute are not rounded to T (the budget is the float time step's), over three chunks."""
+    rng = np.random.default_rng(11)
+    inputs = scan_inputs(
+        rng, t, batch=1, length=150, heads=2, head_dim=64, groups=1, state_size=128, d_type=FLOAT, state_type=t
+    )
+    inputs["dt"] = (rng.standard_normal(inputs["dt"].shape) - 1).astype(FLOAT)
+    inputs["dt_bias"] = rng.standard_normal(inputs["dt_bias"].shape).astype(FLOAT)
     check_scan(emulated, inputs)
 
 

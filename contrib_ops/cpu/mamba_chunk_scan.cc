@@ -79,13 +79,20 @@ Ort::Status PrepareMambaChunkScanArgs(Ort::KernelContext& context, const MambaCh
     if (Ort::Status s = expect(i, {heads}, "(H)"); !s.IsOK()) return s;
   }
   if (Ort::Status s = expect(7, {batch, heads, head_dim, state_size}, "(B, H, P, N)"); !s.IsOK()) return s;
-  for (size_t i : {1, 2, 4, 5}) {
-    if (present[i] && dims[i].type() != x_type) {
+  for (size_t i : {4, 5}) {
+    if (dims[i].type() != x_type) {
       return OpError(
           kOp, std::string(names[i]) + " must have x's type " + TypeName(x_type) + ", got " + TypeName(dims[i].type()));
     }
   }
   const int64_t float_type = static_cast<int64_t>(ElemType::kFloat);
+  const int64_t dt_type = dims[1].type();
+  if (dt_type != x_type && dt_type != float_type) {
+    return OpError(kOp, "dt must have x's type " + TypeName(x_type) + " or be float, got " + TypeName(dt_type));
+  }
+  if (present[2] && dims[2].type() != dt_type) {
+    return OpError(kOp, "dt_bias must have dt's type " + TypeName(dt_type) + ", got " + TypeName(dims[2].type()));
+  }
   if (dims[3].type() != float_type) return OpError(kOp, "A must be float, got " + TypeName(dims[3].type()));
   for (size_t i : {6, 7}) {
     if (present[i] && dims[i].type() != float_type && dims[i].type() != x_type) {
@@ -95,6 +102,7 @@ Ort::Status PrepareMambaChunkScanArgs(Ort::KernelContext& context, const MambaCh
   }
 
   a.type = static_cast<ElemType>(x_type);
+  a.dt_type = static_cast<ElemType>(dt_type);
   a.d_type = present[6] ? static_cast<ElemType>(dims[6].type()) : ElemType::kFloat;
   a.state_type = present[7] ? static_cast<ElemType>(dims[7].type()) : ElemType::kFloat;
   a.batch = batch;

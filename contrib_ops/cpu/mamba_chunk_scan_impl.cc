@@ -48,6 +48,7 @@ int64_t ChunkScanItemCount(const MambaChunkScanCpuArgs& a) {
 
 const char* ValidateArgs(const MambaChunkScanCpuArgs& a) {
   if (!IsSupportedElemType(static_cast<int64_t>(a.type))) return "unsupported element type of x";
+  if (!IsFloatOr(a.dt_type, a.type)) return "dt's type must be float or x's type";
   if (!IsFloatOr(a.d_type, a.type)) return "D's type must be float or x's type";
   if (!IsFloatOr(a.state_type, a.type)) return "initial_state's type must be float or x's type";
   if (a.batch < 0 || a.heads < 0 || a.head_dim < 0 || a.state_size < 0) return "negative dimension";

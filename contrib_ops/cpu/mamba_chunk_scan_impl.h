@@ -14,8 +14,8 @@ namespace mambafuse {
 // An item owns its heads' rows of `out` and their final_state, which also carries the state chunk to chunk.
 struct MambaChunkScanCpuArgs {
   const void* x = nullptr;                 // [B, T, H, P], type
-  const void* dt = nullptr;                // [B, T, H], type
-  const void* dt_bias = nullptr;           // [H], type; optional (nullptr)
+  const void* dt = nullptr;                // [B, T, H], dt_type
+  const void* dt_bias = nullptr;           // [H], dt_type; optional (nullptr)
   const float* A = nullptr;                // [H]
   const void* B = nullptr;                 // [B, T, G, N], type
   const void* C = nullptr;                 // [B, T, G, N], type
@@ -24,11 +24,12 @@ struct MambaChunkScanCpuArgs {
   float* out = nullptr;                    // [B, T, H, P]
   float* final_state = nullptr;            // [B, H, P, N]
   ElemType type = ElemType::kFloat;        // T
+  ElemType dt_type = ElemType::kFloat;     // T or float: the time step's rounding points are in it
   ElemType d_type = ElemType::kFloat;      // float or T
   ElemType state_type = ElemType::kFloat;  // float or T
   int64_t batch = 0, length = 0, heads = 0, head_dim = 0, groups = 1, state_size = 0;
   bool dt_softplus = true;
-  float dt_min = 0.f, dt_max = 0.f;  // the time step's limits as the attributes give them (the core rounds to T)
+  float dt_min = 0.f, dt_max = 0.f;  // the time step's limits as the attributes give them (rounded to dt_type)
   int64_t chunk_size = 0;            // Q: tokens per chunk, >= 1
   int64_t heads_per_block = 1;       // heads of one group that one item owns, >= 1
 };

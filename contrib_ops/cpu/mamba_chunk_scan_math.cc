@@ -69,12 +69,24 @@ Item ItemOf(const MambaChunkScanCpuArgs& a, int64_t item) {
   return it;
 }
 
+// The time step of token row `token` (its (b, t) row times H, plus h) and head h at the contract's rounding
+// points, in dt's type kDt (x's T, or float: no rounding); lo and hi are the limits rounded to kDt.
+template <int kDt>
+float TimeStep(const MambaChunkScanCpuArgs& a, int64_t token, int64_t h, float lo, float hi) {
+  float step = LoadScalar<kDt>(a.dt, token);
+  if (a.dt_bias != nullptr) step = RoundTo<kDt>(step + LoadScalar<kDt>(a.dt_bias, h));
+  if (a.dt_softplus && !(step > kSoftplusThreshold)) step = RoundTo<kDt>(std::log1p(std::exp(step)));
+  return std::min(std::max(step, lo), hi);
+}
+
 template <int kT, int kD, int kS>
 void RunItems(const MambaChunkScanCpuArgs& a, int64_t first_item, int64_t last_item) {
   const int64_t length = a.length, heads = a.heads, head_dim = a.head_dim, n_state = a.state_size;
   const int64_t groups = a.groups;
   const int64_t q_max = std::min(a.chunk_size, length);
-  const float lo = RoundTo<kT>(a.dt_min), hi = RoundTo<kT>(a.dt_max);  // the limits in T
+  const bool dt_float = a.dt_type == ElemType::kFloat;  // else x's T
+  const float lo = dt_float ? a.dt_min : RoundTo<kT>(a.dt_min);  // the limits in dt's type
+  const float hi = dt_float ? a.dt_max : RoundTo<kT>(a.dt_max);
   const int64_t state_elements = head_dim * n_state;
   // Scratch of one thread, for the whole range of items.
   RowMatrix b_chunk(q_max, n_state), c_chunk(q_max, n_state), c_scaled(q_max, n_state);
@@ -121,10 +133,7 @@ void RunItems(const MambaChunkScanCpuArgs& a, int64_t first_item, int64_t last_i
         float cumulative = 0.f;
         for (int64_t r = 0; r < q; ++r) {
           const int64_t token = (b * length + t0 + r) * heads + h;
-          float step = LoadScalar<kT>(a.dt, token);
-          if (a.dt_bias != nullptr) step = RoundTo<kT>(step + LoadScalar<kT>(a.dt_bias, h));
-          if (a.dt_softplus && !(step > kSoftplusThreshold)) step = RoundTo<kT>(std::log1p(std::exp(step)));
-          step = std::min(std::max(step, lo), hi);
+          const float step = dt_float ? TimeStep<kNone>(a, token, h, lo, hi) : TimeStep<kT>(a, token, h, lo, hi);
           d(r) = step;
           cumulative += a.A[h] * step;
           cs(r) = cumulative;

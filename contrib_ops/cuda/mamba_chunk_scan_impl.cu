@@ -44,8 +44,8 @@ constexpr unsigned kFull = 0xffffffffu;
 
 struct Params {
   const void* x;
-  const void* dt;
-  const void* dt_bias;  // null: no bias
+  const void* dt;       // float or T (dt_is_float)
+  const void* dt_bias;  // dt's type; null: no bias
   const float* a;
   const void* b;
   const void* c;
@@ -55,7 +55,7 @@ struct Params {
   float* final_state;
   int64_t length;
   int heads, head_dim, groups, state_size;
-  int d_is_float, state_is_float, softplus;
+  int dt_is_float, d_is_float, state_is_float, softplus;
   float dt_min, dt_max;
   int p16, n16;  // the chunked kernel's P and N rounded up to 16
   int staged;    // the chunked kernel copies x, B and C asynchronously, 16 bytes at a time
@@ -80,20 +80,33 @@ __device__ __forceinline__ float Softplus(float v) {
   return static_cast<float>(log1p(static_cast<double>(e)));
 }
 
-// The time step d of head h from its raw value v (dt's element, in float), at the contract's rounding points.
-template <typename T>
-__device__ __forceinline__ float TimeStepOf(const Params& p, float v, int h) {
-  if (p.dt_bias != nullptr) v = RoundTo<T>(v + Load<T>(p.dt_bias, h));
-  if (p.softplus && !(v > 20.f)) v = RoundTo<T>(Softplus(v));
-  const float lo = RoundTo<T>(p.dt_min), hi = RoundTo<T>(p.dt_max);
+// The time step d of head h from its raw value v (dt's element, in float), at the contract's rounding points in
+// dt's type R.
+template <typename R>
+__device__ __forceinline__ float TimeStepIn(const Params& p, float v, int h) {
+  if (p.dt_bias != nullptr) v = RoundTo<R>(v + Load<R>(p.dt_bias, h));
+  if (p.softplus && !(v > 20.f)) v = RoundTo<R>(Softplus(v));
+  const float lo = RoundTo<R>(p.dt_min), hi = RoundTo<R>(p.dt_max);
   v = v < lo ? lo : v;  // a NaN time step stays NaN, as in the CPU kernel
   return hi < v ? hi : v;
+}
+
+// The same with dt of type T or float (a graph that computes the time step in float32 for 16-bit x, B and C).
+template <typename T>
+__device__ __forceinline__ float TimeStepOf(const Params& p, float v, int h) {
+  return p.dt_is_float ? TimeStepIn<float>(p, v, h) : TimeStepIn<T>(p, v, h);
+}
+
+// dt's element i, in float.
+template <typename T>
+__device__ __forceinline__ float LoadDt(const Params& p, int64_t i) {
+  return LoadFloatOrT<T>(p.dt, p.dt_is_float, i);
 }
 
 // The time step d of token row `bt` (b·T + t) and head h.
 template <typename T>
 __device__ __forceinline__ float TimeStep(const Params& p, int64_t bt, int h) {
-  return TimeStepOf<T>(p, Load<T>(p.dt, bt * p.heads + h), h);
+  return TimeStepOf<T>(p, LoadDt<T>(p, bt * p.heads + h), h);
 }
 
 // --- chunked kernel ------------------------------------------------------------------------------------------
@@ -978,7 +991,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     const int step_lane = hid - (kRsHelperThreads - kQ);
     const auto load_dt = [&](int64_t chunk) {
       const int64_t t = chunk * kQ + step_lane;
-      return step_lane >= 0 && t < len ? Load<T>(p.dt, (b * len + t) * p.heads + h) : 0.f;
+      return step_lane >= 0 && t < len ? LoadDt<T>(p, (b * len + t) * p.heads + h) : 0.f;
     };
     const auto store_time_step = [&](int64_t chunk, float raw) {
       if (step_lane < 0) return;
@@ -1421,6 +1434,7 @@ cudaError_t LaunchMambaChunkScan(const MambaChunkScanCpuArgs& args, ChunkScanCud
   params.head_dim = static_cast<int>(args.head_dim);
   params.groups = static_cast<int>(args.groups);
   params.state_size = static_cast<int>(args.state_size);
+  params.dt_is_float = args.dt_type == ElemType::kFloat;
   params.d_is_float = args.d_type == ElemType::kFloat;
   params.state_is_float = args.state_type == ElemType::kFloat;
   params.softplus = args.dt_softplus;

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kThreads) SquaredReluVectorKernel(const T* __r
     T* values = reinterpret_cast<T*>(&raw);
 #pragma unroll
     for (int j = 0; j < kPer; ++j) values[j] = Narrow<T>(SquareOfRelu(Widen(values[j])));
-    __stcs(reinterpret_cast<uint4*>(y) + v, raw);
+    reinterpret_cast<uint4*>(y)[v] = raw;  // a plain store: the next node (a GEMV at decode) reads it from L2
   }
   // the last count % kPer elements, one thread each, in the grid's first threads
   const int64_t tail = vectors * kPer + v;

@@ -45,6 +45,7 @@ int RunChunkScan(const std::string& dir) {
   if (limits.size() != 2 * sizeof(float)) return Refuse("dt_limits.bin must hold two floats");
   mambafuse::MambaChunkScanCpuArgs a;
   a.type = static_cast<mambafuse::ElemType>(t);
+  a.dt_type = a.type;  // the golden cases give dt in x's type
   a.d_type = static_cast<mambafuse::ElemType>(d);
   a.state_type = static_cast<mambafuse::ElemType>(s);
   a.batch = batch;

@@ -3,11 +3,11 @@
 The body is the chunked SSD algorithm, as the exported graphs compute it, so that a fused model run without the
 mambafuse library is as fast as the graph it replaced (ONNX Runtime runs it as the Einsums and masks of the
 export), and it meets the op's budget because the contract is written for any chunking. T is x's type; the time
-step's roundings are Casts to it through ``CastLike``::
+step's roundings are Casts to dt's type (T, or float) through ``CastLike``::
 
-    d1 = CastLike(f32(dt) + f32(dt_bias), x)               # round_T
-    d2 = dt_softplus ? Where(d1 > 20, d1, CastLike(Softplus(f32(d1)), x)) : d1
-    d  = Min(Max(f32(d2), f32(CastLike(dt_min, x))), f32(CastLike(dt_max, x)))
+    d1 = CastLike(f32(dt) + f32(dt_bias), dt)              # round_T
+    d2 = dt_softplus ? Where(d1 > 20, d1, CastLike(Softplus(f32(d1)), dt)) : d1
+    d  = Min(Max(f32(d2), f32(CastLike(dt_min, dt))), f32(CastLike(dt_max, dt)))
     a  = f32(A) * d;  u = f32(x) * d;  B, C to float32, from G groups to H heads
     zero-pad the prompt to a multiple of CHUNK tokens (a padded token decays by exp(0) and adds nothing), then per
     chunk of Q tokens with the cumulative sums s of a:
@@ -65,14 +65,14 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         int64s("axis3", [3]),
         int64s("axes01", [0, 1]),
         int64s("axes013", [0, 1, 3]),
-        # d: dt + dt_bias rounded to T, torch's softplus rounded to T, the limits in T; then float32
+        # d: dt + dt_bias rounded to dt's type, torch's softplus rounded to it, the limits in it; then float32
         node("Cast", ["dt"], ["dt_f"], to=_FLOAT),
         node("Cast", ["dt_bias"], ["bias_f"], to=_FLOAT),
         node("Add", ["dt_f", "bias_f"], ["d1_sum"]),
-        node("CastLike", ["d1_sum", "x"], ["d1"]),
+        node("CastLike", ["d1_sum", "dt"], ["d1"]),
         node("Cast", ["d1"], ["d1_f"], to=_FLOAT),
         node("Softplus", ["d1_f"], ["soft_f"]),
-        node("CastLike", ["soft_f", "x"], ["soft"]),
+        node("CastLike", ["soft_f", "dt"], ["soft"]),
         node("Cast", ["soft"], ["soft_t_f"], to=_FLOAT),
         node("Constant", [], ["threshold"], value=helper.make_tensor("t", _FLOAT, [], [SOFTPLUS_THRESHOLD])),
         node("Greater", ["d1_f", "threshold"], ["above"]),
@@ -82,8 +82,8 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("Where", ["softplus_on", "d_soft", "d1_f"], ["d2"]),
         node_with_refs("Constant", [], ["lo_f"], {"value_float": ("dt_min", constant.FLOAT)}),
         node_with_refs("Constant", [], ["hi_f"], {"value_float": ("dt_max", constant.FLOAT)}),
-        node("CastLike", ["lo_f", "x"], ["lo_t"]),
-        node("CastLike", ["hi_f", "x"], ["hi_t"]),
+        node("CastLike", ["lo_f", "dt"], ["lo_t"]),
+        node("CastLike", ["hi_f", "dt"], ["hi_t"]),
         node("Cast", ["lo_t"], ["lo"], to=_FLOAT),
         node("Cast", ["hi_t"], ["hi"], to=_FLOAT),
         node("Max", ["d2", "lo"], ["d_low"]),

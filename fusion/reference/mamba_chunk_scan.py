@@ -3,7 +3,8 @@
 The Mamba-2 selective scan over a prompt: the recurrence of ``SelectiveStateUpdate`` applied token by token,
 with the rounding points of transformers' ``mamba2_chunk_scan`` torch fallback (5.24 and 5.25, every Mamba-2
 family) as the exporters trace it. For every batch row b, head h (group g = h // (H / G)), token t, head channel
-p and state index n, with T = x's type and round_T the rounding of a float32 value to T::
+p and state index n, with T = x's type (B's and C's), round_T the rounding of a float32 value to dt's type (T, or
+float: no rounding; a graph that computes the time step in float32 and widens x, B and C from T passes dt so)::
 
     d1  = round_T(dt[b,t,h] + dt_bias[h])                 # dt_bias optional: d1 = dt[b,t,h]
     d2  = dt_softplus ? (d1 > 20 ? d1 : round_T(log1p(exp(d1)))) : d1
@@ -58,8 +59,8 @@ def check_inputs(
 ) -> tuple[int, int, int, int, int, int]:
     """Return (batch, length, heads, head_dim, groups, state_size), or raise ValueError naming the bad input.
 
-    x (B, T, H, P) of type T; dt (B, T, H) and dt_bias (H) of type T; A (H) float; B and C (B, T, G, N) of type T
-    with G >= 1 dividing H; D (H) float or T; initial_state (B, H, P, N) float or T. T >= 1.
+    x (B, T, H, P) of type T; dt (B, T, H) of type T or float and dt_bias (H) of dt's type; A (H) float; B and C
+    (B, T, G, N) of type T with G >= 1 dividing H; D (H) float or T; initial_state (B, H, P, N) float or T. T >= 1.
     """
     t = check_dtype("x", x, OP_TYPE)
     if x.ndim != 4:
@@ -85,9 +86,13 @@ def check_inputs(
     for name, (arr, shape) in expect.items():
         if arr is not None and arr.shape != shape:
             raise ValueError(f"{OP_TYPE}: {name} must have shape {list(shape)}, got {list(arr.shape)}")
-    for name, arr in (("dt", dt), ("dt_bias", dt_bias), ("B", B), ("C", C)):
-        if arr is not None and arr.dtype != t:
+    for name, arr in (("B", B), ("C", C)):
+        if arr.dtype != t:
             raise ValueError(f"{OP_TYPE}: {name} must have x's type {t}, got {arr.dtype}")
+    if dt.dtype not in (t, F32):
+        raise ValueError(f"{OP_TYPE}: dt must have x's type {t} or be float, got {dt.dtype}")
+    if dt_bias is not None and dt_bias.dtype != dt.dtype:
+        raise ValueError(f"{OP_TYPE}: dt_bias must have dt's type {dt.dtype}, got {dt_bias.dtype}")
     if A.dtype != F32:
         raise ValueError(f"{OP_TYPE}: A must be float, got {A.dtype}")
     for name, arr in (("D", D), ("initial_state", initial_state)):
@@ -107,9 +112,9 @@ def discretize(
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Return (d, a, u): the time step in T (B, T, H), a = A·d (B, T, H) and u = x·d (B, T, H, P), both float32,
-    at the contract's rounding points."""
-    t = x.dtype
+    """Return (d, a, u): the time step in dt's type (B, T, H), a = A·d (B, T, H) and u = x·d (B, T, H, P), both
+    float32, at the contract's rounding points (in dt's type: x's T, or float)."""
+    t = dt.dtype
     # round_to gives float64 holding values of T: exact in float32 (and back in T)
     d32 = dt.astype(F32) if dt_bias is None else round_to(dt.astype(F32) + dt_bias.astype(F32), t).astype(F32)
     if dt_softplus:

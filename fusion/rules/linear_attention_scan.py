@@ -23,7 +23,11 @@ at a non-negative constant). The rule proves every step above from the graph, th
                                 Transpose(past, [0, 1, 3, 2]); dt_softplus = 0)
     o = Reshape(out, [0, 0, H P]);  present = Transpose(final, [0, 1, 3, 2])
 
-so genai's inputs and outputs keep their names, types and layout. The Transposes are the price of the layout: two
+so genai's inputs and outputs keep their names, types and layout. A float16 or bfloat16 build widens x, B, C and
+the state from the 16-bit type (``Cast(to=float)`` after each part's Split, before the Reshapes) while computing d in
+float32: where x, B and C all widen from one 16-bit type, the node reads those 16-bit values (and the state's, where it
+widens from that type) with the float32 d, which the op computes exactly as on the widened values (a 16-bit value is
+exact in float32), and its CUDA kernel then takes the 16-bit path. The Transposes are the price of the layout: two
 copies of the state a call (4 MB each at Nemotron-H-8B widths), nothing next to a prompt's scan and most of a decode
 step's: through this node a T = 1 step takes 3-4x LinearAttention's time on the CPU (benchmarks/RESULTS.md). One
 graph serves both, so the rule is not in the default registry (``fusion.rules.registry.OPT_IN_FUSIONS``): it is
@@ -81,6 +85,16 @@ _KNOWN_ATTRIBUTES_BY_DOMAIN = {BUILDER_DOMAIN: _KNOWN_ATTRIBUTES, STANDARD_DOMAI
 
 
 @dataclasses.dataclass
+class _Narrow:
+    """A float32 value that is the exact widening of 16-bit ``source``: ``Cast(source, to=float)``, or ``Reshape`` of
+    that by ``shape`` (``allowzero`` as the graph's), whose 16-bit form is ``Reshape(source, shape)``."""
+
+    source: ir.Value
+    shape: ir.Value | None = None
+    allowzero: int = 0
+
+
+@dataclasses.dataclass
 class _Plan:
     anchor: ir.Node
     x: ir.Value
@@ -95,6 +109,8 @@ class _Plan:
     state_size: int
     leftovers: list[ir.Value]
     attributes: dict[str, Any]
+    #: x, B and C (and the state, where it is too) as the 16-bit values the graph widened: the scan reads those
+    narrow: dict[str, _Narrow] = dataclasses.field(default_factory=dict)
 
 
 def _int_dims(shapes: ForwardShapes, value: ir.Value) -> list[Any]:
@@ -149,14 +165,23 @@ class LinearAttentionScanFusion(PlannedRule):
         # zeros as D (the graph keeps its own skip after the node).
         no_bias = negative_zeros(f"{base}_dt_bias", heads, ir.DataType.FLOAT)
         no_skip = ir.tensor(np.zeros(heads, np.float32), name=f"{base}_D")
-        state = op.Transpose(plan.past, perm=[0, 1, 3, 2])
+
+        def read(name: str, value: ir.Value):
+            narrow = plan.narrow.get(name)
+            if narrow is None:
+                return value
+            if narrow.shape is None:
+                return narrow.source
+            return op.Reshape(narrow.source, narrow.shape, allowzero=narrow.allowzero)
+
+        state = op.Transpose(read("past", plan.past), perm=[0, 1, 3, 2])
         out, final_state = op.MambaChunkScan(
-            plan.x,
+            read("x", plan.x),
             plan.d,
             op.initializer(no_bias.const_value, name=no_bias.name),
             plan.A,
-            op.Reshape(plan.B, by_group),
-            op.Reshape(plan.C, by_group),
+            op.Reshape(read("B", plan.B), by_group),
+            op.Reshape(read("C", plan.C), by_group),
             op.initializer(no_skip, name=no_skip.name),
             state,
             _domain=DOMAIN,
@@ -205,6 +230,15 @@ def _prove(anchor: ir.Node, q, k, v, past, decay, shapes: ForwardShapes) -> _Pla
     groups = c_groups
     if c_groups != b_groups:  # then read both per head (G = H): the same elements, no repeat to prove
         b_source, c_source, groups = k, q, heads
+    # x, B and C widened from one 16-bit type (mobius' float16 and bfloat16 builds): the scan reads them as they
+    # were, with the float32 time step (the same products, a 16-bit value being exact in float32), and the state too
+    # where the graph widened it from that type.
+    narrow = {name: _widened(value) for name, value in (("x", x), ("B", b_source), ("C", c_source), ("past", past))}
+    types = {narrow[name].source.dtype if narrow[name] else None for name in ("x", "B", "C")}
+    if len(types) != 1 or None in types:
+        narrow = {}
+    elif narrow["past"] is None or narrow["past"].source.dtype not in types:
+        del narrow["past"]
     return _Plan(
         anchor=anchor,
         x=x,
@@ -219,7 +253,28 @@ def _prove(anchor: ir.Node, q, k, v, past, decay, shapes: ForwardShapes) -> _Pla
         state_size=state_size,
         leftovers=list(anchor.outputs),  # LinearAttention, then its inputs' chains once unread
         attributes={"heads": heads, "head_dim": head_dim, "groups": groups, "state_size": state_size},
+        narrow={name: found for name, found in narrow.items() if found is not None},
     )
+
+
+_SIXTEEN_BITS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _widened(value: ir.Value) -> _Narrow | None:
+    """``value`` (float32) as the 16-bit value it widens: ``Cast(s, to=float)`` of a float16 or bfloat16 ``s``, or a
+    ``Reshape`` of that (a Reshape moves elements and a Cast maps each alone, so they commute); else None."""
+    shape, allowzero = None, 0
+    reshape = producer_of(value, "Reshape")
+    if reshape is not None and len(reshape.inputs) == 2 and reshape.inputs[1] is not None:
+        shape, allowzero = reshape.inputs[1], reshape.attributes.get_int("allowzero", 0)
+        value = reshape.inputs[0]
+    cast = producer_of(value, "Cast")
+    if cast is None or cast.attributes.get_int("to", 0) != ir.DataType.FLOAT or not cast.inputs:
+        return None
+    source = cast.inputs[0]
+    if source is None or source.dtype not in _SIXTEEN_BITS:
+        return None
+    return _Narrow(source, shape, allowzero)
 
 
 def _decay(decay: ir.Value, heads: int, shapes: ForwardShapes) -> tuple[ir.Value, ir.Value]:

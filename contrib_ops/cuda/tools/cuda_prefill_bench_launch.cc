@@ -9,15 +9,17 @@
 
 #define MAMBAFUSE_BENCH_EXPORT extern "C" __attribute__((visibility("default")))
 
-// MambaChunkScan on `stream`. dt_bias, d and initial_state may be null. path: 0 auto, 1 chunked, 2 sequential.
-// Returns a cudaError_t (0 = success), or -1 when CheckMambaChunkScanCudaArgs rejects the arguments.
-MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch(const void* x, const void* dt, const void* dt_bias,
-                                                       const float* a, const void* b, const void* c, const void* d,
-                                                       const void* initial_state, float* out, float* final_state,
-                                                       int type, int d_type, int state_type, int64_t batch,
-                                                       int64_t length, int64_t heads, int64_t head_dim,
-                                                       int64_t groups, int64_t state_size, int softplus,
-                                                       float dt_min, float dt_max, int path, void* stream) {
+// MambaChunkScan on `stream` with dt (and dt_bias) of type dt_type (x's type or float). dt_bias, d and
+// initial_state may be null. path: 0 auto, 1 chunked, 2 sequential. Returns a cudaError_t (0 = success), or -1 when
+// CheckMambaChunkScanCudaArgs rejects the arguments.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch_dt(const void* x, const void* dt, const void* dt_bias,
+                                                          const float* a, const void* b, const void* c, const void* d,
+                                                          const void* initial_state, float* out, float* final_state,
+                                                          int type, int dt_type, int d_type, int state_type,
+                                                          int64_t batch, int64_t length, int64_t heads,
+                                                          int64_t head_dim, int64_t groups, int64_t state_size,
+                                                          int softplus, float dt_min, float dt_max, int path,
+                                                          void* stream) {
   using mambafuse::ElemType;
   mambafuse::MambaChunkScanCpuArgs args;
   args.x = x;
@@ -31,6 +33,7 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch(const void* x, const void
   args.out = out;
   args.final_state = final_state;
   args.type = static_cast<ElemType>(type);
+  args.dt_type = static_cast<ElemType>(dt_type);
   args.d_type = static_cast<ElemType>(d_type);
   args.state_type = static_cast<ElemType>(state_type);
   args.batch = batch;
@@ -47,6 +50,19 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch(const void* x, const void
                       : path == 2 ? mambafuse::ChunkScanCudaPath::kSequential
                                   : mambafuse::ChunkScanCudaPath::kAuto;
   return static_cast<int>(mambafuse::LaunchMambaChunkScan(args, chosen, static_cast<cudaStream_t>(stream)));
+}
+
+// The same with dt in x's type.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch(const void* x, const void* dt, const void* dt_bias,
+                                                       const float* a, const void* b, const void* c, const void* d,
+                                                       const void* initial_state, float* out, float* final_state,
+                                                       int type, int d_type, int state_type, int64_t batch,
+                                                       int64_t length, int64_t heads, int64_t head_dim,
+                                                       int64_t groups, int64_t state_size, int softplus,
+                                                       float dt_min, float dt_max, int path, void* stream) {
+  return mambafuse_chunk_scan_launch_dt(x, dt, dt_bias, a, b, c, d, initial_state, out, final_state, type, type,
+                                        d_type, state_type, batch, length, heads, head_dim, groups, state_size,
+                                        softplus, dt_min, dt_max, path, stream);
 }
 
 // The kernel the launcher runs for these sizes on the current device: 1 chunked, 2 sequential.
