@@ -92,11 +92,13 @@ def test_every_fixture_conv_is_cut_and_computes_the_same_bits(name: str, stem: s
         assert counts[KEY] > 0, "the form this pass exists for is gone from the exports"
     # x alone, B and C together: one more conv each, the Split after it now over B and C only; the projection's
     # Split gone where a MatMul of a constant weight makes it (one MatMul per part instead; Falcon-H1 scales the
-    # projection's output by its multipliers first, so there the projection's Split is cut)
+    # projection's columns by its multipliers first: one MatMul and one Mul per part there)
+    assert counts[PROJECTION] == counts[KEY]
     if stem.startswith("falcon_h1"):
-        assert counts[PROJECTION] == 0
-    else:
-        assert counts[PROJECTION] == counts[KEY]
+        muls = sum(node.op_type == "Mul" for node in after.graph.node) - sum(
+            node.op_type == "Mul" for node in fused.graph.node
+        )
+        assert muls == 3 * counts[PROJECTION]  # the projection's one Mul as 4: z, x, B and C, dt
     assert (
         sum(node.op_type == "Split" for node in after.graph.node)
         == sum(node.op_type == "Split" for node in fused.graph.node) - counts[PROJECTION]
@@ -121,6 +123,52 @@ def test_every_fixture_conv_is_cut_and_computes_the_same_bits(name: str, stem: s
         _close(_run(after, inputs, library=True), _run(fused, inputs, library=True), PROJECTION_FP16_CPU)
         _close(_run(after, inputs), _run(fused, inputs), PROJECTION_FP16_CPU)
         return
+    _same_bits(_run(after, inputs, library=True), _run(fused, inputs, library=True))
+    _same_bits(_run(after, inputs), _run(fused, inputs))
+
+
+FALCON_FP32 = [
+    (name, stem)
+    for name, stem in PREFILL
+    if stem.startswith("falcon_h1") and "-fp32-" in stem and "-noopt-" not in stem  # noopt: no conv parts
+]
+
+
+def _scaled_projections(model: onnx.ModelProto, seed: int = 0) -> tuple[onnx.ModelProto, int]:
+    """``model`` with each constant vector that multiplies a MatMul before a Split (Falcon-H1's in-projection
+    multipliers, all ones in the random-weight fixtures) drawn from [0.5, 2) instead, element by element distinct, so
+    that a part scaled by another part's columns would show; and how many were drawn."""
+    rng = np.random.default_rng(seed)
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    producers = {out: node for node in model.graph.node for out in node.output}
+    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    split_inputs = {node.input[0] for node in model.graph.node if node.op_type == "Split"}
+    drawn = 0
+    for node in model.graph.node:
+        if node.op_type != "Mul" or node.output[0] not in split_inputs:
+            continue
+        for name in node.input:
+            if name in initializers:
+                tensor = initializers[name]
+            elif name in producers and producers[name].op_type == "Constant":
+                tensor = producers[name].attribute[0].t
+            else:
+                continue
+            data = numpy_helper.to_array(tensor)
+            tensor.CopyFrom(numpy_helper.from_array(rng.uniform(0.5, 2.0, data.shape).astype(data.dtype), tensor.name))
+            drawn += 1
+    return model, drawn
+
+
+@pytest.mark.parametrize(("name", "stem"), FALCON_FP32)
+def test_falcon_h1s_multipliers_scale_each_part_by_its_own_columns(name: str, stem: str) -> None:
+    """Falcon-H1's projection is MatMul(h, W) * m before its Split: by part, each part is its columns of W times
+    its columns of m. With m drawn (not ones), the fused model and the one cut by part give the same bits."""
+    fused, drawn = _scaled_projections(_fused(name, stem))
+    assert drawn > 0, "no multiplier before the projection's Split: the form this test exists for is gone"
+    after, counts, refused = _parts(fused)
+    assert counts[PROJECTION] == counts[KEY] > 0 and not refused
+    inputs = feeds(MANIFESTS[name]["fixtures"][stem], load_references(SETS[name])[stem])
     _same_bits(_run(after, inputs, library=True), _run(fused, inputs, library=True))
     _same_bits(_run(after, inputs), _run(fused, inputs))
 

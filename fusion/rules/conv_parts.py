@@ -24,8 +24,9 @@ Of the second Split's copy only B and C's is left (at Nemotron-H-8B widths and 2
 and written per layer in float16 are gone). Each output element is the same arithmetic on the same numbers: the
 op contract (docs/causal_conv1d.md) fixes every channel's sum, order and roundings, whatever the other channels are.
 
-Where ``P`` is ``MatMul(h, W)`` with a constant weight and the Split is its only reader (every torch export but
-Falcon-H1's, which scales P first), the Split goes too: each part is the product of h with W's columns of that part,
+Where ``P`` is ``MatMul(h, W)`` with a constant weight, or Falcon-H1's ``Mul(MatMul(h, W), m)`` with m a constant
+vector over P's columns, and the Split is its only reader, the Split goes too: each part is the product of h with W's
+columns of that part (times m's columns of that part),
 ``MatMul(h, Slice(W, columns))`` (ONNX Runtime folds the Slices when it creates the session; the model keeps one
 copy of W). Column j of a product is h times column j of W, so each part is the same dot products; a GEMM may sum
 them in another order at another width: ONNX Runtime's CUDA provider (cuBLAS) and its CPU float32 GEMM give the same
@@ -91,6 +92,9 @@ class _Plan:
     #: the in-projection MatMul(h, W) whose output only ``before`` reads, cut by W's columns instead of a Split;
     #: None: a Split of ``before``'s input
     projection: ir.Node | None = None
+    #: the Mul that scales the projection's columns by a constant vector before ``before`` (Falcon-H1's multipliers),
+    #: and which of its inputs is that vector; None: the Split reads the MatMul itself
+    scale: tuple[ir.Node, int] | None = None
 
 
 def _axis(split: ir.Node) -> int:
@@ -115,12 +119,15 @@ def _split_sizes(split: ir.Node, total: int | None) -> list[int] | None:
 
 
 def _folded(value: ir.Value) -> np.ndarray | None:
-    """``value``'s data where it is an initializer's, one's seen through Unsqueeze, Squeeze, Reshape (to a target
-    of positive ints) or Identity, or a ConstantOfShape's of a constant shape (up to _MAX_FILLED elements); else
-    None."""
+    """``value``'s data where it is an initializer's or a Constant's (its ``value`` tensor), one's seen through
+    Unsqueeze, Squeeze, Reshape (to a target of positive ints) or Identity, or a ConstantOfShape's of a constant shape
+    (up to _MAX_FILLED elements); else None."""
     if value.const_value is not None:
         return value.const_value.numpy()
     producer = value.producer()
+    if producer is not None and producer.domain in _ONNX and producer.op_type == "Constant":
+        tensor = producer.attributes.get("value")
+        return tensor.as_tensor().numpy() if tensor is not None and len(producer.attributes) == 1 else None
     if producer is None or producer.domain not in _ONNX or not producer.inputs or producer.inputs[0] is None:
         return None
     if producer.op_type == "ConstantOfShape":
@@ -205,24 +212,50 @@ def _plan(conv: ir.Node, shapes: DecodeShapes) -> _Plan | None:
             before,
         )
     groups = _grouped(part_sizes, room)
-    projection = _projection(before, axis)
-    return _Plan(conv, after, before, index, axis, groups, before_sizes, shape_readers, projection)
+    projection, scale = _projection(before, axis)
+    return _Plan(conv, after, before, index, axis, groups, before_sizes, shape_readers, projection, scale)
 
 
-def _projection(before: ir.Node, axis: int) -> ir.Node | None:
+def _projection(before: ir.Node, axis: int) -> tuple[ir.Node | None, tuple[ir.Node, int] | None]:
     """The ``MatMul(h, W)`` whose output the Split ``before`` alone reads, over its last axis, W a constant 2-D
-    weight (an initializer or a Constant); None where the Split's input is anything else."""
+    weight (an initializer or a Constant), and the ``Mul`` between them where the graph scales the product's columns
+    by a constant vector first (Falcon-H1's multipliers: the Mul, and which input is the vector); (None, None) where
+    the Split's input is anything else."""
     source = before.inputs[0]
-    producer = source.producer() if source is not None else None
+    if source is None or axis != _RANK - 1 or source.is_graph_output() or len(source.uses()) != 1:
+        return None, None
+    producer = source.producer()
+    scale = None
+    if producer is not None and producer.op_type == "Mul" and producer.domain in _ONNX and len(producer.inputs) == 2:
+        for j in (0, 1):
+            product, vector = producer.inputs[1 - j], producer.inputs[j]
+            matmul = product.producer() if product is not None else None
+            if matmul is not None and matmul.op_type == "MatMul" and _column_vector(vector):
+                scale, source, producer = (producer, j), product, matmul
+                break
+        if scale is None:
+            return None, None
     if producer is None or producer.op_type != "MatMul" or producer.domain not in _ONNX or len(producer.inputs) != 2:
-        return None
+        return None, None
     h, weight = producer.inputs
-    if h is None or weight is None or axis != _RANK - 1 or source.is_graph_output() or len(source.uses()) != 1:
-        return None
+    if h is None or weight is None or source.is_graph_output() or len(source.uses()) != 1:
+        return None, None
     tensor = weight.const_value
     if tensor is None or len(tensor.shape) != 2:
-        return None
-    return producer
+        return None, None
+    if scale is not None:
+        data = _folded(scale[0].inputs[scale[1]])
+        # the vector has W's type (the Mul's operands share one) and one element per column of the product
+        if data is None or data.shape[-1] != tensor.shape[1] or ir.DataType.from_numpy(data.dtype) != tensor.dtype:
+            return None, None
+    return producer, scale
+
+
+def _column_vector(vector: ir.Value | None) -> bool:
+    """Whether ``vector`` is a constant that a Mul broadcasts along the last axis only: its shape is (D,), (1, D)
+    or (1, 1, D), so column j of the product is multiplied by element j, whatever the rows."""
+    data = _folded(vector) if vector is not None else None
+    return data is not None and 1 <= data.ndim <= _RANK and all(d == 1 for d in data.shape[:-1])
 
 
 def _grouped(sizes: list[int], count: int) -> list[list[int]]:
@@ -322,7 +355,7 @@ def _rewrite(plan: _Plan, fresh: NameSource) -> None:
     group_sizes = [sum(group) for group in plan.groups]
     sizes = plan.before_sizes[:k] + group_sizes + plan.before_sizes[k + 1 :]
     if plan.projection is not None:
-        parts = _projection_parts(graph, plan.projection, sizes, fresh)
+        parts = _projection_parts(graph, plan.projection, sizes, fresh, plan.scale)
     else:
         split = _split_node(graph, before.inputs[0], plan.axis, sizes, fresh, f"{before.name or 'split'}_parts")
         graph.insert_before(before, split)
@@ -394,15 +427,29 @@ def _rewrite(plan: _Plan, fresh: NameSource) -> None:
     for reader in plan.shape_readers:
         reader.replace_input_with(0, source)
     old_inputs = [v for v in [*conv_inputs[1:], *after.inputs[1:], *before.inputs[1:]] if v is not None]
-    graph.remove([after, conv, before, *([plan.projection] if plan.projection is not None else [])], safe=True)
+    removed = [after, conv, before]
+    if plan.scale is not None:
+        removed.append(plan.scale[0])
+        old_inputs.append(plan.scale[0].inputs[plan.scale[1]])
+    if plan.projection is not None:
+        removed.append(plan.projection)
+    graph.remove(removed, safe=True)
     _drop_unused(graph, old_inputs)
 
 
-def _projection_parts(graph: ir.Graph, projection: ir.Node, sizes: list[int], fresh: NameSource) -> list[ir.Value]:
+def _projection_parts(
+    graph: ir.Graph,
+    projection: ir.Node,
+    sizes: list[int],
+    fresh: NameSource,
+    scale: tuple[ir.Node, int] | None = None,
+) -> list[ir.Value]:
     """``MatMul(h, W[:, a:b])`` for each part [a, b) of ``sizes``, inserted before ``projection``: column j of a
     product is h times column j of W, so each part is what the whole product's columns [a, b) are. The weight's
     columns are Slices of the initializer (ONNX Runtime folds them when the session is created; the model keeps one
-    copy of the weight)."""
+    copy of the weight). With ``scale`` (the Mul by a constant vector m after the product, and m's input index) each
+    part is then multiplied by m[..., a:b], in the Mul's operand order: element j of the product times m[j], as
+    before."""
     h, weight = projection.inputs
     assert h is not None and weight is not None
     name = projection.name or "projection"
@@ -422,7 +469,23 @@ def _projection_parts(graph: ir.Graph, projection: ir.Node, sizes: list[int], fr
         if projection.outputs[0].dtype is not None:
             product.outputs[0].dtype = projection.outputs[0].dtype
         nodes += [columns, product]
-        outputs.append(product.outputs[0])
+        part = product.outputs[0]
+        if scale is not None:
+            mul, index = scale
+            vector = mul.inputs[index]
+            assert vector is not None
+            data = _folded(vector)
+            assert data is not None
+            cut_name = fresh(f"{vector.name or 'scale'}_columns_{start}_{start + size}")
+            cut = ir.Value(name=cut_name, const_value=ir.tensor(np.ascontiguousarray(data[..., start : start + size])))
+            graph.register_initializer(cut)
+            operands = [cut, part] if index == 0 else [part, cut]
+            scaled = ir.Node("", "Mul", operands, num_outputs=1, name=fresh(f"{mul.name or 'scale'}_part_{start}"))
+            scaled.outputs[0].name = fresh(f"{mul.outputs[0].name or 'scaled'}_{start}_{start + size}")
+            scaled.outputs[0].dtype = weight.dtype
+            nodes.append(scaled)
+            part = scaled.outputs[0]
+        outputs.append(part)
         start += size
     graph.insert_before(projection, nodes)
     return outputs
