@@ -270,7 +270,8 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
     pass (the prompt convs left whole, as before it), "optimize-relu-unfused" that without the SquaredRelu
     fusion (Relu + Mul, as before it), "optimize-scan" that with ``--opt-in
     linear_attention_scan`` (mobius builds), "optimize-scan-widened" that with the scan reading the float32 x, B,
-    C and state the build widened (as before it read the 16-bit ones), "gemv" that with ``--opt-in decode_matmul``;
+    C and state the build widened (as before it read the 16-bit ones), "optimize-scan-conv" that with ``--opt-in
+    causal_conv_with_state`` too, "gemv" that with ``--opt-in decode_matmul``;
     "int4-before" the step quantized (``quantize_int4``), "int4-optimize" and "int4-gemv" (``--opt-in
     decode_matmul_nbits``) that optimized. ("after" is ``mambafuse rewrite``'s default: every mambafuse fusion.)"""
     import onnx_ir as ir
@@ -293,6 +294,8 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
         model, report = optimize_without(ir.load(source), **WITHOUT[name])
     elif name == "optimize-scan":  # a mobius build's LinearAttention as MambaChunkScan (an opt-in rule)
         model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan"])
+    elif name == "optimize-scan-conv":  # and ORT's CausalConvWithState as CausalConv1d (a second opt-in)
+        model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan", "causal_conv_with_state"])
     elif name == "optimize-scan-widened":  # that with the scan reading the float32 x, B, C and state, as before
         from unittest import mock
 
@@ -501,7 +504,7 @@ def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None
             variants = [("before", source), ("after", fused)]
             variants += [
                 (name, step_variant(source, build_dir, name))
-                for name in ("optimize", "optimize-scan", "optimize-scan-widened")
+                for name in ("optimize", "optimize-scan", "optimize-scan-widened", "optimize-scan-conv")
             ]
             for name, path in variants:
                 target = out / f"{dtype}-{name}.onnx"
@@ -705,6 +708,7 @@ STEP_VARIANTS = {
     "optimize-split-projection": "optimize, conv parts from the projection's Split (no MatMul per part)",
     "optimize-scan": "optimize --opt-in linear_attention_scan",
     "optimize-scan-widened": "optimize --opt-in linear_attention_scan, x, B, C and the state read widened to float",
+    "optimize-scan-conv": "optimize --opt-in linear_attention_scan,causal_conv_with_state",
     "gemv": "optimize + DecodeMatMul",
     "int4-before": "int4 unfused",
     "int4-optimize": "int4 optimize",

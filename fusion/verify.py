@@ -281,6 +281,7 @@ def _check_prompt_conv(arrays: list[np.ndarray | None], attrs: dict[str, Any]) -
         activation=activation,
         channels_last=int(attrs.get("channels_last", 1)),
         state_width=int(attrs["state_width"]),
+        round_once=int(attrs.get("round_once", 0)),
     )
 
 

@@ -59,9 +59,14 @@ def check(
     channels_last: int = 1,
     activation: str = "silu",
     label: str = "",
+    round_once: int | None = None,
 ) -> list[np.ndarray]:
-    """Run the CUDA kernel, assert its outputs are within the budget (the final state exact), and return them."""
-    y, final_state = run_cuda(inputs, state_width=state_width, channels_last=channels_last, activation=activation)
+    """Run the CUDA kernel, assert its outputs are within the budget (the final state exact), and return them.
+    ``round_once``: the attribute's value (None: absent)."""
+    extra = {} if round_once is None else {"round_once": round_once}
+    y, final_state = run_cuda(
+        inputs, state_width=state_width, channels_last=channels_last, activation=activation, **extra
+    )
     ok, message = budget_report(
         y,
         final_state,
@@ -69,6 +74,7 @@ def check(
         activation=activation,
         channels_last=channels_last,
         state_width=state_width,
+        round_once=round_once or 0,
     )
     assert ok, f"{label} {message}"
     return [y, final_state]
@@ -87,6 +93,23 @@ def test_types_layouts_and_optional_inputs(t, channels_last, activation, bias, s
     rng = np.random.default_rng([DTYPES.index(t), channels_last, len(activation), int(bias), int(state)])
     inputs = make_inputs(rng, t=t, bias=bias, state=state, channels_last=channels_last)
     check(inputs, channels_last=channels_last, activation=activation)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("channels_last", [1, 0], ids=["BLC", "BCL"])
+@pytest.mark.parametrize("activation", ["silu", "none"])
+@pytest.mark.parametrize(("length", "channels"), [(1, 64), (65, 64), (2048, 10240)])
+def test_rounded_once(t, channels_last, activation, length, channels):
+    """``round_once = 1`` (ONNX Runtime's CausalConvWithState, a mobius build's conv) within the budget of y rounded
+    once, on every kernel path (the real width's vectors, short prompts); float32's and the plain conv's outputs the
+    same bits as the default rounding's."""
+    rng = np.random.default_rng(length)
+    inputs = make_inputs(rng, t=t, length=length, channels=channels, channels_last=channels_last)
+    once = check(inputs, channels_last=channels_last, activation=activation, round_once=1)
+    each = check(inputs, channels_last=channels_last, activation=activation)
+    np.testing.assert_array_equal(once[1], each[1])
+    if t == FLOAT or activation == "none":
+        np.testing.assert_array_equal(once[0], each[0])
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 4, 5, 8, 15, 16, 17, 19, 33, 300, 2048, 2049])

@@ -36,9 +36,19 @@ def make_inputs(
     }
 
 
-def check(inputs, *, state_width: int = 4, channels_last: int = 1, activation: str = "silu", threads: int = 1):
-    """Run the kernel, assert its outputs are within the budget (the state exact), and return them."""
+def check(
+    inputs,
+    *,
+    state_width: int = 4,
+    channels_last: int = 1,
+    activation: str = "silu",
+    threads: int = 1,
+    round_once: int | None = None,
+):
+    """Run the kernel, assert its outputs are within the budget (the state exact), and return them.
+    ``round_once``: the attribute's value (None: absent, its default 0)."""
     t = inputs["x"].dtype
+    extra = {} if round_once is None else {"round_once": round_once}
     y, final_state = run(
         OP,
         [(n, inputs[n]) for n in NAMES],
@@ -47,6 +57,7 @@ def check(inputs, *, state_width: int = 4, channels_last: int = 1, activation: s
         state_width=state_width,
         channels_last=channels_last,
         activation=activation,
+        **extra,
     )
     ok, message = budget_report(
         y,
@@ -55,6 +66,7 @@ def check(inputs, *, state_width: int = 4, channels_last: int = 1, activation: s
         activation=activation,
         channels_last=channels_last,
         state_width=state_width,
+        round_once=round_once or 0,
     )
     assert ok, message
     return y, final_state
@@ -70,6 +82,29 @@ def test_types_layouts_and_optional_inputs(t, channels_last, activation, bias, s
     rng = np.random.default_rng(1)
     inputs = make_inputs(rng, t=t, bias=bias, state=state, channels_last=channels_last)
     check(inputs, channels_last=channels_last, activation=activation)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("channels_last", [1, 0], ids=["BLC", "BCL"])
+@pytest.mark.parametrize("activation", ["silu", "none"])
+@pytest.mark.parametrize("length", [1, 65])
+def test_rounded_once(t, channels_last, activation, length):
+    """``round_once = 1`` (ONNX Runtime's CausalConvWithState): within the budget of y rounded once; the float16 and
+    bfloat16 SiLU outputs are not all within the per-step budget (they differ from the default rounding), float32's
+    and the plain conv's are the same bits as the default's."""
+    rng = np.random.default_rng(length)
+    inputs = make_inputs(rng, t=t, length=length, channels_last=channels_last)
+    once = check(inputs, channels_last=channels_last, activation=activation, round_once=1)
+    each = check(inputs, channels_last=channels_last, activation=activation, round_once=0)
+    np.testing.assert_array_equal(once[1], each[1])
+    if t == FLOAT or activation == "none":
+        np.testing.assert_array_equal(once[0], each[0])
+    elif length > 1:
+        ok, _ = budget_report(
+            once[0], once[1], *(inputs[n] for n in NAMES), activation=activation, channels_last=channels_last,
+            state_width=4,
+        )  # fmt: skip
+        assert not ok, "y rounded once is within the per-step budget everywhere: the test would show nothing"
 
 
 @pytest.mark.parametrize("length", [1, 2, 3, 4, 5, 63, 64, 65, 200])
@@ -146,6 +181,12 @@ def test_missing_state_width_is_an_error_at_session_creation():
     inputs = make_inputs(np.random.default_rng(0), t=FLOAT, state=False)
     with pytest.raises(Exception, match="the attribute state_width .* is required"):
         run(OP, [(n, inputs[n]) for n in NAMES], [("y", FLOAT), ("final_state", FLOAT)])
+
+
+def test_a_bad_round_once_is_an_error_at_session_creation():
+    inputs = make_inputs(np.random.default_rng(0), t=FLOAT)
+    with pytest.raises(Exception, match="round_once must be 0 or 1, got 2"):
+        run(OP, [(n, inputs[n]) for n in NAMES], [("y", FLOAT), ("final_state", FLOAT)], state_width=4, round_once=2)
 
 
 # --- a constant weight and bias, laid out once when the kernel is created -----------------------------------------

@@ -81,6 +81,7 @@ Ort::Status PrepareCausalConv1dArgs(Ort::KernelContext& context, const CausalCon
   a.width = width;
   a.silu = attrs.silu;
   a.channels_last = channels_last;
+  a.round_once = attrs.round_once;
   a.x = data[0];
   a.weight = data[1];
   a.bias = present[2] ? data[2] : nullptr;
@@ -161,11 +162,20 @@ Ort::Status ReadCausalConv1dAttrs(const OrtKernelInfo* info, CausalConv1dAttrs& 
   if (channels_last != 0 && channels_last != 1) {
     return OpError(kOp, where + "channels_last must be 0 or 1, got " + std::to_string(channels_last));
   }
+  int64_t round_once = 0;
+  if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "round_once", &round_once)) {
+    ort.ReleaseStatus(status);  // optional: absent means 0
+    round_once = 0;
+  }
+  if (round_once != 0 && round_once != 1) {
+    return OpError(kOp, where + "round_once must be 0 or 1, got " + std::to_string(round_once));
+  }
   bool silu = true;
   if (Ort::Status status = ReadSiluActivation(info, kOp, silu); !status.IsOK()) return status;
   attrs.state_width = state_width;
   attrs.silu = silu;
   attrs.channels_last = channels_last == 1;
+  attrs.round_once = round_once == 1;
   return Ort::Status{};
 }
 

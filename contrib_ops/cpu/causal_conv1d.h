@@ -16,10 +16,11 @@ struct CausalConv1dAttrs {
   int64_t state_width = -1;  // S
   bool silu = true;
   bool channels_last = true;
+  bool round_once = false;  // the sum and SiLU in float32, y rounded once to T (ORT's CausalConvWithState)
 };
 
-// Reads state_width (required), activation (absent: "silu") and channels_last (absent: 1); an error names a bad
-// or missing value and the node.
+// Reads state_width (required), activation (absent: "silu"), channels_last (absent: 1) and round_once (absent: 0);
+// an error names a bad or missing value and the node.
 Ort::Status ReadCausalConv1dAttrs(const OrtKernelInfo* info, CausalConv1dAttrs& attrs);
 
 // Checks the inputs' presence, types and shapes against the attributes (an error names the input), allocates both

@@ -25,6 +25,7 @@ struct CausalConv1dCpuArgs {
   int64_t batch = 0, channels = 0, length = 0, state_len = 0, width = 0;
   bool silu = true;
   bool channels_last = true;
+  bool round_once = false;  // v and the sigmoid in float32, y the one rounding to T (else each rounds to T)
 };
 
 // The widest kernel the CPU core takes (real models: K = 4).

@@ -4,6 +4,7 @@
 //   window[b, c] = [initial_state[b, c, 0..S) (or zeros) | x[b, c, 0..L)]
 //   v[t]         = round_T(sum_k w[c, k] window[S - K + 1 + t + k] + bias[c])        float32 sum
 //   y[t]         = silu ? round_T(v round_T(sigmoid(v))) : v
+//   (round_once: y[t] = round_T(silu ? a sigmoid(a) : a), a the float32 sum)
 //   final_state  = window[L .. S + L)
 //
 // channels_last (x [B, L, C], the in_proj's layout): an item is 64 tokens of one batch row, every channel; the
@@ -24,7 +25,8 @@ namespace MAMBAFUSE_ISA_NS {
 namespace {
 
 template <int kT>
-MAMBAFUSE_INLINE VF Activate(VF acc, bool silu) {
+MAMBAFUSE_INLINE VF Activate(VF acc, bool silu, bool round_once) {
+  if (round_once) return RoundTo<kT>(silu ? acc * Sigmoid(acc) : acc);  // float32 throughout, one rounding
   const VF v = RoundTo<kT>(acc);
   return silu ? RoundTo<kT>(v * RoundTo<kT>(Sigmoid(v))) : v;
 }
@@ -64,7 +66,7 @@ void ChannelsLast(const CausalConv1dCpuArgs& a, int64_t b, int64_t t0, int64_t t
         const VF v = tap_before[k] != nullptr ? LoadVector<kNone>(tap_before[k], c) : LoadVector<kT>(a.x, tap_row[k] + c);
         acc += w * v;
       }
-      StoreVector<kT>(a.y, (row + t) * channels + c, Activate<kT>(acc, a.silu));
+      StoreVector<kT>(a.y, (row + t) * channels + c, Activate<kT>(acc, a.silu, a.round_once));
     }
     for (int64_t c = vector_end; c < channels; ++c) {
       float acc = a.bias_c[c];
@@ -72,7 +74,7 @@ void ChannelsLast(const CausalConv1dCpuArgs& a, int64_t b, int64_t t0, int64_t t
         const float v = tap_before[k] != nullptr ? tap_before[k][c] : LoadScalar<kT>(a.x, tap_row[k] + c);
         acc += a.weight_kc[k * channels + c] * v;
       }
-      StoreScalar<kT>(a.y, (row + t) * channels + c, Activate<kT>(VF{} + acc, a.silu)[0]);
+      StoreScalar<kT>(a.y, (row + t) * channels + c, Activate<kT>(VF{} + acc, a.silu, a.round_once)[0]);
     }
   }
   if (t1 == length) {  // the final state: the window's last S columns, channels-first
@@ -109,18 +111,18 @@ void ChannelsFirst(const CausalConv1dCpuArgs& a, int64_t item) {
   for (int64_t t = 0; t < head; ++t) {
     float acc = bias;
     for (int64_t k = 0; k < width; ++k) acc += w[k] * window(state_len - history + t + k);
-    StoreScalar<kT>(a.y, base + t, Activate<kT>(VF{} + acc, a.silu)[0]);
+    StoreScalar<kT>(a.y, base + t, Activate<kT>(VF{} + acc, a.silu, a.round_once)[0]);
   }
   int64_t t = head;
   for (; t + kWidth <= length; t += kWidth) {
     VF acc = VF{} + bias;
     for (int64_t k = 0; k < width; ++k) acc += w[k] * LoadVector<kT>(a.x, base + t - history + k);
-    StoreVector<kT>(a.y, base + t, Activate<kT>(acc, a.silu));
+    StoreVector<kT>(a.y, base + t, Activate<kT>(acc, a.silu, a.round_once));
   }
   for (; t < length; ++t) {
     float acc = bias;
     for (int64_t k = 0; k < width; ++k) acc += w[k] * LoadScalar<kT>(a.x, base + t - history + k);
-    StoreScalar<kT>(a.y, base + t, Activate<kT>(VF{} + acc, a.silu)[0]);
+    StoreScalar<kT>(a.y, base + t, Activate<kT>(VF{} + acc, a.silu, a.round_once)[0]);
   }
   for (int64_t j = 0; j < state_len; ++j) StoreScalar<kT>(a.final_state, item * state_len + j, window(length + j));
 }

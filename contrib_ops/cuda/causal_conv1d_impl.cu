@@ -91,6 +91,7 @@ struct Params {
   int state_len;
   int width;
   int silu;
+  int round_once;  // v and the sigmoid in float32, y the one rounding to T (ORT's CausalConvWithState)
   int channels_last;  // the layout, for WindowAt
   int tile;           // ChannelsLastKernel: tokens per block
 };
@@ -210,10 +211,21 @@ __device__ __forceinline__ void SigmoidVector(const float (&v)[V], float (&sigmo
   }
 }
 
-// The outputs of V float32 sums: v = round_T(sum), then SiLU as Sigmoid and Mul, each rounded to T.
+// The outputs of V float32 sums: v = round_T(sum), then SiLU as Sigmoid and Mul, each rounded to T; with
+// round_once the sum, the sigmoid and their product in float32 and one rounding to T.
 template <typename T, int V>
-__device__ __forceinline__ Pack<T, V> Activate(float (&sum)[V], int silu) {
+__device__ __forceinline__ Pack<T, V> Activate(float (&sum)[V], int silu, int round_once) {
   Pack<T, V> out;
+  if (round_once) {
+    if (silu) {
+      float sigmoid[V];
+      SigmoidVector<V>(sum, sigmoid);
+#pragma unroll
+      for (int i = 0; i < V; ++i) sum[i] = __fmul_rn(sum[i], sigmoid[i]);
+    }
+    NarrowVector<T, V>(sum, out);
+    return out;
+  }
   if constexpr (kHalfProduct && !std::is_same_v<T, float> && V % 2 == 0) {
     if (silu) {
       // v and sigmoid(v) rounded to T in pairs; their product by one packed multiply of T, which rounds the exact
@@ -327,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, MAMBAFUSE_CONV_MIN_BLOCKS) ChannelsL
           }
           if (has_bias) sum[v] = __fadd_rn(sum[v], bias[v]);
         }
-        StorePack<T, V>(y + static_cast<int64_t>(t + u) * channels, Activate<T, V>(sum, p.silu));
+        StorePack<T, V>(y + static_cast<int64_t>(t + u) * channels, Activate<T, V>(sum, p.silu, p.round_once));
       }
     }
 #pragma unroll
@@ -405,7 +417,8 @@ __global__ void __launch_bounds__(kThreads) ChannelsFirstKernel(const Params p) 
     for (int k = 1; k < kK; ++k) sum[v] = __fadd_rn(sum[v], __fmul_rn(w[k], window[v + k]));
     if (p.bias != nullptr) sum[v] = __fadd_rn(sum[v], bias);
   }
-  StorePack<T, V>(static_cast<T*>(p.y) + static_cast<int64_t>(row) * length + t, Activate<T, V>(sum, p.silu));
+  StorePack<T, V>(static_cast<T*>(p.y) + static_cast<int64_t>(row) * length + t,
+                  Activate<T, V>(sum, p.silu, p.round_once));
 
   if (t + V == length) {  // final_state[row, j] = window column L + j
     T* final_state = static_cast<T*>(p.final_state) + static_cast<int64_t>(row) * state_len;
@@ -455,7 +468,7 @@ __global__ void __launch_bounds__(kThreads) AnyWidthKernel(const Params p) {
     sum[0] = __fadd_rn(sum[0], __fmul_rn(Widen(weight[k]), Widen(WindowAt<T>(p, b, c, first + k))));
   }
   if (p.bias != nullptr) sum[0] = __fadd_rn(sum[0], Widen(static_cast<const T*>(p.bias)[c]));
-  static_cast<T*>(p.y)[i] = Activate<T, 1>(sum, p.silu).v[0];
+  static_cast<T*>(p.y)[i] = Activate<T, 1>(sum, p.silu, p.round_once).v[0];
 }
 
 // final_state [B, C, S] for AnyWidthKernel: one thread per element.
@@ -607,6 +620,7 @@ cudaError_t LaunchCausalConv1d(const CausalConv1dCpuArgs& a, cudaStream_t stream
   p.state_len = static_cast<int>(a.state_len);
   p.width = static_cast<int>(a.width);
   p.silu = a.silu ? 1 : 0;
+  p.round_once = a.round_once ? 1 : 0;
   p.channels_last = a.channels_last ? 1 : 0;
   switch (a.type) {
     case ElemType::kFloat: return LaunchTyped<float>(a, p, stream);

@@ -14,6 +14,9 @@ tensor::
         y[t, c]       = activation == "silu" ? round_T(v * round_T(1 / (1 + Exp(-v)))) : v
     y           = channels_last ? y_cl : Transpose(y_cl, [0, 2, 1])
 
+With ``round_once`` the SiLU reads the float32 sum and the float32 sigmoid (a Where on the attribute picks them over
+their T roundings) and y is the one rounding; without the activation v is the one rounding either way.
+
 Speed is the point of the chunks. The exported graphs' depthwise Conv needs ``group = C`` as a static
 attribute, which the op cannot pass to its body (C is a shape, not an attribute), so the taps are elementwise
 ops, and a whole-prompt tensor per op would make each a pass over memory (C = 10240, L = 512: 21 MB in
@@ -47,7 +50,7 @@ OUTPUTS = ("y", "final_state")
 #: Attributes every node sets.
 ATTRIBUTES = ("state_width",)
 #: Optional attributes and the defaults the function declares.
-OPTIONAL_ATTRIBUTES = {"activation": "silu", "channels_last": 1}
+OPTIONAL_ATTRIBUTES = {"activation": "silu", "channels_last": 1, "round_once": 0}
 #: Lowest ONNX opset the body is written for (CastLike: opset 15).
 MIN_OPSET = 15
 #: The ai.onnx.ml opset the body imports (LabelEncoder with string keys and int64 values: version 2).
@@ -109,15 +112,18 @@ def _chunk_body(silu: bool) -> onnx.GraphProto:
         # silu(v) = round_T(v * round_T(sigmoid(v))): the exports' Sigmoid and Mul, each rounded to T. The sigmoid
         # as 1 / (1 + exp(-v)): ONNX Runtime's CPU Sigmoid (MLAS) is accurate in absolute terms only (2e-5
         # relative at v = -5.5), its Exp to a few ulps; exp(-v) = inf below v = -88 gives 0, the limit.
+        # (round_once: the float32 sum and sigmoid instead of their roundings to T)
         nodes += [
-            node("Cast", ["v"], ["v_f"], to=_FLOAT),
+            node("Cast", ["v"], ["v_t_f"], to=_FLOAT),
+            node("Where", ["once", "sum_f", "v_t_f"], ["v_f"]),
             node("Neg", ["v_f"], ["minus_v"]),
             node("Exp", ["minus_v"], ["exp_minus_v"]),
             node("Add", ["exp_minus_v", "one_f"], ["denominator"]),
             node("Div", ["one_f", "denominator"], ["gate_f"]),
             node("CastLike", ["gate_f", "x"], ["gate"]),
             node("Cast", ["gate"], ["gate_t_f"], to=_FLOAT),
-            node("Mul", ["v_f", "gate_t_f"], ["y_f"]),
+            node("Where", ["once", "gate_f", "gate_t_f"], ["gate_used"]),
+            node("Mul", ["v_f", "gate_used"], ["y_f"]),
             node("CastLike", ["y_f", "x"], ["y_chunk"]),
         ]
     else:
@@ -242,6 +248,8 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
             default_int64=0,
         ),
         node("Cast", ["is_silu_int"], ["is_silu"], to=onnx.TensorProto.BOOL),
+        node_with_refs("Constant", [], ["round_once_int"], {"value_int": ("round_once", onnx.AttributeProto.INT)}),
+        node("Cast", ["round_once_int"], ["once"], to=onnx.TensorProto.BOOL),
         # one Loop each way, so that "none" computes no SiLU and "silu" selects none with a Where
         node("If", ["is_silu"], ["y_chunks"], then_branch=_loop_branch(True), else_branch=_loop_branch(False)),
         node("Concat", ["batch", "minus_one", "channels"], ["padded_shape"], axis=0),

@@ -11,6 +11,10 @@ length, K the kernel width and S = ``state_width``::
         v = round_T(sum_k f32(w[c,k]) * f32(window[S-K+1+t+k]) + f32(bias[c]))   # the Conv's one rounding
         y[t] = activation == "silu" ? round_T(v * round_T(sigmoid(v))) : v     # Sigmoid, then Mul
 
+With ``round_once`` = 1 (ONNX Runtime's CausalConvWithState, as mobius builds use it) v and the sigmoid stay float32
+and y alone is rounded: ``y[t] = round_T(a * sigmoid(a))`` (``round_T(a)`` without the activation), ``a`` the float32
+sum.
+
 This is ``CausalConv1dUpdate`` (fusion/reference/causal_conv1d_update.py) of the whole prompt from the initial
 state, in the prompt's layout: the prefill exports' Conv (pads K-1, the first L columns kept) sees the same
 windows with the state's zeros as its left padding. So this module checks its own inputs, lays them out as the
@@ -87,6 +91,11 @@ def check_inputs(
     return batch, channels, length, state_width, width
 
 
+def _check_round_once(round_once: int) -> None:
+    if round_once not in (0, 1):
+        raise ValueError(f"{OP_TYPE}: round_once must be 0 or 1, got {round_once!r}")
+
+
 def _as_update(
     x: np.ndarray,
     initial_state: np.ndarray | None,
@@ -116,6 +125,7 @@ def causal_conv1d(
     channels_last: int = 1,
     state_width: int | None = None,
     compute_dtype: np.dtype | type = np.float32,
+    round_once: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return ``(y, final_state)`` of ``CausalConv1d`` as the module docstring defines it: y in x's layout and
     type, final_state (B, C, S).
@@ -126,9 +136,10 @@ def causal_conv1d(
     batch, channels, _, state_width, _ = check_inputs(
         x, weight, bias, initial_state, activation, channels_last, state_width
     )
+    _check_round_once(round_once)
     x_cf, state = _as_update(x, initial_state, channels_last, batch, channels, state_width)
     y_cf, final_state = update.causal_conv1d_update(
-        x_cf, state, weight, bias, activation=activation, compute_dtype=compute_dtype
+        x_cf, state, weight, bias, activation=activation, compute_dtype=compute_dtype, round_once=bool(round_once)
     )
     return _in_layout(y_cf, channels_last), final_state
 
@@ -144,6 +155,7 @@ def budget_bounds(
     state_width: int | None = None,
     transcendental_error: float = TRANSCENDENTAL_ERROR,
     sigmoid_abs_error: float = 0.0,
+    round_once: int = 0,
 ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Return ``{"y": (reference, lo, hi), "final_state": (reference, lo, hi)}``, float64 arrays, y in x's layout.
 
@@ -156,6 +168,7 @@ def budget_bounds(
     batch, channels, _, state_width, _ = check_inputs(
         x, weight, bias, initial_state, activation, channels_last, state_width
     )
+    _check_round_once(round_once)
     x_cf, state = _as_update(x, initial_state, channels_last, batch, channels, state_width)
     bounds = update.budget_bounds(
         x_cf,
@@ -165,6 +178,7 @@ def budget_bounds(
         activation=activation,
         transcendental_error=transcendental_error,
         sigmoid_abs_error=sigmoid_abs_error,
+        round_once=bool(round_once),
     )
     y = tuple(_in_layout(a, channels_last) for a in bounds["y"])
     return {"y": y, "final_state": bounds["present_state"]}  # type: ignore[dict-item]
@@ -183,6 +197,7 @@ def budget_report(
     state_width: int | None = None,
     transcendental_error: float = TRANSCENDENTAL_ERROR,
     sigmoid_abs_error: float = 0.0,
+    round_once: int = 0,
 ) -> tuple[bool, str]:
     """Return (within budget, message) for a kernel's ``y`` and ``final_state`` on these inputs.
 
@@ -199,6 +214,7 @@ def budget_report(
         state_width=state_width,
         transcendental_error=transcendental_error,
         sigmoid_abs_error=sigmoid_abs_error,
+        round_once=round_once,
     )
     t = np.asarray(x).dtype
     return report_within(bounds, {"y": (y, t), "final_state": (final_state, t)})
@@ -212,6 +228,7 @@ def _evaluate_node(
     activation: str | bytes | None = None,
     channels_last: int | None = None,
     state_width: int | None = None,
+    round_once: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return ``causal_conv1d`` of a node's inputs and attributes (a string attribute may come as bytes; a node
     without ``state_width`` is rejected, as the kernels reject it)."""
@@ -225,6 +242,7 @@ def _evaluate_node(
         activation=activation or "silu",
         channels_last=1 if channels_last is None else channels_last,
         state_width=state_width,
+        round_once=round_once or 0,
     )
 
 

@@ -96,8 +96,12 @@ def causal_conv1d_update(
     *,
     activation: str = "silu",
     compute_dtype: np.dtype | type = np.float32,
+    round_once: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Return ``(y, present_state)`` of ``CausalConv1dUpdate`` as the module docstring defines it.
+
+    ``round_once`` (CausalConv1d's attribute): the sum, the sigmoid and the product stay in the compute type and only
+    y is rounded to T (ONNX Runtime's CausalConvWithState), instead of v, sigmoid(v) and y each.
 
     Raises ValueError for any input the op rejects (``check_inputs``). NaN and Inf propagate.
     """
@@ -112,8 +116,11 @@ def causal_conv1d_update(
         acc = np.sum(_windows(window, state_len, width, new).astype(cd) * w[None, :, None, :], axis=-1, dtype=cd)
         if bias is not None:
             acc = acc + bias.astype(cd)[None, :, None]
-        v = r_t(acc)
-        y = r_t(v * r_t(sigmoid(v))) if activation == "silu" else v
+        if round_once:
+            y = r_t(acc * sigmoid(acc)) if activation == "silu" else r_t(acc)
+        else:
+            v = r_t(acc)
+            y = r_t(v * r_t(sigmoid(v))) if activation == "silu" else v
     return y.astype(t), window[:, :, new:].copy()
 
 
@@ -126,8 +133,10 @@ def budget_bounds(
     activation: str = "silu",
     transcendental_error: float = TRANSCENDENTAL_ERROR,
     sigmoid_abs_error: float = 0.0,
+    round_once: bool = False,
 ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Return ``{"y": (reference, lo, hi), "present_state": (reference, lo, hi)}``, float64 arrays.
+    (``round_once``: v and the sigmoid are float32 values, y the one rounding to T.)
 
     The convolution's sum (K products and the bias, any order, FMA or not) may err by (K + 1) float32 unit
     roundoffs times the sum of its terms' magnitudes; the sigmoid by ``transcendental_error`` (relative)
@@ -138,9 +147,10 @@ def budget_bounds(
     x, conv_state, weight, bias = as_arrays(x, conv_state, weight, bias)
     _, channels, new, state_len, width = check_inputs(x, conv_state, weight, bias, activation)
     point_y, present = causal_conv1d_update(
-        x, conv_state, weight, bias, activation=activation, compute_dtype=np.float64
+        x, conv_state, weight, bias, activation=activation, compute_dtype=np.float64, round_once=round_once
     )
     t = x.dtype
+    inner = F32 if round_once else t  # the type v and the sigmoid are rounded to
     window = np.concatenate([conv_state, x], axis=-1).astype(np.float64)
     w = weight.reshape(channels, width).astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore", under="ignore"):
@@ -151,13 +161,15 @@ def budget_bounds(
             b = bias.astype(np.float64)[None, :, None]
             acc, magnitude = acc + b, magnitude + np.abs(b)
         slack = (width + 1) * (U32 * magnitude + 2 * TINY32)
-        v_lo, v_hi = round_interval(acc - slack, acc + slack, F32, t)
+        v_lo, v_hi = round_interval(acc - slack, acc + slack, F32, inner)
         if activation == "silu":
             e, abs_e = transcendental_error, sigmoid_abs_error + 4 * TINY32
             sg_lo = np.maximum(sigmoid(v_lo) * (1 - e) - abs_e, 0.0)
             sg_hi = np.minimum(sigmoid(v_hi) * (1 + e) + abs_e, 1.0)
-            sg_lo, sg_hi = round_interval(sg_lo, sg_hi, F32, t)
-            y_lo, y_hi = round_interval(*mul_interval(v_lo, v_hi, sg_lo, sg_hi), F32, t)
+            sg_lo, sg_hi = round_interval(sg_lo, sg_hi, F32, inner)
+            y_lo, y_hi = round_interval(*mul_interval(v_lo, v_hi, sg_lo, sg_hi), F32, t)  # the float32 product, T
+        elif round_once:
+            y_lo, y_hi = round_interval(v_lo, v_hi, F32, t)
         else:
             y_lo, y_hi = v_lo, v_hi
     state64 = present.astype(np.float64)
@@ -175,6 +187,7 @@ def budget_report(
     activation: str = "silu",
     transcendental_error: float = TRANSCENDENTAL_ERROR,
     sigmoid_abs_error: float = 0.0,
+    round_once: bool = False,
 ) -> tuple[bool, str]:
     """Return (within budget, message) for a kernel's ``y`` and ``present_state`` on these inputs.
 
@@ -190,6 +203,7 @@ def budget_report(
         activation=activation,
         transcendental_error=transcendental_error,
         sigmoid_abs_error=sigmoid_abs_error,
+        round_once=round_once,
     )
     t = np.asarray(x).dtype
     return report_within(bounds, {"y": (y, t), "present_state": (present_state, t)})

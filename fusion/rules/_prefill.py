@@ -197,10 +197,12 @@ def causal_conv1d_node(
     channels_last: int,
     dtype: ir.DataType,
     name: str,
+    round_once: int = 0,
 ):
     """Write a CausalConv1d node (state_width = K - 1) with every input its model-local function takes: -0.0s for
     an absent bias (adding them is the identity) and a zero (B, C, K - 1) state for an absent one; return its
-    (y, final_state)."""
+    (y, final_state). ``round_once`` = 1 is written as the attribute (the output rounded once to T), 0 left to its
+    default."""
     if bias is None:
         zeros = negative_zeros(f"{name}_bias", channels, dtype)
         bias = op.initializer(zeros.const_value, name=zeros.name)
@@ -219,4 +221,5 @@ def causal_conv1d_node(
         state_width=width - 1,
         activation=activation,
         channels_last=channels_last,
+        **({"round_once": 1} if round_once else {}),
     )

@@ -14,10 +14,11 @@ K - 1 columns and the input, the depthwise sums plus the bias, the activation, a
 as the next state. The rule proves what the two ops share from the graph: ORT's defaults for every attribute but
 ``activation`` (1-D, undilated, no state window, channels-first, no speculative capture), an activation both know
 ("swish" is ORT's other name for SiLU), a constant (C, 1, K) weight, no reader of ORT's optional third output,
-and float32 values. Float16 and bfloat16 are refused: ORT's kernel rounds the activation's output once to the
-type, where CausalConv1d rounds as the exported graphs do (the conv, the sigmoid and the product, each), so the
-two differ in the last bit of a third of the outputs. With the Transposes on both sides (each with no other
-reader) the node reads and writes the (B, L, C) values themselves (``channels_last = 1``) and the Transposes go;
+and float32, float16 or bfloat16 values. In 16 bits ORT's kernel computes the sum, the bias and the activation in
+float32 and rounds its output once to the type: the node is then written with ``round_once = 1``, CausalConv1d's
+rounding of the same computation (by default it rounds the conv, the sigmoid and the product each, as the exported
+graphs do; the two differ in the last bit of a third of the outputs). With the Transposes on both sides (each with no
+other reader) the node reads and writes the (B, L, C) values themselves (``channels_last = 1``) and the Transposes go;
 otherwise it takes ORT's layout (``channels_last = 0``). genai's inputs and outputs keep their names and layout:
 the state is (B, C, K - 1) in both ops.
 
@@ -76,12 +77,15 @@ _DEFAULTS: dict[str, tuple[int, ...]] = {
 }
 #: The attributes each spelling may carry besides ``activation``: ONNX's op has no other, ORT's the ones above.
 _ATTRIBUTES_BY_DOMAIN: dict[str, dict[str, tuple[int, ...]]] = {BUILDER_DOMAIN: _DEFAULTS, STANDARD_DOMAIN: {}}
-#: Why a float16 or bfloat16 op is not CausalConv1d's computation, which rounds as the exported graphs do (the
-#: conv, the sigmoid and the product, each)
-_HALF_ROUNDING = {
-    BUILDER_DOMAIN: "ORT's kernel rounds a float16 or bfloat16 activation once",
-    STANDARD_DOMAIN: "ONNX's function body rounds the conv to the type and SiLU once from float32",
+#: The types each spelling is CausalConv1d's computation in. ORT's kernel computes the conv, the bias and SiLU in
+#: float32 and rounds its output once: CausalConv1d with ``round_once = 1`` in float16 and bfloat16 too. ONNX's
+#: function body rounds the conv to the type and then SiLU once from float32, which neither of CausalConv1d's
+#: roundings is, so its 16-bit nodes are refused.
+_TYPES = {
+    BUILDER_DOMAIN: (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16),
+    STANDARD_DOMAIN: (ir.DataType.FLOAT,),
 }
+_SIXTEEN_BITS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 #: The activations both ops name and CausalConv1d's names for them ("none" is the default of both)
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "none": "none"}
 _TRANSPOSED = [0, 2, 1]
@@ -98,6 +102,8 @@ class _Plan:
     width: int
     activation: str
     channels_last: int
+    dtype: ir.DataType
+    round_once: int
     leftovers: list[ir.Value]
     attributes: dict[str, Any]
 
@@ -162,8 +168,9 @@ class CausalConvWithStateFusion(PlannedRule):
             width=plan.width,
             activation=plan.activation,
             channels_last=plan.channels_last,
-            dtype=ir.DataType.FLOAT,
+            dtype=plan.dtype,
             name=plan.anchor.name or "causal_conv",
+            round_once=plan.round_once,
         )
 
 
@@ -209,14 +216,21 @@ def _prove(anchor: ir.Node, x: ir.Value, weight: ir.Value, transposed: bool) -> 
     opset = anchor.graph.opset_imports.get("", anchor.graph.opset_imports.get("ai.onnx")) if anchor.graph else None
     if opset is None or opset < MIN_OPSET:
         raise Refusal(f"the model's ONNX opset {opset} is below {MIN_OPSET}, which CausalConv1d's function needs")
-    values = [x, *anchor.inputs[1:4]]
-    for value in values:
-        if value is not None and value.dtype != ir.DataType.FLOAT:
-            raise Refusal(
-                f"{value.name} is {dtype_name(value.dtype)}: only float32 is the same computation "
-                f"({_HALF_ROUNDING[anchor.domain]}, CausalConv1d at each of the exported graph's steps)",
-                value,
-            )
+    dtype = x.dtype
+    if dtype not in _TYPES[anchor.domain]:
+        raise Refusal(
+            f"{x.name} is {dtype_name(dtype)}: "
+            + (
+                "ONNX's function body rounds the conv to the type and SiLU once from float32, which is neither of "
+                "CausalConv1d's roundings"
+                if dtype in _SIXTEEN_BITS
+                else "not float, float16 or bfloat16"
+            ),
+            x,
+        )
+    for value in anchor.inputs[1:4]:
+        if value is not None and value.dtype != dtype:
+            raise Refusal(f"{value.name} is {dtype_name(value.dtype)}, not the input's {dtype_name(dtype)}", value)
     if weight.const_value is None:
         raise Refusal("the conv weight is not a constant", weight)
     shape = list(weight.const_value.shape)
@@ -234,6 +248,9 @@ def _prove(anchor: ir.Node, x: ir.Value, weight: ir.Value, transposed: bool) -> 
         width=int(shape[2]),
         activation=_ACTIVATIONS[activation],
         channels_last=1 if transposed else 0,
+        dtype=dtype,
+        # ORT's kernel rounds a 16-bit output once (float32 has no rounding to choose)
+        round_once=1 if dtype in _SIXTEEN_BITS else 0,
         # ORT's node, then the Transposes around it, once nothing reads them
         leftovers=[*anchor.outputs, *(user.outputs[0] for user, _ in anchor.outputs[0].uses())],
         attributes={
