@@ -154,28 +154,18 @@ Ort::Status ReadCausalConv1dAttrs(const OrtKernelInfo* info, CausalConv1dAttrs& 
     ort.ReleaseStatus(status);
     return OpError(kOp, where + "the attribute state_width (the conv state's columns, K - 1 or more) is required");
   }
-  int64_t channels_last = 1;
-  if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "channels_last", &channels_last)) {
-    ort.ReleaseStatus(status);  // optional: absent means 1
-    channels_last = 1;
+  bool channels_last = true, round_once = false, silu = true;
+  if (Ort::Status status = ReadFlagAttribute(info, kOp, "channels_last", true, channels_last); !status.IsOK()) {
+    return status;
   }
-  if (channels_last != 0 && channels_last != 1) {
-    return OpError(kOp, where + "channels_last must be 0 or 1, got " + std::to_string(channels_last));
+  if (Ort::Status status = ReadFlagAttribute(info, kOp, "round_once", false, round_once); !status.IsOK()) {
+    return status;
   }
-  int64_t round_once = 0;
-  if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "round_once", &round_once)) {
-    ort.ReleaseStatus(status);  // optional: absent means 0
-    round_once = 0;
-  }
-  if (round_once != 0 && round_once != 1) {
-    return OpError(kOp, where + "round_once must be 0 or 1, got " + std::to_string(round_once));
-  }
-  bool silu = true;
   if (Ort::Status status = ReadSiluActivation(info, kOp, silu); !status.IsOK()) return status;
   attrs.state_width = state_width;
   attrs.silu = silu;
-  attrs.channels_last = channels_last == 1;
-  attrs.round_once = round_once == 1;
+  attrs.channels_last = channels_last;
+  attrs.round_once = round_once;
   return Ort::Status{};
 }
 

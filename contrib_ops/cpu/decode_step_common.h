@@ -86,6 +86,25 @@ inline OrtStatusPtr ForwardTypeShape(OrtShapeInferContext* context, size_t in, s
   });
 }
 
+// Reads the optional 0/1 int attribute `name` as `flag` (absent: `fallback`). Any other value is an error naming the
+// node, the attribute and the value.
+inline Ort::Status ReadFlagAttribute(const OrtKernelInfo* info, const char* op, const char* name, bool fallback,
+                                     bool& flag) {
+  const OrtApi& ort = Ort::GetApi();
+  int64_t value = fallback ? 1 : 0;
+  if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, name, &value)) {
+    ort.ReleaseStatus(status);  // optional: absent means the fallback
+    value = fallback ? 1 : 0;
+  }
+  if (value != 0 && value != 1) {
+    const Ort::ConstKernelInfo kernel_info(info);
+    return OpError(op, "node '" + kernel_info.GetNodeName() + "': " + name + " must be 0 or 1, got " +
+                           std::to_string(value));
+  }
+  flag = value == 1;
+  return Ort::Status{};
+}
+
 // Reads the optional attribute `activation` of the causal convs: "silu" (also when absent) or "none", as `silu`.
 // Any other value is an error naming the node.
 inline Ort::Status ReadSiluActivation(const OrtKernelInfo* info, const char* op, bool& silu) {

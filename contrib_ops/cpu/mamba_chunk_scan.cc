@@ -212,15 +212,9 @@ Ort::Status ReadMambaChunkScanAttrs(const OrtKernelInfo* info, MambaChunkScanAtt
   const Ort::ConstKernelInfo kernel_info(info);
   const std::string where = "node '" + kernel_info.GetNodeName() + "': ";
   const OrtApi& ort = Ort::GetApi();
-  int64_t dt_softplus = 1;
-  if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "dt_softplus", &dt_softplus)) {
-    ort.ReleaseStatus(status);  // optional: absent means 1
-    dt_softplus = 1;
+  if (Ort::Status status = ReadFlagAttribute(info, kOp, "dt_softplus", true, attrs.dt_softplus); !status.IsOK()) {
+    return status;
   }
-  if (dt_softplus != 0 && dt_softplus != 1) {
-    return OpError(kOp, where + "dt_softplus must be 0 or 1, got " + std::to_string(dt_softplus));
-  }
-  attrs.dt_softplus = dt_softplus == 1;
   attrs.dt_max = INFINITY;
   for (auto [name, value] : {std::pair<const char*, float*>{"dt_min", &attrs.dt_min}, {"dt_max", &attrs.dt_max}}) {
     if (OrtStatus* status = ort.KernelInfoGetAttribute_float(info, name, value)) {

@@ -161,18 +161,11 @@ SelectiveStateUpdateCpuOp::SelectiveStateUpdateCpuOp() {
 OrtStatusPtr SelectiveStateUpdateCpuOp::CreateKernelV2(const OrtApi& /*api*/, const OrtKernelInfo* info,
                                                        void** kernel) const {
   return GuardStatus([&]() -> Ort::Status {
-    const Ort::ConstKernelInfo kernel_info(info);
-    int64_t dt_softplus = 1;
-    const std::string where = "node '" + kernel_info.GetNodeName() + "': ";
-    const OrtApi& ort = Ort::GetApi();
-    if (OrtStatus* status = ort.KernelInfoGetAttribute_int64(info, "dt_softplus", &dt_softplus)) {
-      ort.ReleaseStatus(status);  // optional: absent means 1
-      dt_softplus = 1;
+    bool dt_softplus = true;
+    if (Ort::Status status = ReadFlagAttribute(info, kOp, "dt_softplus", true, dt_softplus); !status.IsOK()) {
+      return status;
     }
-    if (dt_softplus != 0 && dt_softplus != 1) {
-      return OpError(kOp, where + "dt_softplus must be 0 or 1, got " + std::to_string(dt_softplus));
-    }
-    *kernel = std::make_unique<SelectiveStateUpdateCpuKernel>(dt_softplus == 1).release();
+    *kernel = std::make_unique<SelectiveStateUpdateCpuKernel>(dt_softplus).release();
     return Ort::Status{};
   });
 }
