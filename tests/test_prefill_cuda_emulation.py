@@ -40,6 +40,7 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     lib.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_chunk_scan_launch_dt.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_causal_conv1d_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, p]
+    lib.mambafuse_causal_conv1d_launch_rounding.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, i, p]
     return lib
 
 
@@ -231,8 +232,14 @@ def test_the_emulation_sees_a_wrong_result(emulated: ctypes.CDLL) -> None:
 
 
 def check_conv(
-    emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], *, channels_last: int, activation: str = "silu"
-) -> None:
+    emulated: ctypes.CDLL,
+    inputs: dict[str, np.ndarray | None],
+    *,
+    channels_last: int,
+    activation: str = "silu",
+    round_once: int = 0,
+) -> np.ndarray:
+    """Run the emulated CausalConv1d, assert it is within the budget (of ``round_once``'s rounding), return y."""
     x, weight, state = inputs["x"], inputs["weight"], inputs["initial_state"]
     t = x.dtype
     batch = x.shape[0]
@@ -240,7 +247,7 @@ def check_conv(
     state_len = state.shape[2] if state is not None else weight.shape[2] - 1
     y = np.full(x.shape, np.nan, t)
     final = np.full((batch, channels, state_len), np.nan, t)
-    rc = emulated.mambafuse_causal_conv1d_launch(
+    rc = emulated.mambafuse_causal_conv1d_launch_rounding(
         host_pointer(x),
         host_pointer(weight),
         host_pointer(inputs["bias"]),
@@ -255,6 +262,7 @@ def check_conv(
         weight.shape[2],
         int(activation == "silu"),
         channels_last,
+        round_once,
         None,
     )
     assert rc == 0
@@ -268,8 +276,10 @@ def check_conv(
         activation=activation,
         channels_last=channels_last,
         state_width=state_len,
+        round_once=round_once,
     )
     assert ok, message
+    return y
 
 
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
@@ -297,6 +307,21 @@ def test_the_conv(
         channels_last=channels_last,
     )
     check_conv(emulated, inputs, channels_last=channels_last)
+
+
+@pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("channels_last", [1, 0], ids=["BLC", "BCL"])
+@pytest.mark.parametrize(("channels", "length"), [(40, 24), (37, 19)], ids=["vector", "scalar"])
+def test_the_conv_rounded_once(emulated: ctypes.CDLL, t: np.dtype, channels_last: int, channels: int, length: int):
+    """``round_once`` (a mobius build's conv): every kernel path within the rounded-once budget, and its SiLU outputs
+    not those of the default rounding (the flag reaches the kernel)."""
+    rng = np.random.default_rng(channels + length + 1)
+    inputs = conv_inputs(
+        rng, t=t, batch=2, channels=channels, length=length, width=4, state_width=4, channels_last=channels_last
+    )
+    once = check_conv(emulated, inputs, channels_last=channels_last, round_once=1)
+    each = check_conv(emulated, inputs, channels_last=channels_last)
+    assert not np.array_equal(once, each)
 
 
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)

@@ -77,13 +77,14 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_path(int64_t head_dim, int64_t s
 }
 
 // CausalConv1d on `stream`: x and y [B, L, C] (channels_last) or [B, C, L], weight [C, K], bias and initial_state
-// optional (null), final_state [B, C, S]. Returns a cudaError_t (0 = success), or -1 when CheckCausalConv1dCudaArgs
-// rejects the arguments.
-MAMBAFUSE_BENCH_EXPORT int mambafuse_causal_conv1d_launch(const void* x, const void* weight, const void* bias,
-                                                          const void* initial_state, void* y, void* final_state,
-                                                          int type, int64_t batch, int64_t channels, int64_t length,
-                                                          int64_t state_len, int64_t width, int silu,
-                                                          int channels_last, void* stream) {
+// optional (null), final_state [B, C, S]; round_once: the attribute. Returns a cudaError_t (0 = success), or -1 when
+// CheckCausalConv1dCudaArgs rejects the arguments.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_causal_conv1d_launch_rounding(const void* x, const void* weight,
+                                                                   const void* bias, const void* initial_state,
+                                                                   void* y, void* final_state, int type,
+                                                                   int64_t batch, int64_t channels, int64_t length,
+                                                                   int64_t state_len, int64_t width, int silu,
+                                                                   int channels_last, int round_once, void* stream) {
   mambafuse::CausalConv1dCpuArgs args;
   args.x = x;
   args.weight = weight;
@@ -99,6 +100,17 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_causal_conv1d_launch(const void* x, const v
   args.width = width;
   args.silu = silu != 0;
   args.channels_last = channels_last != 0;
+  args.round_once = round_once != 0;
   if (mambafuse::CheckCausalConv1dCudaArgs(args) != nullptr) return -1;
   return static_cast<int>(mambafuse::LaunchCausalConv1d(args, static_cast<cudaStream_t>(stream)));
+}
+
+// The same with the default rounding (each step rounded to T).
+MAMBAFUSE_BENCH_EXPORT int mambafuse_causal_conv1d_launch(const void* x, const void* weight, const void* bias,
+                                                          const void* initial_state, void* y, void* final_state,
+                                                          int type, int64_t batch, int64_t channels, int64_t length,
+                                                          int64_t state_len, int64_t width, int silu,
+                                                          int channels_last, void* stream) {
+  return mambafuse_causal_conv1d_launch_rounding(x, weight, bias, initial_state, y, final_state, type, batch,
+                                                 channels, length, state_len, width, silu, channels_last, 0, stream);
 }
