@@ -31,7 +31,8 @@ exact in float32), and its CUDA kernel then takes the 16-bit path. The Transpose
 copies of the state a call (4 MB each at Nemotron-H-8B widths), nothing next to a prompt's scan and most of a decode
 step's: through this node a T = 1 step takes 3-4x LinearAttention's time on the CPU (benchmarks/RESULTS.md). One
 graph serves both, so the rule is not in the default registry (``fusion.rules.registry.OPT_IN_FUSIONS``): it is
-for a prompt-heavy CPU workload that opts in (on a GPU it is not measured against ORT's CUDA LinearAttention).
+for a prompt-heavy workload that opts in (on an H200 a 2048-token prefill of a Nemotron-H-8B-shaped float16 build is
+3.1x faster than with ORT's CUDA LinearAttention; its decode steps were not timed there).
 
 ONNX's own ``LinearAttention`` (the default domain, added at opset 27) has ORT's inputs, packed (B, T, H D) layout,
 (B, H_kv, d_k, d_v) = (B, H, N, P) state, recurrences and attribute defaults (``update_rule`` gated_delta, ``scale``
