@@ -32,16 +32,20 @@ STATE_KERNELS = ["shared", "registers"]
 STATE_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"
 
 
-@pytest.fixture(scope="module")
-def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    out = tmp_path_factory.mktemp("prefill_emulated")
-    lib = emulated_library("emulate_prefill.sh", "libmambafuse_prefill_emulated.so", out)
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` (the prefill launch entry points, tools/cuda_prefill_bench_launch.cc) with their argument types."""
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_chunk_scan_launch_dt.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_causal_conv1d_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, p]
     lib.mambafuse_causal_conv1d_launch_rounding.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, i, p]
     return lib
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    out = tmp_path_factory.mktemp("prefill_emulated")
+    return declare(emulated_library("emulate_prefill.sh", "libmambafuse_prefill_emulated.so", out))
 
 
 @pytest.fixture(params=COPY_MODES)

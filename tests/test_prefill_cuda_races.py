@@ -96,11 +96,9 @@ def main(argv: list[str]) -> int:
 
     from tests._decode_step import BFLOAT16, FLOAT, FLOAT16
     from tests.test_mamba_chunk_scan_kernel import make_inputs
-    from tests.test_prefill_cuda_emulation import check_scan
+    from tests.test_prefill_cuda_emulation import check_scan, declare
 
-    library = ctypes.CDLL(argv[0])
-    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    library.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
+    library = declare(ctypes.CDLL(argv[0]))
     types = {"float16": FLOAT16, "bfloat16": BFLOAT16}
     for case in argv[1:]:
         kernel, name, n, length, copies = case.split(":")
