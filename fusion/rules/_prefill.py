@@ -12,6 +12,8 @@ from fusion.rules._decode import _BOOL_OPS, _SAME_TYPE_AS, Refusal, negative_zer
 from fusion.shapes.dims import constant_array
 
 SUPPORTED_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+#: The supported 16-bit types: exact in float32, so a graph's widening of them to float32 loses nothing
+SIXTEEN_BIT_DTYPES = SUPPORTED_DTYPES - {ir.DataType.FLOAT}
 ONNX_DOMAINS = ("", "ai.onnx")
 
 

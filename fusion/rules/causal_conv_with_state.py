@@ -56,7 +56,7 @@ from fusion.rules._decode import (
     type_untyped_values,
 )
 from fusion.rules._log import FusionLog
-from fusion.rules._prefill import causal_conv1d_node
+from fusion.rules._prefill import SIXTEEN_BIT_DTYPES, SUPPORTED_DTYPES, causal_conv1d_node
 
 FORM = "CausalConvWithState"
 BUILDER_DOMAIN = "com.microsoft"
@@ -81,11 +81,7 @@ _ATTRIBUTES_BY_DOMAIN: dict[str, dict[str, tuple[int, ...]]] = {BUILDER_DOMAIN: 
 #: float32 and rounds its output once: CausalConv1d with ``round_once = 1`` in float16 and bfloat16 too. ONNX's
 #: function body rounds the conv to the type and then SiLU once from float32, which neither of CausalConv1d's
 #: roundings is, so its 16-bit nodes are refused.
-_TYPES = {
-    BUILDER_DOMAIN: (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16),
-    STANDARD_DOMAIN: (ir.DataType.FLOAT,),
-}
-_SIXTEEN_BITS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+_TYPES = {BUILDER_DOMAIN: SUPPORTED_DTYPES, STANDARD_DOMAIN: frozenset({ir.DataType.FLOAT})}
 #: The activations both ops name and CausalConv1d's names for them ("none" is the default of both)
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "none": "none"}
 _TRANSPOSED = [0, 2, 1]
@@ -223,7 +219,7 @@ def _prove(anchor: ir.Node, x: ir.Value, weight: ir.Value, transposed: bool) -> 
             + (
                 "ONNX's function body rounds the conv to the type and SiLU once from float32, which is neither of "
                 "CausalConv1d's roundings"
-                if dtype in _SIXTEEN_BITS
+                if dtype in SIXTEEN_BIT_DTYPES
                 else "not float, float16 or bfloat16"
             ),
             x,
@@ -250,7 +246,7 @@ def _prove(anchor: ir.Node, x: ir.Value, weight: ir.Value, transposed: bool) -> 
         channels_last=1 if transposed else 0,
         dtype=dtype,
         # ORT's kernel rounds a 16-bit output once (float32 has no rounding to choose)
-        round_once=1 if dtype in _SIXTEEN_BITS else 0,
+        round_once=1 if dtype in SIXTEEN_BIT_DTYPES else 0,
         # ORT's node, then the Transposes around it, once nothing reads them
         leftovers=[*anchor.outputs, *(user.outputs[0] for user, _ in anchor.outputs[0].uses())],
         attributes={

@@ -222,40 +222,45 @@ def _projection(before: ir.Node, axis: int) -> tuple[ir.Node | None, tuple[ir.No
     by a constant vector first (Falcon-H1's multipliers: the Mul, and which input is the vector); (None, None) where
     the Split's input is anything else."""
     source = before.inputs[0]
-    if source is None or axis != _RANK - 1 or source.is_graph_output() or len(source.uses()) != 1:
+    if axis != _RANK - 1 or not _read_once(source):
         return None, None
     producer = source.producer()
-    scale = None
+    scale, vector = None, None
     if producer is not None and producer.op_type == "Mul" and producer.domain in _ONNX and len(producer.inputs) == 2:
         for j in (0, 1):
-            product, vector = producer.inputs[1 - j], producer.inputs[j]
+            product, vector = producer.inputs[1 - j], _column_vector(producer.inputs[j])
             matmul = product.producer() if product is not None else None
-            if matmul is not None and matmul.op_type == "MatMul" and _column_vector(vector):
-                scale, source, producer = (producer, j), product, matmul
+            if vector is not None and matmul is not None and matmul.op_type == "MatMul" and _read_once(product):
+                scale, producer = (producer, j), matmul
                 break
         if scale is None:
             return None, None
     if producer is None or producer.op_type != "MatMul" or producer.domain not in _ONNX or len(producer.inputs) != 2:
         return None, None
     h, weight = producer.inputs
-    if h is None or weight is None or source.is_graph_output() or len(source.uses()) != 1:
+    tensor = weight.const_value if weight is not None else None
+    if h is None or tensor is None or len(tensor.shape) != 2:
         return None, None
-    tensor = weight.const_value
-    if tensor is None or len(tensor.shape) != 2:
+    # the vector has W's type (the Mul's operands share one) and one element per column of the product
+    if vector is not None and (
+        vector.shape[-1] != tensor.shape[1] or ir.DataType.from_numpy(vector.dtype) != tensor.dtype
+    ):
         return None, None
-    if scale is not None:
-        data = _folded(scale[0].inputs[scale[1]])
-        # the vector has W's type (the Mul's operands share one) and one element per column of the product
-        if data is None or data.shape[-1] != tensor.shape[1] or ir.DataType.from_numpy(data.dtype) != tensor.dtype:
-            return None, None
     return producer, scale
 
 
-def _column_vector(vector: ir.Value | None) -> bool:
-    """Whether ``vector`` is a constant that a Mul broadcasts along the last axis only: its shape is (D,), (1, D)
-    or (1, 1, D), so column j of the product is multiplied by element j, whatever the rows."""
+def _read_once(value: ir.Value | None) -> bool:
+    """Whether ``value`` exists, is no graph output and has one reader."""
+    return value is not None and not value.is_graph_output() and len(value.uses()) == 1
+
+
+def _column_vector(vector: ir.Value | None) -> np.ndarray | None:
+    """``vector``'s data where it is a constant that a Mul broadcasts along the last axis only: its shape is (D,),
+    (1, D) or (1, 1, D), so column j of the product is multiplied by element j, whatever the rows; else None."""
     data = _folded(vector) if vector is not None else None
-    return data is not None and 1 <= data.ndim <= _RANK and all(d == 1 for d in data.shape[:-1])
+    if data is None or not 1 <= data.ndim <= _RANK or any(d != 1 for d in data.shape[:-1]):
+        return None
+    return data
 
 
 def _grouped(sizes: list[int], count: int) -> list[list[int]]:

@@ -69,7 +69,16 @@ from fusion.rules._decode import (
     type_untyped_values,
 )
 from fusion.rules._log import FusionLog
-from fusion.rules._prefill import axis_of, const_ints, constant_limit, mul_operands, producer_of, same, strip
+from fusion.rules._prefill import (
+    SIXTEEN_BIT_DTYPES,
+    axis_of,
+    const_ints,
+    constant_limit,
+    mul_operands,
+    producer_of,
+    same,
+    strip,
+)
 from fusion.shapes.dims import ForwardShapes, constant_array
 
 FORM = "LinearAttention"
@@ -231,15 +240,6 @@ def _prove(anchor: ir.Node, q, k, v, past, decay, shapes: ForwardShapes) -> _Pla
     groups = c_groups
     if c_groups != b_groups:  # then read both per head (G = H): the same elements, no repeat to prove
         b_source, c_source, groups = k, q, heads
-    # x, B and C widened from one 16-bit type (mobius' float16 and bfloat16 builds): the scan reads them as they
-    # were, with the float32 time step (the same products, a 16-bit value being exact in float32), and the state too
-    # where the graph widened it from that type.
-    narrow = {name: _widened(value) for name, value in (("x", x), ("B", b_source), ("C", c_source), ("past", past))}
-    types = {narrow[name].source.dtype if narrow[name] else None for name in ("x", "B", "C")}
-    if len(types) != 1 or None in types:
-        narrow = {}
-    elif narrow["past"] is None or narrow["past"].source.dtype not in types:
-        del narrow["past"]
     return _Plan(
         anchor=anchor,
         x=x,
@@ -254,11 +254,22 @@ def _prove(anchor: ir.Node, q, k, v, past, decay, shapes: ForwardShapes) -> _Pla
         state_size=state_size,
         leftovers=list(anchor.outputs),  # LinearAttention, then its inputs' chains once unread
         attributes={"heads": heads, "head_dim": head_dim, "groups": groups, "state_size": state_size},
-        narrow={name: found for name, found in narrow.items() if found is not None},
+        narrow=_sixteen_bit_reads(x, b_source, c_source, past),
     )
 
 
-_SIXTEEN_BITS = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+def _sixteen_bit_reads(x: ir.Value, b: ir.Value, c: ir.Value, past: ir.Value) -> dict[str, _Narrow]:
+    """x, B and C by name as the 16-bit values the graph widened, where all three widen from one 16-bit type
+    (mobius' float16 and bfloat16 builds; the scan then reads them with the float32 time step: the same products, a
+    16-bit value being exact in float32), and the state ("past") too where it widens from that type; else none."""
+    reads = {name: _widened(value) for name, value in (("x", x), ("B", b), ("C", c))}
+    types = {read.source.dtype if read is not None else None for read in reads.values()}
+    if len(types) != 1 or None in types:
+        return {}
+    state = _widened(past)
+    if state is not None and state.source.dtype in types:
+        reads["past"] = state
+    return reads
 
 
 def _widened(value: ir.Value) -> _Narrow | None:
@@ -273,7 +284,7 @@ def _widened(value: ir.Value) -> _Narrow | None:
     if cast is None or cast.attributes.get_int("to", 0) != ir.DataType.FLOAT or not cast.inputs:
         return None
     source = cast.inputs[0]
-    if source is None or source.dtype not in _SIXTEEN_BITS:
+    if source is None or source.dtype not in SIXTEEN_BIT_DTYPES:
         return None
     return _Narrow(source, shape, allowzero)
 
