@@ -67,6 +67,18 @@ MatMul kernels (the prefill target: within 1.3x of them):
     python benchmarks/bench_gpu_nemotron.py step --mode prefill --dtypes fp16 \\
         --graphs .bench-vendor/nemotron --library build/cuda/libmambafuse_ops.so
 
+A mobius build is one graph for prompt and decode (``mobius_step_inputs``), so ``step --mode decode`` on its folder
+times a decode step (1 token after a past of 8) through each of its variants (MOBIUS_VARIANTS), the opt-in scan and
+conv nodes too, beside the graph as built.
+
+``step --graph-attribution`` also says where a Run with ORT's CUDA graph spends its wall time, per variant: its Runs
+made back to back under torch.profiler, each Run's host start and end beside CUPTI's records of the kernels and copies
+the graph replays (``run_attribution``: before the first kernel, the kernels' span, busy and idle within it, after the
+last kernel, the gap to the next Run, the copies; where CUPTI reports none, it says so):
+
+    python benchmarks/bench_gpu_nemotron.py step --mode prefill --dtypes fp16 --graph-attribution \\
+        --graphs .bench-vendor/nemotron-mobius --library build/cuda/libmambafuse_ops.so
+
 Only the projections' and the embedding's weights are random on the GPU machine: a tensor the fused graph
 bakes into its nodes (Mamba's A, folded to (H, P, N) by the exporter, and read per head by the rewrite) keeps
 its values, or the unfused and the fused step would compute different things.
@@ -75,6 +87,7 @@ its values, or the unfused and the fused step would compute different things.
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import os
@@ -84,6 +97,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -453,6 +467,9 @@ MOBIUS_DTYPES = {"fp16": "f16", "bf16": "bf16"}
 
 #: The Hugging Face checkpoint name (models/mobius.py's CHECKPOINTS) of the "real" config with LAYERS.
 REAL8_CHECKPOINT = "nemotron_h-real8"
+#: The variants ``export --builder mobius`` writes besides "before" and "after" (``step_variant``): one graph each,
+#: measured by ``step --mode decode`` and ``--mode prefill`` alike, since the build serves both.
+MOBIUS_VARIANTS = ("optimize", "optimize-scan", "optimize-scan-widened", "optimize-scan-conv")
 
 
 def write_real8_checkpoint(folder: Path) -> None:
@@ -502,10 +519,7 @@ def export_mobius(out: Path, dtypes: list[str], checkpoint: Path | None) -> None
             location = f"weights-{dtype}.bin"
             entries = {}
             variants = [("before", source), ("after", fused)]
-            variants += [
-                (name, step_variant(source, build_dir, name))
-                for name in ("optimize", "optimize-scan", "optimize-scan-widened", "optimize-scan-conv")
-            ]
+            variants += [(name, step_variant(source, build_dir, name)) for name in MOBIUS_VARIANTS]
             for name, path in variants:
                 target = out / f"{dtype}-{name}.onnx"
                 manifest = save_stripped(path, target, layout, location)
@@ -903,6 +917,10 @@ def run_step(args: argparse.Namespace) -> None:
             )
         else:
             emit(f"### {builder} {dtype} {args.mode}, {feeds['input_ids'][0].shape[-1]} tokens")
+        absent = [v for v in MOBIUS_VARIANTS if v not in names] if builder == "mobius" else []
+        if absent:  # a folder exported before them: say so rather than leave the rows out silently
+            emit()
+            emit(f"({folder} has no {', '.join(absent)} graphs, exported before them: `export --builder mobius`)")
         emit()
         gpu, outputs, family_of = {}, {}, {}
         for v, path in paths.items():
@@ -966,6 +984,12 @@ def run_step(args: argparse.Namespace) -> None:
                     f"- {builder} {dtype} {STEP_VARIANTS[v]}: idle {gpu[v]['idle']:.0f} of a {gpu[v]['span']:.0f} µs "
                     "span; " + "; ".join(f"{us:.0f} after {a[:50]} before {b[:50]}" for us, a, b in gpu[v]["gaps"])
                 )
+        if args.graph_attribution:
+            found = graph_attribution_lines(
+                ort, torch, f"{builder} {dtype}", paths, feeds, dims, args.library, runs, settings, timing, gpu
+            )
+            for line in found:
+                emit(line)
     emit()
     emit("GPU time per Run by kernel family (µs; CUPTI, no CUDA graph; families by kernel name):")
     emit()
@@ -991,6 +1015,79 @@ def run_step(args: argparse.Namespace) -> None:
         emit(line)
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")
+
+
+#: The ``--graph-attribution`` table's columns after the variant, and what each is.
+ATTRIBUTION_COLUMNS = (
+    ("Run, unprofiled", "the Run with ORT's CUDA graph as the table above times it (no profiler)"),
+    ("Run, profiled", "the same Run under the profiler (time.perf_counter around run_with_iobinding)"),
+    (
+        "before first GPU work",
+        "from the Run's host start (time.time_ns() before run_with_iobinding) to the start of its first kernel or copy",
+    ),
+    ("GPU span", "from that start to the end of the Run's last kernel or copy"),
+    ("busy", "the part of the span with at least one kernel or copy running (their union)"),
+    ("idle", "the rest of the span: no kernel or copy running"),
+    ("after last GPU work", "from the last kernel's or copy's end to the Run's host end (run_with_iobinding returned)"),
+    ("GPU gap to the next Run", "from a Run's last kernel or copy end to the next Run's first start"),
+    (
+        "host gap to the next Run",
+        "from a Run's host end to the next Run's host start (the Python loop and the profiler's ranges)",
+    ),
+    ("kernels + copies (without the graph)", "CUPTI's records per Run with the graph (the count without it)"),
+    ("copies (µs)", "the time of the Run's memcpy and memset records"),
+)
+
+
+def graph_attribution_lines(ort, torch, label, paths, feeds, dims, library, runs, settings, timing, gpu) -> list[str]:
+    """The ``--graph-attribution`` table of one builder and dtype: where a Run with ORT's CUDA graph spends its wall
+    time (``graph_run_profile``), a row per variant of ``paths`` whose CUDA graph Run ``timing`` measured, what each
+    column is, and each variant's host CUDA API calls per Run."""
+    lines = [
+        "",
+        f"Where a Run with ORT's CUDA graph spends its wall time ({label}; {runs} Runs back to back under "
+        "torch.profiler with CPU and CUDA activities, CUPTI's kernel and copy records; µs, medians over the Runs, each "
+        "column its own median, so that the parts need not add up exactly):",
+        "",
+        "| variant | " + " | ".join(column for column, _ in ATTRIBUTION_COLUMNS) + " |",
+        "|---" * (len(ATTRIBUTION_COLUMNS) + 1) + "|",
+    ]
+    empty = len(ATTRIBUTION_COLUMNS) - 1
+    call_lines = []
+    for v, path in paths.items():
+        name, graph_run = STEP_VARIANTS[v], timing[True][v]
+        if "error" in graph_run:
+            lines.append(f"| {name} | {graph_run['error']} |" + " |" * empty)
+            continue
+        if DEVICE != "cuda":
+            lines.append(f"| {name} | needs the CUDA device (--device cuda) |" + " |" * empty)
+            continue
+        try:
+            found = graph_run_profile(ort, torch, path, feeds, dims, library, runs, settings.get(v))
+        except Exception as error:  # noqa: BLE001 - reported in the table; the other variants still run
+            lines.append(f"| {name} | {str(error).splitlines()[0][:200]} |" + " |" * empty)
+            continue
+        profiled = statistics.median(found["walls"])
+        if found["missing"]:
+            lines.append(f"| {name} | {graph_run['median']:.0f} | {profiled:.0f} | {found['missing']} |" + " |" * 8)
+            continue
+        cells = [f"{found[key]:.0f}" for key in ("before", "span", "busy", "idle", "after", "gpu_gap", "host_gap")]
+        cells.append(f"{found['kernels']:.0f} + {found['copies']:.0f} ({gpu[v]['launches']:.0f})")
+        cells.append(f"{found['copy_us']:.1f}")
+        lines.append(f"| {name} | {graph_run['median']:.0f} | {profiled:.0f} | " + " | ".join(cells) + " |")
+        share = f"{found['measured']} of {found['runs']} Runs with GPU work"
+        # a range that opens after its Run started or closes before it ended: the two clocks disagree by as much
+        clocks = "; THE CLOCKS DISAGREE" if found["range_opens"] < -1.0 or found["range_closes"] < -1.0 else ""
+        call_lines.append(
+            f"- {label} {name} ({share}; its record_function range opens {found['range_opens']:.1f} µs before "
+            f"the Run's time.time_ns() start and closes {found['range_closes']:.1f} µs after its end, a few µs each "
+            f"where the profiler's clock is time.time_ns()'s{clocks}): host CUDA API calls per Run, µs (calls): "
+            + "; ".join(f"{call} {us:.0f} ({count:.0f})" for call, us, count in found["calls"][:6])
+        )
+    lines.append("")
+    lines += [f"- {column}: {meaning}." for column, meaning in ATTRIBUTION_COLUMNS]
+    lines.append("")
+    return lines + call_lines
 
 
 def fmt(stats: dict) -> str:
@@ -1287,6 +1384,187 @@ def _idle_time(launches: list[tuple[float, str, float]], per_run: int, runs: int
     return statistics.median(idles), statistics.median(spans), gaps
 
 
+#: The label of each profiled Run's ``record_function`` range (``graph_run_profile``), then the Run's index.
+RUN_LABEL = "mambafuse graph Run "
+
+
+def graph_run_profile(ort, torch, path, feeds, dims, library, runs: int, settings=None) -> dict:
+    """Where a Run with ORT's CUDA graph spends its wall time: ``run_attribution`` of ``runs`` Runs made back to back
+    under torch.profiler (CPU and CUDA activities), each Run's host start and end read by time.time_ns() around its
+    call (kineto puts its CPU and CUPTI records on that Unix clock) and its wall by time.perf_counter (``walls``, µs).
+
+    Each Run is also a ``record_function`` range, so the Runs show in the profiler's trace and the clocks can be
+    checked: ``range_opens`` / ``range_closes``, the median µs by which a range opens before its Run's time.time_ns()
+    start and closes after its end, a few µs each (the range's own cost) where the clocks agree."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    # CUPTI loaded before ORT captures: a profiler first attached after a capture can invalidate the captured graph
+    # (torch.profiler._utils._init_for_cuda_graphs does the same for torch's own graphs)
+    with torch_profile(activities=[ProfilerActivity.CUDA]):
+        pass
+    session = session_for(ort, path, dims, library, True, settings=settings)
+    binding, keep = bind(ort, torch, session, feeds)
+    for _ in range(5):  # ORT's regular Runs before the capture, the capture, replays
+        session.run_with_iobinding(binding)
+    torch.cuda.synchronize()
+    walls, unix = [], []
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("mambafuse graph warm-up Run"):  # a profiler's first range costs ~0.5 ms more: not a Run's
+            session.run_with_iobinding(binding)
+        for index in range(runs):
+            with record_function(f"{RUN_LABEL}{index}"):
+                unix_start, t0 = time.time_ns(), time.perf_counter()
+                session.run_with_iobinding(binding)
+                t1, unix_end = time.perf_counter(), time.time_ns()
+            walls.append((t1 - t0) * 1e6)
+            unix.append((unix_start, unix_end))
+        torch.cuda.synchronize()
+    del keep, binding, session
+    ranges: dict[int, tuple[float, float]] = {}
+    records: dict[str, list] = {"kernel": [], "copy": [], "call": []}
+    results = prof.profiler.kineto_results  # kineto's records, each with its kind (FunctionEvent has no kind)
+    origin = results.trace_start_ns()
+    for event in results.events():
+        name, on_gpu = event.name(), event.device_type() == DeviceType.CUDA
+        start = (event.start_ns() - origin) / 1e3  # µs from the trace's start, CPU and GPU records alike
+        end = start + event.duration_ns() / 1e3
+        if name.startswith(RUN_LABEL):  # the range on the host (its annotation on the GPU's timeline is not a kernel)
+            if not on_gpu:
+                ranges[int(name[len(RUN_LABEL) :])] = (start, end)
+            continue
+        kind = record_kind(event.activity_type() if hasattr(event, "activity_type") else "", name, on_gpu)
+        if kind == "call":
+            records[kind].append((start, end, name))
+        elif kind is not None:
+            records[kind].append((start, end))
+    hosts = [((a - origin) / 1e3, (b - origin) / 1e3) for a, b in unix]
+    found = run_attribution(hosts, records["kernel"], records["copy"], records["call"])
+    opens = closes = float("nan")
+    if sorted(ranges) == list(range(runs)):
+        opens = statistics.median(host[0] - ranges[i][0] for i, host in enumerate(hosts))
+        closes = statistics.median(ranges[i][1] - host[1] for i, host in enumerate(hosts))
+    return {**found, "walls": walls, "range_opens": opens, "range_closes": closes}
+
+
+def record_kind(activity: str, name: str, on_gpu: bool) -> str | None:
+    """Return what a profiler record is for ``run_attribution``: "kernel", "copy" (a memcpy or memset), "call" (a host
+    CUDA runtime or driver API call) or None (anything else: CPU ops, annotations, synchronization records), by
+    kineto's activity type, or where the torch build gives none ("") by the record's device and name."""
+    if activity:
+        kinds = {"kernel": "kernel", "gpu_memcpy": "copy", "gpu_memset": "copy"}
+        return kinds.get(activity, "call" if activity in ("cuda_runtime", "cuda_driver") else None)
+    if on_gpu:
+        return "copy" if name.lower().startswith(("memcpy", "memset")) else "kernel"
+    return "call" if name.startswith("cu") else None
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    """Return the time covered by at least one of the (start, end) `intervals`."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
+
+
+#: The per-Run figures of ``run_attribution`` that are medians over the Runs with GPU work.
+ATTRIBUTED = ("before", "span", "busy", "idle", "after", "kernels", "copies", "copy_us")
+
+
+def run_attribution(
+    runs: list[tuple[float, float]],
+    kernels: list[tuple[float, float]],
+    copies: list[tuple[float, float]] = (),
+    calls: list[tuple[float, float, str]] = (),
+) -> dict:
+    """Where each Run's host wall time goes, from the Runs' host (start, end) and the GPU's kernel and copy (start,
+    end) records on one clock (µs).
+
+    Per Run: ``wall`` (host end - host start); ``before``, from the host start to the first kernel's or copy's start;
+    ``span``, from that start to the last one's end; ``busy``, the part of the span with some kernel or copy running
+    (their union), ``idle`` the rest; ``after``, from the last end to the host end (negative where the Run returned
+    before its GPU work ended): ``before + span + after = wall``. Also its ``kernels``, its ``copies`` and their time
+    (``copy_us``), and its host CUDA API ``calls`` ((start, end, name), each in the Run whose host range holds its
+    start). Between consecutive Runs: ``gpu_gap``, from one Run's last kernel or copy end to the next one's first start,
+    and ``host_gap``, from one Run's host end to the next one's host start.
+
+    A kernel or copy belongs to the last Run whose host start is at or before its start (one that starts before the
+    first Run is not counted). Returned: each figure's median over the Runs (``wall`` and ``host_gap`` over all Runs,
+    the rest over those with GPU work), ``calls`` as (name, median µs, median count) from the largest, ``runs``,
+    ``measured`` (the Runs with GPU work), ``per_run`` (each Run's figures) and ``missing``: None, or why there are no
+    GPU figures (no kernel or copy in any Run; the figures are then NaN, not 0).
+    """
+    hosts = sorted(runs)
+    starts = [start for start, _ in hosts]
+    work: list[list[tuple[float, float, bool]]] = [[] for _ in hosts]
+    for intervals, is_copy in ((kernels, False), (copies, True)):
+        for start, end in intervals:
+            index = bisect.bisect_right(starts, start) - 1
+            if index >= 0:
+                work[index].append((start, end, is_copy))
+    per_run: list[dict] = []
+    for (host_start, host_end), items in zip(hosts, work, strict=True):
+        run_calls: dict[str, list[float]] = {}
+        for start, end, name in calls:
+            if host_start <= start <= host_end:
+                run_calls.setdefault(name, []).append(end - start)
+        figures = {"wall": host_end - host_start, "calls": run_calls}
+        if items:
+            first, last = min(s for s, _, _ in items), max(e for _, e, _ in items)
+            busy = _union_length([(s, e) for s, e, _ in items])
+            figures.update(
+                first=first,
+                last=last,
+                before=first - host_start,
+                span=last - first,
+                busy=busy,
+                idle=last - first - busy,
+                after=host_end - last,
+                kernels=sum(not is_copy for *_, is_copy in items),
+                copies=sum(is_copy for *_, is_copy in items),
+                copy_us=sum(e - s for s, e, is_copy in items if is_copy),
+            )
+        per_run.append(figures)
+    measured = [f for f in per_run if "first" in f]
+    nan = float("nan")
+    result = {
+        "runs": len(hosts),
+        "measured": len(measured),
+        "missing": None,
+        "wall": statistics.median(f["wall"] for f in per_run) if per_run else nan,
+        "per_run": per_run,
+    }
+    for key in ATTRIBUTED:
+        result[key] = statistics.median(f[key] for f in measured) if measured else nan
+    gpu_gaps = [b["first"] - a["last"] for a, b in pairwise(per_run) if "first" in a and "first" in b]
+    result["gpu_gap"] = statistics.median(gpu_gaps) if gpu_gaps else nan
+    host_gaps = [b[0] - a[1] for a, b in pairwise(hosts)]
+    result["host_gap"] = statistics.median(host_gaps) if host_gaps else nan
+    names = {name for f in per_run for name in f["calls"]}
+    result["calls"] = sorted(
+        (
+            (
+                name,
+                statistics.median(sum(f["calls"].get(name, [])) for f in per_run),
+                statistics.median(len(f["calls"].get(name, [])) for f in per_run),
+            )
+            for name in names
+        ),
+        key=lambda call: (-call[1], call[0]),
+    )
+    if not measured:
+        result["missing"] = (
+            f"CUPTI reported no kernel or copy in any of the {len(hosts)} Runs: the CUDA graph's replayed kernels are "
+            "not traced on this CUDA / CUPTI"
+            if hosts
+            else "the profiler recorded no Run (no record_function range)"
+        )
+    return result
+
+
 def profile(ort, torch, path, feeds, dims, library, runs: int = 5) -> dict:
     """Kernel time per node and per (node, op type), node counts per provider, from ORT's profiler (no CUDA
     graph; the first 3 Runs are warm-up)."""
@@ -1359,6 +1637,12 @@ def main() -> int:
     t.add_argument("--runs", type=int, default=50)
     t.add_argument("--markdown", type=Path, default=None)
     t.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke test of this script")
+    t.add_argument(
+        "--graph-attribution",
+        action="store_true",
+        help="also profile each variant's Runs with ORT's CUDA graph (torch.profiler, CUPTI) and print where a Run's "
+        "wall time goes: before the first kernel, the kernels' span (busy / idle), after the last kernel",
+    )
     args = parser.parse_args()
     if args.command == "step":
         run_step(args)
