@@ -16,9 +16,11 @@ One process, one setup per (width, type, prompt length), the variants interleave
   points, and the zero state in its (B, H, N, P) layout. It does less than the kernel (no softplus, no x d, no group
   repeat, no D skip). Before timing, a small case checks that it and the kernel compute the same outputs within the
   op's budget (``linear_attention_check``); the column is left out where that fails;
-- fused, LA layout: what fusion/rules/linear_attention_scan.py writes in place of that node: a Transpose of the
-  (B, H, N, P) state in, the kernel on x, the time step d (``dt_softplus=0``), A, B, C, and a Transpose of its final
-  state back; with ``--lengths 1`` this is a decode step (T = 1) against LinearAttention's;
+- fused, LA layout: what fusion/rules/linear_attention_scan.py writes in place of that node: the kernel on x, the
+  time step d (``dt_softplus=0``), A, B, C and the (B, H, N, P) state as it is (``state_layout=1``); with
+  ``--lengths 1`` this is a decode step (T = 1) against LinearAttention's;
+- fused, Transposes: the same between a Transpose of the state in and of the final state back (the rule's form
+  before ``state_layout``), for comparison;
 - ORT MatMul: one float32 MatMul [M, 256] x [256, 256] of the same nominal FLOP count as the kernel's work,
   2 T (G Q N + H Q P + 2 H N P) at the kernel's chunk size Q, so the kernel's arithmetic rate reads as a share
   of ORT's (MLAS's) GEMM rate on this CPU (target >= 50 %). The count is the SSD algorithm's with the full
@@ -180,21 +182,31 @@ def linear_attention_feeds(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray
     }
 
 
-def la_layout_model(w: Width, length: int) -> onnx.ModelProto:
-    """The kernel where linear_attention_scan.py puts it: Transpose of the (B, H, N, P) state in, MambaChunkScan on
-    the time step d (no softplus, no bias, no D), Transpose of the final state back (float only)."""
+def la_layout_model(w: Width, length: int, *, transposes: bool = False) -> onnx.ModelProto:
+    """The kernel where linear_attention_scan.py puts it: MambaChunkScan on the time step d (no softplus, no bias, no
+    D) and the (B, H, N, P) state as it is (``state_layout=1``), or (``transposes``) between a Transpose of the state
+    in and of the final state back (float only)."""
     h, p, g, n = w.heads, w.head_dim, w.groups, w.state_size
-    nodes = [
-        oh.make_node("Transpose", ["past_state"], ["initial_state"], perm=[0, 1, 3, 2]),
-        oh.make_node(
-            "MambaChunkScan",
-            ["x", "d", "", "A", "B", "C", "", "initial_state"],
-            ["out", "final_state"],
-            domain=DOMAIN,
-            dt_softplus=0,
-        ),
-        oh.make_node("Transpose", ["final_state"], ["present_state"], perm=[0, 1, 3, 2]),
-    ]
+    scan_inputs = ["x", "d", "", "A", "B", "C", ""]
+    if transposes:
+        nodes = [
+            oh.make_node("Transpose", ["past_state"], ["initial_state"], perm=[0, 1, 3, 2]),
+            oh.make_node(
+                "MambaChunkScan", [*scan_inputs, "initial_state"], ["out", "final_state"], domain=DOMAIN, dt_softplus=0
+            ),
+            oh.make_node("Transpose", ["final_state"], ["present_state"], perm=[0, 1, 3, 2]),
+        ]
+    else:
+        nodes = [
+            oh.make_node(
+                "MambaChunkScan",
+                [*scan_inputs, "past_state"],
+                ["out", "present_state"],
+                domain=DOMAIN,
+                dt_softplus=0,
+                state_layout=1,
+            )
+        ]
     infos = [
         _vi("x", F32, [1, length, h, p]),
         _vi("d", F32, [1, length, h]),
@@ -241,11 +253,12 @@ def linear_attention_check() -> str:
     ok, summary = budget_report(out, present.transpose(0, 1, 3, 2), *args)
     if not ok:
         failures.append(f"LinearAttention: {summary}")
-    fused = contrib_ops.session(la_layout_model(w, length), use_library=True)
-    out, present = fused.run(None, la_layout_feeds(feeds))
-    ok, summary = budget_report(out + D[None, None, :, None] * x, present.transpose(0, 1, 3, 2), *args)
-    if not ok:
-        failures.append(f"fused, LA layout: {summary}")
+    for name, transposes in (("fused, LA layout", False), ("fused, Transposes", True)):
+        fused = contrib_ops.session(la_layout_model(w, length, transposes=transposes), use_library=True)
+        out, present = fused.run(None, la_layout_feeds(feeds))
+        ok, summary = budget_report(out + D[None, None, :, None] * x, present.transpose(0, 1, 3, 2), *args)
+        if not ok:
+            failures.append(f"{name}: {summary}")
     return "; ".join(failures)
 
 
@@ -439,9 +452,11 @@ def main() -> None:
                 with_la = t == F32 and not args.no_linear_attention and not la_failure
                 if with_la:  # ORT's CPU LinearAttention is float only
                     models["fused, LA layout"] = (la_layout_model(w, length), True)
+                    models["fused, Transposes"] = (la_layout_model(w, length, transposes=True), True)
                     models["ORT LinearAttention"] = (linear_attention_model(w, length), False)
                 la_feeds = {
                     "fused, LA layout": la_layout_feeds(feeds) if with_la else {},
+                    "fused, Transposes": la_layout_feeds(feeds) if with_la else {},
                     "ORT LinearAttention": linear_attention_feeds(feeds) if with_la else {},
                 }
                 if not args.no_export and length > 1:

@@ -67,8 +67,8 @@ from fusion.rewrite import Report, add_accuracy_level_argument, add_opt_in_argum
 CONFIG_NAME = "genai_config.json"
 
 #: The opt-in fusions (fusion.rules.registry.OPT_IN_FUSIONS) a folder for the CPU gets without ``--opt-in``: those
-#: measured faster there on every call the folder makes (prompt and decode step).
-CPU_FOLDER_OPT_IN = ("causal_conv_with_state",)
+#: measured as fast or faster there on the calls the folder makes (prompt and decode step; benchmarks/RESULTS.md).
+CPU_FOLDER_OPT_IN = ("linear_attention_scan", "causal_conv_with_state")
 
 #: Model types onnxruntime-genai 0.18 rejects ("Unsupported model_type in config.json: <type>").
 GENAI_UNSUPPORTED_TYPES = ("nemotron_h", "zamba2", "mamba2")

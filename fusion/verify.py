@@ -262,6 +262,7 @@ def _check_chunk_scan(arrays: list[np.ndarray | None], attrs: dict[str, Any]) ->
         dt_softplus=int(attrs.get("dt_softplus", 1)),
         dt_min=float(attrs.get("dt_min", 0.0)),
         dt_max=float(attrs.get("dt_max", float("inf"))),
+        state_layout=int(attrs.get("state_layout", 0)),
     )
 
 

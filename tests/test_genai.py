@@ -221,10 +221,11 @@ def test_no_library_folder(builds: Path, tmp_path: Path, library: str) -> None:
         assert "custom_ops_library" not in config["model"]["decoder"].get("session_options", {})
         assert Path(library).name not in {p.name for p in folder.iterdir()}
         model = onnx.load(folder / "model.onnx", load_external_data=False)
-        # a CPU folder: its norms and (the causal_conv_with_state opt-in of CPU folders) its convs
+        # a CPU folder: its norms and (the opt-ins of CPU folders) its convs and scans
         assert sorted(f.name for f in model.functions if f.domain == "ai.mambafuse") == [
             "CausalConv1d",
             "GatedGroupRMSNorm",
+            "MambaChunkScan",
         ]
     status, _, err = _fuse(source, tmp_path / "neither", "--no-library", "--no-function")
     assert status == 2 and "not allowed with" in err and not (tmp_path / "neither").exists()
@@ -382,7 +383,10 @@ def test_int4_folder_with_the_weight_products_generates_the_same(builds: Path, t
     status, _, err = _fuse(int4, tmp_path / "plain")
     assert status == 0, err
     status, out, err = _fuse(
-        int4, tmp_path / "gemv", "--opt-in", "causal_conv_with_state", "--opt-in", "decode_matmul_nbits"
+        int4,
+        tmp_path / "gemv",
+        *("--opt-in", "linear_attention_scan", "--opt-in", "causal_conv_with_state"),  # the CPU folder's own
+        *("--opt-in", "decode_matmul_nbits"),
     )
     assert status == 0, err
     graph = onnx.load(tmp_path / "gemv" / "model.onnx", load_external_data=False).graph

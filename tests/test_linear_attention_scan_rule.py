@@ -1,5 +1,5 @@
 """fusion/rules/linear_attention_scan.py: a mobius build's ``LinearAttention(update_rule="gated")`` run as
-``MambaChunkScan`` between Transposes of genai's state, ORT's ``com.microsoft`` op or ONNX's own (opset 27).
+``MambaChunkScan`` on genai's state as it is (``state_layout`` 1), ORT's ``com.microsoft`` op or ONNX's own (opset 27).
 
 - the mobius form built in code with either op (every group count, prompts of 1, 17 and 150 tokens, an initial
   state; ONNX's op with and without ``chunk_size``): one node fused, the LinearAttention and its glue gone, and
@@ -352,7 +352,6 @@ def _scan_input_types(model: onnx.ModelProto) -> dict[str, int]:
     inferred = onnx.shape_inference.infer_shapes(model)
     types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.value_info, *inferred.graph.input]}
     scan = next(n for n in model.graph.node if n.op_type == "MambaChunkScan")
-    transpose = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Transpose"}
     reshape = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Reshape"}
     x, dt, _, _, b, c, _, state = scan.input
     return {
@@ -360,7 +359,7 @@ def _scan_input_types(model: onnx.ModelProto) -> dict[str, int]:
         "dt": types[dt],
         "B": types[reshape.get(b, b)],
         "C": types[reshape.get(c, c)],
-        "state": types[transpose[state]],
+        "state": types[state],
     }
 
 

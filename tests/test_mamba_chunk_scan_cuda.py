@@ -288,6 +288,30 @@ def test_the_register_state_kernel_in_pieces_and_in_a_cuda_graph(monkeypatch: py
     check_graph_replays(rng, t, 3, batch=1, length=1, heads=16, head_dim=64, groups=2, state_size=128)
 
 
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize(("head_dim", "state_size"), [(64, 128), (64, 64), (40, 24)], ids=["N128", "N64", "odd"])
+@pytest.mark.parametrize("state", ["registers", "shared"])
+@pytest.mark.parametrize("length", [1, 130])
+def test_the_state_in_n_p_layout(
+    path: str, monkeypatch: pytest.MonkeyPatch, t: np.dtype, head_dim: int, state_size: int, state: str, length: int
+) -> None:
+    """state_layout 1 ((B, H, N, P) states, a mobius build's) on every kernel, with a float time step as mobius
+    passes it: within the budget, and the same bits as layout 0 on the transposed state (only where the state is
+    read and written differs)."""
+    monkeypatch.setenv(STATE_VARIABLE, state)
+    rng = np.random.default_rng(length + head_dim + state_size)
+    inputs = make_inputs(
+        rng, t, batch=2, length=length, heads=4, head_dim=head_dim, groups=2, state_size=state_size, state_type=t
+    )
+    if t != FLOAT:
+        inputs = _float_time_step(rng, inputs)
+    laid = dict(inputs, initial_state=np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2)))
+    out, final = check(laid, state_layout=1)
+    plain_out, plain_final = check(inputs)
+    np.testing.assert_array_equal(out, plain_out)
+    np.testing.assert_array_equal(final, plain_final.transpose(0, 1, 3, 2))
+
+
 def test_misaligned_tensors_take_the_plain_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """P = 12 float16 values (24 bytes a row) are not whole 16-byte copies: the kernel loads them one by one."""
     monkeypatch.setenv(PATH_VARIABLE, "chunked")

@@ -267,6 +267,38 @@ def test_a_float_time_step_with_16_bit_x_b_and_c(t: np.dtype, softplus: int, len
         np.testing.assert_array_equal(a, b)
 
 
+def _transposed_state(inputs: dict[str, np.ndarray | None]) -> dict[str, np.ndarray | None]:
+    """``inputs`` with the initial state in state_layout 1's (B, H, N, P)."""
+    state = inputs["initial_state"]
+    return dict(inputs, initial_state=None if state is None else np.ascontiguousarray(state.transpose(0, 1, 3, 2)))
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("state_kind", ["S-f32", "S-T", "no-state"])
+@pytest.mark.parametrize("length", [1, Q + 6])
+def test_the_state_in_n_p_layout(t: np.dtype, state_kind: str, length: int) -> None:
+    """state_layout 1: both states (B, H, N, P), P != N so that a layout mix-up cannot pass; within the budget, and
+    the same values as the (B, H, P, N) run transposed (an Eigen product of either storage order may round its sums
+    differently, so compared within float32's error, not bit for bit)."""
+    state_type = {"S-f32": FLOAT, "S-T": t, "no-state": None}[state_kind]
+    rng = np.random.default_rng(length)
+    inputs = make_inputs(rng, t, length=length, head_dim=8, state_size=16, state_type=state_type)
+    laid = _transposed_state(inputs)
+    out, state = check(laid, state_layout=1)
+    assert state.shape == (2, 4, 16, 8)
+    plain_out, plain_state = run_kernel(inputs)
+    np.testing.assert_allclose(out, plain_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(state, plain_state.transpose(0, 1, 3, 2), rtol=1e-5, atol=1e-5)
+
+
+def test_a_state_in_the_other_layout_is_an_error() -> None:
+    """A (B, H, P, N) state given to a state_layout 1 node (P != N) is refused with the layout named."""
+    inputs = make_inputs(np.random.default_rng(15), length=3)
+    expected = r"initial_state must have shape \[2, 4, 16, 8\] \(B, H, N, P\), state_layout 1"
+    with pytest.raises(Exception, match=expected):
+        run_kernel(inputs, state_layout=1)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -325,6 +357,7 @@ def test_an_unsupported_type_of_x_is_an_error() -> None:
     ("attrs", "message"),
     [
         ({"dt_softplus": 2}, "dt_softplus must be 0 or 1, got 2"),
+        ({"state_layout": 2}, "state_layout must be 0 or 1, got 2"),
         ({"dt_min": float("nan")}, "dt_min must be a number, got NaN"),
         ({"dt_max": float("nan")}, "dt_max must be a number, got NaN"),
     ],

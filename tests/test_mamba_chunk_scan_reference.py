@@ -152,6 +152,27 @@ def test_at_one_token_it_is_the_decode_step() -> None:
     assert ok, summary
 
 
+def test_the_n_p_state_layout_is_the_same_math_transposed() -> None:
+    """state_layout 1 reads and writes (B, H, N, P) states: the same outputs as layout 0 on the transposed state,
+    bit for bit (the reference computes in one layout), and a state in the other layout is refused by name."""
+    inputs = _inputs(np.random.default_rng(5), np.dtype(np.float32), length=70, groups=2)
+    head_dim, state_size = inputs["initial_state"].shape[2:]
+    assert head_dim != state_size
+    out, state = mamba_chunk_scan(**inputs, chunk_size=16)
+    laid = dict(inputs, initial_state=np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2)))
+    out_np, state_np = mamba_chunk_scan(**laid, state_layout=1, chunk_size=16)
+    np.testing.assert_array_equal(out_np, out)
+    np.testing.assert_array_equal(state_np, state.transpose(0, 1, 3, 2))
+    ok, summary = budget_report(out_np, state_np, **laid, state_layout=1)
+    assert ok, summary
+    ok, _ = budget_report(out_np, state_np.transpose(0, 1, 3, 2), **laid, state_layout=1)
+    assert not ok  # the shape differs: the budget names it
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        mamba_chunk_scan(**inputs, state_layout=1)
+    with pytest.raises(ValueError, match="state_layout must be 0 or 1, got 2"):
+        mamba_chunk_scan(**inputs, state_layout=2)
+
+
 def test_the_time_step_is_rounded_and_clamped_in_the_activation_type() -> None:
     """dt + dt_bias and the softplus are rounded to T (float16 here), then clamped to the model's limits in T."""
     x = np.ones((1, 4, 1, 1), np.float16)
@@ -234,6 +255,9 @@ def _function_model(inputs: dict[str, np.ndarray], attributes: dict[str, float |
         (3 * 64 + 7, 2, {}),
         (20, 4, {"dt_softplus": 0, "dt_min": 0.001, "dt_max": 0.5}),
         (9, 1, {"dt_min": 0.01, "dt_max": 2.0}),
+        # both states (B, H, N, P): the body's Ifs transpose them in and out
+        (70, 2, {"state_layout": 1}),
+        (1, 1, {"state_layout": 0}),
     ],
 )
 def test_the_function_body_in_onnx_runtime_is_within_the_budget(
@@ -241,6 +265,8 @@ def test_the_function_body_in_onnx_runtime_is_within_the_budget(
 ) -> None:
     rng = np.random.default_rng(21)
     inputs = _inputs(rng, t, length=length, groups=groups)
+    if attributes.get("state_layout") == 1:
+        inputs["initial_state"] = np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2))
     model = _function_model(inputs, attributes, 18)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 

@@ -37,6 +37,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     lib.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_chunk_scan_launch_dt.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, p]
+    lib.mambafuse_chunk_scan_launch_layout.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, i, p]
     lib.mambafuse_causal_conv1d_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, p]
     lib.mambafuse_causal_conv1d_launch_rounding.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, i, p]
     return lib
@@ -60,14 +61,18 @@ def state_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     return request.param
 
 
-def run_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: int = 1) -> tuple[np.ndarray, ...]:
-    """The emulated MambaChunkScan (path 1 chunked, 2 sequential) on ``inputs``; out and final state start NaN."""
+def run_scan(
+    emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: int = 1, state_layout: int = 0
+) -> tuple[np.ndarray, ...]:
+    """The emulated MambaChunkScan (path 1 chunked, 2 sequential) on ``inputs``, the states in ``state_layout``'s
+    layout; out and final state start NaN."""
     batch, length, heads, head_dim = inputs["x"].shape
     groups, state_size = inputs["B"].shape[2:]
     out = np.full((batch, length, heads, head_dim), np.nan, np.float32)
-    final = np.full((batch, heads, head_dim, state_size), np.nan, np.float32)
+    state_dims = (state_size, head_dim) if state_layout == 1 else (head_dim, state_size)
+    final = np.full((batch, heads, *state_dims), np.nan, np.float32)
     d, state = inputs["D"], inputs["initial_state"]
-    rc = emulated.mambafuse_chunk_scan_launch_dt(
+    rc = emulated.mambafuse_chunk_scan_launch_layout(
         *(host_pointer(inputs[n]) for n in ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")),
         host_pointer(out),
         host_pointer(final),
@@ -84,6 +89,7 @@ def run_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: 
         1,
         0.0,
         float("inf"),
+        state_layout,
         path,
         None,
     )
@@ -91,12 +97,15 @@ def run_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: 
     return out, final
 
 
-def check_scan(emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: int = 1) -> None:
-    """Run the emulated kernel and assert its outputs are within the budget (the inputs' head 0 decays slowly, so
-    the state counts in every row of a chunk: tests/test_mamba_chunk_scan_kernel.make_inputs)."""
-    out, final = run_scan(emulated, inputs, path)
-    ok, summary = scan_budget_report(out, final, **inputs)
+def check_scan(
+    emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: int = 1, state_layout: int = 0
+) -> tuple[np.ndarray, ...]:
+    """Run the emulated kernel, assert its outputs are within the budget (the inputs' head 0 decays slowly, so the
+    state counts in every row of a chunk: tests/test_mamba_chunk_scan_kernel.make_inputs) and return them."""
+    out, final = run_scan(emulated, inputs, path, state_layout)
+    ok, summary = scan_budget_report(out, final, **inputs, state_layout=state_layout)
     assert ok, summary
+    return out, final
 
 
 @pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
@@ -149,6 +158,27 @@ def test_the_half_path_with_a_float_time_step(emulated: ctypes.CDLL, state_kerne
     inputs["dt"] = (rng.standard_normal(inputs["dt"].shape) - 1).astype(FLOAT)
     inputs["dt_bias"] = rng.standard_normal(inputs["dt_bias"].shape).astype(FLOAT)
     check_scan(emulated, inputs)
+
+
+@pytest.mark.parametrize(
+    ("t", "head_dim", "state_size", "path"),
+    [(FLOAT16, 64, 128, 1), (BFLOAT16, 64, 64, 1), (FLOAT, 40, 24, 1), (FLOAT16, 8, 16, 2)],
+    ids=["half-N128", "half-N64", "float-odd", "sequential"],
+)
+def test_the_state_in_n_p_layout(
+    emulated: ctypes.CDLL, state_kernel: str, t: np.dtype, head_dim: int, state_size: int, path: int
+) -> None:
+    """state_layout 1 ((B, H, N, P) states, as mobius builds keep them) on every kernel: within the budget, and the
+    same bits as layout 0 transposed (only where the state is read and written differs)."""
+    rng = np.random.default_rng(head_dim + state_size)
+    inputs = scan_inputs(
+        rng, t, batch=2, length=130, heads=2, head_dim=head_dim, groups=1, state_size=state_size, state_type=t
+    )
+    laid = dict(inputs, initial_state=np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2)))
+    out, final = check_scan(emulated, laid, path, state_layout=1)
+    plain_out, plain_final = run_scan(emulated, inputs, path)
+    np.testing.assert_array_equal(out, plain_out)
+    np.testing.assert_array_equal(final, plain_final.transpose(0, 1, 3, 2))
 
 
 def test_a_nan_on_the_half_path_stays_in_its_head_and_after_its_token(emulated: ctypes.CDLL, state_kernel: str) -> None:

@@ -105,6 +105,27 @@ inline Ort::Status ReadFlagAttribute(const OrtKernelInfo* info, const char* op, 
   return Ort::Status{};
 }
 
+// Reads an optional int attribute during shape inference: absent (or unreadable) gives `fallback`, and `present`
+// says which.
+inline int64_t InferAttrInt(const OrtShapeInferContext* context, const char* name, int64_t fallback, bool* present) {
+  const OrtApi& api = Ort::GetApi();
+  const OrtOpAttr* attr = nullptr;
+  *present = false;
+  if (OrtStatus* status = api.ShapeInferContext_GetAttribute(context, name, &attr)) {
+    api.ReleaseStatus(status);
+    return fallback;
+  }
+  if (attr == nullptr) return fallback;
+  int64_t value = 0;
+  size_t written = 0;
+  if (OrtStatus* status = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &value, sizeof value, &written)) {
+    api.ReleaseStatus(status);
+    return fallback;
+  }
+  *present = true;
+  return value;
+}
+
 // Reads the optional attribute `activation` of the causal convs: "silu" (also when absent) or "none", as `silu`.
 // Any other value is an error naming the node.
 inline Ort::Status ReadSiluActivation(const OrtKernelInfo* info, const char* op, bool& silu) {

@@ -8,6 +8,8 @@
 #include <sstream>
 #include <vector>
 
+#include "decode_step_common.h"  // InferAttrInt
+
 namespace mambafuse {
 namespace {
 
@@ -314,30 +316,6 @@ OrtStatusPtr GatedGroupRMSNormCpuOp::CreateKernelV2(const OrtApi& /*api*/, const
     return Ort::Status{};
   });
 }
-
-namespace {
-
-// Reads an optional int attribute during inference; absent -> fallback.
-int64_t InferAttrInt(const OrtShapeInferContext* context, const char* name, int64_t fallback, bool* present) {
-  const OrtApi& api = Ort::GetApi();
-  const OrtOpAttr* attr = nullptr;
-  *present = false;
-  if (OrtStatus* status = api.ShapeInferContext_GetAttribute(context, name, &attr)) {
-    api.ReleaseStatus(status);
-    return fallback;
-  }
-  if (attr == nullptr) return fallback;
-  int64_t value = 0;
-  size_t written = 0;
-  if (OrtStatus* status = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &value, sizeof value, &written)) {
-    api.ReleaseStatus(status);
-    return fallback;
-  }
-  *present = true;
-  return value;
-}
-
-}  // namespace
 
 Ort::Status CheckStaticSignature(const StaticInput (&inputs)[3], int64_t group_size) {
   const char* names[] = {"Y", "Z", "W"};

@@ -78,7 +78,11 @@ Ort::Status PrepareMambaChunkScanArgs(Ort::KernelContext& context, const MambaCh
   for (size_t i : {2, 3, 6}) {
     if (Ort::Status s = expect(i, {heads}, "(H)"); !s.IsOK()) return s;
   }
-  if (Ort::Status s = expect(7, {batch, heads, head_dim, state_size}, "(B, H, P, N)"); !s.IsOK()) return s;
+  if (Ort::Status s = attrs.state_np ? expect(7, {batch, heads, state_size, head_dim}, "(B, H, N, P), state_layout 1")
+                                     : expect(7, {batch, heads, head_dim, state_size}, "(B, H, P, N)");
+      !s.IsOK()) {
+    return s;
+  }
   for (size_t i : {4, 5}) {
     if (dims[i].type() != x_type) {
       return OpError(
@@ -112,6 +116,7 @@ Ort::Status PrepareMambaChunkScanArgs(Ort::KernelContext& context, const MambaCh
   a.groups = groups;
   a.state_size = state_size;
   a.dt_softplus = attrs.dt_softplus;
+  a.state_np = attrs.state_np;
   a.dt_min = attrs.dt_min;
   a.dt_max = attrs.dt_max;
   a.x = data[0];
@@ -122,7 +127,8 @@ Ort::Status PrepareMambaChunkScanArgs(Ort::KernelContext& context, const MambaCh
   a.C = data[5];
   a.D = present[6] ? data[6] : nullptr;
   a.initial_state = present[7] ? data[7] : nullptr;
-  const int64_t state_dims[4] = {batch, heads, head_dim, state_size};
+  const int64_t state_dims[4] = {batch, heads, attrs.state_np ? state_size : head_dim,
+                                 attrs.state_np ? head_dim : state_size};
   Ort::UnownedValue out = context.GetOutput(0, x.data(), x.rank());
   Ort::UnownedValue final_state = context.GetOutput(1, state_dims, 4);
   TensorDims out_dims, state_out_dims;
@@ -178,7 +184,12 @@ OrtStatusPtr InferMambaChunkScanShapes(OrtShapeInferContext* context) {
     if (!read(0, 4, x_dims, x_names)) return Ort::Status{};
     write(0, x_dims, x_names);
     if (!read(4, 4, b_dims, b_names)) return Ort::Status{};
-    write(1, {x_dims[0], x_dims[2], x_dims[3], b_dims[3]}, {x_names[0], x_names[2], x_names[3], b_names[3]});
+    bool present = false;
+    if (InferAttrInt(context, "state_layout", 0, &present) == 1) {
+      write(1, {x_dims[0], x_dims[2], b_dims[3], x_dims[3]}, {x_names[0], x_names[2], b_names[3], x_names[3]});
+    } else {
+      write(1, {x_dims[0], x_dims[2], x_dims[3], b_dims[3]}, {x_names[0], x_names[2], x_names[3], b_names[3]});
+    }
     return Ort::Status{};
   });
 }
@@ -213,6 +224,9 @@ Ort::Status ReadMambaChunkScanAttrs(const OrtKernelInfo* info, MambaChunkScanAtt
   const std::string where = "node '" + kernel_info.GetNodeName() + "': ";
   const OrtApi& ort = Ort::GetApi();
   if (Ort::Status status = ReadFlagAttribute(info, kOp, "dt_softplus", true, attrs.dt_softplus); !status.IsOK()) {
+    return status;
+  }
+  if (Ort::Status status = ReadFlagAttribute(info, kOp, "state_layout", false, attrs.state_np); !status.IsOK()) {
     return status;
   }
   attrs.dt_max = INFINITY;

@@ -11,11 +11,13 @@ namespace mambafuse {
 
 struct MambaChunkScanAttrs {
   bool dt_softplus = true;
+  bool state_np = false;  // state_layout = 1: initial_state and final_state as [B, H, N, P]
   float dt_min = 0.f;
   float dt_max = 0.f;  // +Inf unless the node sets it
 };
 
-// Reads dt_softplus, dt_min and dt_max (absent: 1, 0, +Inf); an error names a bad value and the node.
+// Reads dt_softplus, state_layout, dt_min and dt_max (absent: 1, 0, 0, +Inf); an error names a bad value and the
+// node.
 Ort::Status ReadMambaChunkScanAttrs(const OrtKernelInfo* info, MambaChunkScanAttrs& attrs);
 
 // Checks the inputs' presence, types and shapes (an error names the input), allocates both outputs and fills
@@ -24,7 +26,8 @@ Ort::Status ReadMambaChunkScanAttrs(const OrtKernelInfo* info, MambaChunkScanAtt
 Ort::Status PrepareMambaChunkScanArgs(Ort::KernelContext& context, const MambaChunkScanAttrs& attrs,
                                       MambaChunkScanCpuArgs& args);
 
-// Shape inference: out is float with x's shape; final_state float [B, H, P, N] from x's and B's dims (names kept).
+// Shape inference: out is float with x's shape; final_state float [B, H, P, N] (state_layout 1: [B, H, N, P]) from
+// x's and B's dims (names kept).
 OrtStatusPtr InferMambaChunkScanShapes(OrtShapeInferContext* context);
 
 class MambaChunkScanCpuKernel {

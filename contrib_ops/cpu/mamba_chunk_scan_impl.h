@@ -20,15 +20,16 @@ struct MambaChunkScanCpuArgs {
   const void* B = nullptr;                 // [B, T, G, N], type
   const void* C = nullptr;                 // [B, T, G, N], type
   const void* D = nullptr;                 // [H], d_type; optional (nullptr)
-  const void* initial_state = nullptr;     // [B, H, P, N], state_type; optional (nullptr: zeros)
+  const void* initial_state = nullptr;     // [B, H, P, N] (state_np: [B, H, N, P]), state_type; optional (zeros)
   float* out = nullptr;                    // [B, T, H, P]
-  float* final_state = nullptr;            // [B, H, P, N]
+  float* final_state = nullptr;            // [B, H, P, N] (state_np: [B, H, N, P])
   ElemType type = ElemType::kFloat;        // T
   ElemType dt_type = ElemType::kFloat;     // T or float: the time step's rounding points are in it
   ElemType d_type = ElemType::kFloat;      // float or T
   ElemType state_type = ElemType::kFloat;  // float or T
   int64_t batch = 0, length = 0, heads = 0, head_dim = 0, groups = 1, state_size = 0;
   bool dt_softplus = true;
+  bool state_np = false;  // the state_layout attribute: false (0) the states as [B, H, P, N], true (1) as [B, H, N, P]
   float dt_min = 0.f, dt_max = 0.f;  // the time step's limits as the attributes give them (rounded to dt_type)
   int64_t chunk_size = 0;            // Q: tokens per chunk, >= 1
   int64_t heads_per_block = 1;       // heads of one group that one item owns, >= 1

@@ -10,7 +10,8 @@
 //   S    = exp(cs_end) S_prev  +  (diag(exp(cs_end - cs)) u)ᵀ B                          (P x N)
 //
 // C Bᵀ (q x q) depends on the group only: it is formed once per (batch row, group, chunk) and serves every
-// head of the work item. The state lives in final_state (float32) from the first chunk to the last; per
+// head of the work item. The state lives in final_state (float32, [P, N] or with state_layout 1 [N, P]: the same
+// products on a column-major map) from the first chunk to the last; per
 // thread the scratch is O(Q Q + Q N + Q P). The products are Eigen's (cache-blocked, register-blocked GEMM of
 // the level's vector width; the intra-chunk one reads only the causal triangle).
 //
@@ -43,6 +44,7 @@ constexpr float kSoftplusThreshold = 20.f;  // torch's: softplus(v) = v above it
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 using RowArray = Eigen::Array<float, 1, Eigen::Dynamic>;
 using MatrixMap = Eigen::Map<RowMatrix>;
+using ColumnMap = Eigen::Map<Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::ColMajor>>;
 using StridedMap = Eigen::Map<RowMatrix, Eigen::Unaligned, Eigen::OuterStride<>>;
 
 // `count` elements of type kHalf from `src` (from element `offset` on) widened to float32 in `dst`.
@@ -158,17 +160,25 @@ void RunItems(const MambaChunkScanCpuArgs& a, int64_t first_item, int64_t last_i
         }
         y.noalias() += mixed.topLeftCorner(q, q).template triangularView<Eigen::Lower>() * u_q;
         // Inter-chunk: the carried state read out by C, decayed to each token.
-        MatrixMap state(a.final_state + (b * heads + h) * state_elements, head_dim, n_state);
         // (exp evaluated into an array first: a diagonal of an expression would evaluate it per coefficient.)
         decay.head(q) = cs.head(q).exp();
         for (int64_t r = 0; r < q; ++r) c_scaled.row(r) = c_q.row(r) * decay(r);
-        y.noalias() += c_scaled.topRows(q) * state.transpose();
-        // The chunk's state: the carried one decayed over the chunk, plus each token's u B decayed to its end.
         const float to_end = cs(q - 1);
-        decay.head(q) = (to_end - cs.head(q)).exp();
-        for (int64_t r = 0; r < q; ++r) u_to_end.row(r) = u_q.row(r) * decay(r);
-        state *= std::exp(to_end);
-        state.noalias() += u_to_end.topRows(q).transpose() * b_q;
+        // The chunk's state: the carried one decayed over the chunk, plus each token's u B decayed to its end.
+        const auto carry = [&](auto state) {
+          y.noalias() += c_scaled.topRows(q) * state.transpose();
+          decay.head(q) = (to_end - cs.head(q)).exp();
+          for (int64_t r = 0; r < q; ++r) u_to_end.row(r) = u_q.row(r) * decay(r);
+          state *= std::exp(to_end);
+          state.noalias() += u_to_end.topRows(q).transpose() * b_q;
+        };
+        // The state as P x N: row-major, or column-major over state_layout 1's [N, P] rows.
+        float* const state = a.final_state + (b * heads + h) * state_elements;
+        if (a.state_np) {
+          carry(ColumnMap(state, head_dim, n_state));
+        } else {
+          carry(MatrixMap(state, head_dim, n_state));
+        }
       }
     }
   }

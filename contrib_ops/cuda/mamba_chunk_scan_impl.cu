@@ -56,10 +56,16 @@ struct Params {
   int64_t length;
   int heads, head_dim, groups, state_size;
   int dt_is_float, d_is_float, state_is_float, softplus;
+  int state_np;  // state_layout 1: both states [B, H, N, P] (else [B, H, P, N])
   float dt_min, dt_max;
   int p16, n16;  // the chunked kernel's P and N rounded up to 16
   int staged;    // the chunked kernel copies x, B and C asynchronously, 16 bytes at a time
 };
+
+// Where element (row p, column n) of row bh's state is in the [B, H, P, N] or (state_np) [B, H, N, P] layout.
+__device__ __forceinline__ int64_t StateIndex(const Params& p, int64_t bh, int row, int n) {
+  return p.state_np ? (bh * p.state_size + n) * p.head_dim + row : (bh * p.head_dim + row) * p.state_size + n;
+}
 
 template <typename T>
 __device__ __forceinline__ float Load(const void* p, int64_t i) {
@@ -546,7 +552,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
     for (int n = lane; n < n16; n += 32) {
       float v = 0.f;
       if (p.initial_state != nullptr && row < P && n < N) {
-        v = LoadFloatOrT<T>(p.initial_state, p.state_is_float, (bh * P + row) * N + n);
+        v = LoadFloatOrT<T>(p.initial_state, p.state_is_float, StateIndex(p, bh, row, n));
       }
       ss[row * lds + n] = v;
     }
@@ -816,7 +822,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) ChunkedScan(Params p) {
     __syncthreads();
   }
   for (int row = warp; row < P; row += kWarps) {
-    for (int n = lane; n < N; n += 32) p.final_state[(bh * P + row) * N + n] = ss[row * lds + n];
+    for (int n = lane; n < N; n += 32) p.final_state[StateIndex(p, bh, row, n)] = ss[row * lds + n];
   }
 }
 
@@ -1035,7 +1041,7 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       for (int e = 0; e < 4; ++e) {
         const int row = p0 + g8 + 8 * (e >> 1), n = n_base + 8 * k8 + 2 * t4 + (e & 1);
         acc[k8][e] = p.initial_state != nullptr
-                         ? LoadFloatOrT<T>(p.initial_state, p.state_is_float, (bh * kRsP + row) * kN + n)
+                         ? LoadFloatOrT<T>(p.initial_state, p.state_is_float, StateIndex(p, bh, row, n))
                          : 0.f;
       }
     }
@@ -1212,8 +1218,13 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = p0 + g8 + 8 * r, n = n_base + 8 * k8 + 2 * t4;
-        *reinterpret_cast<float2*>(p.final_state + (bh * kRsP + row) * kN + n) =
-            make_float2(acc[k8][2 * r], acc[k8][2 * r + 1]);
+        if (p.state_np) {
+          p.final_state[StateIndex(p, bh, row, n)] = acc[k8][2 * r];
+          p.final_state[StateIndex(p, bh, row, n + 1)] = acc[k8][2 * r + 1];
+        } else {
+          *reinterpret_cast<float2*>(p.final_state + (bh * kRsP + row) * kN + n) =
+              make_float2(acc[k8][2 * r], acc[k8][2 * r + 1]);
+        }
       }
     }
   };
@@ -1240,7 +1251,7 @@ __global__ void __launch_bounds__(kSeqWarps * 32) SequentialScan(Params p) {
   if (row >= P) return;  // no barrier below: a warp without a row may leave
   float* const s = rows + static_cast<int64_t>(warp) * N;
   for (int n = lane; n < N; n += 32) {
-    s[n] = p.initial_state != nullptr ? LoadFloatOrT<T>(p.initial_state, p.state_is_float, (bh * P + row) * N + n)
+    s[n] = p.initial_state != nullptr ? LoadFloatOrT<T>(p.initial_state, p.state_is_float, StateIndex(p, bh, row, n))
                                       : 0.f;
   }
   const float a_h = p.a[h];
@@ -1272,7 +1283,7 @@ __global__ void __launch_bounds__(kSeqWarps * 32) SequentialScan(Params p) {
       }
     }
   }
-  for (int n = lane; n < N; n += 32) p.final_state[(bh * P + row) * N + n] = s[n];
+  for (int n = lane; n < N; n += 32) p.final_state[StateIndex(p, bh, row, n)] = s[n];
 }
 
 // --- host -------------------------------------------------------------------------------------------------------
@@ -1438,6 +1449,7 @@ cudaError_t LaunchMambaChunkScan(const MambaChunkScanCpuArgs& args, ChunkScanCud
   params.d_is_float = args.d_type == ElemType::kFloat;
   params.state_is_float = args.state_type == ElemType::kFloat;
   params.softplus = args.dt_softplus;
+  params.state_np = args.state_np;
   params.dt_min = args.dt_min;
   params.dt_max = args.dt_max;
   params.p16 = static_cast<int>(RoundUp16(args.head_dim));

@@ -95,3 +95,24 @@ def import_domain(model: onnx.ModelProto, domain: str, version: int) -> None:
     """Make ``model`` import ``domain`` (at ``version``) if it does not import it yet."""
     if not any(o.domain == domain for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(domain, version))
+
+
+def _layout_branch(name: str, source: str, output: str, perm: Sequence[int] | None) -> onnx.GraphProto:
+    """Return an If branch whose one output ``output`` is ``source`` (an outer value), transposed by ``perm`` or (None)
+    as it is; its type is left to inference (the branch serves every type)."""
+    if perm is not None:
+        body = helper.make_node("Transpose", [source], [output], perm=list(perm))
+    else:
+        body = helper.make_node("Identity", [source], [output])
+    return helper.make_graph([body], name, [], [helper.make_value_info(output, onnx.TypeProto())])
+
+
+def in_layout(source: str, output: str, condition: str, perm: Sequence[int] = (0, 2, 1)) -> onnx.NodeProto:
+    """Return an If node: ``output`` is ``source`` transposed by ``perm`` where ``condition``, else ``source``."""
+    return helper.make_node(
+        "If",
+        [condition],
+        [output],
+        then_branch=_layout_branch(f"{output}_transposed", source, f"{output}_then", perm),
+        else_branch=_layout_branch(f"{output}_as_is", source, f"{output}_else", None),
+    )

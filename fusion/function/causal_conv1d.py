@@ -42,7 +42,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from fusion.function._common import int64_scalar, int64s, node_with_refs, op_function, require_opset
+from fusion.function._common import in_layout, int64_scalar, int64s, node_with_refs, op_function, require_opset
 from fusion.reference.causal_conv1d import OP_TYPE
 
 INPUTS = ("x", "weight", "bias", "initial_state")
@@ -57,27 +57,6 @@ MIN_OPSET = 15
 ML_OPSET = 2
 
 _FLOAT = onnx.TensorProto.FLOAT
-
-
-def _layout_branch(name: str, source: str, output: str, transpose: bool) -> onnx.GraphProto:
-    """Return an If branch whose one output ``output`` is ``source`` (an outer value), transposed or not; its type
-    is left to inference (the branch serves every T)."""
-    if transpose:
-        body = helper.make_node("Transpose", [source], [output], perm=[0, 2, 1])
-    else:
-        body = helper.make_node("Identity", [source], [output])
-    return helper.make_graph([body], name, [], [helper.make_value_info(output, onnx.TypeProto())])
-
-
-def _in_layout(source: str, output: str, condition: str) -> onnx.NodeProto:
-    """Return an If node: ``output`` is ``source`` transposed (B, X, Y) -> (B, Y, X) where ``condition``, else it."""
-    return helper.make_node(
-        "If",
-        [condition],
-        [output],
-        then_branch=_layout_branch(f"{output}_transposed", source, f"{output}_then", transpose=True),
-        else_branch=_layout_branch(f"{output}_as_is", source, f"{output}_else", transpose=False),
-    )
 
 
 #: Outputs per chunk (R = max(1, CHUNK_ELEMENTS // C) rows, at most L): 256 KiB of float32, so that the chunk's
@@ -169,7 +148,7 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         ),
         node("Cast", ["channels_last_int"], ["is_channels_last"], to=onnx.TensorProto.BOOL),
         node("Not", ["is_channels_last"], ["is_channels_first"]),
-        _in_layout("x", "x_cl", "is_channels_first"),
+        in_layout("x", "x_cl", "is_channels_first"),
         node("Transpose", ["initial_state"], ["state_cl"], perm=[0, 2, 1]),
         node("Shape", ["x_cl"], ["x_shape"]),
         node("Slice", ["x_shape", "zero", "one"], ["batch"]),
@@ -255,7 +234,7 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("Concat", ["batch", "minus_one", "channels"], ["padded_shape"], axis=0),
         node("Reshape", ["y_chunks", "padded_shape"], ["y_padded"]),  # (B, chunks * R, C)
         node("Slice", ["y_padded", "zero", "length", "one"], ["y_cl"]),
-        _in_layout("y_cl", "y_laid", "is_channels_first"),
+        in_layout("y_cl", "y_laid", "is_channels_first"),
         # y has x's shape and final_state the initial state's: said by a Reshape to them (no data moves), so that a
         # graph whose optimizer inlined this body still proves the shapes after it (docs/shapes.md)
         node("Shape", ["x"], ["x_dims"]),

@@ -18,6 +18,9 @@ step's roundings are Casts to dt's type (T, or float) through ``CastLike``::
       Y_off  = exp(s_l) * C_l . (the state at the chunk's start)
     out = (Y_diag + Y_off)[:T] + f32(D) * f32(x);  final_state = the state after the last chunk
 
+With ``state_layout`` 1 the initial state is transposed from (B, H, N, P) on the way in and the final state back on
+the way out (an If on the attribute, which an optimizer folds once the attribute is a constant).
+
 Every input is required (a body cannot test for a missing one): a caller without dt_bias passes -0.0s, without D
 zeros, without an initial state zeros.
 """
@@ -29,13 +32,13 @@ import onnx
 import onnx.numpy_helper
 from onnx import helper
 
-from fusion.function._common import int64_scalar, int64s, node_with_refs, op_function, require_opset
+from fusion.function._common import in_layout, int64_scalar, int64s, node_with_refs, op_function, require_opset
 from fusion.reference.mamba_chunk_scan import OP_TYPE, SOFTPLUS_THRESHOLD
 
 INPUTS = ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")
 OUTPUTS = ("out", "final_state")
 #: Optional attributes and the defaults the function declares.
-OPTIONAL_ATTRIBUTES = {"dt_softplus": 1, "dt_min": 0.0, "dt_max": float("inf")}
+OPTIONAL_ATTRIBUTES = {"dt_softplus": 1, "dt_min": 0.0, "dt_max": float("inf"), "state_layout": 0}
 #: Lowest ONNX opset the body is written for (CastLike: opset 15).
 MIN_OPSET = 15
 
@@ -113,7 +116,11 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("Expand", ["C5", "expanded_shape"], ["C_expanded"]),
         node("Reshape", ["B_expanded", "head_shape"], ["B_heads"]),
         node("Reshape", ["C_expanded", "head_shape"], ["C_heads"]),
-        node("Cast", ["initial_state"], ["state0"], to=_FLOAT),
+        node("Cast", ["initial_state"], ["state0_laid"], to=_FLOAT),
+        # state_layout 1: the states are (B, H, N, P); the body computes in (B, H, P, N)
+        node_with_refs("Constant", [], ["layout_flag"], {"value_int": ("state_layout", constant.INT)}),
+        node("Cast", ["layout_flag"], ["is_np"], to=onnx.TensorProto.BOOL),
+        in_layout("state0_laid", "state0", "is_np", perm=(0, 1, 3, 2)),
         int64s("big", [2**62]),
         # zero-pad the prompt to whole chunks: pad = (CHUNK - T % CHUNK) % CHUNK tokens at the end of axis 1
         int64s("chunk", [CHUNK]),
@@ -186,7 +193,8 @@ def make_function(onnx_opset: int) -> onnx.FunctionProto:
         node("Concat", ["state0_c", "chunk_states"], ["states_from"], axis=1),
         node("Einsum", ["carry", "states_from"], ["states_at"], equation="bhcz,bzhpn->bchpn"),
         node("Slice", ["states_at", "zero", "minus_one", "one"], ["starts"]),  # (B, c, H, P, N)
-        node("Gather", ["states_at", "last_axis"], ["final_state_gathered"], axis=1),  # (B, H, P, N)
+        node("Gather", ["states_at", "last_axis"], ["final_state_pn"], axis=1),  # (B, H, P, N)
+        in_layout("final_state_pn", "final_state_gathered", "is_np", perm=(0, 1, 3, 2)),
         # from the chunk's start state: exp(s_l) C_l . S
         node("Einsum", ["C_c", "starts"], ["read"], equation="bclhn,bchpn->bclhp"),
         node("Exp", ["s"], ["decay_start"]),

@@ -15,6 +15,9 @@ float: no rounding; a graph that computes the time step in float32 and widens x,
     y   = sum_n f32(C[b,t,g,n]) * S_t + f32(D[h]) * f32(x[b,t,h,p])     # D optional
     out = y (float32);  final_state = S_T (float32)
 
+``state_layout`` 1 passes both states transposed, (B, H, N, P) (ORT's LinearAttention and mobius builds keep
+their state so); the math is the same.
+
 Everything after ``d`` is float32 in the fallback, but summed in the chunked order of the SSD algorithm (exp of
 segment sums of ``a`` within chunks of Q tokens, C·Bᵀ products, chunk states, a pass over chunks). The contract
 is the recurrence, not that order: ``mamba_chunk_scan(..., chunk_size=None, compute_dtype=np.float64)`` is the
@@ -56,11 +59,13 @@ def check_inputs(
     D: np.ndarray | None,
     initial_state: np.ndarray | None,
     dt_softplus: int = 1,
+    state_layout: int = 0,
 ) -> tuple[int, int, int, int, int, int]:
     """Return (batch, length, heads, head_dim, groups, state_size), or raise ValueError naming the bad input.
 
     x (B, T, H, P) of type T; dt (B, T, H) of type T or float and dt_bias (H) of dt's type; A (H) float; B and C
-    (B, T, G, N) of type T with G >= 1 dividing H; D (H) float or T; initial_state (B, H, P, N) float or T. T >= 1.
+    (B, T, G, N) of type T with G >= 1 dividing H; D (H) float or T; initial_state (B, H, P, N) (state_layout 1:
+    (B, H, N, P)) float or T. T >= 1.
     """
     t = check_dtype("x", x, OP_TYPE)
     if x.ndim != 4:
@@ -81,7 +86,10 @@ def check_inputs(
         "dt_bias": (dt_bias, (heads,)),
         "A": (A, (heads,)),
         "D": (D, (heads,)),
-        "initial_state": (initial_state, (batch, heads, head_dim, state_size)),
+        "initial_state": (
+            initial_state,
+            (batch, heads, state_size, head_dim) if state_layout == 1 else (batch, heads, head_dim, state_size),
+        ),
     }
     for name, (arr, shape) in expect.items():
         if arr is not None and arr.shape != shape:
@@ -100,6 +108,8 @@ def check_inputs(
             raise ValueError(f"{OP_TYPE}: {name} must be float or x's type {t}, got {arr.dtype}")
     if dt_softplus not in (0, 1):
         raise ValueError(f"{OP_TYPE}: dt_softplus must be 0 or 1, got {dt_softplus}")
+    if state_layout not in (0, 1):
+        raise ValueError(f"{OP_TYPE}: state_layout must be 0 or 1, got {state_layout}")
     return batch, length, heads, head_dim, groups, state_size
 
 
@@ -146,17 +156,24 @@ def mamba_chunk_scan(
     dt_softplus: int = 1,
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
+    state_layout: int = 0,
     *,
     chunk_size: int | None = None,
     compute_dtype: np.dtype | type = np.float32,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Return (out (B, T, H, P), final_state (B, H, P, N)), both float32 (float64 with ``compute_dtype=np.float64``).
+    """Return (out (B, T, H, P), final_state (B, H, P, N); state_layout 1: (B, H, N, P)), both float32 (float64
+    with ``compute_dtype=np.float64``).
 
     ``chunk_size=None``: the recurrence token by token. ``chunk_size=Q``: the chunked SSD algorithm with chunks of
     Q tokens (the last one short where Q does not divide T), as transformers' fallback computes it.
     """
     x, dt, dt_bias, A, B, C, D, initial_state = as_arrays(x, dt, dt_bias, A, B, C, D, initial_state)
-    batch, length, heads, head_dim, _, state_size = check_inputs(x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus)
+    batch, length, heads, head_dim, _, state_size = check_inputs(
+        x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, state_layout
+    )
+    if state_layout == 1 and initial_state is not None:
+        # computed as (B, H, P, N) in the same memory order as layout 0 (so the same sums), returned as given
+        initial_state = np.ascontiguousarray(initial_state.transpose(0, 1, 3, 2))
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"{OP_TYPE}: chunk_size must be at least 1, got {chunk_size}")
     c = np.dtype(compute_dtype)
@@ -180,7 +197,7 @@ def mamba_chunk_scan(
             )
     if D is not None:
         out = out + D.astype(F32).astype(c)[None, None, :, None] * x.astype(F32).astype(c)
-    return out, state
+    return out, np.ascontiguousarray(state.transpose(0, 1, 3, 2)) if state_layout == 1 else state
 
 
 def _chunk(
@@ -217,6 +234,7 @@ def budget_bounds(
     dt_softplus: int = 1,
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
+    state_layout: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Return (out, final_state, out_tolerance, state_tolerance): the float64 evaluation and, per element, the
     largest distance from it that the contract accepts.
@@ -229,7 +247,7 @@ def budget_bounds(
     """
     x, dt, dt_bias, A, B, C, D, initial_state = as_arrays(x, dt, dt_bias, A, B, C, D, initial_state)
     out, state = mamba_chunk_scan(
-        x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, dt_min, dt_max, compute_dtype=F64
+        x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, dt_min, dt_max, state_layout, compute_dtype=F64
     )  # checks the inputs
     length, state_size = x.shape[1], B.shape[3]
     abs_out, abs_state = mamba_chunk_scan(
@@ -244,6 +262,7 @@ def budget_bounds(
         dt_softplus,
         dt_min,
         dt_max,
+        state_layout,
         compute_dtype=F64,
     )
     # The magnitude evaluation reads |u| as |x|·d: it holds where d >= 0 (softplus, or a non-negative dt_min).
@@ -274,6 +293,7 @@ def budget_report(
     dt_softplus: int = 1,
     dt_min: float = 0.0,
     dt_max: float = float("inf"),
+    state_layout: int = 0,
 ) -> tuple[bool, str]:
     """Return (within the budget, a one-line summary): ``out`` and ``final_state`` against the float64 evaluation.
 
@@ -281,7 +301,7 @@ def budget_report(
     empty output (B, P or N = 0) is within the budget when its shape is right ("0 of 0 outside").
     """
     ref_out, ref_state, tol_out, tol_state = budget_bounds(
-        x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, dt_min, dt_max
+        x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, dt_min, dt_max, state_layout
     )
     lines, ok = [], True
     for name, actual, ref, tol in (("out", out, ref_out, tol_out), ("final_state", final_state, ref_state, tol_state)):
@@ -298,9 +318,20 @@ def budget_report(
 
 
 def _evaluate(
-    x, dt, dt_bias, A, B, C, D=None, initial_state=None, dt_softplus=1, dt_min=0.0, dt_max=float("inf")
+    x,
+    dt,
+    dt_bias,
+    A,
+    B,
+    C,
+    D=None,
+    initial_state=None,
+    dt_softplus=1,
+    dt_min=0.0,
+    dt_max=float("inf"),
+    state_layout=0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    return mamba_chunk_scan(x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, dt_min, dt_max)
+    return mamba_chunk_scan(x, dt, dt_bias, A, B, C, D, initial_state, dt_softplus, dt_min, dt_max, state_layout)
 
 
 #: ``onnx.reference`` implementation of the op, for ReferenceEvaluator runs of fused models.

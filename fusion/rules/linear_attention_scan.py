@@ -19,20 +19,18 @@ float32 products, bit for bit, as the graph's decay and v (no second softplus: O
 ulp from a correctly rounded one), and ``dt_min = 0`` a no-op because d >= 0 is proven (a softplus, clipped below
 at a non-negative constant). The rule proves every step above from the graph, then writes::
 
-    out, final = MambaChunkScan(x, d, -0.0s, A, Reshape(B, [0, 0, G, N]), Reshape(C, [0, 0, G, N]), zeros,
-                                Transpose(past, [0, 1, 3, 2]); dt_softplus = 0)
-    o = Reshape(out, [0, 0, H P]);  present = Transpose(final, [0, 1, 3, 2])
+    o, present = MambaChunkScan(x, d, -0.0s, A, Reshape(B, [0, 0, G, N]), Reshape(C, [0, 0, G, N]), zeros, past;
+                                dt_softplus = 0, state_layout = 1)
+    o = Reshape(o, [0, 0, H P])
 
 so genai's inputs and outputs keep their names, types and layout. A float16 or bfloat16 build widens x, B, C and
 the state from the 16-bit type (``Cast(to=float)`` after each part's Split, before the Reshapes) while computing d in
 float32: where x, B and C all widen from one 16-bit type, the node reads those 16-bit values (and the state's, where it
 widens from that type) with the float32 d, which the op computes exactly as on the widened values (a 16-bit value is
-exact in float32), and its CUDA kernel then takes the 16-bit path. The Transposes are the price of the layout: two
-copies of the state a call (4 MB each at Nemotron-H-8B widths), nothing next to a prompt's scan and most of a decode
-step's: through this node a T = 1 step takes 3-4x LinearAttention's time on the CPU (benchmarks/RESULTS.md). One
-graph serves both, so the rule is not in the default registry (``fusion.rules.registry.OPT_IN_FUSIONS``): it is
-for a prompt-heavy workload that opts in (on an H200 a 2048-token prefill of a Nemotron-H-8B-shaped float16 build is
-3.1x faster than with ORT's CUDA LinearAttention; its decode steps were not timed there).
+exact in float32), and its CUDA kernel then takes the 16-bit path. ``state_layout = 1`` has the node read and write
+the state in LinearAttention's (B, H, N, P) layout, so a decode step moves no more state than LinearAttention does
+(the Transposes around the node of earlier releases copied the 4 MB state of a Nemotron-H-8B layer twice a call,
+most of a CPU decode step).
 
 ONNX's own ``LinearAttention`` (the default domain, added at opset 27) has ORT's inputs, packed (B, T, H D) layout,
 (B, H_kv, d_k, d_v) = (B, H, N, P) state, recurrences and attribute defaults (``update_rule`` gated_delta, ``scale``
@@ -130,7 +128,7 @@ def _int_dims(shapes: ForwardShapes, value: ir.Value) -> list[Any]:
 
 class LinearAttentionScanFusion(PlannedRule):
     """Rewrites one ``LinearAttention(update_rule="gated")`` of ``domain`` (ORT's, as mobius writes it, or ONNX's)
-    into a MambaChunkScan node between Transposes."""
+    into a MambaChunkScan node on the state as it is (``state_layout`` 1)."""
 
     FORM = FORM
 
@@ -184,8 +182,7 @@ class LinearAttentionScanFusion(PlannedRule):
                 return narrow.source
             return op.Reshape(narrow.source, narrow.shape, allowzero=narrow.allowzero)
 
-        state = op.Transpose(read("past", plan.past), perm=[0, 1, 3, 2])
-        out, final_state = op.MambaChunkScan(
+        out, present = op.MambaChunkScan(
             read("x", plan.x),
             plan.d,
             op.initializer(no_bias.const_value, name=no_bias.name),
@@ -193,14 +190,14 @@ class LinearAttentionScanFusion(PlannedRule):
             op.Reshape(read("B", plan.B), by_group),
             op.Reshape(read("C", plan.C), by_group),
             op.initializer(no_skip, name=no_skip.name),
-            state,
+            read("past", plan.past),
             _domain=DOMAIN,
             _version=1,
             _outputs=2,
             dt_softplus=0,
+            state_layout=1,  # genai's (B, H, N, P) state as it is
         )
         o = op.Reshape(out, op.Constant(value_ints=[0, 0, heads * p]))
-        present = op.Transpose(final_state, perm=[0, 1, 3, 2])
         return o, present
 
 

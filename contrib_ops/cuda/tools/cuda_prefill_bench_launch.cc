@@ -9,17 +9,15 @@
 
 #define MAMBAFUSE_BENCH_EXPORT extern "C" __attribute__((visibility("default")))
 
-// MambaChunkScan on `stream` with dt (and dt_bias) of type dt_type (x's type or float). dt_bias, d and
-// initial_state may be null. path: 0 auto, 1 chunked, 2 sequential. Returns a cudaError_t (0 = success), or -1 when
-// CheckMambaChunkScanCudaArgs rejects the arguments.
-MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch_dt(const void* x, const void* dt, const void* dt_bias,
-                                                          const float* a, const void* b, const void* c, const void* d,
-                                                          const void* initial_state, float* out, float* final_state,
-                                                          int type, int dt_type, int d_type, int state_type,
-                                                          int64_t batch, int64_t length, int64_t heads,
-                                                          int64_t head_dim, int64_t groups, int64_t state_size,
-                                                          int softplus, float dt_min, float dt_max, int path,
-                                                          void* stream) {
+// MambaChunkScan on `stream` with dt (and dt_bias) of type dt_type (x's type or float) and the states in the
+// layout state_layout names (0 [B, H, P, N], 1 [B, H, N, P]). dt_bias, d and initial_state may be null. path: 0
+// auto, 1 chunked, 2 sequential. Returns a cudaError_t (0 = success), or -1 when CheckMambaChunkScanCudaArgs
+// rejects the arguments.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch_layout(
+    const void* x, const void* dt, const void* dt_bias, const float* a, const void* b, const void* c, const void* d,
+    const void* initial_state, float* out, float* final_state, int type, int dt_type, int d_type, int state_type,
+    int64_t batch, int64_t length, int64_t heads, int64_t head_dim, int64_t groups, int64_t state_size, int softplus,
+    float dt_min, float dt_max, int state_layout, int path, void* stream) {
   using mambafuse::ElemType;
   mambafuse::MambaChunkScanCpuArgs args;
   args.x = x;
@@ -43,6 +41,7 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch_dt(const void* x, const v
   args.groups = groups;
   args.state_size = state_size;
   args.dt_softplus = softplus != 0;
+  args.state_np = state_layout == 1;
   args.dt_min = dt_min;
   args.dt_max = dt_max;
   if (mambafuse::CheckMambaChunkScanCudaArgs(args) != nullptr) return -1;
@@ -50,6 +49,20 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch_dt(const void* x, const v
                       : path == 2 ? mambafuse::ChunkScanCudaPath::kSequential
                                   : mambafuse::ChunkScanCudaPath::kAuto;
   return static_cast<int>(mambafuse::LaunchMambaChunkScan(args, chosen, static_cast<cudaStream_t>(stream)));
+}
+
+// The same with the states as [B, H, P, N].
+MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch_dt(const void* x, const void* dt, const void* dt_bias,
+                                                          const float* a, const void* b, const void* c, const void* d,
+                                                          const void* initial_state, float* out, float* final_state,
+                                                          int type, int dt_type, int d_type, int state_type,
+                                                          int64_t batch, int64_t length, int64_t heads,
+                                                          int64_t head_dim, int64_t groups, int64_t state_size,
+                                                          int softplus, float dt_min, float dt_max, int path,
+                                                          void* stream) {
+  return mambafuse_chunk_scan_launch_layout(x, dt, dt_bias, a, b, c, d, initial_state, out, final_state, type,
+                                            dt_type, d_type, state_type, batch, length, heads, head_dim, groups,
+                                            state_size, softplus, dt_min, dt_max, 0, path, stream);
 }
 
 // The same with dt in x's type.

@@ -39,10 +39,10 @@ def main() -> int:
         parser.error(f"--states takes registers and/or shared, comma-separated, not {args.states!r}")
     quick = args.quick
     lib = ctypes.CDLL(args.library)
-    launch = lib.mambafuse_chunk_scan_launch
+    launch = lib.mambafuse_chunk_scan_launch_layout
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    launch.argtypes = [p] * 10 + [ctypes.c_int] * 3 + [i64] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
-    launch.argtypes += [ctypes.c_int, p]
+    launch.argtypes = [p] * 10 + [ctypes.c_int] * 4 + [i64] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
+    launch.argtypes += [ctypes.c_int, ctypes.c_int, p]
     # The last two: the chunked kernel's half path (float16 and bfloat16 at P = 64, N = 128 or 64), over four and five
     # chunks (--quick keeps both).
     shapes = [
@@ -57,39 +57,44 @@ def main() -> int:
     cases = 0
     # The chunked path (1) with each half-path kernel where the shape takes it, and the sequential one (2).
     runs = [(1, state) for state in states] + [(2, states[0])]
-    for (batch, length, heads, head_dim, groups, n), type_id, (path, state), extras in itertools.product(
-        shapes, TYPES, runs, (False, True)
+    # The optional inputs absent; present; present with a float time step and the states (B, H, N, P) (a mobius
+    # build's scan: state_layout 1).
+    variants = [(False, False), (True, False), (True, True)]
+    for (batch, length, heads, head_dim, groups, n), type_id, (path, state), (extras, mobius) in itertools.product(
+        shapes, TYPES, runs, variants
     ):
         os.environ["MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"] = state  # read at each launch
         t = TYPES[type_id]
         dev = "cuda"
         x = torch.randn(batch, length, heads, head_dim, device=dev).to(t)
-        dt = torch.randn(batch, length, heads, device=dev).to(t)
-        bias = torch.randn(heads, device=dev).to(t) if extras else None
+        dt_type = 1 if mobius else type_id
+        dt = torch.randn(batch, length, heads, device=dev).to(TYPES[dt_type])
+        bias = torch.randn(heads, device=dev).to(TYPES[dt_type]) if extras else None
         a = -torch.rand(heads, device=dev) - 0.5
         bm = torch.randn(batch, length, groups, n, device=dev).to(t)
         cm = torch.randn(batch, length, groups, n, device=dev).to(t)
         d = torch.randn(heads, device=dev) if extras else None
-        init = torch.randn(batch, heads, head_dim, n, device=dev).to(t) if extras else None
+        state_dims = (n, head_dim) if mobius else (head_dim, n)
+        init = torch.randn(batch, heads, *state_dims, device=dev).to(t) if extras else None
         out = torch.empty(batch, length, heads, head_dim, device=dev)
-        state = torch.empty(batch, heads, head_dim, n, device=dev)
+        state = torch.empty(batch, heads, *state_dims, device=dev)
 
         def ptr(v):
             return None if v is None else v.data_ptr()
 
         rc = launch(
             ptr(x), ptr(dt), ptr(bias), ptr(a), ptr(bm), ptr(cm), ptr(d), ptr(init), ptr(out), ptr(state),
-            type_id, 1, type_id, batch, length, heads, head_dim, groups, n, 1, 0.0, float("inf"), path,
-            torch.cuda.current_stream().cuda_stream,
+            type_id, dt_type, 1, type_id, batch, length, heads, head_dim, groups, n, 1, 0.0, float("inf"),
+            int(mobius), path, torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         torch.cuda.synchronize()
         if rc != 0:
             shape = (batch, length, heads, head_dim, groups, n)
-            print(f"launch failed ({rc}): {shape} type {type_id} path {path} state {state}")
+            print(f"launch failed ({rc}): {shape} type {type_id} path {path} state {state} mobius {mobius}")
             return 1
         cases += 1
-    conv = lib.mambafuse_causal_conv1d_launch
-    conv.argtypes = [p] * 6 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int] * 2 + [p]
+    conv = lib.mambafuse_causal_conv1d_launch_rounding
+    conv.argtypes = [p] * 6 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int] * 3 + [p]
     # (batch, channels, length, width); the last: channels-last over many token tiles, the last tile a part step
     conv_shapes = [(2, 16, 37, 4), (1, 5, 3, 4), (1, 24, 70, 3), (3, 8, 1, 4), (2, 2048, 203, 4)]
     for (batch, channels, length, width), type_id, last, extras in itertools.product(
@@ -108,7 +113,7 @@ def main() -> int:
         rc = conv(
             x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
             None if init is None else init.data_ptr(), y.data_ptr(), state.data_ptr(), type_id, batch, channels,
-            length, state_len, width, 1, last, torch.cuda.current_stream().cuda_stream,
+            length, state_len, width, 1, last, int(extras), torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         torch.cuda.synchronize()
         if rc != 0:
