@@ -8,7 +8,9 @@ f32 and f16), each as four genai folders, in one process:
 - ``fused``: ``mambafuse genai IN OUT`` (the model fused, the library registered through the config);
 - ``int4 unfused`` / ``int4 fused``: the same, after ONNX Runtime's ``MatMulNBitsQuantizer`` (4 bits, block 32,
   symmetric, every MatMul with a constant weight; ``--accuracy-level``, default 0 as the quantizer's: 4 has the CPU
-  round A to int8 per block, 2-3x faster per projection) wrote the folder's model.
+  round A to int8 per block, 2-3x faster per projection) wrote the folder's model;
+- ``fused, LinearAttention kept`` (a folder for the CPU): ``mambafuse genai IN OUT --opt-in causal_conv_with_state``,
+  the folder fused as that command did before it ran the LinearAttention scans as ``MambaChunkScan`` too.
 
 ``--target cuda`` takes the fixtures' cuda-target genai builds instead (f32 and f16, mobius' default graph); run it
 where onnxruntime-genai-cuda is installed, with ``MAMBAFUSE_LIBRARY`` naming the CUDA build of the library. There
@@ -65,6 +67,9 @@ STEMS = {
 }
 PROMPT = "the red door was on the west side of the old house by the river"
 VARIANTS = ("unfused", "fused", "int4 unfused", "int4 fused")
+#: A folder for the CPU also as fused before its LinearAttention scans were (``--opt-in causal_conv_with_state``
+#: alone: ORT's LinearAttention kept), the step that default took.
+LA_KEPT = "fused, LinearAttention kept"
 
 
 def _genai(*args: str) -> None:
@@ -104,22 +109,26 @@ def _quantized_copy(source: Path, dest: Path, accuracy_level: int = 0) -> Path:
 
 
 def _folders(source: Path, work: Path, threads: int, accuracy_level: int = 0) -> dict[str, Path]:
-    """The four variant folders of ``source`` in ``work``; folders a previous run left there are reused (the int4
-    ones by their accuracy level)."""
+    """The four variant folders of ``source`` in ``work`` (and LA_KEPT's for a folder for the CPU); folders a
+    previous run left there are reused (the int4 ones by their accuracy level)."""
     folders = {}
     level = f"-acc{accuracy_level}" if accuracy_level else ""
     int4_source = work / f"int4{level}-source"
     if not (int4_source / "model.onnx").is_file():
         _quantized_copy(source, int4_source, accuracy_level)
-    for variant, base in (
-        ("unfused", source),
-        ("fused", source),
-        ("int4 unfused", int4_source),
-        ("int4 fused", int4_source),
-    ):
-        out = work / (variant.replace(" ", "-").replace("int4", f"int4{level}"))
+    variants = [
+        ("unfused", source, ["--config-only"]),
+        ("fused", source, []),
+        ("int4 unfused", int4_source, ["--config-only"]),
+        ("int4 fused", int4_source, []),
+    ]
+    if fusion_genai.cpu_folder(json.loads((source / "genai_config.json").read_text())):
+        variants.append((LA_KEPT, source, ["--opt-in", "causal_conv_with_state"]))
+    for variant, base, options in variants:
+        name = variant.replace(", ", "-").replace(" ", "-").replace("int4", f"int4{level}")
+        out = work / name
         if not (out / "genai_config.json").is_file():
-            _genai(str(base), str(out), *(["--config-only"] if "unfused" in variant else []))
+            _genai(str(base), str(out), *options)
         _pin_threads(out, threads)
         folders[variant] = out
     return folders
@@ -220,18 +229,20 @@ def main(argv: list[str] | None = None) -> int:
             providers.add(_provider(folders["unfused"]))
             models = {variant: og.Model(str(folder)) for variant, folder in folders.items()}
             prompt = np.asarray(og.Tokenizer(models["unfused"]).encode(PROMPT), dtype=np.int32)[None, :]
-            ttft: dict[str, list[float]] = {v: [] for v in VARIANTS}
-            rate: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            names = list(folders)
+            ttft: dict[str, list[float]] = {v: [] for v in names}
+            rate: dict[str, list[float]] = {v: [] for v in names}
             tokens: dict[str, list[int]] = {}
             for round_index in range(args.warmup + args.rounds):
-                order = VARIANTS[round_index % 4 :] + VARIANTS[: round_index % 4]
+                shift = round_index % len(names)
+                order = names[shift:] + names[:shift]
                 for variant in order:
                     generated, first, per_second = _generate(models[variant], prompt, args.new)
                     tokens[variant] = generated
                     if round_index >= args.warmup:
                         ttft[variant].append(first * 1e3)
                         rate[variant].append(per_second)
-            for variant in VARIANTS:
+            for variant in names:
                 base = "int4 unfused" if variant.startswith("int4") else "unfused"
                 t, r = statistics.median(ttft[variant]), statistics.median(rate[variant])
                 tb, rb = statistics.median(ttft[base]), statistics.median(rate[base])

@@ -86,6 +86,8 @@ WIDTHS = {
     "Nemotron-H-8B": Width("Nemotron-H-8B", heads=128, head_dim=64, groups=8, state_size=128, model_chunk=128),
     # Zyphra Zamba2-2.7B: 80 Mamba heads of 64, 1 group, d_state 64, chunk_size 256.
     "Zamba2-2.7B": Width("Zamba2-2.7B", heads=80, head_dim=64, groups=1, state_size=64, model_chunk=256),
+    # state-spaces/mamba2-130m: 24 heads of 64, 1 group, d_state 128, chunk_size 256 (the smallest Mamba-2).
+    "Mamba2-130M": Width("Mamba2-130M", heads=24, head_dim=64, groups=1, state_size=128, model_chunk=256),
 }
 NAMES = ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")
 

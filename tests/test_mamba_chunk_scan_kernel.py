@@ -291,6 +291,25 @@ def test_the_state_in_n_p_layout(t: np.dtype, state_kind: str, length: int) -> N
     np.testing.assert_allclose(state, plain_state.transpose(0, 1, 3, 2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("state_layout", [0, 1])
+def test_decode_steps_one_token_at_a_time(t: np.dtype, state_layout: int) -> None:
+    """A prompt fed one token a call (the kernel's one-pass decode step), each from the last call's final state, in
+    either state layout: the outputs and the last state within the budget of the prompt at once."""
+    inputs = make_inputs(np.random.default_rng(17), t, length=20, head_dim=8, state_size=16, state_type=FLOAT)
+    if state_layout == 1:
+        inputs = _transposed_state(inputs)
+    state, outs = inputs["initial_state"], []
+    for token in range(20):
+        piece = dict(inputs, initial_state=state)
+        for name in ("x", "dt", "B", "C"):
+            piece[name] = inputs[name][:, token : token + 1]
+        out, state = run_kernel(piece, state_layout=state_layout)
+        outs.append(out)
+    ok, summary = budget_report(np.concatenate(outs, axis=1), state, **inputs, state_layout=state_layout)
+    assert ok, summary
+
+
 def test_a_state_in_the_other_layout_is_an_error() -> None:
     """A (B, H, P, N) state given to a state_layout 1 node (P != N) is refused with the layout named."""
     inputs = make_inputs(np.random.default_rng(15), length=3)

@@ -81,6 +81,90 @@ float TimeStep(const MambaChunkScanCpuArgs& a, int64_t token, int64_t h, float l
   return std::min(std::max(step, lo), hi);
 }
 
+// kVectors vectors of columns [p, p + kVectors·kWidth) of a decode step's (N, P) state, every row n, with their
+// outputs y in registers: S[n][cols] = decay S[n][cols] + B[n] u[cols], y[cols] += C[n] S[n][cols].
+template <int kVectors>
+MAMBAFUSE_INLINE void NpColumns(float* state, int64_t head_dim, int64_t n_state, int64_t p, VF decay,
+                                const float* b_row, const float* c_row, const float* u, float* y) {
+  VF acc[kVectors], uv[kVectors];
+  for (int j = 0; j < kVectors; ++j) {
+    acc[j] = LoadVector<kNone>(y, p + j * kWidth);
+    uv[j] = LoadVector<kNone>(u, p + j * kWidth);
+  }
+  for (int64_t n = 0; n < n_state; ++n) {
+    float* const row = state + n * head_dim + p;
+    const VF bn = VF{} + b_row[n], cn = VF{} + c_row[n];
+    for (int j = 0; j < kVectors; ++j) {
+      const VF v = LoadVector<kNone>(row, j * kWidth) * decay + uv[j] * bn;
+      StoreVector<kNone>(row, j * kWidth, v);
+      acc[j] += v * cn;
+    }
+  }
+  for (int j = 0; j < kVectors; ++j) StoreVector<kNone>(y, p + j * kWidth, acc[j]);
+}
+
+// One token (a decode step): the recurrence's step, S = exp(a) S + u ⊗ B and y = S C + D x, in one pass over each
+// head's state (the chunked path's products would read it three times), vectorized along the state's rows. The
+// state is already in final_state. Scratch: b_row and c_row N floats, u P floats.
+template <int kT, int kD>
+void DecodeStep(const MambaChunkScanCpuArgs& a, const Item& item, float lo, float hi, float* b_row, float* c_row,
+                float* u) {
+  const int64_t b = item.batch_row, heads = a.heads, head_dim = a.head_dim, n_state = a.state_size;
+  const int64_t bc_row = (b * a.groups + item.group) * n_state;  // token 0 of batch row b
+  Widen<kT>(a.B, bc_row, n_state, b_row);
+  Widen<kT>(a.C, bc_row, n_state, c_row);
+  for (int64_t h = item.first_head; h < item.end_head; ++h) {
+    const int64_t token = b * heads + h;
+    const float step = a.dt_type == ElemType::kFloat ? TimeStep<kNone>(a, token, h, lo, hi)
+                                                     : TimeStep<kT>(a, token, h, lo, hi);
+    const float decay = std::exp(a.A[h] * step);
+    const VF decay_v = VF{} + decay;
+    float* const y = a.out + token * head_dim;
+    const float skip = a.D != nullptr ? LoadScalar<kD>(a.D, h) : 0.f;
+    for (int64_t p = 0; p < head_dim; ++p) {
+      const float x = LoadScalar<kT>(a.x, token * head_dim + p);
+      u[p] = x * step;
+      y[p] = a.D != nullptr ? x * skip : 0.f;
+    }
+    float* const state = a.final_state + token * head_dim * n_state;
+    if (a.state_np) {  // rows n of P: S[n] = exp(a) S[n] + B[n] u, y += C[n] S[n], by blocks of P's columns
+      int64_t p = 0;
+      for (; p + 4 * kWidth <= head_dim; p += 4 * kWidth) {
+        NpColumns<4>(state, head_dim, n_state, p, decay_v, b_row, c_row, u, y);
+      }
+      for (; p + kWidth <= head_dim; p += kWidth) {
+        NpColumns<1>(state, head_dim, n_state, p, decay_v, b_row, c_row, u, y);
+      }
+      for (; p < head_dim; ++p) {
+        for (int64_t n = 0; n < n_state; ++n) {
+          float* const s = state + n * head_dim + p;
+          *s = *s * decay + u[p] * b_row[n];
+          y[p] += *s * c_row[n];
+        }
+      }
+    } else {  // rows p of N: S[p] = exp(a) S[p] + u[p] B, y[p] += S[p] · C
+      for (int64_t p = 0; p < head_dim; ++p) {
+        float* const row = state + p * n_state;
+        const VF u_v = VF{} + u[p];
+        VF acc = VF{};
+        int64_t n = 0;
+        for (; n + kWidth <= n_state; n += kWidth) {
+          const VF v = LoadVector<kNone>(row, n) * decay_v + LoadVector<kNone>(b_row, n) * u_v;
+          StoreVector<kNone>(row, n, v);
+          acc += v * LoadVector<kNone>(c_row, n);
+        }
+        float sum = SumLanes(acc);
+        for (; n < n_state; ++n) {
+          const float v = row[n] * decay + b_row[n] * u[p];
+          row[n] = v;
+          sum += v * c_row[n];
+        }
+        y[p] += sum;
+      }
+    }
+  }
+}
+
 template <int kT, int kD, int kS>
 void RunItems(const MambaChunkScanCpuArgs& a, int64_t first_item, int64_t last_item) {
   const int64_t length = a.length, heads = a.heads, head_dim = a.head_dim, n_state = a.state_size;
@@ -117,6 +201,10 @@ void RunItems(const MambaChunkScanCpuArgs& a, int64_t first_item, int64_t last_i
           for (int64_t p = 0; p < head_dim; ++p) a.out[row + p] = x_row(0, p) * skip;
         }
       }
+      continue;
+    }
+    if (length == 1) {
+      DecodeStep<kT, kD>(a, item, lo, hi, b_chunk.data(), c_chunk.data(), u.data());
       continue;
     }
     for (int64_t t0 = 0; t0 < length; t0 += q_max) {
