@@ -59,6 +59,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import onnx_ir as ir
+
 from fusion.int4 import CPU_INT4_HINT_END
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
 from fusion.progress import progress, track
@@ -69,6 +71,10 @@ CONFIG_NAME = "genai_config.json"
 #: The opt-in fusions (fusion.rules.registry.OPT_IN_FUSIONS) a folder for the CPU gets without ``--opt-in``: those
 #: measured as fast or faster there on the calls the folder makes (prompt and decode step; benchmarks/RESULTS.md).
 CPU_FOLDER_OPT_IN = ("linear_attention_scan", "causal_conv_with_state")
+#: A CPU folder's scans run as MambaChunkScan where each layer's state has at least this many elements (H·N·P). The
+#: kernel is faster than LinearAttention from the smallest published Mamba-2 (mamba2-130m: 24·128·64 = 196608) up;
+#: on toy widths (the test fixtures' 512) a call's fixed cost outweighs its work (benchmarks/RESULTS.md).
+CPU_SCAN_MIN_STATE = 65536
 
 #: Model types onnxruntime-genai 0.18 rejects ("Unsupported model_type in config.json: <type>").
 GENAI_UNSUPPORTED_TYPES = ("nemotron_h", "zamba2", "mamba2")
@@ -232,8 +238,16 @@ def fuse_folder(
     # The input model and its data files are replaced by the fused model and its own data file.
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
     on_cpu = cpu_folder(config)
+    notes: list[str] = []
     if opt_in is None:
         opt_in = CPU_FOLDER_OPT_IN if on_cpu else ()
+        smallest = smallest_scan_state(model)
+        if "linear_attention_scan" in opt_in and smallest is not None and smallest < CPU_SCAN_MIN_STATE:
+            opt_in = tuple(name for name in opt_in if name != "linear_attention_scan")
+            notes.append(
+                f"LinearAttention kept: a layer's state has {smallest} elements, under the {CPU_SCAN_MIN_STATE} "
+                "from which MambaChunkScan is the faster on the CPU (--opt-in linear_attention_scan runs it anyway)"
+            )
     fused, report = rewrite_model(model, function=function, opt_in=opt_in, int4_accuracy_level=int4_accuracy_level)
     if not on_cpu:  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
         report.hints = [hint for hint in report.hints if not hint.endswith(CPU_INT4_HINT_END)]
@@ -271,8 +285,27 @@ def fuse_folder(
         config_changes=config_changes,
         genai_cannot_load=genai_support(config),
         opt_in=list(opt_in),
+        notes=notes,
     )
     return report, summary
+
+
+def smallest_scan_state(model: ir.Model) -> int | None:
+    """The fewest state elements (H·N·P, the past state's dims after the batch) of the model's LinearAttention nodes,
+    from the declared shapes (a speed choice, not a proof); None where there is none or a dim is not a number."""
+    sizes = []
+    for node in model.graph.all_nodes():
+        if node.op_type != "LinearAttention" or len(node.inputs) < 4 or node.inputs[3] is None:
+            continue
+        state = node.inputs[3]
+        while state.shape is None and state.producer() is not None and state.producer().op_type == "Cast":
+            state = state.producer().inputs[0]  # a 16-bit build widens genai's past state first
+        shape = state.shape
+        dims = list(shape)[1:] if shape is not None and len(shape) == 4 else []
+        if len(dims) != 3 or not all(isinstance(d, int) for d in dims):
+            return None
+        sizes.append(dims[0] * dims[1] * dims[2])
+    return min(sizes) if sizes else None
 
 
 def cpu_folder(config: dict[str, Any]) -> bool:
@@ -462,6 +495,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
             print(f"genai_config.json: {change}")
         if report is not None and summary["opt_in"] and not args.opt_in:
             print(f"opted in (the CPU folder's default; --keep-builder-ops: none): {', '.join(summary['opt_in'])}")
+        for note in summary.get("notes", []):
+            print(note)
         if report is None:
             runs_with = "not fused: the model and every other file copied unchanged, only genai_config.json edited"
         elif summary["custom_ops_library"]:

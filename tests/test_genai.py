@@ -221,14 +221,39 @@ def test_no_library_folder(builds: Path, tmp_path: Path, library: str) -> None:
         assert "custom_ops_library" not in config["model"]["decoder"].get("session_options", {})
         assert Path(library).name not in {p.name for p in folder.iterdir()}
         model = onnx.load(folder / "model.onnx", load_external_data=False)
-        # a CPU folder: its norms and (the opt-ins of CPU folders) its convs and scans
+        # a CPU folder: its norms and (the opt-in of CPU folders) its convs; its scans stay LinearAttention (a toy
+        # model's state, under CPU_SCAN_MIN_STATE)
         assert sorted(f.name for f in model.functions if f.domain == "ai.mambafuse") == [
             "CausalConv1d",
             "GatedGroupRMSNorm",
-            "MambaChunkScan",
         ]
     status, _, err = _fuse(source, tmp_path / "neither", "--no-library", "--no-function")
     assert status == 2 and "not allowed with" in err and not (tmp_path / "neither").exists()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_a_cpu_folder_runs_its_scans_as_mamba_chunk_scan_above_toy_widths(
+    dtype: str, builds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU folder's LinearAttention scans become MambaChunkScan (state_layout 1, no Transposes) by default where a
+    layer's state reaches CPU_SCAN_MIN_STATE; the fixtures' toy state (4 heads · 8 · 16) stays LinearAttention with
+    a note that says why and how to opt in. The float16 build's state is found behind its Cast."""
+    stem = next(s for s in GENAI_BUILDS if RECORDS[s]["dtype"] == dtype and s.startswith("nemotron"))
+    status, out, err = _fuse(builds / stem, tmp_path / "toy")
+    assert status == 0, err
+    assert "LinearAttention kept: a layer's state has 512 elements, under the 65536" in out
+    ops = [n.op_type for n in onnx.load(tmp_path / "toy" / "model.onnx", load_external_data=False).graph.node]
+    assert "LinearAttention" in ops and "MambaChunkScan" not in ops
+    monkeypatch.setattr(fusion_genai, "CPU_SCAN_MIN_STATE", 512)
+    status, out, err = _fuse(builds / stem, tmp_path / "scan")
+    assert status == 0, err
+    assert "LinearAttention kept" not in out and "linear_attention_scan" in out
+    graph = onnx.load(tmp_path / "scan" / "model.onnx", load_external_data=False).graph
+    scans = [n for n in graph.node if n.op_type == "MambaChunkScan"]
+    assert scans and "LinearAttention" not in [n.op_type for n in graph.node]
+    layouts = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("state_layout") for n in scans]
+    assert layouts == [1] * len(scans)
+    assert "Transpose" not in [n.op_type for n in graph.node]
 
 
 def test_genai_loads_the_named_library(builds: Path, tmp_path: Path) -> None:
@@ -383,10 +408,7 @@ def test_int4_folder_with_the_weight_products_generates_the_same(builds: Path, t
     status, _, err = _fuse(int4, tmp_path / "plain")
     assert status == 0, err
     status, out, err = _fuse(
-        int4,
-        tmp_path / "gemv",
-        *("--opt-in", "linear_attention_scan", "--opt-in", "causal_conv_with_state"),  # the CPU folder's own
-        *("--opt-in", "decode_matmul_nbits"),
+        int4, tmp_path / "gemv", "--opt-in", "causal_conv_with_state", "--opt-in", "decode_matmul_nbits"
     )
     assert status == 0, err
     graph = onnx.load(tmp_path / "gemv" / "model.onnx", load_external_data=False).graph
