@@ -171,10 +171,10 @@ SQUARED_RELU = Fusion(
     form_of=squared_relu_rules.form_of,
 )
 
-#: mobius' ``LinearAttention(update_rule="gated")`` run as MambaChunkScan between Transposes of genai's state: faster
-#: on a CPU prompt (1.3-2.2x, benchmarks/RESULTS.md) but 3-4x slower on each decode step, which the same node serves,
-#: and not measured against ORT's CUDA LinearAttention; so not in ``FUSIONS``: ``--opt-in linear_attention_scan``
-#: (``rewrite_model(..., opt_in=[...])``) runs it.
+#: mobius' ``LinearAttention(update_rule="gated")`` run as MambaChunkScan on genai's state as it is (``state_layout``
+#: 1): on the CPU faster on a prompt (1.3-2.2x) and on a decode step from the smallest published widths up
+#: (benchmarks/RESULTS.md); ``mambafuse genai`` runs it on a folder for the CPU (``fusion.genai.CPU_FOLDER_OPT_IN``),
+#: ``--opt-in linear_attention_scan`` (``rewrite_model(..., opt_in=[...])``) elsewhere.
 LINEAR_ATTENTION_SCAN = Fusion(
     name="linear_attention_scan",
     op_type="MambaChunkScan",
