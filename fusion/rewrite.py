@@ -522,7 +522,7 @@ def add_opt_in_argument(parser: argparse.ArgumentParser) -> None:
         choices=[fusion.name for fusion in registry.OPT_IN_FUSIONS],
         help="also run this fusion, which is right but not faster everywhere (repeatable; choices: %(choices)s). "
         "For mobius builds: linear_attention_scan runs LinearAttention as MambaChunkScan (on the CPU faster "
-        "prompts and decode steps as fast; on CUDA 3x faster prompts); causal_conv_with_state runs "
+        "prompts and decode steps; on CUDA 3x faster prompts); causal_conv_with_state runs "
         "CausalConvWithState as CausalConv1d (on the CPU faster prompts and decode steps). `mambafuse genai` "
         "runs both on a folder for the CPU. decode_matmul / "
         "decode_matmul_nbits run weight MatMuls / 4-bit MatMulNBits as DecodeMatMul(NBits) (CUDA kernels; at "

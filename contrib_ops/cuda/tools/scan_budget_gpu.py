@@ -2,7 +2,8 @@
 through libmambafuse_cuda_prefill_bench.so on PyTorch's buffers, the inputs from the test suite's make_inputs (numpy,
 seeded), the outputs checked with fusion.reference.mamba_chunk_scan.budget_report. Both kernels of the models' widths
 (P = 64, N = 128 or 64; float16 and bfloat16): the state in registers (the default) and in shared memory
-(MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared), which must also agree within 1e-4. For a GPU session where the
+(MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared), which must also agree within 1e-4; then a mobius build's form (a float
+time step with 16-bit x, B and C, the states (B, H, N, P): state_layout 1). For a GPU session where the
 onnxruntime-gpu suites (tests/test_mamba_chunk_scan_cuda.py) cannot run; they remain the suites of record.
 
     python3 contrib_ops/cuda/tools/scan_budget_gpu.py <libmambafuse_cuda_prefill_bench.so>
@@ -39,13 +40,14 @@ def to_torch(array: np.ndarray | None) -> torch.Tensor | None:
     return torch.from_numpy(bits.view(np.float32)).to(torch.bfloat16).cuda()
 
 
-def run(launch, inputs: dict, kernel: str) -> tuple[np.ndarray, np.ndarray]:
+def run(launch, inputs: dict, kernel: str, state_layout: int = 0) -> tuple[np.ndarray, np.ndarray]:
     os.environ["MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"] = kernel
     batch, length, heads, head_dim = inputs["x"].shape
     groups, n = inputs["B"].shape[2:]
     dev = {k: to_torch(v) for k, v in inputs.items()}
     out = torch.full((batch, length, heads, head_dim), float("nan"), device="cuda")
-    state = torch.full((batch, heads, head_dim, n), float("nan"), device="cuda")
+    state_dims = (n, head_dim) if state_layout == 1 else (head_dim, n)
+    state = torch.full((batch, heads, *state_dims), float("nan"), device="cuda")
     d, init = inputs["D"], inputs["initial_state"]
 
     def ptr(v):
@@ -53,9 +55,9 @@ def run(launch, inputs: dict, kernel: str) -> tuple[np.ndarray, np.ndarray]:
 
     rc = launch(
         *(ptr(dev[k]) for k in ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")), out.data_ptr(),
-        state.data_ptr(), onnx_type(inputs["x"]), 1 if d is None else onnx_type(d),
-        1 if init is None else onnx_type(init), batch, length, heads, head_dim, groups, n, 1, 0.0, float("inf"), 1,
-        torch.cuda.current_stream().cuda_stream,
+        state.data_ptr(), onnx_type(inputs["x"]), onnx_type(inputs["dt"]), 1 if d is None else onnx_type(d),
+        1 if init is None else onnx_type(init), batch, length, heads, head_dim, groups, n, 1, 0.0, float("inf"),
+        state_layout, 1, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
     torch.cuda.synchronize()
     if rc != 0:
@@ -65,33 +67,40 @@ def run(launch, inputs: dict, kernel: str) -> tuple[np.ndarray, np.ndarray]:
 
 def main() -> int:
     lib = ctypes.CDLL(sys.argv[1])
-    launch = lib.mambafuse_chunk_scan_launch
+    launch = lib.mambafuse_chunk_scan_launch_layout
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    launch.argtypes = [p] * 10 + [ctypes.c_int] * 3 + [i64] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
-    launch.argtypes += [ctypes.c_int, p]
+    launch.argtypes = [p] * 10 + [ctypes.c_int] * 4 + [i64] * 6 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
+    launch.argtypes += [ctypes.c_int, ctypes.c_int, p]
     import ml_dtypes  # noqa: PLC0415
 
     types = [np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
     failures = cases = 0
-    for t, n, length, extras in itertools.product(
-        types, (128, 64), (1, 2, 63, 64, 65, 129, 300, 1000), ("f32", "T", "none")
-    ):
+    plain = itertools.product(types, (128, 64), (1, 2, 63, 64, 65, 129, 300, 1000), ("f32", "T", "none"), (False,))
+    mobius = itertools.product(types, (128, 64), (1, 65, 300), ("f32", "T"), (True,))
+    for t, n, length, extras, as_mobius in itertools.chain(plain, mobius):
         kind = {"f32": np.float32, "T": t, "none": None}[extras]
         rng = np.random.default_rng(length + n)
         inputs = make_inputs(
             rng, t, batch=2, length=length, heads=4, head_dim=64, groups=2, state_size=n, d_type=kind, state_type=kind
         )
-        results = {k: run(launch, inputs, k) for k in ("shared", "registers")}
+        layout = 0
+        if as_mobius:  # a float time step, the states (B, H, N, P)
+            inputs["dt"] = (rng.standard_normal(inputs["dt"].shape) - 1).astype(np.float32)
+            inputs["dt_bias"] = rng.standard_normal(inputs["dt_bias"].shape).astype(np.float32)
+            inputs["initial_state"] = np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2))
+            layout = 1
+        results = {k: run(launch, inputs, k, layout) for k in ("shared", "registers")}
         for k, (out, state) in results.items():
-            ok, summary = budget_report(out, state, **inputs)
+            ok, summary = budget_report(out, state, **inputs, state_layout=layout)
             cases += 1
             if not ok:
                 failures += 1
-                print(f"FAIL {k} {t} N={n} T={length} {extras}: {summary}")
+                print(f"FAIL {k} {t} N={n} T={length} {extras} mobius={as_mobius}: {summary}")
         for a, b in zip(results["registers"], results["shared"], strict=True):
             if not np.allclose(a, b, rtol=1e-4, atol=1e-4):
                 failures += 1
-                print(f"FAIL registers vs shared {t} N={n} T={length} {extras}: {np.abs(a - b).max():.3g}")
+                worst = np.abs(a - b).max()
+                print(f"FAIL registers vs shared {t} N={n} T={length} {extras} mobius={as_mobius}: {worst:.3g}")
     print(f"{cases} kernel runs within the budget: {cases - failures} of {cases}; failures {failures}")
     return 1 if failures else 0
 
