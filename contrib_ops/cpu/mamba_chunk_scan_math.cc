@@ -247,12 +247,12 @@ void RunItems(const MambaChunkScanCpuArgs& a, int64_t first_item, int64_t last_i
           mixed.row(l).head(l + 1).array() = (cs(l) - cs.head(l + 1)).exp() * scores.row(l).head(l + 1).array();
         }
         y.noalias() += mixed.topLeftCorner(q, q).template triangularView<Eigen::Lower>() * u_q;
-        // Inter-chunk: the carried state read out by C, decayed to each token.
         // (exp evaluated into an array first: a diagonal of an expression would evaluate it per coefficient.)
         decay.head(q) = cs.head(q).exp();
         for (int64_t r = 0; r < q; ++r) c_scaled.row(r) = c_q.row(r) * decay(r);
         const float to_end = cs(q - 1);
-        // The chunk's state: the carried one decayed over the chunk, plus each token's u B decayed to its end.
+        // Inter-chunk: the carried state read out by C, decayed to each token; then the chunk's state, the carried
+        // one decayed over the chunk plus each token's u B decayed to its end.
         const auto carry = [&](auto state) {
           y.noalias() += c_scaled.topRows(q) * state.transpose();
           decay.head(q) = (to_end - cs.head(q)).exp();
