@@ -66,7 +66,6 @@ STEMS = {
     for target in ("cpu", "cuda")
 }
 PROMPT = "the red door was on the west side of the old house by the river"
-VARIANTS = ("unfused", "fused", "int4 unfused", "int4 fused")
 #: A folder for the CPU also as fused before its LinearAttention scans were (``--opt-in causal_conv_with_state``
 #: alone: ORT's LinearAttention kept), the step that default took.
 LA_KEPT = "fused, LinearAttention kept"

@@ -241,8 +241,8 @@ def fuse_folder(
     notes: list[str] = []
     if opt_in is None:
         opt_in = CPU_FOLDER_OPT_IN if on_cpu else ()
-        smallest = smallest_scan_state(model)
-        if "linear_attention_scan" in opt_in and smallest is not None and smallest < CPU_SCAN_MIN_STATE:
+        smallest = smallest_scan_state(model) if "linear_attention_scan" in opt_in else None
+        if smallest is not None and smallest < CPU_SCAN_MIN_STATE:
             opt_in = tuple(name for name in opt_in if name != "linear_attention_scan")
             notes.append(
                 f"LinearAttention kept: a layer's state has {smallest} elements, under the {CPU_SCAN_MIN_STATE} "
@@ -495,7 +495,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
             print(f"genai_config.json: {change}")
         if report is not None and summary["opt_in"] and not args.opt_in:
             print(f"opted in (the CPU folder's default; --keep-builder-ops: none): {', '.join(summary['opt_in'])}")
-        for note in summary.get("notes", []):
+        for note in summary.get("notes", []):  # a --config-only summary has none
             print(note)
         if report is None:
             runs_with = "not fused: the model and every other file copied unchanged, only genai_config.json edited"
