@@ -22,6 +22,11 @@ no initial state, the final state of K − 1 columns returned): ours reads x as 
 case: the padding and transposes the exported graph adds are left out), then ``silu``. The copy moves x and y's
 bytes.
 
+``--one-token`` times a one-token prompt instead (a decode step through the op, as a mobius build runs its cache),
+both state layouts, an initial float32 state: the step kernel (the default for one token) against the chunked
+kernel on the same token (what ran before the step kernel) and a copy of the step's bytes (the state read and
+written, x, dt, B, C and out).
+
 Run on the GPU machine:
 
     python3 benchmarks/bench_cuda_prefill.py --bench-lib build/cuda/cuda/libmambafuse_cuda_prefill_bench.so \\
@@ -47,7 +52,7 @@ WIDTHS = {
     "bamba-9b": (128, 64, 1, 128),
 }
 ONNX_FLOAT, ONNX_FLOAT16 = 1, 10
-PATHS = {"chunked": 1, "sequential": 2}
+PATHS = {"chunked": 1, "sequential": 2, "step": 3}
 WARPS_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_WARPS"
 STATE_VARIABLE = "MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"
 
@@ -173,6 +178,82 @@ def _measure(torch, launch, combined, name: str, batch: int, length: int, sequen
     )
 
 
+def _measure_step(torch, launch, name: str, batch: int, state_layout: int) -> str:
+    """One row of the one-token table: the step kernel, the chunked kernel and a copy of the step's bytes."""
+    h, pd, g, n = WIDTHS[name]
+    dev = "cuda"
+    x = torch.randn(batch, 1, h, pd, device=dev, dtype=torch.float16)
+    dt = torch.randn(batch, 1, h, device=dev) - 2  # float32, as mobius builds pass it
+    dt_bias = torch.rand(h, device=dev) * 0.5
+    a = -torch.exp(torch.rand(h, device=dev) * 2)
+    bm = torch.randn(batch, 1, g, n, device=dev, dtype=torch.float16)
+    cm = torch.randn(batch, 1, g, n, device=dev, dtype=torch.float16)
+    d = torch.randn(h, device=dev)
+    dims = (batch, h, n, pd) if state_layout == 1 else (batch, h, pd, n)
+    initial = torch.randn(*dims, device=dev)
+    out = torch.empty(batch, 1, h, pd, device=dev, dtype=torch.float32)
+    state = torch.empty(*dims, device=dev)
+    results = {}
+
+    def ours(path: int) -> None:
+        rc = launch(
+            x.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), a.data_ptr(), bm.data_ptr(), cm.data_ptr(),
+            d.data_ptr(), initial.data_ptr(), out.data_ptr(), state.data_ptr(), ONNX_FLOAT16, ONNX_FLOAT, ONNX_FLOAT,
+            ONNX_FLOAT, batch, 1, h, pd, g, n, 1, 0.0, float("inf"), state_layout, path,
+            torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"mambafuse_chunk_scan_launch_layout returned {rc}")
+
+    times = {}
+    for key, path in (("step", PATHS["step"]), ("chunked", PATHS["chunked"])):
+        times[key] = _time_graph(torch, lambda path=path: ours(path))
+        ours(path)
+        torch.cuda.synchronize()
+        results[key] = (out.clone(), state.clone())
+    moved = sum(t.numel() * t.element_size() for t in (x, dt, bm, cm, out, initial, state))
+    src = torch.empty(moved // 2, device=dev, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times["copy"] = _time_graph(torch, lambda: dst.copy_(src))
+    diff = max((a - b).abs().max().item() for a, b in zip(results["step"], results["chunked"], strict=True))
+
+    def cell(key: str) -> str:
+        med, lo, hi = times[key]
+        return f"{med:.2f} ({lo:.2f}-{hi:.2f})"
+
+    step = times["step"][0]
+    return (
+        f"| {name} {WIDTHS[name]} | {batch} | {'(N, P)' if state_layout else '(P, N)'} | {cell('step')} | "
+        f"{cell('chunked')} | {cell('copy')} | {times['chunked'][0] / step:.2f}x | {step / times['copy'][0]:.2f} | "
+        f"{moved / (step * 1e-6) / 1e9:.0f} | {diff:.1e} |"
+    )
+
+
+def _one_token_table(torch, lib, widths: list[str], batches: list[int]) -> list[str]:
+    launch = lib.mambafuse_chunk_scan_launch_layout
+    launch.restype = ctypes.c_int
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    launch.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, i, p]
+    lines = [
+        "| widths (H, P, G, N) | B | state layout | step µs | chunked µs | copy µs | chunked / step | step / copy | "
+        "step GB/s | max abs diff step vs chunked |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in widths:
+        for batch in batches:
+            for state_layout in (0, 1):
+                line = _measure_step(torch, launch, name, batch, state_layout)
+                print(line, flush=True)
+                lines.append(line)
+    lines += [
+        "",
+        "One token (a decode step through MambaChunkScan), float16 x, B, C; float32 dt, dt_bias, D, A and states. "
+        "chunked / step > 1: the step kernel faster. step / copy: its time in copies of the same bytes (1: the "
+        "memory floor; a launch's fixed cost dominates at these sizes).",
+    ]
+    return lines
+
+
 def _measure_conv(torch, lib, channels: int, batch: int, length: int) -> str:
     """One row of the conv table."""
     dev, width = "cuda", 4
@@ -222,12 +303,23 @@ def main() -> None:
     parser.add_argument("--conv-channels", default="10240")
     parser.add_argument("--skip-scan", action="store_true")
     parser.add_argument("--skip-sequential", action="store_true", help="leave out the sequential kernel's column")
+    parser.add_argument("--one-token", action="store_true", help="time a one-token prompt (a decode step) instead")
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
 
     import torch
 
     lib = ctypes.CDLL(str(args.bench_lib))
+    if args.one_token:
+        torch.manual_seed(0)
+        header = [
+            f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; Python {platform.python_version()}; "
+            f"CUDA graph of 20 calls, median (min-max) µs a call of 7 replays; L2 warm (back-to-back calls)",
+            "",
+        ]
+        batches = [int(b) for b in args.batches.split(",")]
+        emit_table(header + _one_token_table(torch, lib, args.widths.split(","), batches), args.markdown)
+        return
     launch = lib.mambafuse_chunk_scan_launch
     launch.restype = ctypes.c_int
     p = ctypes.c_void_p

@@ -9,8 +9,9 @@ f32 and f16), each as four genai folders, in one process:
 - ``int4 unfused`` / ``int4 fused``: the same, after ONNX Runtime's ``MatMulNBitsQuantizer`` (4 bits, block 32,
   symmetric, every MatMul with a constant weight; ``--accuracy-level``, default 0 as the quantizer's: 4 has the CPU
   round A to int8 per block, 2-3x faster per projection) wrote the folder's model;
-- ``fused, LinearAttention kept`` (a folder for the CPU): ``mambafuse genai IN OUT --opt-in causal_conv_with_state``,
-  the folder fused as that command did before it ran the LinearAttention scans as ``MambaChunkScan`` too.
+- ``fused, LinearAttention kept`` (a folder for the CPU): ``mambafuse genai IN OUT --keep-builder-ops --opt-in
+  causal_conv_with_state``, the folder fused as that command did before it ran the LinearAttention scans as
+  ``MambaChunkScan`` too.
 
 ``--target cuda`` takes the fixtures' cuda-target genai builds instead (f32 and f16, mobius' default graph); run it
 where onnxruntime-genai-cuda is installed, with ``MAMBAFUSE_LIBRARY`` naming the CUDA build of the library. There
@@ -66,8 +67,8 @@ STEMS = {
     for target in ("cpu", "cuda")
 }
 PROMPT = "the red door was on the west side of the old house by the river"
-#: A folder for the CPU also as fused before its LinearAttention scans were (``--opt-in causal_conv_with_state``
-#: alone: ORT's LinearAttention kept), the step that default took.
+#: A folder for the CPU also as fused before its LinearAttention scans were (``--keep-builder-ops --opt-in
+#: causal_conv_with_state``: ORT's LinearAttention kept), the step that default took.
 LA_KEPT = "fused, LinearAttention kept"
 
 
@@ -122,7 +123,7 @@ def _folders(source: Path, work: Path, threads: int, accuracy_level: int = 0) ->
         ("int4 fused", int4_source, []),
     ]
     if fusion_genai.cpu_folder(json.loads((source / "genai_config.json").read_text())):
-        variants.append((LA_KEPT, source, ["--opt-in", "causal_conv_with_state"]))
+        variants.append((LA_KEPT, source, ["--keep-builder-ops", "--opt-in", "causal_conv_with_state"]))
     for variant, base, options in variants:
         name = variant.replace(", ", "-").replace(" ", "-").replace("int4", f"int4{level}")
         out = work / name

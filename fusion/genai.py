@@ -31,10 +31,12 @@ load the folder. (``--genai-config-edit``, the opt-in of earlier versions, is ac
 required, an error for a model type it does not edit.)
 
 Fusions that are right but not faster on every execution provider (``--opt-in``) follow the folder's provider:
-a folder that runs on the CPU (no ``provider_options`` in its config) gets ``causal_conv_with_state`` by default,
-its ``CausalConvWithState`` nodes run as ``CausalConv1d`` (float32 builds; faster on the CPU on a prompt and on a
-decode step, benchmarks/RESULTS.md); a folder for another provider gets none. ``--opt-in NAME`` names the fusions
-instead; ``--keep-builder-ops`` asks for none.
+a folder that runs on the CPU (no ``provider_options`` in its config) gets ``linear_attention_scan`` and
+``causal_conv_with_state`` by default, its ``LinearAttention`` and ``CausalConvWithState`` nodes run as
+``MambaChunkScan`` and ``CausalConv1d`` (faster on the CPU on a prompt and on a decode step, benchmarks/RESULTS.md;
+the scans only where a layer's state has at least ``CPU_SCAN_MIN_STATE`` elements); a folder for another provider
+gets none. ``--opt-in NAME`` adds fusions to those (a named scan runs whatever its state's size);
+``--keep-builder-ops`` drops the provider's, leaving only the ``--opt-in`` names.
 
 ``--config-only`` writes that config edit alone: OUT_FOLDER is IN_FOLDER with every file copied unchanged (the
 model unfused, no library) but ``genai_config.json``, declared as genai's ``decoder``. That is the baseline a
@@ -186,11 +188,14 @@ def fuse_folder(
     library: bool = True,
     genai_config_edit: bool | None = None,
     opt_in: Sequence[str] | None = None,
+    folder_defaults: bool = True,
     int4_accuracy_level: int | None = None,
 ) -> tuple[Report, dict[str, Any]]:
     """Write OUT_FOLDER from a genai model folder (module docstring); return the rewrite report and a summary.
-    ``opt_in``: the opt-in fusions to run too (``rewrite_model``'s); None: the folder's provider's
-    (``CPU_FOLDER_OPT_IN`` for a CPU folder, none for another), reported as the summary's ``opt_in``.
+    ``opt_in``: opt-in fusions to run too (``rewrite_model``'s), besides the folder's provider's where
+    ``folder_defaults`` (``CPU_FOLDER_OPT_IN`` for a CPU folder, the scan's where its states are large enough or it
+    is named in ``opt_in``; none for another provider). All of them are the summary's ``opt_in``, the provider's
+    its ``folder_opt_in``.
     ``int4_accuracy_level``: as ``rewrite_model``'s.
 
     ``genai_config_edit``: None (the default) edits the config when genai 0.18 does not know the model
@@ -239,15 +244,17 @@ def fuse_folder(
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
     on_cpu = cpu_folder(config)
     notes: list[str] = []
-    if opt_in is None:
-        opt_in = CPU_FOLDER_OPT_IN if on_cpu else ()
-        smallest = smallest_scan_state(model) if "linear_attention_scan" in opt_in else None
+    named = tuple(opt_in or ())
+    defaults = CPU_FOLDER_OPT_IN if on_cpu and folder_defaults else ()
+    if "linear_attention_scan" in defaults and "linear_attention_scan" not in named:
+        smallest = smallest_scan_state(model)
         if smallest is not None and smallest < CPU_SCAN_MIN_STATE:
-            opt_in = tuple(name for name in opt_in if name != "linear_attention_scan")
+            defaults = tuple(name for name in defaults if name != "linear_attention_scan")
             notes.append(
                 f"LinearAttention kept: a layer's state has {smallest} elements, under the {CPU_SCAN_MIN_STATE} "
                 "from which MambaChunkScan is the faster on the CPU (--opt-in linear_attention_scan runs it anyway)"
             )
+    opt_in = tuple(dict.fromkeys((*defaults, *named)))
     fused, report = rewrite_model(model, function=function, opt_in=opt_in, int4_accuracy_level=int4_accuracy_level)
     if not on_cpu:  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
         report.hints = [hint for hint in report.hints if not hint.endswith(CPU_INT4_HINT_END)]
@@ -285,6 +292,7 @@ def fuse_folder(
         config_changes=config_changes,
         genai_cannot_load=genai_support(config),
         opt_in=list(opt_in),
+        folder_opt_in=list(defaults),
         notes=notes,
     )
     return report, summary
@@ -432,7 +440,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         action="store_true",
         help="no opt-in fusion but those --opt-in names: by default a folder for the CPU gets "
         + ", ".join(CPU_FOLDER_OPT_IN)
-        + " (its CausalConvWithState nodes as CausalConv1d, faster on the CPU)",
+        + " (its LinearAttention and CausalConvWithState nodes as MambaChunkScan and CausalConv1d, faster on the "
+        "CPU) besides any --opt-in names",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--debug", action="store_true", help="tracebacks for unexpected errors")
@@ -472,7 +481,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
                     function=not args.no_function,
                     library=not args.no_library,
                     genai_config_edit=edit,
-                    opt_in=args.opt_in if args.opt_in or args.keep_builder_ops else None,
+                    opt_in=args.opt_in,
+                    folder_defaults=not args.keep_builder_ops,
                     int4_accuracy_level=args.int4_accuracy_level,
                 )
     except Interrupted as interrupted:
@@ -493,8 +503,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
             print(report.summary())
         for change in summary["config_changes"]:
             print(f"genai_config.json: {change}")
-        if report is not None and summary["opt_in"] and not args.opt_in:
-            print(f"opted in (the CPU folder's default; --keep-builder-ops: none): {', '.join(summary['opt_in'])}")
+        if report is not None and summary["folder_opt_in"]:
+            print(
+                "opted in (the CPU folder's default; --keep-builder-ops: none): " + ", ".join(summary["folder_opt_in"])
+            )
         for note in summary.get("notes", []):  # a --config-only summary has none
             print(note)
         if report is None:

@@ -256,6 +256,27 @@ def test_a_cpu_folder_runs_its_scans_as_mamba_chunk_scan_above_toy_widths(
     assert "Transpose" not in [n.op_type for n in graph.node]
 
 
+def test_opt_in_names_add_to_a_cpu_folders_defaults(builds: Path, tmp_path: Path) -> None:
+    """--opt-in adds to a CPU folder's default fusions (a named scan runs whatever its state's size; the conv's
+    default stays), and --keep-builder-ops drops the defaults but keeps the named ones."""
+    stem = next(s for s in GENAI_BUILDS if RECORDS[s]["dtype"] == "f32" and s.startswith("nemotron"))
+    status, out, err = _fuse(builds / stem, tmp_path / "named", "--opt-in", "linear_attention_scan")
+    assert status == 0, err
+    default = "opted in (the CPU folder's default; --keep-builder-ops: none): "
+    assert default + "linear_attention_scan, causal_conv_with_state" in out
+    assert "LinearAttention kept" not in out
+    ops = [n.op_type for n in onnx.load(tmp_path / "named" / "model.onnx", load_external_data=False).graph.node]
+    assert "MambaChunkScan" in ops and "CausalConv1d" in ops
+    assert "LinearAttention" not in ops and "CausalConvWithState" not in ops
+    status, out, err = _fuse(
+        builds / stem, tmp_path / "kept", "--keep-builder-ops", "--opt-in", "linear_attention_scan"
+    )
+    assert status == 0, err
+    assert "opted in" not in out
+    ops = [n.op_type for n in onnx.load(tmp_path / "kept" / "model.onnx", load_external_data=False).graph.node]
+    assert "MambaChunkScan" in ops and "CausalConvWithState" in ops and "CausalConv1d" not in ops
+
+
 def test_genai_loads_the_named_library(builds: Path, tmp_path: Path) -> None:
     """genai resolves custom_ops_library from the model folder: without the file there, loading fails.
 

@@ -3,7 +3,8 @@
 on tensor cores and the sequential one, picked with MAMBAFUSE_CHUNK_SCAN_CUDA), every type and optional input,
 prompt lengths around the chunk size (64), groups and batch, dims that are not multiples of 16 and the real
 widths, the time step's attributes, a prompt in four pieces against the prompt at once, a one-token prompt replayed
-in ORT's CUDA graph, a NaN kept in its head, and bad inputs named.
+in ORT's CUDA graph, the one-token step kernel (a one-token prompt's default) in both state layouts, a NaN kept in
+its head, and bad inputs named.
 
 Needs onnxruntime with the CUDA execution provider, a GPU and the library built with -DMAMBAFUSE_CUDA=ON
 ($MAMBAFUSE_LIBRARY). Every session forbids CPU fallback, and the CPU prefill kernels are not registered in a
@@ -338,6 +339,77 @@ def test_a_one_token_prompt_in_a_cuda_graph(path: str) -> None:
     """A one-token prompt in ORT's CUDA graph, replayed three times with new values (check_graph_replays)."""
     rng = np.random.default_rng(6)
     check_graph_replays(rng, FLOAT16, 4, batch=2, length=1, heads=8, head_dim=16, groups=4, state_size=64)
+
+
+STEP_WIDTHS = {"N128": (64, 128), "N64": (64, 64), "vectors": (40, 24), "scalars": (6, 10), "P12": (12, 40)}
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("widths", STEP_WIDTHS.values(), ids=STEP_WIDTHS.keys())
+@pytest.mark.parametrize("state_layout", [0, 1])
+@pytest.mark.parametrize("state_kind", ["S-f32", "S-T", "no-state"])
+def test_the_one_token_step(t: np.dtype, widths: tuple[int, int], state_layout: int, state_kind: str) -> None:
+    """A one-token prompt takes the step kernel by default (a decode step): within the budget in both state layouts,
+    at the models' widths and others (4-element vectors and not), with a state of either type or none, D in T;
+    with a float time step for 16-bit inputs (a mobius build's)."""
+    head_dim, state_size = widths
+    rng = np.random.default_rng(head_dim + state_size + state_layout)
+    state_type = {"S-f32": FLOAT, "S-T": t, "no-state": None}[state_kind]
+    inputs = make_inputs(
+        rng,
+        t,
+        batch=2,
+        length=1,
+        heads=4,
+        head_dim=head_dim,
+        groups=2,
+        state_size=state_size,
+        d_type=t,
+        state_type=state_type,
+    )
+    if t != FLOAT:
+        inputs = _float_time_step(rng, inputs)
+    if state_layout == 1 and state_type is not None:
+        inputs["initial_state"] = np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2))
+    check(inputs, state_layout=state_layout)
+
+
+def test_the_step_is_the_default_for_one_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MAMBAFUSE_CHUNK_SCAN_CUDA unset and "step" run the same kernel (the same bits) at real width; the chunked
+    kernel on the same token is within the budget too, and sums in another order (so the default is seen to be the
+    step, not the chunk)."""
+    rng = np.random.default_rng(12)
+    inputs = make_inputs(rng, FLOAT16, batch=1, length=1, heads=16, head_dim=64, groups=1, state_size=128)
+    monkeypatch.delenv(PATH_VARIABLE, raising=False)
+    default = check(inputs)
+    monkeypatch.setenv(PATH_VARIABLE, "step")
+    step = check(inputs)
+    monkeypatch.setenv(PATH_VARIABLE, "chunked")
+    chunked = check(inputs)
+    for a, b in zip(default, step, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(default[0], chunked[0])
+
+
+def test_the_step_in_a_cuda_graph_and_a_longer_prompt_asked_for_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step kernel replayed in ORT's CUDA graph at real width; MAMBAFUSE_CHUNK_SCAN_CUDA=step with a longer
+    prompt runs what the default runs for it."""
+    monkeypatch.setenv(PATH_VARIABLE, "step")
+    rng = np.random.default_rng(14)
+    check_graph_replays(rng, FLOAT16, 4, batch=2, length=1, heads=16, head_dim=64, groups=2, state_size=128)
+    check(make_inputs(rng, FLOAT16, batch=1, length=70, heads=2, head_dim=64, groups=1, state_size=128))
+
+
+def test_a_nan_in_the_step_stays_in_its_head() -> None:
+    rng = np.random.default_rng(15)
+    inputs = make_inputs(rng, FLOAT16, batch=1, length=1, heads=4, head_dim=64, groups=2, state_size=128)
+    clean_out, clean_state = run_cuda(inputs)
+    inputs["dt"][0, 0, 1] = np.nan
+    out, state = run_cuda(inputs)
+    assert np.isnan(out[0, 0, 1]).all() and np.isnan(state[0, 1]).all()
+    others = [0, 2, 3]
+    np.testing.assert_array_equal(out[:, :, others], clean_out[:, :, others])
+    np.testing.assert_array_equal(state[:, others], clean_state[:, others])
 
 
 @pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)

@@ -38,6 +38,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mambafuse_chunk_scan_launch.argtypes = [p] * 10 + [i] * 3 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_chunk_scan_launch_dt.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, p]
     lib.mambafuse_chunk_scan_launch_layout.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, i, p]
+    lib.mambafuse_chunk_scan_resolve.argtypes = [i64] * 3 + [i]
     lib.mambafuse_causal_conv1d_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, p]
     lib.mambafuse_causal_conv1d_launch_rounding.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, i, p]
     return lib
@@ -64,8 +65,8 @@ def state_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 def run_scan(
     emulated: ctypes.CDLL, inputs: dict[str, np.ndarray | None], path: int = 1, state_layout: int = 0
 ) -> tuple[np.ndarray, ...]:
-    """The emulated MambaChunkScan (path 1 chunked, 2 sequential) on ``inputs``, the states in ``state_layout``'s
-    layout; out and final state start NaN."""
+    """The emulated MambaChunkScan (path 0 auto, 1 chunked, 2 sequential, 3 step) on ``inputs``, the states in
+    ``state_layout``'s layout; out and final state start NaN."""
     batch, length, heads, head_dim = inputs["x"].shape
     groups, state_size = inputs["B"].shape[2:]
     out = np.full((batch, length, heads, head_dim), np.nan, np.float32)
@@ -114,8 +115,9 @@ def check_scan(
 def test_the_half_path(
     emulated: ctypes.CDLL, copy_mode: str, state_kernel: str, t: np.dtype, state_size: int, length: int, initial: bool
 ) -> None:
-    """The build for the models' widths (P = 64, N = 128 or 64, float16 / bfloat16): one token, a chunk and one more,
-    two chunks and a short one; with D and a state, and without both."""
+    """The build for the models' widths (P = 64, N = 128 or 64, float16 / bfloat16): one token (asked for: by default
+    one token takes the step kernel), a chunk and one more, two chunks and a short one; with D and a state, and
+    without both."""
     rng = np.random.default_rng(length + state_size)
     kind = FLOAT if initial else None
     inputs = scan_inputs(
@@ -130,7 +132,7 @@ def test_the_half_path(
         d_type=kind,
         state_type=kind,
     )
-    check_scan(emulated, inputs)
+    check_scan(emulated, inputs, path=1)
 
 
 @pytest.mark.parametrize("t", [FLOAT16, BFLOAT16], ids=DTYPE_IDS.get)
@@ -247,6 +249,83 @@ def test_the_kernel_for_any_widths(
         state_type=t,
     )
     check_scan(emulated, inputs)
+
+
+STEP_WIDTHS = {"real": (64, 128, 1), "mamba2-N64": (64, 64, 2), "vectors": (40, 24, 2), "scalars": (6, 10, 1)}
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("state_layout", [0, 1])
+@pytest.mark.parametrize("widths", STEP_WIDTHS.values(), ids=STEP_WIDTHS.keys())
+def test_the_one_token_step(emulated: ctypes.CDLL, t: np.dtype, state_layout: int, widths: tuple[int, ...]) -> None:
+    """A one-token prompt (a decode step) takes the step kernel by default: within the budget in both state
+    layouts, at the models' widths, widths of 4-element vectors and widths that are not (P = 6, N = 10), two batch
+    rows, four heads in one or two groups, a state and D of the input type."""
+    head_dim, state_size, groups = widths
+    assert emulated.mambafuse_chunk_scan_resolve(head_dim, state_size, 1, 0) == 3
+    rng = np.random.default_rng(head_dim + state_size + state_layout)
+    inputs = scan_inputs(
+        rng,
+        t,
+        batch=2,
+        length=1,
+        heads=4,
+        head_dim=head_dim,
+        groups=groups,
+        state_size=state_size,
+        d_type=t,
+        state_type=t,
+    )
+    if state_layout == 1:
+        inputs["initial_state"] = np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2))
+    out, final = check_scan(emulated, inputs, path=0, state_layout=state_layout)
+    asked = run_scan(emulated, inputs, path=3, state_layout=state_layout)
+    np.testing.assert_array_equal(out, asked[0])
+    np.testing.assert_array_equal(final, asked[1])
+
+
+@pytest.mark.parametrize("state_layout", [0, 1])
+@pytest.mark.parametrize("kind", ["float", "none"])
+def test_the_one_token_step_with_a_float_time_step_and_state_or_none(
+    emulated: ctypes.CDLL, state_layout: int, kind: str
+) -> None:
+    """The step with dt and dt_bias float for float16 x, B and C (a mobius build's decode step), a float32 state or
+    none (zeros), and without D."""
+    rng = np.random.default_rng(21 + state_layout)
+    state_type = FLOAT if kind == "float" else None
+    inputs = scan_inputs(
+        rng, FLOAT16, batch=1, length=1, heads=4, head_dim=64, groups=1, state_size=128, state_type=state_type
+    )
+    inputs["dt"] = (rng.standard_normal(inputs["dt"].shape) - 1).astype(FLOAT)
+    inputs["dt_bias"] = rng.standard_normal(inputs["dt_bias"].shape).astype(FLOAT)
+    inputs["D"] = None
+    if state_layout == 1 and state_type is not None:
+        inputs["initial_state"] = np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2))
+    check_scan(emulated, inputs, path=3, state_layout=state_layout)
+
+
+def test_the_step_is_one_token_only(emulated: ctypes.CDLL) -> None:
+    """Asked for with a longer prompt, the step path is the default's choice for it; the sequential kernel asked for
+    runs a one-token prompt too."""
+    assert emulated.mambafuse_chunk_scan_resolve(64, 128, 2, 3) == 1
+    assert emulated.mambafuse_chunk_scan_resolve(64, 128, 1, 2) == 2
+    assert emulated.mambafuse_chunk_scan_resolve(64, 128, 1, 1) == 1
+    rng = np.random.default_rng(8)
+    inputs = scan_inputs(rng, FLOAT16, batch=1, length=3, heads=2, head_dim=64, groups=1, state_size=128)
+    check_scan(emulated, inputs, path=3)
+
+
+def test_a_nan_in_the_step_stays_in_its_head(emulated: ctypes.CDLL) -> None:
+    """A NaN time step of head 1 makes its output and state NaN and leaves the other heads' bits as they are."""
+    rng = np.random.default_rng(9)
+    inputs = scan_inputs(rng, FLOAT16, batch=1, length=1, heads=4, head_dim=64, groups=2, state_size=128)
+    clean = run_scan(emulated, inputs, path=3)
+    inputs["dt"][0, 0, 1] = np.nan
+    out, final = run_scan(emulated, inputs, path=3)
+    assert np.isnan(out[0, 0, 1]).all() and np.isnan(final[0, 1]).all()
+    others = [0, 2, 3]
+    np.testing.assert_array_equal(out[:, :, others], clean[0][:, :, others])
+    np.testing.assert_array_equal(final[:, others], clean[1][:, others])
 
 
 def test_the_sequential_kernel(emulated: ctypes.CDLL) -> None:

@@ -13,7 +13,8 @@ namespace {
 
 constexpr const char* kOp = "MambaChunkScan";
 
-// MAMBAFUSE_CHUNK_SCAN_CUDA picks the kernel (tests and benchmarks): "chunked", "sequential", or unset / "auto".
+// MAMBAFUSE_CHUNK_SCAN_CUDA picks the kernel (tests and benchmarks): "chunked", "sequential", "step" (a one-token
+// prompt; longer ones as "auto"), or unset / "auto".
 bool RequestedPath(ChunkScanCudaPath& path) {
   const char* value = std::getenv("MAMBAFUSE_CHUNK_SCAN_CUDA");
   if (value == nullptr || *value == '\0' || std::strcmp(value, "auto") == 0) {
@@ -22,6 +23,8 @@ bool RequestedPath(ChunkScanCudaPath& path) {
     path = ChunkScanCudaPath::kChunked;
   } else if (std::strcmp(value, "sequential") == 0) {
     path = ChunkScanCudaPath::kSequential;
+  } else if (std::strcmp(value, "step") == 0) {
+    path = ChunkScanCudaPath::kStep;
   } else {
     return false;
   }
@@ -38,7 +41,8 @@ OrtStatusPtr MambaChunkScanCudaKernel::ComputeV2(OrtKernelContext* raw_context) 
     if (const char* problem = CheckMambaChunkScanCudaArgs(args)) return OpError(kOp, problem);
     ChunkScanCudaPath path;
     if (!RequestedPath(path)) {
-      return OpError(kOp, "MAMBAFUSE_CHUNK_SCAN_CUDA must be \"chunked\", \"sequential\" or \"auto\" (or unset)");
+      return OpError(kOp,
+                     "MAMBAFUSE_CHUNK_SCAN_CUDA must be \"chunked\", \"sequential\", \"step\" or \"auto\" (or unset)");
     }
     // ORT's compute stream; nothing here waits for the GPU or allocates.
     auto* stream = static_cast<cudaStream_t>(context.GetGPUComputeStream());

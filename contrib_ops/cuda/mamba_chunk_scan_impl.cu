@@ -20,6 +20,9 @@
 // MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared ChunkedScan's fixed-width build (B and C read in their 16-bit staging
 // buffer, C·Bᵀ on m16n8k16 tensor cores, u and B stored transposed for the state update).
 //
+// One-token kernels (any P and N, either state layout): a one-token prompt's step over the state once, the
+// decode-step path (see there).
+//
 // Sequential kernel (any P and N; also what the tests compare with): one warp per (batch row, head, channel p),
 // the recurrence token by token with the state row in shared memory, the readout a warp sum.
 #include <cuda_bf16.h>
@@ -1035,14 +1038,18 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
     const int pi = warp >> 1;
     const int p0 = 16 * pi, n_base = kHalfN * side;
     float acc[kN8][4];  // Sᵀ[p0 + g (+ 8)][n_base + 8·k8 + 2t (+ 1)]
+    // The head's state element (row, n) is row·row_stride + n·n_stride from its first, in either layout (int
+    // offsets from one base: StateIndex's 64-bit products at each of the 64 loads made ptxas spill).
+    const int64_t head0 = bh * kRsP * kN;
+    const int row_stride = p.state_np ? 1 : kN, n_stride = p.state_np ? kRsP : 1;
 #pragma unroll
     for (int k8 = 0; k8 < kN8; ++k8) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = p0 + g8 + 8 * (e >> 1), n = n_base + 8 * k8 + 2 * t4 + (e & 1);
-        acc[k8][e] = p.initial_state != nullptr
-                         ? LoadFloatOrT<T>(p.initial_state, p.state_is_float, StateIndex(p, bh, row, n))
-                         : 0.f;
+        acc[k8][e] = p.initial_state != nullptr ? LoadFloatOrT<T>(p.initial_state, p.state_is_float,
+                                                                  head0 + row * row_stride + n * n_stride)
+                                                : 0.f;
       }
     }
     const float skip = p.d != nullptr ? LoadFloatOrT<T>(p.d, p.d_is_float, h) : 0.f;
@@ -1219,10 +1226,10 @@ __global__ void __launch_bounds__(kRsThreads, 1) RegisterStateScan(Params p) {
       for (int r = 0; r < 2; ++r) {
         const int row = p0 + g8 + 8 * r, n = n_base + 8 * k8 + 2 * t4;
         if (p.state_np) {
-          p.final_state[StateIndex(p, bh, row, n)] = acc[k8][2 * r];
-          p.final_state[StateIndex(p, bh, row, n + 1)] = acc[k8][2 * r + 1];
+          p.final_state[head0 + n * kRsP + row] = acc[k8][2 * r];
+          p.final_state[head0 + (n + 1) * kRsP + row] = acc[k8][2 * r + 1];
         } else {
-          *reinterpret_cast<float2*>(p.final_state + (bh * kRsP + row) * kN + n) =
+          *reinterpret_cast<float2*>(p.final_state + head0 + row * kN + n) =
               make_float2(acc[k8][2 * r], acc[k8][2 * r + 1]);
         }
       }
@@ -1284,6 +1291,171 @@ __global__ void __launch_bounds__(kSeqWarps * 32) SequentialScan(Params p) {
     }
   }
   for (int n = lane; n < N; n += 32) p.final_state[StateIndex(p, bh, row, n)] = s[n];
+}
+
+// --- one-token kernels -----------------------------------------------------------------------------------------
+
+// A one-token prompt (a decode step through this op, as a mobius build's cache runs it): the state once through,
+// S = exp(a)·S + u ⊗ B and y = S·C + D·x, with no chunk around it (the chunked kernels would pad the token to a
+// whole chunk). The step reads and writes the state once, 8·P·N bytes a head against ~4·P·N flops, so it is laid
+// out for the state's traffic in each layout: [P, N] a warp per row with the lanes along N, the row's sum a
+// shuffle reduction; [N, P] a thread per column vector along P and a slice of N, the slices' sums added in shared
+// memory in a fixed order. Both take any P and N (4-element vectors where the contiguous dimension and the
+// pointers allow), both give the same bits run after run, and each thread has kStepInFlight state vectors loaded
+// before it computes with them (the loads in flight together are what a memory-bound step's speed is).
+constexpr int kStepWarps = 4;
+constexpr int kStepThreads = kStepWarps * 32;
+constexpr int kStepInFlight = 8;
+constexpr int kStepColumns = 8;  // [N, P]: the column vectors a block takes; its other threads are slices of N
+constexpr int kStepSlices = kStepThreads / kStepColumns;
+
+// kVec consecutive elements of the initial state from element i (zeros without one).
+template <typename T, int kVec>
+__device__ __forceinline__ void LoadStateVec(const Params& p, int64_t i, float (&v)[kVec]) {
+  if (p.initial_state == nullptr) {
+    for (int k = 0; k < kVec; ++k) v[k] = 0.f;
+    return;
+  }
+  if constexpr (kVec == 4) {
+    if (p.state_is_float) {
+      const float4 q = *reinterpret_cast<const float4*>(static_cast<const float*>(p.initial_state) + i);
+      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+      return;
+    }
+  }
+  for (int k = 0; k < kVec; ++k) v[k] = LoadFloatOrT<T>(p.initial_state, p.state_is_float, i + k);
+}
+
+template <int kVec>
+__device__ __forceinline__ void StoreStateVec(const Params& p, int64_t i, const float (&v)[kVec]) {
+  if constexpr (kVec == 4) {
+    *reinterpret_cast<float4*>(p.final_state + i) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    for (int k = 0; k < kVec; ++k) p.final_state[i + k] = v[k];
+  }
+}
+
+// What one token of head bh needs besides the state: its batch row and group, its time step d and decay exp(a).
+struct StepHead {
+  int64_t b;
+  int g;
+  float d, decay, skip;
+};
+
+template <typename T>
+__device__ __forceinline__ StepHead StepHeadOf(const Params& p, int64_t bh) {
+  StepHead head;
+  head.b = bh / p.heads;
+  const int h = static_cast<int>(bh % p.heads);
+  head.g = h / (p.heads / p.groups);
+  head.d = TimeStep<T>(p, head.b, h);  // one token: token row b
+  head.decay = expf(__fmul_rn(p.a[h], head.d));
+  head.skip = p.d != nullptr ? LoadFloatOrT<T>(p.d, p.d_is_float, h) : 0.f;
+  return head;
+}
+
+// The state's update of one vector and its share of the readout.
+template <int kVec>
+__device__ __forceinline__ void StepVec(float (&s)[kVec], float decay, const float (&u)[kVec],
+                                        const float (&b)[kVec], const float (&c)[kVec], float (&acc)[kVec]) {
+  for (int k = 0; k < kVec; ++k) {
+    s[k] = __fadd_rn(__fmul_rn(decay, s[k]), __fmul_rn(u[k], b[k]));
+    acc[k] = fmaf(c[k], s[k], acc[k]);
+  }
+}
+
+// [P, N]: a block of kStepWarps warps, each warp kStepInFlight rows of head blockIdx.x from row
+// (blockIdx.y·kStepWarps + warp)·kStepInFlight; the lanes walk N in vectors of kVec (B and C loaded once for the
+// warp's rows).
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kStepThreads) StepScanPN(Params p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t bh = blockIdx.x;
+  const int P = p.head_dim, N = p.state_size;
+  const int row0 = (static_cast<int>(blockIdx.y) * kStepWarps + warp) * kStepInFlight;
+  if (row0 >= P) return;  // a whole warp; no barrier below
+  const StepHead head = StepHeadOf<T>(p, bh);
+  const int rows = P - row0 < kStepInFlight ? P - row0 : kStepInFlight;  // the same in every lane
+  float x[kStepInFlight], u[kStepInFlight], acc[kStepInFlight];
+  for (int r = 0; r < kStepInFlight; ++r) {
+    x[r] = r < rows ? Load<T>(p.x, bh * P + row0 + r) : 0.f;
+    u[r] = __fmul_rn(x[r], head.d);
+    acc[r] = 0.f;
+  }
+  const int64_t bc = (head.b * p.groups + head.g) * N;
+  for (int n = lane * kVec; n < N; n += 32 * kVec) {
+    float bv[kVec], cv[kVec], s[kStepInFlight][kVec];
+    for (int k = 0; k < kVec; ++k) {
+      bv[k] = Load<T>(p.b, bc + n + k);
+      cv[k] = Load<T>(p.c, bc + n + k);
+    }
+    for (int r = 0; r < kStepInFlight; ++r) {
+      if (r < rows) LoadStateVec<T, kVec>(p, (bh * P + row0 + r) * N + n, s[r]);
+    }
+    for (int r = 0; r < kStepInFlight; ++r) {
+      if (r >= rows) break;
+      float ur[kVec], ar[kVec] = {};
+      for (int k = 0; k < kVec; ++k) ur[k] = u[r];
+      StepVec<kVec>(s[r], head.decay, ur, bv, cv, ar);
+      for (int k = 0; k < kVec; ++k) acc[r] += ar[k];
+      StoreStateVec<kVec>(p, (bh * P + row0 + r) * N + n, s[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    float sum = acc[r];
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(kFull, sum, offset);
+    if (lane == 0) p.out[bh * P + row0 + r] = p.d != nullptr ? __fadd_rn(sum, __fmul_rn(head.skip, x[r])) : sum;
+  }
+}
+
+// [N, P]: a block of kStepThreads threads takes kStepColumns column vectors (kVec columns each) of head blockIdx.x
+// from column vector blockIdx.y·kStepColumns; thread t is column vector t % kStepColumns over the rows n of slice
+// t / kStepColumns (n ≡ slice mod kStepSlices), kStepInFlight rows at a time. The slices' column sums meet in
+// shared memory and are added in slice order.
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kStepThreads) StepScanNP(Params p) {
+  __shared__ float sums[kStepSlices][kStepColumns][kVec];
+  const int column = threadIdx.x % kStepColumns, slice = threadIdx.x / kStepColumns;
+  const int64_t bh = blockIdx.x;
+  const int P = p.head_dim, N = p.state_size;
+  const int p0 = (static_cast<int>(blockIdx.y) * kStepColumns + column) * kVec;
+  const bool active = p0 < P;  // kVec divides P where it is 4
+  const StepHead head = StepHeadOf<T>(p, bh);
+  float x[kVec], u[kVec], acc[kVec] = {};
+  for (int k = 0; k < kVec; ++k) {
+    x[k] = active ? Load<T>(p.x, bh * P + p0 + k) : 0.f;
+    u[k] = __fmul_rn(x[k], head.d);
+  }
+  const int64_t bc = (head.b * p.groups + head.g) * N;
+  if (active) {
+    for (int n0 = slice; n0 < N; n0 += kStepInFlight * kStepSlices) {
+      float s[kStepInFlight][kVec];
+      for (int j = 0; j < kStepInFlight; ++j) {
+        const int n = n0 + j * kStepSlices;
+        if (n < N) LoadStateVec<T, kVec>(p, (bh * N + n) * P + p0, s[j]);
+      }
+      for (int j = 0; j < kStepInFlight; ++j) {
+        const int n = n0 + j * kStepSlices;
+        if (n >= N) break;
+        float bv[kVec], cv[kVec];
+        for (int k = 0; k < kVec; ++k) {
+          bv[k] = Load<T>(p.b, bc + n);
+          cv[k] = Load<T>(p.c, bc + n);
+        }
+        StepVec<kVec>(s[j], head.decay, u, bv, cv, acc);
+        StoreStateVec<kVec>(p, (bh * N + n) * P + p0, s[j]);
+      }
+    }
+  }
+  for (int k = 0; k < kVec; ++k) sums[slice][column][k] = acc[k];
+  __syncthreads();
+  if (slice == 0 && active) {
+    for (int k = 0; k < kVec; ++k) {
+      float sum = 0.f;
+      for (int j = 0; j < kStepSlices; ++j) sum += sums[j][column][k];
+      p.out[bh * P + p0 + k] = p.d != nullptr ? __fadd_rn(sum, __fmul_rn(head.skip, x[k])) : sum;
+    }
+  }
 }
 
 // --- host -------------------------------------------------------------------------------------------------------
@@ -1403,9 +1575,46 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
   return cudaGetLastError();
 }
 
+// The one-token kernel's vector width: 4 where the state's contiguous dimension (N in [P, N], P in [N, P]) is a
+// multiple of 4 and both states are 16-byte aligned, else 1.
+int StepVecWidth(const MambaChunkScanCpuArgs& args) {
+  const int64_t contiguous = args.state_np ? args.head_dim : args.state_size;
+  const bool aligned = Aligned16(args.final_state) && (args.initial_state == nullptr || Aligned16(args.initial_state));
+  return contiguous % 4 == 0 && aligned ? 4 : 1;
+}
+
+// The one-token kernel's grid: (B·H, the blocks along P).
+dim3 StepGrid(const MambaChunkScanCpuArgs& args) {
+  const int64_t per_block = args.state_np ? static_cast<int64_t>(kStepColumns) * StepVecWidth(args)
+                                          : static_cast<int64_t>(kStepWarps) * kStepInFlight;
+  return dim3(static_cast<unsigned>(args.batch * args.heads),
+              static_cast<unsigned>((args.head_dim + per_block - 1) / per_block));
+}
+
+// Whether the one-token kernels run: a one-token prompt, asked for or by default (kAuto), and P within the
+// grid's second dimension.
+bool StepRuns(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath requested) {
+  if (args.length != 1 || (requested != ChunkScanCudaPath::kAuto && requested != ChunkScanCudaPath::kStep)) {
+    return false;
+  }
+  const int64_t per_block = args.state_np ? kStepColumns : static_cast<int64_t>(kStepWarps) * kStepInFlight;
+  return (args.head_dim + per_block - 1) / per_block <= 65535;
+}
+
+template <typename T>
+cudaError_t LaunchStep(const Params& params, const MambaChunkScanCpuArgs& args, cudaStream_t stream) {
+  const bool vec = StepVecWidth(args) == 4;
+  void (*kernel)(Params) = args.state_np ? (vec ? &StepScanNP<T, 4> : &StepScanNP<T, 1>)
+                                         : (vec ? &StepScanPN<T, 4> : &StepScanPN<T, 1>);
+  kernel<<<StepGrid(args), kStepThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 ChunkScanCudaPath ResolveChunkScanCudaPath(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath requested) {
+  if (StepRuns(args, requested)) return ChunkScanCudaPath::kStep;
+  if (requested == ChunkScanCudaPath::kStep) requested = ChunkScanCudaPath::kAuto;
   ChunkedPlan plan;
   return ChunkedPlanFor(args, requested, plan) ? ChunkScanCudaPath::kChunked : ChunkScanCudaPath::kSequential;
 }
@@ -1454,6 +1663,17 @@ cudaError_t LaunchMambaChunkScan(const MambaChunkScanCpuArgs& args, ChunkScanCud
   params.dt_max = args.dt_max;
   params.p16 = static_cast<int>(RoundUp16(args.head_dim));
   params.n16 = static_cast<int>(RoundUp16(args.state_size));
+  if (StepRuns(args, path)) {
+    switch (args.type) {
+      case ElemType::kFloat16:
+        return LaunchStep<__half>(params, args, stream);
+      case ElemType::kBFloat16:
+        return LaunchStep<__nv_bfloat16>(params, args, stream);
+      default:
+        return LaunchStep<float>(params, args, stream);
+    }
+  }
+  if (path == ChunkScanCudaPath::kStep) path = ChunkScanCudaPath::kAuto;  // more than one token
   ChunkedPlan plan;
   const ChunkedPlan* chunked = ChunkedPlanFor(args, path, plan) ? &plan : nullptr;
   params.staged = chunked != nullptr && plan.staged;

@@ -11,14 +11,16 @@ namespace mambafuse {
 // The two kernels. Chunked: the SSD algorithm in chunks of kCudaChunkSize tokens, its products on tensor cores in
 // TF32 with the float32 operands split in two TF32 parts (so the products keep float32 accuracy), one block a
 // (batch row, head) carrying the state from chunk to chunk in shared memory. Sequential: the recurrence token by
-// token, one warp a head channel p; it takes any P and N.
-enum class ChunkScanCudaPath { kAuto, kChunked, kSequential };
+// token, one warp a head channel p; it takes any P and N. Step: a one-token prompt (a decode step) over the state
+// once; any P and N.
+enum class ChunkScanCudaPath { kAuto, kChunked, kSequential, kStep };
 
 inline constexpr int kCudaChunkSize = 64;
 
-// The path `requested` resolves to for these dims on the current device: kAuto is the chunked kernel where P is at
-// most 128 (its output tiles live in registers) and its shared memory fits (P and N up to 128 each), else the
-// sequential one; kChunked where it does not fit is answered with kSequential too. Reads the device's
+// The path `requested` resolves to for these dims on the current device: kAuto is the step kernel for a one-token
+// prompt, else the chunked kernel where P is at most 128 (its output tiles live in registers) and its shared memory
+// fits (P and N up to 128 each), else the sequential one; kChunked where it does not fit is answered with
+// kSequential too, and kStep for a longer prompt as kAuto is. Reads the device's
 // shared-memory limit (no synchronization).
 ChunkScanCudaPath ResolveChunkScanCudaPath(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath requested);
 

@@ -11,7 +11,7 @@
 
 // MambaChunkScan on `stream` with dt (and dt_bias) of type dt_type (x's type or float) and the states in the
 // layout state_layout names (0 [B, H, P, N], 1 [B, H, N, P]). dt_bias, d and initial_state may be null. path: 0
-// auto, 1 chunked, 2 sequential. Returns a cudaError_t (0 = success), or -1 when CheckMambaChunkScanCudaArgs
+// auto, 1 chunked, 2 sequential, 3 step (a one-token prompt). Returns a cudaError_t (0 = success), or -1 when CheckMambaChunkScanCudaArgs
 // rejects the arguments.
 MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch_layout(
     const void* x, const void* dt, const void* dt_bias, const float* a, const void* b, const void* c, const void* d,
@@ -47,6 +47,7 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch_layout(
   if (mambafuse::CheckMambaChunkScanCudaArgs(args) != nullptr) return -1;
   const auto chosen = path == 1   ? mambafuse::ChunkScanCudaPath::kChunked
                       : path == 2 ? mambafuse::ChunkScanCudaPath::kSequential
+                      : path == 3 ? mambafuse::ChunkScanCudaPath::kStep
                                   : mambafuse::ChunkScanCudaPath::kAuto;
   return static_cast<int>(mambafuse::LaunchMambaChunkScan(args, chosen, static_cast<cudaStream_t>(stream)));
 }
@@ -78,15 +79,31 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_launch(const void* x, const void
                                         softplus, dt_min, dt_max, path, stream);
 }
 
-// The kernel the launcher runs for these sizes on the current device: 1 chunked, 2 sequential.
-MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_path(int64_t head_dim, int64_t state_size, int path) {
+// The kernel the launcher runs for a prompt of `length` tokens at these sizes on the current device (path as in
+// the launch): 1 chunked, 2 sequential, 3 step.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_resolve(int64_t head_dim, int64_t state_size, int64_t length,
+                                                        int path) {
   mambafuse::MambaChunkScanCpuArgs args;
   args.head_dim = head_dim;
   args.state_size = state_size;
+  args.length = length;
   const auto requested = path == 1   ? mambafuse::ChunkScanCudaPath::kChunked
                          : path == 2 ? mambafuse::ChunkScanCudaPath::kSequential
+                         : path == 3 ? mambafuse::ChunkScanCudaPath::kStep
                                      : mambafuse::ChunkScanCudaPath::kAuto;
-  return mambafuse::ResolveChunkScanCudaPath(args, requested) == mambafuse::ChunkScanCudaPath::kChunked ? 1 : 2;
+  switch (mambafuse::ResolveChunkScanCudaPath(args, requested)) {
+    case mambafuse::ChunkScanCudaPath::kChunked:
+      return 1;
+    case mambafuse::ChunkScanCudaPath::kStep:
+      return 3;
+    default:
+      return 2;
+  }
+}
+
+// The same for a prompt longer than one token: 1 chunked, 2 sequential.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_chunk_scan_path(int64_t head_dim, int64_t state_size, int path) {
+  return mambafuse_chunk_scan_resolve(head_dim, state_size, 2, path);
 }
 
 // CausalConv1d on `stream`: x and y [B, L, C] (channels_last) or [B, C, L], weight [C, K], bias and initial_state

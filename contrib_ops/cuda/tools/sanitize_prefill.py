@@ -1,5 +1,5 @@
-"""The prefill CUDA kernels (MambaChunkScan's chunked and sequential kernels, CausalConv1d's three) on a list of
-cases, for compute-sanitizer: memcheck (out-of-range global and shared accesses), racecheck (shared-memory
+"""The prefill CUDA kernels (MambaChunkScan's chunked, sequential and one-token kernels, CausalConv1d's three) on a
+list of cases, for compute-sanitizer: memcheck (out-of-range global and shared accesses), racecheck (shared-memory
 hazards between the chunked kernel's phases) and synccheck. Launched through libmambafuse_cuda_prefill_bench.so
 on PyTorch's buffers; the results are checked by the pytest suites (tests/test_mamba_chunk_scan_cuda.py,
 tests/test_causal_conv1d_cuda.py): this only runs the kernels.
@@ -54,15 +54,20 @@ def main() -> int:
     ]
     if quick:
         shapes = shapes[:2] + shapes[-2:]
+    # One token (the step kernel, path 3): the models' widths, 4-element vectors, and widths that are not.
+    shapes += [(2, 1, 4, 64, 2, 128), (1, 1, 3, 40, 1, 24), (1, 1, 2, 6, 1, 10)]
     cases = 0
-    # The chunked path (1) with each half-path kernel where the shape takes it, and the sequential one (2).
-    runs = [(1, state) for state in states] + [(2, states[0])]
+    # The chunked path (1) with each half-path kernel where the shape takes it, the sequential one (2) and for one
+    # token the step (3).
+    runs = [(1, state) for state in states] + [(2, states[0]), (3, states[0])]
     # The optional inputs absent; present; present with a float time step and the states (B, H, N, P) (a mobius
     # build's scan: state_layout 1).
     variants = [(False, False), (True, False), (True, True)]
     for (batch, length, heads, head_dim, groups, n), type_id, (path, state), (extras, mobius) in itertools.product(
         shapes, TYPES, runs, variants
     ):
+        if path == 3 and length != 1:
+            continue
         os.environ["MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"] = state  # read at each launch
         t = TYPES[type_id]
         dev = "cuda"
