@@ -1,13 +1,13 @@
-"""The chunked scan kernels' synchronization, checked without a GPU: the host emulation (one std::thread per CUDA
-thread, contrib_ops/cuda/tools/host_emulation.h, where the block barrier and the named barriers are std::barrier)
-built with ThreadSanitizer, which reports two accesses to the same shared-memory byte, one a write, that no barrier
-orders: by happens-before, so whatever order they ran in this time. compute-sanitizer's racecheck on a GPU sees real
-timing, but it judges some barrier forms these kernels use by its own model (docs/kernels.md); this is the exact
-check of the synchronization the source states. A planted race, RegisterStateScan's helpers writing W into the
-buffer the state warps are reading, shows that the check sees one.
+"""The scan kernels' synchronization (the chunked half path's and the one-token step's), checked without a GPU: the host
+emulation (one std::thread per CUDA thread, contrib_ops/cuda/tools/host_emulation.h, where the block barrier and the
+named barriers are std::barrier) built with ThreadSanitizer, which reports two accesses to the same shared-memory byte,
+one a write, that no barrier orders: by happens-before, so whatever order they ran in this time. compute-sanitizer's
+racecheck on a GPU sees real timing, but it judges some barrier forms these kernels use by its own model
+(docs/kernels.md); this is the exact check of the synchronization the source states. A planted race, RegisterStateScan's
+helpers writing W into the buffer the state warps are reading, shows that the check sees one.
 
-The emulated kernels run in a subprocess with libtsan preloaded (a ThreadSanitizer library cannot be loaded into
-an uninstrumented Python otherwise); ``python -m tests.test_prefill_cuda_races LIBRARY`` is that subprocess.
+The emulated kernels run in a subprocess with libtsan preloaded (a ThreadSanitizer library cannot be loaded into an
+uninstrumented Python otherwise); ``python -m tests.test_prefill_cuda_races LIBRARY`` is that subprocess.
 """
 
 from __future__ import annotations
@@ -65,6 +65,8 @@ CASES = [
     for t in ("float16", "bfloat16")
     for n in (128, 64)
 ]
+# The one-token step kernel with the state (N, P), whose column sums meet in shared memory behind a barrier.
+CASES += [f"step:{t}:{n}:1:deferred" for t in ("float16", "bfloat16") for n in (128, 64)]
 
 
 def test_the_chunked_scan_kernels_have_no_unordered_shared_memory_access(tmp_path: Path) -> None:
@@ -89,7 +91,9 @@ def test_the_check_sees_a_planted_race(tmp_path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Run the emulated chunked scan on each case (KERNEL:TYPE:N:LENGTH:COPIES) and check it against the budget."""
+    """Run the emulated scan on each case (KERNEL:TYPE:N:LENGTH:COPIES; KERNEL registers or shared: the chunked
+    kernel's half path with that state; step: the one-token kernel, the state (N, P)) and check it against the
+    budget."""
     import ctypes
 
     import numpy as np
@@ -102,7 +106,8 @@ def main(argv: list[str]) -> int:
     types = {"float16": FLOAT16, "bfloat16": BFLOAT16}
     for case in argv[1:]:
         kernel, name, n, length, copies = case.split(":")
-        os.environ["MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"] = kernel
+        step = kernel == "step"
+        os.environ["MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"] = "registers" if step else kernel
         os.environ["MAMBAFUSE_EMU_COPY"] = copies
         rng = np.random.default_rng(int(length) + int(n))
         inputs = make_inputs(
@@ -117,7 +122,9 @@ def main(argv: list[str]) -> int:
             d_type=FLOAT,
             state_type=FLOAT,
         )
-        check_scan(library, inputs)
+        if step:
+            inputs["initial_state"] = np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2))
+        check_scan(library, inputs, path=3 if step else 1, state_layout=1 if step else 0)
     print(f"{len(argv) - 1} cases within the budget", flush=True)
     return 0
 
