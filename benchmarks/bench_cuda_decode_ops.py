@@ -16,7 +16,9 @@ Two measurements, each applied the same way to every column it compares:
    its own state buffers, L2-cold for the state update), run with IO binding (torch buffers) and
    ``enable_cuda_graph``; per node = (Run time at 2K - Run time at K) / K, so ORT's per-Run cost cancels.
    ORT's LinearAttention gets its inputs precomputed (q = C and k = B expanded to heads, v = dt * x,
-   decay = A * dt), so it does less than ours (no softplus, dB * x or D skip); its state is (B, H, N, P).
+   decay = A * dt), so it does less than ours (no softplus, dB * x or D skip); its state is (B, H, N, P). A third
+   row puts a one-token MambaChunkScan with that state layout (what a mobius build's decode step runs after the
+   ``linear_attention_scan`` rule; its step kernel) against the same LinearAttention.
 
     python benchmarks/bench_cuda_decode_ops.py --build build/cuda \
         --mamba-ssm .bench-vendor/mamba_ssm_triton --markdown $OUT/bench_cuda_decode_ops.md
@@ -520,6 +522,51 @@ def ssu_ort_models(w: Widths, batch: int, t_dtype, s_dtype, gen):
     return ours, linear_attention
 
 
+def chunk_scan_ort_model(w: Widths, batch: int, gen):
+    """Builder of K one-token MambaChunkScan nodes as a mobius build's decode step runs them after the scan's rule:
+    x, B and C float16, dt, dt_bias, A, D and the state float32, the state (B, H, N, P) (state_layout 1), the
+    output float32; each node its own state buffers."""
+    H, P, N, G = w.heads, w.head_dim, w.state_size, w.groups
+
+    def randn(*shape, dtype=torch.float32, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+    def build(k: int):
+        shared = {
+            "x": randn(batch, 1, H, P, dtype=torch.float16),
+            "dt": randn(batch, 1, H, scale=0.5) - 2,
+            "dt_bias": randn(H, scale=0.5),
+            "A": -torch.exp(torch.rand(H, generator=gen, device="cuda") * 3 - 1),
+            "B": randn(batch, 1, G, N, dtype=torch.float16),
+            "C": randn(batch, 1, G, N, dtype=torch.float16),
+            "D": randn(H),
+        }
+        buffers = dict(shared)
+        nodes, inputs, outputs = [], [vi(n, t.dtype, t.shape) for n, t in shared.items()], []
+        for i in range(k):
+            buffers[f"state{i}"] = randn(batch, H, N, P)
+            buffers[f"out{i}"] = torch.empty(batch, 1, H, P, dtype=torch.float32, device="cuda")
+            buffers[f"present{i}"] = torch.empty(batch, H, N, P, dtype=torch.float32, device="cuda")
+            inputs.append(vi(f"state{i}", torch.float32, (batch, H, N, P)))
+            outputs += [
+                vi(f"out{i}", torch.float32, (batch, 1, H, P)),
+                vi(f"present{i}", torch.float32, (batch, H, N, P)),
+            ]
+            nodes.append(
+                oh.make_node(
+                    "MambaChunkScan",
+                    ["x", "dt", "dt_bias", "A", "B", "C", "D", f"state{i}"],
+                    [f"out{i}", f"present{i}"],
+                    domain="ai.mambafuse",
+                    dt_softplus=1,
+                    state_layout=1,
+                )
+            )
+        return model_of(nodes, inputs, outputs), buffers
+
+    return build
+
+
 def conv_ort_models(w: Widths, batch: int, t_dtype, gen):
     C, K = w.conv_dim, w.kernel
 
@@ -747,6 +794,22 @@ def main() -> int:
                             f"{NAME_OF[s_dtype]} (LA all {NAME_OF[s_dtype]}) | {k} | {mine:.2f} | {theirs_text} |"
                         ]
                     )
+                # The mobius decode step's scan: MambaChunkScan (one token, state_layout 1) where the rule put it,
+                # against the LinearAttention it replaced (float32, as mobius runs it); the step kernel's row.
+                state_bytes = batch * w.heads * w.head_dim * w.state_size * 4
+                k = max(8, min(64, math.ceil(4 * L2_BYTES / (2 * state_bytes))))
+                mine = bench.per_node(chunk_scan_ort_model(w, batch, gen), k, True)
+                try:
+                    theirs = bench.per_node(ssu_ort_models(w, batch, torch.float16, torch.float32, gen)[1], k, False)
+                    theirs_text = f"{theirs:.2f} | {theirs / mine:.2f}x"
+                except Exception as error:  # noqa: BLE001 - report the failure, keep the other rows
+                    theirs_text = f"failed: {str(error).splitlines()[0][:120]} | -"
+                emit(
+                    [
+                        f"| MambaChunkScan (T = 1, state (N, P)) vs LinearAttention | {w.name} | {batch} | x, B, C "
+                        f"fp16, the rest fp32 (LA all fp32) | {k} | {mine:.2f} | {theirs_text} |"
+                    ]
+                )
                 build_ours, build_ort = conv_ort_models(w, batch, torch.float16, gen)
                 mine = bench.per_node(build_ours, 32, True)
                 try:
