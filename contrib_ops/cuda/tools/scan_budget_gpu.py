@@ -3,8 +3,9 @@ through libmambafuse_cuda_prefill_bench.so on PyTorch's buffers, the inputs from
 seeded), the outputs checked with fusion.reference.mamba_chunk_scan.budget_report. Both kernels of the models' widths
 (P = 64, N = 128 or 64; float16 and bfloat16): the state in registers (the default) and in shared memory
 (MAMBAFUSE_CHUNK_SCAN_CUDA_STATE=shared), which must also agree within 1e-4; then a mobius build's form (a float
-time step with 16-bit x, B and C, the states (B, H, N, P): state_layout 1). For a GPU session where the
-onnxruntime-gpu suites (tests/test_mamba_chunk_scan_cuda.py) cannot run; they remain the suites of record.
+time step with 16-bit x, B and C, the states (B, H, N, P): state_layout 1); one-token prompts also through the step
+kernel. For a GPU session where the onnxruntime-gpu suites (tests/test_mamba_chunk_scan_cuda.py) cannot run; they
+remain the suites of record.
 
     python3 contrib_ops/cuda/tools/scan_budget_gpu.py <libmambafuse_cuda_prefill_bench.so>
 """
@@ -40,7 +41,8 @@ def to_torch(array: np.ndarray | None) -> torch.Tensor | None:
     return torch.from_numpy(bits.view(np.float32)).to(torch.bfloat16).cuda()
 
 
-def run(launch, inputs: dict, kernel: str, state_layout: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def run(launch, inputs: dict, kernel: str, state_layout: int = 0, path: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """One launch on the chunked path (1) with ``kernel``'s state, or the one-token step kernel (3)."""
     os.environ["MAMBAFUSE_CHUNK_SCAN_CUDA_STATE"] = kernel
     batch, length, heads, head_dim = inputs["x"].shape
     groups, n = inputs["B"].shape[2:]
@@ -57,7 +59,7 @@ def run(launch, inputs: dict, kernel: str, state_layout: int = 0) -> tuple[np.nd
         *(ptr(dev[k]) for k in ("x", "dt", "dt_bias", "A", "B", "C", "D", "initial_state")), out.data_ptr(),
         state.data_ptr(), onnx_type(inputs["x"]), onnx_type(inputs["dt"]), 1 if d is None else onnx_type(d),
         1 if init is None else onnx_type(init), batch, length, heads, head_dim, groups, n, 1, 0.0, float("inf"),
-        state_layout, 1, torch.cuda.current_stream().cuda_stream,
+        state_layout, path, torch.cuda.current_stream().cuda_stream,
     )  # fmt: skip
     torch.cuda.synchronize()
     if rc != 0:
@@ -90,7 +92,10 @@ def main() -> int:
             inputs["initial_state"] = np.ascontiguousarray(inputs["initial_state"].transpose(0, 1, 3, 2))
             layout = 1
         results = {k: run(launch, inputs, k, layout) for k in ("shared", "registers")}
-        for k, (out, state) in results.items():
+        checked = dict(results)
+        if length == 1:  # the one-token step kernel too (the default for one token)
+            checked["step"] = run(launch, inputs, "registers", layout, path=3)
+        for k, (out, state) in checked.items():
             ok, summary = budget_report(out, state, **inputs, state_layout=layout)
             cases += 1
             if not ok:
