@@ -452,6 +452,22 @@ class OrtBench:
             torch.cuda.empty_cache()
         return (times[1] - times[0]) / k
 
+    def versus(self, build_ours: Callable, build_theirs: Callable, k: int) -> tuple[float, str]:
+        """Ours per node (with the library) and the table's "ORT op us | ORT/ours" cells for ORT's op (a failure of
+        ORT's op reported in them, so the other rows still come)."""
+        mine = self.per_node(build_ours, k, True)
+        try:
+            theirs = self.per_node(build_theirs, k, False)
+        except Exception as error:  # noqa: BLE001 - report the failure, keep the other rows
+            return mine, f"failed: {str(error).splitlines()[0][:120]} | -"
+        return mine, f"{theirs:.2f} | {theirs / mine:.2f}x"
+
+
+def nodes_for(state_bytes: int) -> int:
+    """K for the per-node rows: enough nodes that their states (read and written) are 4x the L2 (state updates
+    L2-cold), 8 to 64."""
+    return max(8, min(64, math.ceil(4 * L2_BYTES / (2 * state_bytes))))
+
 
 def ssu_ort_models(w: Widths, batch: int, t_dtype, s_dtype, gen):
     """(ours(K), linear_attention(K)) builders: models and their bound buffers."""
@@ -779,15 +795,9 @@ def main() -> int:
         for w in models[:2]:
             for batch in batches:
                 for s_dtype in (torch.float32, torch.float16):
-                    state_bytes = batch * w.heads * w.head_dim * w.state_size * (4 if s_dtype == torch.float32 else 2)
-                    k = max(8, min(64, math.ceil(4 * L2_BYTES / (2 * state_bytes))))
+                    k = nodes_for(batch * w.heads * w.head_dim * w.state_size * (4 if s_dtype == torch.float32 else 2))
                     build_ours, build_la = ssu_ort_models(w, batch, torch.float16, s_dtype, gen)
-                    mine = bench.per_node(build_ours, k, True)
-                    try:
-                        theirs = bench.per_node(build_la, k, False)
-                        theirs_text = f"{theirs:.2f} | {theirs / mine:.2f}x"
-                    except Exception as error:  # noqa: BLE001 - report the failure, keep the other rows
-                        theirs_text = f"failed: {str(error).splitlines()[0][:120]} | -"
+                    mine, theirs_text = bench.versus(build_ours, build_la, k)
                     emit(
                         [
                             f"| SelectiveStateUpdate vs LinearAttention | {w.name} | {batch} | x fp16, state "
@@ -796,27 +806,16 @@ def main() -> int:
                     )
                 # The mobius decode step's scan: MambaChunkScan (one token, state_layout 1) where the rule put it,
                 # against the LinearAttention it replaced (float32, as mobius runs it); the step kernel's row.
-                state_bytes = batch * w.heads * w.head_dim * w.state_size * 4
-                k = max(8, min(64, math.ceil(4 * L2_BYTES / (2 * state_bytes))))
-                mine = bench.per_node(chunk_scan_ort_model(w, batch, gen), k, True)
-                try:
-                    theirs = bench.per_node(ssu_ort_models(w, batch, torch.float16, torch.float32, gen)[1], k, False)
-                    theirs_text = f"{theirs:.2f} | {theirs / mine:.2f}x"
-                except Exception as error:  # noqa: BLE001 - report the failure, keep the other rows
-                    theirs_text = f"failed: {str(error).splitlines()[0][:120]} | -"
+                k = nodes_for(batch * w.heads * w.head_dim * w.state_size * 4)
+                build_la = ssu_ort_models(w, batch, torch.float16, torch.float32, gen)[1]
+                mine, theirs_text = bench.versus(chunk_scan_ort_model(w, batch, gen), build_la, k)
                 emit(
                     [
                         f"| MambaChunkScan (T = 1, state (N, P)) vs LinearAttention | {w.name} | {batch} | x, B, C "
                         f"fp16, the rest fp32 (LA all fp32) | {k} | {mine:.2f} | {theirs_text} |"
                     ]
                 )
-                build_ours, build_ort = conv_ort_models(w, batch, torch.float16, gen)
-                mine = bench.per_node(build_ours, 32, True)
-                try:
-                    theirs = bench.per_node(build_ort, 32, False)
-                    theirs_text = f"{theirs:.2f} | {theirs / mine:.2f}x"
-                except Exception as error:  # noqa: BLE001
-                    theirs_text = f"failed: {str(error).splitlines()[0][:120]} | -"
+                mine, theirs_text = bench.versus(*conv_ort_models(w, batch, torch.float16, gen), 32)
                 emit(
                     [
                         f"| CausalConv1dUpdate vs CausalConvWithState | {w.name} | {batch} | fp16 | 32 | {mine:.2f} | "

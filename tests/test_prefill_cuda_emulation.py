@@ -183,20 +183,24 @@ def test_the_state_in_n_p_layout(
     np.testing.assert_array_equal(final, plain_final.transpose(0, 1, 3, 2))
 
 
-def test_a_nan_on_the_half_path_stays_in_its_head_and_after_its_token(emulated: ctypes.CDLL, state_kernel: str) -> None:
-    """A NaN time step at token 70 of head 1: that head's outputs from token 70 on and its state are NaN; its
-    earlier tokens (70 is in the second chunk) and the other heads are what they are without it."""
+@pytest.mark.parametrize(("length", "token", "path"), [(100, 70, 1), (1, 0, 3)], ids=["half-path", "step"])
+def test_a_nan_stays_in_its_head_and_after_its_token(
+    emulated: ctypes.CDLL, state_kernel: str, length: int, token: int, path: int
+) -> None:
+    """A NaN time step at one token of head 1 (70: in the second chunk; or a one-token prompt's, on the step
+    kernel): that head's outputs from that token on and its state are NaN; its earlier tokens and the other heads
+    are what they are without it."""
     rng = np.random.default_rng(5)
-    inputs = scan_inputs(rng, FLOAT16, batch=1, length=100, heads=4, head_dim=64, groups=2, state_size=128)
-    inputs["dt"][0, 70, 1] = np.nan
-    out, final = run_scan(emulated, inputs)
-    assert np.isnan(out[0, 70:, 1]).all() and np.isnan(final[0, 1]).all()
-    assert np.isfinite(out[0, :70, 1]).all()
+    inputs = scan_inputs(rng, FLOAT16, batch=1, length=length, heads=4, head_dim=64, groups=2, state_size=128)
+    inputs["dt"][0, token, 1] = np.nan
+    out, final = run_scan(emulated, inputs, path)
+    assert np.isnan(out[0, token:, 1]).all() and np.isnan(final[0, 1]).all()
+    assert np.isfinite(out[0, :token, 1]).all()
     others = [0, 2, 3]
     assert np.isfinite(out[:, :, others]).all() and np.isfinite(final[:, others]).all()
     clean = dict(inputs, dt=inputs["dt"].copy())
-    clean["dt"][0, 70, 1] = 0
-    ref_out, ref_final = run_scan(emulated, clean)
+    clean["dt"][0, token, 1] = 0
+    ref_out, ref_final = run_scan(emulated, clean, path)
     np.testing.assert_array_equal(out[:, :, others], ref_out[:, :, others])
     np.testing.assert_array_equal(final[:, others], ref_final[:, others])
 
@@ -313,19 +317,6 @@ def test_the_step_is_one_token_only(emulated: ctypes.CDLL) -> None:
     rng = np.random.default_rng(8)
     inputs = scan_inputs(rng, FLOAT16, batch=1, length=3, heads=2, head_dim=64, groups=1, state_size=128)
     check_scan(emulated, inputs, path=3)
-
-
-def test_a_nan_in_the_step_stays_in_its_head(emulated: ctypes.CDLL) -> None:
-    """A NaN time step of head 1 makes its output and state NaN and leaves the other heads' bits as they are."""
-    rng = np.random.default_rng(9)
-    inputs = scan_inputs(rng, FLOAT16, batch=1, length=1, heads=4, head_dim=64, groups=2, state_size=128)
-    clean = run_scan(emulated, inputs, path=3)
-    inputs["dt"][0, 0, 1] = np.nan
-    out, final = run_scan(emulated, inputs, path=3)
-    assert np.isnan(out[0, 0, 1]).all() and np.isnan(final[0, 1]).all()
-    others = [0, 2, 3]
-    np.testing.assert_array_equal(out[:, :, others], clean[0][:, :, others])
-    np.testing.assert_array_equal(final[:, others], clean[1][:, others])
 
 
 def test_the_sequential_kernel(emulated: ctypes.CDLL) -> None:
