@@ -66,7 +66,13 @@ import onnx_ir as ir
 from fusion.int4 import CPU_INT4_HINT_END
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
 from fusion.progress import progress, track
-from fusion.rewrite import Report, add_accuracy_level_argument, add_opt_in_argument, rewrite_model
+from fusion.rewrite import (
+    Report,
+    add_accuracy_level_argument,
+    add_opt_in_argument,
+    is_builder_op_hint,
+    rewrite_model,
+)
 
 CONFIG_NAME = "genai_config.json"
 
@@ -258,6 +264,8 @@ def fuse_folder(
     fused, report = rewrite_model(model, function=function, opt_in=opt_in, int4_accuracy_level=int4_accuracy_level)
     if not on_cpu:  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
         report.hints = [hint for hint in report.hints if not hint.endswith(CPU_INT4_HINT_END)]
+    elif folder_defaults:  # the folder's defaults decided on the builder's ops (and the notes say why)
+        report.hints = [hint for hint in report.hints if not is_builder_op_hint(hint)]
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
     try:

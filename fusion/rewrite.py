@@ -253,11 +253,40 @@ def rewrite_model(
         report.accuracy_level_set = set_int4_accuracy_level(model, int4_accuracy_level)
     if hint := float_activation_hint(model):
         report.hints.append(hint)
+    report.hints += builder_op_hints(model, opted)
     if (report.fused or report.decode_fused) and function:
         attach_function(model, opset)
         report.function_attached = True
     report.nodes_after = _node_count(model)
     return model, report
+
+
+#: The opt-in fusions of a builder's stateful ops, and what running them buys (benchmarks/RESULTS.md): a model that
+#: still has such nodes after a rewrite without the opt-in gets a hint.
+BUILDER_OP_GAINS = {
+    "linear_attention_scan": "on CUDA a 2048-token prompt ~3x faster, its decode steps not yet timed there; on the "
+    "CPU prompts and decode steps faster",
+    "causal_conv_with_state": "on CUDA prompts faster; on the CPU prompts and decode steps faster",
+}
+
+
+def builder_op_hints(model: ir.Model, opted: Sequence[Fusion]) -> list[str]:
+    """A hint for each opt-in fusion of ``BUILDER_OP_GAINS`` not in ``opted`` whose nodes are in ``model``."""
+    hints = []
+    for fusion in registry.OPT_IN_FUSIONS:
+        gain = BUILDER_OP_GAINS.get(fusion.name)
+        if gain is None or fusion in opted or not (left := len(fusion.find_anchors(model.graph))):
+            continue
+        hints.append(
+            f"{left} {fusion.counts} as the builder wrote them: --opt-in {fusion.name} runs them as "
+            f"{DOMAIN}::{fusion.op_type} ({gain}; mambafuse genai does so on a folder for the CPU)"
+        )
+    return hints
+
+
+def is_builder_op_hint(hint: str) -> bool:
+    """Whether ``hint`` is one of ``builder_op_hints``'."""
+    return any(f"--opt-in {name} runs them" in hint for name in BUILDER_OP_GAINS)
 
 
 def _check_existing_fused_nodes(model: ir.Model) -> None:

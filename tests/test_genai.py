@@ -474,10 +474,17 @@ def test_the_int4_accuracy_hint_follows_the_folders_provider(builds: Path, tmp_p
         status, out, err = _fuse(folder, tmp_path / f"{folder.name}-fused")
         assert status == 0, err
         hints = [line for line in out.splitlines() if line.startswith("hint: ")]
+        builder_ops = [hint for hint in hints if "--opt-in" in hint]
+        hints = [hint for hint in hints if hint not in builder_ops]
         if hinted:
             assert len(hints) == 1 and "accuracy_level < 4" in hints[0] and "--accuracy_level 4" in hints[0], out
         else:
             assert hints == [], out
+        # A CUDA folder is told of the builder-op opt-ins; a CPU folder's defaults decided on them (its notes say
+        # why where the toy scans stay LinearAttention).
+        opt_ins = ["--opt-in linear_attention_scan runs them", "--opt-in causal_conv_with_state runs them"]
+        found = [o for o in opt_ins if any(o in hint for hint in builder_ops)]
+        assert found == (opt_ins if folder == cuda else []), out
 
 
 def test_refuses_a_folder_that_already_names_another_library(builds: Path, tmp_path: Path) -> None:

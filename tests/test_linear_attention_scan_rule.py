@@ -298,10 +298,12 @@ def test_the_command_lines_opt_in(command: str, tmp_path: Path, capsys: pytest.C
     default, opted = tmp_path / "default.onnx", tmp_path / "opted.onnx"
     assert main([str(source), "-o", str(default)]) == 0
     assert "LinearAttention" in [n.op_type for n in onnx.load(default).graph.node]
-    capsys.readouterr()
+    hint = "hint: 1 LinearAttention scans as the builder wrote them: --opt-in linear_attention_scan runs them as "
+    assert hint + "ai.mambafuse::MambaChunkScan" in capsys.readouterr().out
     assert main([str(source), "-o", str(opted), "--opt-in", "linear_attention_scan", "--verify"]) == 0
     printed = capsys.readouterr().out
     assert "LinearAttention scans found: 1 (ai.mambafuse::MambaChunkScan), fused: 1" in printed, printed
+    assert "--opt-in linear_attention_scan runs them" not in printed
     ops = [n.op_type for n in onnx.load(opted).graph.node]
     assert "LinearAttention" not in ops and "MambaChunkScan" in ops
 
