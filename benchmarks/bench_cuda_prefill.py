@@ -23,9 +23,9 @@ case: the padding and transposes the exported graph adds are left out), then ``s
 bytes.
 
 ``--one-token`` times a one-token prompt instead (a decode step through the op, as a mobius build runs its cache),
-both state layouts, an initial float32 state: the step kernel (the default for one token) against the chunked
-kernel on the same token (what ran before the step kernel) and a copy of the step's bytes (the state read and
-written, x, dt, B, C and out).
+both state layouts, an initial float32 state (and a float16 one, a mobius float16 cache's): the step kernel (the
+default for one token) against the chunked kernel on the same token (what ran before the step kernel) and a copy of
+the step's bytes (the state read and written, x, dt, B, C and out).
 
 Run on the GPU machine:
 
@@ -178,7 +178,7 @@ def _measure(torch, launch, combined, name: str, batch: int, length: int, sequen
     )
 
 
-def _measure_step(torch, launch, name: str, batch: int, state_layout: int) -> str:
+def _measure_step(torch, launch, name: str, batch: int, state_layout: int, state_type: int = ONNX_FLOAT) -> str:
     """One row of the one-token table: the step kernel, the chunked kernel and a copy of the step's bytes."""
     h, pd, g, n = WIDTHS[name]
     dev = "cuda"
@@ -190,7 +190,7 @@ def _measure_step(torch, launch, name: str, batch: int, state_layout: int) -> st
     cm = torch.randn(batch, 1, g, n, device=dev, dtype=torch.float16)
     d = torch.randn(h, device=dev)
     dims = (batch, h, n, pd) if state_layout == 1 else (batch, h, pd, n)
-    initial = torch.randn(*dims, device=dev)
+    initial = torch.randn(*dims, device=dev).to(torch.float16 if state_type == ONNX_FLOAT16 else torch.float32)
     out = torch.empty(batch, 1, h, pd, device=dev, dtype=torch.float32)
     state = torch.empty(*dims, device=dev)
     results = {}
@@ -199,7 +199,7 @@ def _measure_step(torch, launch, name: str, batch: int, state_layout: int) -> st
         rc = launch(
             x.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), a.data_ptr(), bm.data_ptr(), cm.data_ptr(),
             d.data_ptr(), initial.data_ptr(), out.data_ptr(), state.data_ptr(), ONNX_FLOAT16, ONNX_FLOAT, ONNX_FLOAT,
-            ONNX_FLOAT, batch, 1, h, pd, g, n, 1, 0.0, float("inf"), state_layout, path,
+            state_type, batch, 1, h, pd, g, n, 1, 0.0, float("inf"), state_layout, path,
             torch.cuda.current_stream().cuda_stream,
         )  # fmt: skip
         if rc != 0:
@@ -223,7 +223,8 @@ def _measure_step(torch, launch, name: str, batch: int, state_layout: int) -> st
 
     step = times["step"][0]
     return (
-        f"| {name} {WIDTHS[name]} | {batch} | {'(N, P)' if state_layout else '(P, N)'} | {cell('step')} | "
+        f"| {name} {WIDTHS[name]} | {batch} | {'(N, P)' if state_layout else '(P, N)'}, "
+        f"{'fp16' if state_type == ONNX_FLOAT16 else 'fp32'} in | {cell('step')} | "
         f"{cell('chunked')} | {cell('copy')} | {times['chunked'][0] / step:.2f}x | {step / times['copy'][0]:.2f} | "
         f"{moved / (step * 1e-6) / 1e9:.0f} | {diff:.1e} |"
     )
@@ -235,19 +236,21 @@ def _one_token_table(torch, lib, widths: list[str], batches: list[int]) -> list[
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     launch.argtypes = [p] * 10 + [i] * 4 + [i64] * 6 + [i, f, f, i, i, p]
     lines = [
-        "| widths (H, P, G, N) | B | state layout | step µs | chunked µs | copy µs | chunked / step | step / copy | "
+        "| widths (H, P, G, N) | B | state layout, initial state type | step µs | chunked µs | copy µs | "
+        "chunked / step | step / copy | "
         "step GB/s | max abs diff step vs chunked |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in widths:
         for batch in batches:
-            for state_layout in (0, 1):
-                line = _measure_step(torch, launch, name, batch, state_layout)
+            for state_layout, state_type in ((0, ONNX_FLOAT), (1, ONNX_FLOAT), (1, ONNX_FLOAT16)):
+                line = _measure_step(torch, launch, name, batch, state_layout, state_type)
                 print(line, flush=True)
                 lines.append(line)
     lines += [
         "",
-        "One token (a decode step through MambaChunkScan), float16 x, B, C; float32 dt, dt_bias, D, A and states. "
+        "One token (a decode step through MambaChunkScan), float16 x, B, C; float32 dt, dt_bias, D, A, the final "
+        "state and the initial state where not fp16 (a mobius build's float16 cache: fp16). "
         "chunked / step > 1: the step kernel faster. step / copy: its time in copies of the same bytes (1: the "
         "memory floor; a launch's fixed cost dominates at these sizes).",
     ]

@@ -1322,8 +1322,17 @@ __device__ __forceinline__ void LoadStateVec(const Params& p, int64_t i, float (
       v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
       return;
     }
+    if constexpr (!std::is_same_v<T, float>) {  // four 16-bit elements: one 8-byte load
+      const uint2 q = *reinterpret_cast<const uint2*>(static_cast<const T*>(p.initial_state) + i);
+      T e[4];
+      std::memcpy(e, &q, sizeof(q));
+      for (int k = 0; k < 4; ++k) v[k] = Widen(e[k]);
+      return;
+    }
   }
-  for (int k = 0; k < kVec; ++k) v[k] = LoadFloatOrT<T>(p.initial_state, p.state_is_float, i + k);
+  if constexpr (kVec != 4 || std::is_same_v<T, float>) {
+    for (int k = 0; k < kVec; ++k) v[k] = LoadFloatOrT<T>(p.initial_state, p.state_is_float, i + k);
+  }
 }
 
 template <int kVec>
@@ -1374,8 +1383,16 @@ __global__ void __launch_bounds__(kStepThreads) StepScanPN(Params p) {
   const int P = p.head_dim, N = p.state_size;
   const int row0 = (static_cast<int>(blockIdx.y) * kStepWarps + warp) * kStepInFlight;
   if (row0 >= P) return;  // a whole warp; no barrier below
-  const StepHead head = StepHeadOf<T>(p, bh);
   const int rows = P - row0 < kStepInFlight ? P - row0 : kStepInFlight;  // the same in every lane
+  // The first vectors' loads go out before the head's time step (a double-precision softplus) is computed.
+  float s[kStepInFlight][kVec];
+  const auto load_rows = [&](int n) {
+    for (int r = 0; r < kStepInFlight; ++r) {
+      if (r < rows) LoadStateVec<T, kVec>(p, (bh * P + row0 + r) * N + n, s[r]);
+    }
+  };
+  if (lane * kVec < N) load_rows(lane * kVec);
+  const StepHead head = StepHeadOf<T>(p, bh);
   float x[kStepInFlight], u[kStepInFlight], acc[kStepInFlight];
   for (int r = 0; r < kStepInFlight; ++r) {
     x[r] = r < rows ? Load<T>(p.x, bh * P + row0 + r) : 0.f;
@@ -1384,14 +1401,12 @@ __global__ void __launch_bounds__(kStepThreads) StepScanPN(Params p) {
   }
   const int64_t bc = (head.b * p.groups + head.g) * N;
   for (int n = lane * kVec; n < N; n += 32 * kVec) {
-    float bv[kVec], cv[kVec], s[kStepInFlight][kVec];
+    float bv[kVec], cv[kVec];
     for (int k = 0; k < kVec; ++k) {
       bv[k] = Load<T>(p.b, bc + n + k);
       cv[k] = Load<T>(p.c, bc + n + k);
     }
-    for (int r = 0; r < kStepInFlight; ++r) {
-      if (r < rows) LoadStateVec<T, kVec>(p, (bh * P + row0 + r) * N + n, s[r]);
-    }
+    if (n != lane * kVec) load_rows(n);
     for (int r = 0; r < kStepInFlight; ++r) {
       if (r >= rows) break;
       float ur[kVec], ar[kVec] = {};
@@ -1420,6 +1435,15 @@ __global__ void __launch_bounds__(kStepThreads) StepScanNP(Params p) {
   const int P = p.head_dim, N = p.state_size;
   const int p0 = (static_cast<int>(blockIdx.y) * kStepColumns + column) * kVec;
   const bool active = p0 < P;  // kVec divides P where it is 4
+  // The first rows' loads go out before the head's time step (a double-precision softplus) is computed.
+  float s[kStepInFlight][kVec];
+  const auto load_rows = [&](int n0) {
+    for (int j = 0; j < kStepInFlight; ++j) {
+      const int n = n0 + j * kStepSlices;
+      if (n < N) LoadStateVec<T, kVec>(p, (bh * N + n) * P + p0, s[j]);
+    }
+  };
+  if (active) load_rows(slice);
   const StepHead head = StepHeadOf<T>(p, bh);
   float x[kVec], u[kVec], acc[kVec] = {};
   for (int k = 0; k < kVec; ++k) {
@@ -1429,11 +1453,7 @@ __global__ void __launch_bounds__(kStepThreads) StepScanNP(Params p) {
   const int64_t bc = (head.b * p.groups + head.g) * N;
   if (active) {
     for (int n0 = slice; n0 < N; n0 += kStepInFlight * kStepSlices) {
-      float s[kStepInFlight][kVec];
-      for (int j = 0; j < kStepInFlight; ++j) {
-        const int n = n0 + j * kStepSlices;
-        if (n < N) LoadStateVec<T, kVec>(p, (bh * N + n) * P + p0, s[j]);
-      }
+      if (n0 != slice) load_rows(n0);
       for (int j = 0; j < kStepInFlight; ++j) {
         const int n = n0 + j * kStepSlices;
         if (n >= N) break;
