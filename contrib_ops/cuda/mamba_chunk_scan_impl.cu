@@ -1363,16 +1363,6 @@ __device__ __forceinline__ StepHead StepHeadOf(const Params& p, int64_t bh) {
   return head;
 }
 
-// The state's update of one vector and its share of the readout.
-template <int kVec>
-__device__ __forceinline__ void StepVec(float (&s)[kVec], float decay, const float (&u)[kVec],
-                                        const float (&b)[kVec], const float (&c)[kVec], float (&acc)[kVec]) {
-  for (int k = 0; k < kVec; ++k) {
-    s[k] = __fadd_rn(__fmul_rn(decay, s[k]), __fmul_rn(u[k], b[k]));
-    acc[k] = fmaf(c[k], s[k], acc[k]);
-  }
-}
-
 // [P, N]: a block of kStepWarps warps, each warp kStepInFlight rows of head blockIdx.x from row
 // (blockIdx.y·kStepWarps + warp)·kStepInFlight; the lanes walk N in vectors of kVec (B and C loaded once for the
 // warp's rows).
@@ -1407,12 +1397,11 @@ __global__ void __launch_bounds__(kStepThreads) StepScanPN(Params p) {
       cv[k] = Load<T>(p.c, bc + n + k);
     }
     if (n != lane * kVec) load_rows(n);
-    for (int r = 0; r < kStepInFlight; ++r) {
-      if (r >= rows) break;
-      float ur[kVec], ar[kVec] = {};
-      for (int k = 0; k < kVec; ++k) ur[k] = u[r];
-      StepVec<kVec>(s[r], head.decay, ur, bv, cv, ar);
-      for (int k = 0; k < kVec; ++k) acc[r] += ar[k];
+    for (int r = 0; r < rows; ++r) {
+      for (int k = 0; k < kVec; ++k) {
+        s[r][k] = __fadd_rn(__fmul_rn(head.decay, s[r][k]), __fmul_rn(u[r], bv[k]));
+        acc[r] = fmaf(cv[k], s[r][k], acc[r]);
+      }
       StoreStateVec<kVec>(p, (bh * P + row0 + r) * N + n, s[r]);
     }
   }
@@ -1457,12 +1446,11 @@ __global__ void __launch_bounds__(kStepThreads) StepScanNP(Params p) {
       for (int j = 0; j < kStepInFlight; ++j) {
         const int n = n0 + j * kStepSlices;
         if (n >= N) break;
-        float bv[kVec], cv[kVec];
+        const float bn = Load<T>(p.b, bc + n), cn = Load<T>(p.c, bc + n);
         for (int k = 0; k < kVec; ++k) {
-          bv[k] = Load<T>(p.b, bc + n);
-          cv[k] = Load<T>(p.c, bc + n);
+          s[j][k] = __fadd_rn(__fmul_rn(head.decay, s[j][k]), __fmul_rn(u[k], bn));
+          acc[k] = fmaf(cn, s[j][k], acc[k]);
         }
-        StepVec<kVec>(s[j], head.decay, u, bv, cv, acc);
         StoreStateVec<kVec>(p, (bh * N + n) * P + p0, s[j]);
       }
     }
@@ -1540,10 +1528,44 @@ bool ChunkedPlanFor(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath request
   return PlanChunked(args, SharedOptinLimit(), plan);
 }
 
-// Launches the chunked kernel with `chunked`'s plan, or the sequential one where it is null.
+// The one-token kernel's vector width: 4 where the state's contiguous dimension (N in [P, N], P in [N, P]) is a
+// multiple of 4 and both states are 16-byte aligned, else 1.
+int StepVecWidth(const MambaChunkScanCpuArgs& args) {
+  const int64_t contiguous = args.state_np ? args.head_dim : args.state_size;
+  const bool aligned = Aligned16(args.final_state) && (args.initial_state == nullptr || Aligned16(args.initial_state));
+  return contiguous % 4 == 0 && aligned ? 4 : 1;
+}
+
+// The one-token kernel's grid: (B·H, the blocks along P).
+dim3 StepGrid(const MambaChunkScanCpuArgs& args) {
+  const int64_t per_block = args.state_np ? static_cast<int64_t>(kStepColumns) * StepVecWidth(args)
+                                          : static_cast<int64_t>(kStepWarps) * kStepInFlight;
+  return dim3(static_cast<unsigned>(args.batch * args.heads),
+              static_cast<unsigned>((args.head_dim + per_block - 1) / per_block));
+}
+
+// Whether the one-token kernels run: a one-token prompt, asked for or by default (kAuto), and P within the
+// grid's second dimension.
+bool StepRuns(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath requested) {
+  return args.length == 1 && (requested == ChunkScanCudaPath::kAuto || requested == ChunkScanCudaPath::kStep) &&
+         StepGrid(args).y <= 65535;
+}
+
 template <typename T>
-cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args, const ChunkedPlan* chunked,
-                        cudaStream_t stream) {
+cudaError_t LaunchStep(const Params& params, const MambaChunkScanCpuArgs& args, cudaStream_t stream) {
+  const bool vec = StepVecWidth(args) == 4;
+  void (*kernel)(Params) = args.state_np ? (vec ? &StepScanNP<T, 4> : &StepScanNP<T, 1>)
+                                         : (vec ? &StepScanPN<T, 4> : &StepScanPN<T, 1>);
+  kernel<<<StepGrid(args), kStepThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
+// Launches the one-token kernel where `step`, else the chunked kernel with `chunked`'s plan, or the sequential one
+// where it is null.
+template <typename T>
+cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args, bool step,
+                        const ChunkedPlan* chunked, cudaStream_t stream) {
+  if (step) return LaunchStep<T>(params, args, stream);
   const int64_t blocks = args.batch * args.heads;
   // Above 48 KB of dynamic shared memory a kernel must opt in, per device: a host-side attribute, not a stream
   // operation, so it is allowed under capture.
@@ -1592,41 +1614,6 @@ cudaError_t LaunchTyped(const Params& params, const MambaChunkScanCpuArgs& args,
     const auto row_blocks = static_cast<unsigned>((args.head_dim + kSeqWarps - 1) / kSeqWarps);
     SequentialScan<T><<<dim3(static_cast<unsigned>(blocks), row_blocks), kSeqWarps * 32, bytes, stream>>>(params);
   }
-  return cudaGetLastError();
-}
-
-// The one-token kernel's vector width: 4 where the state's contiguous dimension (N in [P, N], P in [N, P]) is a
-// multiple of 4 and both states are 16-byte aligned, else 1.
-int StepVecWidth(const MambaChunkScanCpuArgs& args) {
-  const int64_t contiguous = args.state_np ? args.head_dim : args.state_size;
-  const bool aligned = Aligned16(args.final_state) && (args.initial_state == nullptr || Aligned16(args.initial_state));
-  return contiguous % 4 == 0 && aligned ? 4 : 1;
-}
-
-// The one-token kernel's grid: (B·H, the blocks along P).
-dim3 StepGrid(const MambaChunkScanCpuArgs& args) {
-  const int64_t per_block = args.state_np ? static_cast<int64_t>(kStepColumns) * StepVecWidth(args)
-                                          : static_cast<int64_t>(kStepWarps) * kStepInFlight;
-  return dim3(static_cast<unsigned>(args.batch * args.heads),
-              static_cast<unsigned>((args.head_dim + per_block - 1) / per_block));
-}
-
-// Whether the one-token kernels run: a one-token prompt, asked for or by default (kAuto), and P within the
-// grid's second dimension.
-bool StepRuns(const MambaChunkScanCpuArgs& args, ChunkScanCudaPath requested) {
-  if (args.length != 1 || (requested != ChunkScanCudaPath::kAuto && requested != ChunkScanCudaPath::kStep)) {
-    return false;
-  }
-  const int64_t per_block = args.state_np ? kStepColumns : static_cast<int64_t>(kStepWarps) * kStepInFlight;
-  return (args.head_dim + per_block - 1) / per_block <= 65535;
-}
-
-template <typename T>
-cudaError_t LaunchStep(const Params& params, const MambaChunkScanCpuArgs& args, cudaStream_t stream) {
-  const bool vec = StepVecWidth(args) == 4;
-  void (*kernel)(Params) = args.state_np ? (vec ? &StepScanNP<T, 4> : &StepScanNP<T, 1>)
-                                         : (vec ? &StepScanPN<T, 4> : &StepScanPN<T, 1>);
-  kernel<<<StepGrid(args), kStepThreads, 0, stream>>>(params);
   return cudaGetLastError();
 }
 
@@ -1683,27 +1670,18 @@ cudaError_t LaunchMambaChunkScan(const MambaChunkScanCpuArgs& args, ChunkScanCud
   params.dt_max = args.dt_max;
   params.p16 = static_cast<int>(RoundUp16(args.head_dim));
   params.n16 = static_cast<int>(RoundUp16(args.state_size));
-  if (StepRuns(args, path)) {
-    switch (args.type) {
-      case ElemType::kFloat16:
-        return LaunchStep<__half>(params, args, stream);
-      case ElemType::kBFloat16:
-        return LaunchStep<__nv_bfloat16>(params, args, stream);
-      default:
-        return LaunchStep<float>(params, args, stream);
-    }
-  }
+  const bool step = StepRuns(args, path);
   if (path == ChunkScanCudaPath::kStep) path = ChunkScanCudaPath::kAuto;  // more than one token
   ChunkedPlan plan;
-  const ChunkedPlan* chunked = ChunkedPlanFor(args, path, plan) ? &plan : nullptr;
+  const ChunkedPlan* chunked = !step && ChunkedPlanFor(args, path, plan) ? &plan : nullptr;
   params.staged = chunked != nullptr && plan.staged;
   switch (args.type) {
     case ElemType::kFloat16:
-      return LaunchTyped<__half>(params, args, chunked, stream);
+      return LaunchTyped<__half>(params, args, step, chunked, stream);
     case ElemType::kBFloat16:
-      return LaunchTyped<__nv_bfloat16>(params, args, chunked, stream);
+      return LaunchTyped<__nv_bfloat16>(params, args, step, chunked, stream);
     default:
-      return LaunchTyped<float>(params, args, chunked, stream);
+      return LaunchTyped<float>(params, args, step, chunked, stream);
   }
 }
 
