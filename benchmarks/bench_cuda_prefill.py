@@ -25,7 +25,8 @@ bytes.
 ``--one-token`` times a one-token prompt instead (a decode step through the op, as a mobius build runs its cache),
 both state layouts, an initial float32 state (and a float16 one, a mobius float16 cache's): the step kernel (the
 default for one token) against the chunked kernel on the same token (what ran before the step kernel) and a copy of
-the step's bytes (the state read and written, x, dt, B, C and out).
+the step's bytes (the state read and written, x, dt, B, C and out); then the conv on one token at each width's conv
+dim against a copy of its bytes (run it with an older build's library for the kernel that ran before).
 
 Run on the GPU machine:
 
@@ -253,8 +254,54 @@ def _one_token_table(torch, lib, widths: list[str], batches: list[int]) -> list[
         "state and the initial state where not fp16 (a mobius build's float16 cache: fp16). "
         "chunked / step > 1: the step kernel faster. step / copy: its time in copies of the same bytes (1: the "
         "memory floor; a launch's fixed cost dominates at these sizes).",
+        "",
+        "| conv (C) | B | CausalConv1d µs | copy µs | conv / copy |",
+        "|---|---|---|---|---|",
+    ]
+    lib.mambafuse_causal_conv1d_launch_rounding.restype = ctypes.c_int
+    for name in widths:
+        for batch in batches:
+            line = _measure_conv_step(torch, lib, name, batch)
+            print(line, flush=True)
+            lines.append(line)
+    lines += [
+        "",
+        "One token through CausalConv1d (float16, K = 4, bias, SiLU, rounded once, a float16 initial state of 3 "
+        "columns, channels-last: a mobius build's conv under --opt-in causal_conv_with_state); copy: its bytes.",
     ]
     return lines
+
+
+#: The conv dims (d_inner + 2 G N) of the widths above, for the one-token conv rows.
+CONV_CHANNELS = {"nemotron-h-8b": 10240, "zamba2-2.7b": 5248, "bamba-9b": 8448}
+
+
+def _measure_conv_step(torch, lib, name: str, batch: int) -> str:
+    """One row of the one-token conv table: CausalConv1d on one token (float16, K = 4, bias, SiLU, rounded once as
+    a mobius build's node, an initial state of K - 1 columns) and a copy of its bytes."""
+    dev, width, channels = "cuda", 4, CONV_CHANNELS[name]
+    x = torch.randn(batch, 1, channels, device=dev, dtype=torch.float16)
+    w = (torch.randn(channels, width, device=dev) * 0.5).to(torch.float16)
+    bias = torch.randn(channels, device=dev, dtype=torch.float16)
+    initial = torch.randn(batch, channels, width - 1, device=dev, dtype=torch.float16)
+    y = torch.empty_like(x)
+    state = torch.empty_like(initial)
+
+    def ours() -> None:
+        rc = lib.mambafuse_causal_conv1d_launch_rounding(
+            x.data_ptr(), w.data_ptr(), bias.data_ptr(), initial.data_ptr(), y.data_ptr(), state.data_ptr(),
+            ONNX_FLOAT16, batch, channels, 1, width - 1, width, 1, 1, 1, torch.cuda.current_stream().cuda_stream,
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"mambafuse_causal_conv1d_launch_rounding returned {rc}")
+
+    times = {"ours": _time_graph(torch, ours)}
+    moved = sum(t.numel() * t.element_size() for t in (x, w, bias, initial, y, state))
+    src = torch.empty(moved // 2, device=dev, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times["copy"] = _time_graph(torch, lambda: dst.copy_(src))
+    cells = " | ".join(f"{v[0]:.2f} ({v[1]:.2f}-{v[2]:.2f})" for v in times.values())
+    return f"| {name} (C = {channels}) | {batch} | {cells} | {times['ours'][0] / times['copy'][0]:.2f} |"
 
 
 def _measure_conv(torch, lib, channels: int, batch: int, length: int) -> str:

@@ -285,7 +285,9 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
     fusion (Relu + Mul, as before it), "optimize-scan" that with ``--opt-in
     linear_attention_scan`` (mobius builds), "optimize-scan-widened" that with the scan reading the float32 x, B,
     C and state the build widened (as before it read the 16-bit ones), "optimize-scan-conv" that with ``--opt-in
-    causal_conv_with_state`` too, "gemv" that with ``--opt-in decode_matmul``;
+    causal_conv_with_state`` too, "optimize-scan-conv-parts" that with its convs cut by part although they read a
+    cache (as before the conv parts pass left such convs whole), "after-scan" / "after-scan-conv" ``mambafuse
+    rewrite`` with those opt-ins (what ``mambafuse genai`` writes), "gemv" that with ``--opt-in decode_matmul``;
     "int4-before" the step quantized (``quantize_int4``), "int4-optimize" and "int4-gemv" (``--opt-in
     decode_matmul_nbits``) that optimized. ("after" is ``mambafuse rewrite``'s default: every mambafuse fusion.)"""
     import onnx_ir as ir
@@ -310,6 +312,16 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
         model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan"])
     elif name == "optimize-scan-conv":  # and ORT's CausalConvWithState as CausalConv1d (a second opt-in)
         model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan", "causal_conv_with_state"])
+    elif (
+        name == "optimize-scan-conv-parts"
+    ):  # that with the convs cut by part even so (as before cache graphs kept them)
+        from unittest import mock
+
+        with mock.patch("fusion.rules.conv_parts._graph_input_behind", lambda _value: None):
+            model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan", "causal_conv_with_state"])
+    elif name in ("after-scan", "after-scan-conv"):  # what mambafuse genai writes: rewrite_model with the opt-ins
+        opt_in = ["linear_attention_scan"] + (["causal_conv_with_state"] if name == "after-scan-conv" else [])
+        model, report = rewrite_model(ir.load(source), opt_in=opt_in)
     elif name == "optimize-scan-widened":  # that with the scan reading the float32 x, B, C and state, as before
         from unittest import mock
 
@@ -469,7 +481,14 @@ MOBIUS_DTYPES = {"fp16": "f16", "bf16": "bf16"}
 REAL8_CHECKPOINT = "nemotron_h-real8"
 #: The variants ``export --builder mobius`` writes besides "before" and "after" (``step_variant``): one graph each,
 #: measured by ``step --mode decode`` and ``--mode prefill`` alike, since the build serves both.
-MOBIUS_VARIANTS = ("optimize", "optimize-scan", "optimize-scan-widened", "optimize-scan-conv")
+MOBIUS_VARIANTS = (
+    "optimize",
+    "optimize-scan",
+    "optimize-scan-conv",
+    "optimize-scan-conv-parts",
+    "after-scan",
+    "after-scan-conv",
+)
 
 
 def write_real8_checkpoint(folder: Path) -> None:
@@ -723,6 +742,9 @@ STEP_VARIANTS = {
     "optimize-scan": "optimize --opt-in linear_attention_scan",
     "optimize-scan-widened": "optimize --opt-in linear_attention_scan, x, B, C and the state read widened to float",
     "optimize-scan-conv": "optimize --opt-in linear_attention_scan,causal_conv_with_state",
+    "optimize-scan-conv-parts": "the same, its convs cut by part though they read a cache",
+    "after-scan": "mambafuse rewrite --opt-in linear_attention_scan",
+    "after-scan-conv": "mambafuse rewrite --opt-in linear_attention_scan,causal_conv_with_state",
     "gemv": "optimize + DecodeMatMul",
     "int4-before": "int4 unfused",
     "int4-optimize": "int4 optimize",
@@ -744,7 +766,10 @@ KERNEL_FAMILIES = (
     ("SelectiveStateUpdate", ("ssu_kernels::",)),
     ("CausalConv1dUpdate", ("ConvUpdateKernel",)),
     ("MambaChunkScan", ("RegisterStateScan", "ChunkedScan", "SequentialScan")),
-    ("CausalConv1d", ("ChannelsLastKernel", "ChannelsFirstKernel", "AnyWidthKernel", "FinalStateKernel")),
+    (
+        "CausalConv1d",
+        ("ChannelsLastKernel", "ChannelsFirstKernel", "ConvStepKernel", "AnyWidthKernel", "FinalStateKernel"),
+    ),
     # ORT's ops of the builders' Mamba-2 mixers (mobius: LinearAttention, CausalConvWithState), before the
     # attention and conv families their names would otherwise fall in
     ("Mamba-2 ops (ORT)", ("LinearAttention", "CausalConv")),

@@ -190,11 +190,44 @@ def test_special_values(t, channels_last):
     assert np.isnan(final_state[0, 3].astype(np.float32)).sum() == 1
 
 
-def test_one_run_in_a_cuda_graph():
+@pytest.mark.parametrize("length", [1, 2, 4])
+@pytest.mark.parametrize("channels_last", [1, 0], ids=["BLC", "BCL"])
+def test_short_prompts_take_the_step_kernel(length, channels_last):
+    """A decode step through the op (one to four tokens: the step kernel) at the real conv dim, batch 1 and 3, every
+    type and both roundings, with a state of K - 1 columns (mobius' cache), K + 2 (the final state partly the initial
+    state's columns) and none; a NaN in one channel's token stays in that channel's output and final state."""
+    rng = np.random.default_rng([length, channels_last, 5])
+    for t in DTYPES:
+        for batch, state_width, state in ((1, 3, True), (3, 6, True), (3, 3, False)):
+            inputs = make_inputs(
+                rng,
+                t=t,
+                batch=batch,
+                channels=10240,
+                length=length,
+                state_width=state_width,
+                state=state,
+                channels_last=channels_last,
+            )
+            label = f"T={DTYPE_IDS[t]} B={batch} S={state_width} state={state}"
+            for round_once in (0, 1):
+                check(inputs, state_width=state_width, channels_last=channels_last, round_once=round_once, label=label)
+        inputs = make_inputs(rng, t=t, batch=2, channels=40, length=length, state_width=3, channels_last=channels_last)
+        inputs["x"][(1, length - 1, 7) if channels_last else (1, 7, length - 1)] = np.nan
+        y, final_state = check(inputs, state_width=3, channels_last=channels_last, label=f"T={DTYPE_IDS[t]} NaN")
+        nan_y = np.argwhere(np.isnan(y.astype(np.float32)))
+        channel_axis = 2 if channels_last else 1
+        assert len(nan_y) and set(nan_y[:, channel_axis]) == {7} and set(nan_y[:, 0]) == {1}, nan_y
+        assert np.argwhere(np.isnan(final_state.astype(np.float32))).tolist() == [[1, 7, 2]]
+
+
+@pytest.mark.parametrize("length", [40, 1], ids=["prompt", "one-token"])
+def test_one_run_in_a_cuda_graph(length):
     """ORT's CUDA graph: the node is captured on ORT's stream at the first run and replayed; new input values
-    written into the bound device buffers give the new prompt's results (no allocation or host sync inside)."""
+    written into the bound device buffers give the new prompt's results (no allocation or host sync inside). A
+    one-token prompt (the step kernel) too: a decode step replayed from a captured graph."""
     rng = np.random.default_rng(11)
-    first = make_inputs(rng, t=FLOAT16, batch=1, channels=64, length=40)
+    first = make_inputs(rng, t=FLOAT16, batch=1, channels=64, length=length)
     sess = cuda_session(node_model(first, state_width=4), enable_cuda_graph="1")
     binding = sess.io_binding()
     bound = {}
@@ -206,7 +239,7 @@ def test_one_run_in_a_cuda_graph():
     binding.bind_ortvalue_output("y", y_value)
     binding.bind_ortvalue_output("final_state", state_value)
     for step in range(3):
-        inputs = first if step == 0 else make_inputs(rng, t=FLOAT16, batch=1, channels=64, length=40)
+        inputs = first if step == 0 else make_inputs(rng, t=FLOAT16, batch=1, channels=64, length=length)
         for name, value in feeds_of(inputs.items()).items():
             bound[name].update_inplace(value)
         sess.run_with_iobinding(binding)

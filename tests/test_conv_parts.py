@@ -209,7 +209,7 @@ def _graph(
     part_axis: int = -1,
     before_axis: int = -1,
     channels_last: bool = True,
-    state: str = "input",  # "input": a graph input; "zeros": a constant ConstantOfShape; "none"
+    state: str = "zeros",  # "input": a graph input, "cast input": a Cast of one; "zeros": a ConstantOfShape; "none"
     final_state_out: bool = False,
     sizes_as_attribute: bool = False,
     even: bool = False,
@@ -242,6 +242,10 @@ def _graph(
     conv_inputs = ["xBC", "w", "b"]
     if state == "input":
         inputs.append(helper.make_tensor_value_info("s0", TensorProto.FLOAT, ["B", C, S]))
+        conv_inputs.append("s0")
+    elif state == "cast input":
+        inputs.append(helper.make_tensor_value_info("s0_half", TensorProto.FLOAT16, ["B", C, S]))
+        nodes.append(helper.make_node("Cast", ["s0_half"], ["s0"], to=TensorProto.FLOAT))
         conv_inputs.append("s0")
     elif state == "zeros":
         initializers.append(numpy_helper.from_array(np.array([2, C, S], np.int64), "state_shape"))
@@ -308,8 +312,7 @@ def _feeds(model: onnx.ModelProto, batch: int = 2, length: int = 7) -> dict[str,
 
 
 FORMS = {
-    "state input": {},
-    "zeros": {"state": "zeros"},
+    "zeros": {},
     "no state, final state read": {"state": "none", "final_state_out": True},
     "channels first": {"channels_last": False, "part_axis": 1, "before_axis": 1, "final_state_out": True},
     "sizes as attributes, opset 11": {"sizes_as_attribute": True, "opset": 11},
@@ -333,7 +336,7 @@ def test_a_small_graph_is_cut_and_computes_the_same_bits(form: str) -> None:
     # the weight and bias are cut into initializers; the old ones are gone
     initializer_names = {tensor.name for tensor in after.graph.initializer}
     assert "w" not in initializer_names and "b" not in initializer_names
-    assert ("Slice" in node_types) == (kwargs.get("state", "input") == "input")
+    assert "Slice" not in node_types  # every cut input a constant
     inputs = _feeds(model)
     _same_bits(_run(after, inputs, library=True), _run(model, inputs, library=True))
     if model.functions and kwargs.get("state") != "none":  # the body takes every input (docs/causal_conv1d.md)
@@ -370,6 +373,8 @@ REFUSALS = {
     "projection split over the tokens": ({"before_axis": 1}, "the Split before the conv is over axis 1"),
     "parts not summing to the channels": ({"parts": [8, 8, 4]}, "summing to its 24 channels"),
     "input read elsewhere": ({"extra_x_reader": True}, "read by other nodes"),
+    "state from the graph's inputs (a cache)": ({"state": "input"}, "is the graph input 's0'"),
+    "state cast from the graph's inputs": ({"state": "cast input", "projection": True}, "is the graph input 's0_half'"),
 }
 
 

@@ -363,9 +363,18 @@ def _genai_reference(builds: Path, stem: str, dest: Path) -> Path:
     return folder
 
 
+#: The genai command's options the generation test runs: the folder's defaults, and the builder's scan and conv
+#: run as MambaChunkScan and CausalConv1d (their CUDA kernels on the prompt and on every decode step).
+GENAI_OPTIONS = {
+    "defaults": (),
+    "scan-conv": ("--opt-in", "linear_attention_scan", "--opt-in", "causal_conv_with_state"),
+}
+
+
+@pytest.mark.parametrize("options", GENAI_OPTIONS)
 @pytest.mark.parametrize("stem", GENAI_CUDA_BUILDS)
 def test_genai_cuda_generation_same_before_and_after_fusion(
-    stem: str, builds: Path, tmp_path: Path, library: str
+    stem: str, options: str, builds: Path, tmp_path: Path, library: str
 ) -> None:
     """Greedy tokens with onnxruntime-genai-cuda, reference vs fused (library; function): identical, or a
     divergence only at a tie of the reference (test_genai._compare); logits within MODEL_TOLERANCE."""
@@ -373,11 +382,14 @@ def test_genai_cuda_generation_same_before_and_after_fusion(
     from tests import test_genai
 
     reference = _genai_reference(builds, stem, tmp_path / "reference")
-    status, _, err = test_genai._fuse(builds / stem, tmp_path / "fused", "--genai-config-edit")
+    status, _, err = test_genai._fuse(builds / stem, tmp_path / "fused", "--genai-config-edit", *GENAI_OPTIONS[options])
     assert status == 0, err
     function_only = test_genai._without_library(tmp_path / "fused", tmp_path / "function")
     config = json.loads((tmp_path / "fused" / "genai_config.json").read_text())
     assert "cuda" in config["model"]["decoder"]["session_options"]["provider_options"][0]
+    if options == "scan-conv":
+        fused_types = {node.op_type for node in onnx.load(tmp_path / "fused" / "model.onnx").graph.node}
+        assert {"MambaChunkScan", "CausalConv1d"} <= fused_types, sorted(fused_types)
     tokens, logits = test_genai.generate(reference)
     assert len(set(tokens)) > 4, f"degenerate generation {tokens}: the comparison would prove little"
     limit = MODEL_TOLERANCE[RECORDS[stem]["dtype"]] * float(np.abs(logits).max())

@@ -41,6 +41,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mambafuse_chunk_scan_resolve.argtypes = [i64] * 3 + [i]
     lib.mambafuse_causal_conv1d_launch.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, p]
     lib.mambafuse_causal_conv1d_launch_rounding.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, i, p]
+    lib.mambafuse_causal_conv1d_path.argtypes = [i64, i64, i]
     return lib
 
 
@@ -435,3 +436,53 @@ def test_the_conv_over_many_tiles_and_a_part_step(emulated: ctypes.CDLL, t: np.d
     rng = np.random.default_rng(203)
     inputs = conv_inputs(rng, t=t, batch=2, channels=48, length=203, width=4, state_width=4, channels_last=1)
     check_conv(emulated, inputs, channels_last=1)
+
+
+@pytest.mark.parametrize("t", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("channels_last", [1, 0], ids=["BLC", "BCL"])
+@pytest.mark.parametrize("length", [1, 2, 3, 4])
+def test_the_conv_step(emulated: ctypes.CDLL, t: np.dtype, channels_last: int, length: int) -> None:
+    """A prompt of one to four tokens (a decode step through the op) takes the step kernel in either layout, within
+    the budget of both roundings: with a state of K - 1 columns, of K + 2 (the final state then partly the initial
+    state's columns) without a bias, and with none; 131 channels at batch 2, so the last block is partly empty."""
+    assert emulated.mambafuse_causal_conv1d_path(4, length, channels_last) == 3
+    rng = np.random.default_rng(300 + 2 * length + channels_last)
+    for state_width, state, bias in ((3, True, True), (6, True, False), (3, False, True)):
+        inputs = conv_inputs(
+            rng,
+            t=t,
+            batch=2,
+            channels=131,
+            length=length,
+            width=4,
+            state_width=state_width,
+            bias=bias,
+            state=state,
+            channels_last=channels_last,
+        )
+        for round_once in (0, 1):
+            check_conv(emulated, inputs, channels_last=channels_last, round_once=round_once)
+
+
+def test_the_conv_step_is_for_short_prompts_of_width_four(emulated: ctypes.CDLL) -> None:
+    """Five tokens take the layout's prompt kernel again, and another width the any-width kernel at any length."""
+    path = emulated.mambafuse_causal_conv1d_path
+    assert [path(4, 5, 1), path(4, 5, 0), path(3, 1, 1), path(5, 1, 0)] == [1, 2, 4, 4]
+
+
+def test_the_conv_step_sees_a_wrong_final_state(emulated: ctypes.CDLL) -> None:
+    """The budget check catches a final state one column off (what a shifted window would write)."""
+    rng = np.random.default_rng(5)
+    inputs = conv_inputs(rng, t=FLOAT16, batch=1, channels=40, length=1, width=4, state_width=3, channels_last=1)
+    x, weight, state = inputs["x"], inputs["weight"], inputs["initial_state"]
+    y = np.full(x.shape, np.nan, FLOAT16)
+    final = np.full(state.shape, np.nan, FLOAT16)
+    rc = emulated.mambafuse_causal_conv1d_launch_rounding(
+        *(host_pointer(a) for a in (x, weight, inputs["bias"], state, y, final)),
+        ONNX_TYPE[FLOAT16], 1, 40, 1, 3, 4, 1, 1, 0, None,
+    )  # fmt: skip
+    assert rc == 0
+    report = dict(activation="silu", channels_last=1, state_width=3, round_once=0)
+    assert conv_budget_report(y, final, x, weight, inputs["bias"], state, **report)[0]
+    shifted = np.concatenate([state[:, :, :1], final[:, :, :2]], axis=2)
+    assert not conv_budget_report(y, shifted, x, weight, inputs["bias"], state, **report)[0]

@@ -22,6 +22,11 @@
 // earlier inputs are scalar loads of the previous thread's bytes (L1) or of the initial state. The thread holding a
 // row's last token writes that row's final state.
 //
+// A prompt of at most kStepTokens tokens (a decode step through the op, as a mobius build runs its cache; K = 4),
+// either layout: one thread per (batch row, channel), which loads the last K - 1 state columns, its tokens and its
+// taps at once, writes its outputs and then the final state. The tiled kernel would give such a prompt one tile: a
+// thread per V channels, a quarter of the threads at 16-bit types, each waiting on its loads in turn.
+//
 // Any other K, either layout: one thread per output, reading its K taps from memory, and a second kernel for the
 // final state (real models have K = 4; this path is for completeness).
 //
@@ -75,6 +80,7 @@ constexpr bool kFusedSum = MAMBAFUSE_CONV_FUSED_SUM != 0;  // the channels-last 
 constexpr bool kHalfProduct = MAMBAFUSE_CONV_HALF_PRODUCT != 0;  // SiLU's product of 16-bit pairs in T (Activate)
 constexpr int kMinTile = 16;  // fewest tokens a channels-last block walks
 constexpr int kFastWidth = 4;
+constexpr int kStepTokens = 4;  // the longest prompt ConvStepKernel takes
 static_assert(kUnroll >= 1 && kMinTile % kUnroll == 0, "a tile is a whole number of steps");
 static_assert(kVectorBytes == 4 || kVectorBytes == 8 || kVectorBytes == 16, "vectors of 4, 8 or 16 bytes");
 
@@ -433,6 +439,58 @@ __global__ void __launch_bounds__(kThreads) ChannelsFirstKernel(const Params p) 
   }
 }
 
+// A prompt of L <= kStepTokens tokens, K = 4, either layout: thread i = b C + c.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) ConvStepKernel(const Params p) {
+  constexpr int kK = kFastWidth;
+  constexpr int kHalo = kK - 1;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t channels = p.channels;
+  if (i >= p.batch * channels) return;
+  const int64_t c = i % channels;
+  const int length = p.length, state_len = p.state_len;
+  // Token t of this (b, c) in x and y: channels-last [B, L, C] at (b L + t) C + c, channels-first [B, C, L] at
+  // i L + t.
+  const int64_t first = p.channels_last ? (i - c) * length + c : i * length;
+  const int64_t stride = p.channels_last ? channels : 1;
+  const T* x = static_cast<const T*>(p.x) + first;
+  const T* state =
+      p.initial_state != nullptr ? static_cast<const T*>(p.initial_state) + i * state_len : nullptr;
+  const T* weight = static_cast<const T*>(p.weight) + c * kK;
+
+  // Every load before any arithmetic: the taps, the bias, the state's last K - 1 columns and the tokens.
+  T raw_w[kK], raw_window[kHalo + kStepTokens];
+#pragma unroll
+  for (int k = 0; k < kK; ++k) raw_w[k] = weight[k];
+  const T raw_bias = p.bias != nullptr ? static_cast<const T*>(p.bias)[c] : Narrow<T>(0.f);
+#pragma unroll
+  for (int j = 0; j < kHalo; ++j) raw_window[j] = state != nullptr ? state[state_len - kHalo + j] : Narrow<T>(0.f);
+#pragma unroll
+  for (int t = 0; t < kStepTokens; ++t) raw_window[kHalo + t] = t < length ? x[t * stride] : Narrow<T>(0.f);
+
+  T* y = static_cast<T*>(p.y) + first;
+#pragma unroll
+  for (int t = 0; t < kStepTokens; ++t) {
+    if (t >= length) break;
+    float sum[1] = {__fmul_rn(Widen(raw_w[0]), Widen(raw_window[t]))};
+#pragma unroll
+    for (int k = 1; k < kK; ++k) sum[0] = __fadd_rn(sum[0], __fmul_rn(Widen(raw_w[k]), Widen(raw_window[t + k])));
+    if (p.bias != nullptr) sum[0] = __fadd_rn(sum[0], Widen(raw_bias));
+    y[t * stride] = Activate<T, 1>(sum, p.silu, p.round_once).v[0];
+  }
+
+  // final_state[b, c, j] = window column L + j: x's token L + j - S, or the state's column (L1 or L2 by now)
+  T* final_state = static_cast<T*>(p.final_state) + i * state_len;
+  for (int j = 0; j < state_len; ++j) {
+    const int column = length + j;
+    if (column >= state_len) {
+      final_state[j] = raw_window[kHalo + column - state_len];
+    } else {
+      final_state[j] = state != nullptr ? state[column] : Narrow<T>(0.f);
+    }
+  }
+}
+
 // Window column `column` (of [state (S) | x (L)]) of (batch row b, channel c), either layout.
 template <typename T>
 __device__ __forceinline__ T WindowAt(const Params& p, int64_t b, int64_t c, int column) {
@@ -543,6 +601,13 @@ cudaError_t LaunchChannelsFirst(const Params& p, cudaStream_t stream) {
 }
 
 template <typename T>
+cudaError_t LaunchStep(const Params& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(CeilDiv(p.batch * p.channels, kThreads)));
+  ConvStepKernel<T><<<grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T>
 cudaError_t LaunchAnyWidth(const Params& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.batch * p.channels * p.length, kThreads)));
   AnyWidthKernel<T><<<grid, kThreads, 0, stream>>>(p);
@@ -572,6 +637,8 @@ cudaError_t LaunchTyped(const CausalConv1dCpuArgs& a, const Params& p, cudaStrea
     case CausalConv1dCudaPath::kVectorChannelsFirst:
       return VectorFits(a, sizeof(T), 16) ? LaunchChannelsFirst<T, kV>(p, stream)
                                           : LaunchChannelsFirst<T, 1>(p, stream);
+    case CausalConv1dCudaPath::kStep:
+      return LaunchStep<T>(p, stream);
     default: return LaunchAnyWidth<T>(p, stream);
   }
 }
@@ -580,6 +647,7 @@ cudaError_t LaunchTyped(const CausalConv1dCpuArgs& a, const Params& p, cudaStrea
 
 CausalConv1dCudaPath ChooseCausalConv1dCudaPath(const CausalConv1dCpuArgs& a) {
   if (a.width != kFastWidth) return CausalConv1dCudaPath::kAnyWidth;
+  if (a.length <= kStepTokens) return CausalConv1dCudaPath::kStep;
   return a.channels_last ? CausalConv1dCudaPath::kTiledChannelsLast : CausalConv1dCudaPath::kVectorChannelsFirst;
 }
 

@@ -21,8 +21,9 @@ namespace mambafuse {
 // The kernel the launcher runs for a call (the doc names them):
 //   kTiledChannelsLast   x [B, L, C], K = 4: a thread owns a few channels and walks a tile of tokens
 //   kVectorChannelsFirst x [B, C, L], K = 4: a thread owns a few consecutive tokens of one channel
+//   kStep                L <= 4 (a decode step), K = 4, either layout: a thread per (batch row, channel)
 //   kAnyWidth            any K, either layout: a thread per output, its K taps read from memory
-enum class CausalConv1dCudaPath { kTiledChannelsLast, kVectorChannelsFirst, kAnyWidth };
+enum class CausalConv1dCudaPath { kTiledChannelsLast, kVectorChannelsFirst, kStep, kAnyWidth };
 
 // Which kernel LaunchCausalConv1d runs for these arguments.
 CausalConv1dCudaPath ChooseCausalConv1dCudaPath(const CausalConv1dCpuArgs& args);

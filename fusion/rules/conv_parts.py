@@ -50,6 +50,13 @@ What is proven from the graph:
 The weight, bias and initial state are cut along their channel axis (0, 0 and 1): constants here (an initializer,
 or one seen through Unsqueeze, Squeeze, Reshape or Identity; a ConstantOfShape of a constant shape, the zeros an
 exporter writes for a prompt with no cache), other values by Slice nodes.
+
+A conv whose initial state is one of the graph's inputs (directly or through a Cast) is left whole, by choice, not
+for want of a proof: such a graph runs from a cache, so it also serves decode steps of one token (a mobius build
+serves the prompt and every step with one graph), and at one token the parts cost more than the copy they save:
+four products for one, two convs, the state cut by Slices and joined by a Concat, each a launch of its own. On an
+H100 the mobius build's decode step with ``--opt-in causal_conv_with_state`` ran 1106 µs cut by part against 985
+without the conv's opt-in (benchmarks/RESULTS.md); exports of a prompt alone (no cache input) are cut as above.
 """
 
 from __future__ import annotations
@@ -177,6 +184,13 @@ def _plan(conv: ir.Node, shapes: DecodeShapes) -> _Plan | None:
     after = readers[0].node
     if after.op_type != "Split" or after.domain not in _ONNX or readers[0].idx != 0:
         return None
+    cache = _graph_input_behind(conv.inputs[3] if len(conv.inputs) > 3 else None)
+    if cache is not None:
+        raise Refusal(
+            f"the conv's initial state is the graph input {cache.name!r}: a graph with a cache serves decode steps "
+            "too, where a conv cut by part costs more than the copy it saves (kept whole)",
+            conv,
+        )
     channels_last = conv.attributes.get("channels_last")
     axis = 2 if channels_last is None or channels_last.as_int() == 1 else 1
     if _axis(after) != axis:
@@ -214,6 +228,16 @@ def _plan(conv: ir.Node, shapes: DecodeShapes) -> _Plan | None:
     groups = _grouped(part_sizes, room)
     projection, scale = _projection(before, axis)
     return _Plan(conv, after, before, index, axis, groups, before_sizes, shape_readers, projection, scale)
+
+
+def _graph_input_behind(value: ir.Value | None) -> ir.Value | None:
+    """The graph input ``value`` is, or is a chain of Casts and Identities of; None otherwise."""
+    while value is not None and not value.is_graph_input():
+        producer = value.producer()
+        if producer is None or producer.op_type not in ("Cast", "Identity") or producer.domain not in _ONNX:
+            return None
+        value = producer.inputs[0]
+    return value
 
 
 def _projection(before: ir.Node, axis: int) -> tuple[ir.Node | None, tuple[ir.Node, int] | None]:

@@ -144,3 +144,22 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_causal_conv1d_launch(const void* x, const v
   return mambafuse_causal_conv1d_launch_rounding(x, weight, bias, initial_state, y, final_state, type, batch,
                                                  channels, length, state_len, width, silu, channels_last, 0, stream);
 }
+
+// The kernel LaunchCausalConv1d runs for a prompt of `length` tokens, kernel width `width`, in `channels_last` or not:
+// 1 tiled channels-last, 2 vector channels-first, 3 step (a prompt of a few tokens), 4 any width.
+MAMBAFUSE_BENCH_EXPORT int mambafuse_causal_conv1d_path(int64_t width, int64_t length, int channels_last) {
+  mambafuse::CausalConv1dCpuArgs args;
+  args.width = width;
+  args.length = length;
+  args.channels_last = channels_last != 0;
+  switch (mambafuse::ChooseCausalConv1dCudaPath(args)) {
+    case mambafuse::CausalConv1dCudaPath::kTiledChannelsLast:
+      return 1;
+    case mambafuse::CausalConv1dCudaPath::kVectorChannelsFirst:
+      return 2;
+    case mambafuse::CausalConv1dCudaPath::kStep:
+      return 3;
+    default:
+      return 4;
+  }
+}

@@ -100,8 +100,9 @@ def main() -> int:
         cases += 1
     conv = lib.mambafuse_causal_conv1d_launch_rounding
     conv.argtypes = [p] * 6 + [ctypes.c_int] + [i64] * 5 + [ctypes.c_int] * 3 + [p]
-    # (batch, channels, length, width); the last: channels-last over many token tiles, the last tile a part step
-    conv_shapes = [(2, 16, 37, 4), (1, 5, 3, 4), (1, 24, 70, 3), (3, 8, 1, 4), (2, 2048, 203, 4)]
+    # (batch, channels, length, width); lengths 1-4 at K = 4 take the step kernel (131 channels at batch 2: a part
+    # block); the last: channels-last over many token tiles, the last tile a part step
+    conv_shapes = [(2, 16, 37, 4), (1, 5, 3, 4), (1, 24, 70, 3), (3, 8, 1, 4), (2, 131, 4, 4), (2, 2048, 203, 4)]
     for (batch, channels, length, width), type_id, last, extras in itertools.product(
         conv_shapes, TYPES, (1, 0), (False, True)
     ):
