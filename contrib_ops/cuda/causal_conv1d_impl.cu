@@ -479,16 +479,16 @@ __global__ void __launch_bounds__(kThreads) ConvStepKernel(const Params p) {
     y[t * stride] = Activate<T, 1>(sum, p.silu, p.round_once).v[0];
   }
 
-  // final_state[b, c, j] = window column L + j: x's token L + j - S, or the state's column (L1 or L2 by now)
+  // final_state[b, c, j] = window column L + j. The registers hold columns S - K + 1 .. S + L - 1 (the state's last
+  // K - 1, then x's tokens): window register w is final_state[w + shift]; the columns before them (a state wider
+  // than K - 1 and a prompt shorter than its extra columns) are read again from the state.
   T* final_state = static_cast<T*>(p.final_state) + i * state_len;
-  for (int j = 0; j < state_len; ++j) {
-    const int column = length + j;
-    if (column >= state_len) {
-      final_state[j] = raw_window[kHalo + column - state_len];
-    } else {
-      final_state[j] = state != nullptr ? state[column] : Narrow<T>(0.f);
-    }
+  const int shift = state_len - kHalo - length;
+#pragma unroll
+  for (int w = 0; w < kHalo + kStepTokens; ++w) {
+    if (w < kHalo + length && w + shift >= 0) final_state[w + shift] = raw_window[w];
   }
+  for (int j = 0; j < shift; ++j) final_state[j] = state != nullptr ? state[length + j] : Narrow<T>(0.f);
 }
 
 // Window column `column` (of [state (S) | x (L)]) of (batch row b, channel c), either layout.
