@@ -122,7 +122,7 @@ def _folders(source: Path, work: Path, threads: int, accuracy_level: int = 0) ->
         ("int4 unfused", int4_source, ["--config-only"]),
         ("int4 fused", int4_source, []),
     ]
-    if fusion_genai.cpu_folder(json.loads((source / "genai_config.json").read_text())):
+    if fusion_genai.folder_provider(json.loads((source / "genai_config.json").read_text())) == "cpu":
         variants.append((LA_KEPT, source, ["--keep-builder-ops", "--opt-in", "causal_conv_with_state"]))
     for variant, base, options in variants:
         name = variant.replace(", ", "-").replace(" ", "-").replace("int4", f"int4{level}")
@@ -136,10 +136,7 @@ def _folders(source: Path, work: Path, threads: int, accuracy_level: int = 0) ->
 
 def _provider(folder: Path) -> str:
     """The execution provider the folder's genai config names (``cpu`` where it names none)."""
-    config = json.loads((folder / "genai_config.json").read_text())
-    if fusion_genai.cpu_folder(config):
-        return "cpu"
-    return next(iter(config["model"]["decoder"]["session_options"]["provider_options"][0]))
+    return fusion_genai.folder_provider(json.loads((folder / "genai_config.json").read_text()))
 
 
 def _device(providers: set[str]) -> str:

@@ -30,13 +30,14 @@ writes the config unchanged instead (for a genai that knows the type), with a no
 load the folder. (``--genai-config-edit``, the opt-in of earlier versions, is accepted: it makes the edit
 required, an error for a model type it does not edit.)
 
-Fusions that are right but not faster on every execution provider (``--opt-in``) follow the folder's provider:
-a folder that runs on the CPU (no ``provider_options`` in its config) gets ``linear_attention_scan`` and
-``causal_conv_with_state`` by default, its ``LinearAttention`` and ``CausalConvWithState`` nodes run as
-``MambaChunkScan`` and ``CausalConv1d`` (faster on the CPU on a prompt and on a decode step, benchmarks/RESULTS.md;
-the scans only where a layer's state has at least ``CPU_SCAN_MIN_STATE`` elements); a folder for another provider
-gets none. ``--opt-in NAME`` adds fusions to those (a named scan runs whatever its state's size);
-``--keep-builder-ops`` drops the provider's, leaving only the ``--opt-in`` names.
+Fusions that are right but not faster on every execution provider (``--opt-in``) follow the folder's provider
+(``fusion.rules.registry.FOLDER_OPT_IN``): a folder that runs on the CPU (no ``provider_options`` in its config) gets
+``linear_attention_scan`` and ``causal_conv_with_state`` by default, its ``LinearAttention`` and
+``CausalConvWithState`` nodes run as ``MambaChunkScan`` and ``CausalConv1d`` (faster on the CPU on a prompt and on a
+decode step, benchmarks/RESULTS.md); a folder for CUDA gets ``linear_attention_scan`` (its prompts ~3x and its decode
+steps ~5 % faster at real widths); the scans only where a layer's state has at least ``SCAN_MIN_STATE`` elements. A
+folder for another provider gets none. ``--opt-in NAME`` adds fusions to those (a named scan runs whatever its
+state's size); ``--keep-builder-ops`` drops the provider's, leaving only the ``--opt-in`` names.
 
 ``--config-only`` writes that config edit alone: OUT_FOLDER is IN_FOLDER with every file copied unchanged (the
 model unfused, no library) but ``genai_config.json``, declared as genai's ``decoder``. That is the baseline a
@@ -73,16 +74,9 @@ from fusion.rewrite import (
     is_builder_op_hint,
     rewrite_model,
 )
+from fusion.rules.registry import FOLDER_OPT_IN, SCAN_MIN_STATE
 
 CONFIG_NAME = "genai_config.json"
-
-#: The opt-in fusions (fusion.rules.registry.OPT_IN_FUSIONS) a folder for the CPU gets without ``--opt-in``: those
-#: measured as fast or faster there on the calls the folder makes (prompt and decode step; benchmarks/RESULTS.md).
-CPU_FOLDER_OPT_IN = ("linear_attention_scan", "causal_conv_with_state")
-#: A CPU folder's scans run as MambaChunkScan where each layer's state has at least this many elements (H·N·P). The
-#: kernel is faster than LinearAttention from the smallest published Mamba-2 (mamba2-130m: 24·128·64 = 196608) up;
-#: on toy widths (the test fixtures' 512) a call's fixed cost outweighs its work (benchmarks/RESULTS.md).
-CPU_SCAN_MIN_STATE = 65536
 
 #: Model types onnxruntime-genai 0.18 rejects ("Unsupported model_type in config.json: <type>").
 GENAI_UNSUPPORTED_TYPES = ("nemotron_h", "zamba2", "mamba2")
@@ -199,8 +193,8 @@ def fuse_folder(
 ) -> tuple[Report, dict[str, Any]]:
     """Write OUT_FOLDER from a genai model folder (module docstring); return the rewrite report and a summary.
     ``opt_in``: opt-in fusions to run too (``rewrite_model``'s), besides the folder's provider's where
-    ``folder_defaults`` (``CPU_FOLDER_OPT_IN`` for a CPU folder, the scan's where its states are large enough or it
-    is named in ``opt_in``; none for another provider). All of them are the summary's ``opt_in``, the provider's
+    ``folder_defaults`` (``FOLDER_OPT_IN`` of its provider, the scan's where its states are large enough or it is
+    named in ``opt_in``; none for a provider not there). All of them are the summary's ``opt_in``, the provider's
     its ``folder_opt_in``.
     ``int4_accuracy_level``: as ``rewrite_model``'s.
 
@@ -248,24 +242,25 @@ def fuse_folder(
             ) from None
     # The input model and its data files are replaced by the fused model and its own data file.
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
-    on_cpu = cpu_folder(config)
+    provider = folder_provider(config)
     notes: list[str] = []
     named = tuple(opt_in or ())
-    defaults = CPU_FOLDER_OPT_IN if on_cpu and folder_defaults else ()
+    decided = FOLDER_OPT_IN.get(provider, ()) if folder_defaults else ()
+    defaults = decided
     if "linear_attention_scan" in defaults and "linear_attention_scan" not in named:
         smallest = smallest_scan_state(model)
-        if smallest is not None and smallest < CPU_SCAN_MIN_STATE:
+        if smallest is not None and smallest < SCAN_MIN_STATE:
             defaults = tuple(name for name in defaults if name != "linear_attention_scan")
             notes.append(
-                f"LinearAttention kept: a layer's state has {smallest} elements, under the {CPU_SCAN_MIN_STATE} "
-                "from which MambaChunkScan is the faster on the CPU (--opt-in linear_attention_scan runs it anyway)"
+                f"LinearAttention kept: a layer's state has {smallest} elements, under the {SCAN_MIN_STATE} from "
+                "which MambaChunkScan is measured the faster (--opt-in linear_attention_scan runs it anyway)"
             )
     opt_in = tuple(dict.fromkeys((*defaults, *named)))
     fused, report = rewrite_model(model, function=function, opt_in=opt_in, int4_accuracy_level=int4_accuracy_level)
-    if not on_cpu:  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
+    if provider != "cpu":  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
         report.hints = [hint for hint in report.hints if not hint.endswith(CPU_INT4_HINT_END)]
-    elif folder_defaults:  # the folder's defaults decided on the builder's ops (and the notes say why)
-        report.hints = [hint for hint in report.hints if not is_builder_op_hint(hint)]
+    # the provider's defaults decided on those builder ops (and the notes say why where one was kept)
+    report.hints = [hint for hint in report.hints if not is_builder_op_hint(hint, decided)]
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
     try:
@@ -301,6 +296,7 @@ def fuse_folder(
         genai_cannot_load=genai_support(config),
         opt_in=list(opt_in),
         folder_opt_in=list(defaults),
+        provider=provider,
         notes=notes,
     )
     return report, summary
@@ -324,10 +320,14 @@ def smallest_scan_state(model: ir.Model) -> int | None:
     return min(sizes) if sizes else None
 
 
-def cpu_folder(config: dict[str, Any]) -> bool:
-    """Whether a genai config runs its decoder on the CPU: no execution provider named in its provider_options."""
+def folder_provider(config: dict[str, Any]) -> str:
+    """The execution provider a genai config runs its decoder on: "cpu" where its provider_options name none, else
+    the first one they name, in lower case ("cuda", "dml", ...)."""
     session_options = config["model"]["decoder"].get("session_options") or {}
-    return not session_options.get("provider_options")
+    for entry in session_options.get("provider_options") or ():
+        if isinstance(entry, dict) and entry:
+            return str(next(iter(entry))).lower()
+    return "cpu"
 
 
 def edit_folder(source: Path, output: Path) -> dict[str, Any]:
@@ -447,9 +447,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--keep-builder-ops",
         action="store_true",
         help="no opt-in fusion but those --opt-in names: by default a folder for the CPU gets "
-        + ", ".join(CPU_FOLDER_OPT_IN)
+        + ", ".join(FOLDER_OPT_IN["cpu"])
         + " (its LinearAttention and CausalConvWithState nodes as MambaChunkScan and CausalConv1d, faster on the "
-        "CPU) besides any --opt-in names",
+        "CPU), a folder for CUDA " + ", ".join(FOLDER_OPT_IN["cuda"]) + ", besides any --opt-in names",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--debug", action="store_true", help="tracebacks for unexpected errors")
@@ -512,8 +512,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m fusion.gen
         for change in summary["config_changes"]:
             print(f"genai_config.json: {change}")
         if report is not None and summary["folder_opt_in"]:
+            provider = summary["provider"].upper() if summary["provider"] in ("cpu", "cuda") else summary["provider"]
             print(
-                "opted in (the CPU folder's default; --keep-builder-ops: none): " + ", ".join(summary["folder_opt_in"])
+                f"opted in (the {provider} folder's default; --keep-builder-ops: none): "
+                + ", ".join(summary["folder_opt_in"])
             )
         for note in summary.get("notes", []):  # a --config-only summary has none
             print(note)

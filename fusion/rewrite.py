@@ -277,16 +277,18 @@ def builder_op_hints(model: ir.Model, opted: Sequence[Fusion]) -> list[str]:
         gain = BUILDER_OP_GAINS.get(fusion.name)
         if gain is None or fusion in opted or not (left := len(fusion.find_anchors(model.graph))):
             continue
+        providers = [name.upper() for name, names in registry.FOLDER_OPT_IN.items() if fusion.name in names]
         hints.append(
             f"{left} {fusion.counts} as the builder wrote them: --opt-in {fusion.name} runs them as "
-            f"{DOMAIN}::{fusion.op_type} ({gain}; mambafuse genai does so on a folder for the CPU)"
+            f"{DOMAIN}::{fusion.op_type} ({gain}; mambafuse genai does so on a folder for "
+            f"{' or '.join(providers) or 'no provider'})"
         )
     return hints
 
 
-def is_builder_op_hint(hint: str) -> bool:
-    """Whether ``hint`` is one of ``builder_op_hints``'."""
-    return any(f"--opt-in {name} runs them" in hint for name in BUILDER_OP_GAINS)
+def is_builder_op_hint(hint: str, names: Sequence[str] | None = None) -> bool:
+    """Whether ``hint`` is one of ``builder_op_hints``' (about one of ``names``, where given)."""
+    return any(f"--opt-in {name} runs them" in hint for name in (BUILDER_OP_GAINS if names is None else names))
 
 
 def _check_existing_fused_nodes(model: ir.Model) -> None:

@@ -222,7 +222,7 @@ def test_no_library_folder(builds: Path, tmp_path: Path, library: str) -> None:
         assert Path(library).name not in {p.name for p in folder.iterdir()}
         model = onnx.load(folder / "model.onnx", load_external_data=False)
         # a CPU folder: its norms and (the opt-in of CPU folders) its convs; its scans stay LinearAttention (a toy
-        # model's state, under CPU_SCAN_MIN_STATE)
+        # model's state, under SCAN_MIN_STATE)
         assert sorted(f.name for f in model.functions if f.domain == "ai.mambafuse") == [
             "CausalConv1d",
             "GatedGroupRMSNorm",
@@ -236,7 +236,7 @@ def test_a_cpu_folder_runs_its_scans_as_mamba_chunk_scan_above_toy_widths(
     dtype: str, builds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A CPU folder's LinearAttention scans become MambaChunkScan (state_layout 1, no Transposes) by default where a
-    layer's state reaches CPU_SCAN_MIN_STATE; the fixtures' toy state (4 heads · 8 · 16) stays LinearAttention with
+    layer's state reaches SCAN_MIN_STATE; the fixtures' toy state (4 heads · 8 · 16) stays LinearAttention with
     a note that says why and how to opt in. The float16 build's state is found behind its Cast."""
     stem = next(s for s in GENAI_BUILDS if RECORDS[s]["dtype"] == dtype and s.startswith("nemotron"))
     status, out, err = _fuse(builds / stem, tmp_path / "toy")
@@ -244,7 +244,7 @@ def test_a_cpu_folder_runs_its_scans_as_mamba_chunk_scan_above_toy_widths(
     assert "LinearAttention kept: a layer's state has 512 elements, under the 65536" in out
     ops = [n.op_type for n in onnx.load(tmp_path / "toy" / "model.onnx", load_external_data=False).graph.node]
     assert "LinearAttention" in ops and "MambaChunkScan" not in ops
-    monkeypatch.setattr(fusion_genai, "CPU_SCAN_MIN_STATE", 512)
+    monkeypatch.setattr(fusion_genai, "SCAN_MIN_STATE", 512)
     status, out, err = _fuse(builds / stem, tmp_path / "scan")
     assert status == 0, err
     assert "LinearAttention kept" not in out and "linear_attention_scan" in out
@@ -254,6 +254,34 @@ def test_a_cpu_folder_runs_its_scans_as_mamba_chunk_scan_above_toy_widths(
     layouts = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("state_layout") for n in scans]
     assert layouts == [1] * len(scans)
     assert "Transpose" not in [n.op_type for n in graph.node]
+
+
+def test_a_cuda_folder_runs_its_scans_as_mamba_chunk_scan_and_keeps_its_convs(
+    builds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder for CUDA gets the scan's default (above SCAN_MIN_STATE; lowered here to the fixtures' 512) but not
+    the conv's: its CausalConvWithState nodes stay, and the summary names the provider's default."""
+    stem = next(s for s in GENAI_BUILDS if RECORDS[s]["dtype"] == "f32" and s.startswith("nemotron"))
+    source = tmp_path / "cuda-in"
+    shutil.copytree(builds / stem, source)
+    config = json.loads((source / "genai_config.json").read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["provider_options"] = [{"cuda": {}}]
+    (source / "genai_config.json").write_text(json.dumps(config))
+    status, out, err = _fuse(source, tmp_path / "toy")
+    assert status == 0, err
+    assert "LinearAttention kept: a layer's state has 512 elements, under the 65536" in out
+    assert "opted in" not in out
+    monkeypatch.setattr(fusion_genai, "SCAN_MIN_STATE", 512)
+    status, out, err = _fuse(source, tmp_path / "scan")
+    assert status == 0, err
+    assert "opted in (the CUDA folder's default; --keep-builder-ops: none): linear_attention_scan\n" in out
+    ops = [n.op_type for n in onnx.load(tmp_path / "scan" / "model.onnx", load_external_data=False).graph.node]
+    assert "MambaChunkScan" in ops and "LinearAttention" not in ops
+    assert "CausalConvWithState" in ops and "CausalConv1d" not in ops
+    status, out, err = _fuse(source, tmp_path / "kept", "--keep-builder-ops")
+    assert status == 0, err
+    ops = [n.op_type for n in onnx.load(tmp_path / "kept" / "model.onnx", load_external_data=False).graph.node]
+    assert "LinearAttention" in ops and "MambaChunkScan" not in ops
 
 
 def test_opt_in_names_add_to_a_cpu_folders_defaults(builds: Path, tmp_path: Path) -> None:
@@ -480,11 +508,12 @@ def test_the_int4_accuracy_hint_follows_the_folders_provider(builds: Path, tmp_p
             assert len(hints) == 1 and "accuracy_level < 4" in hints[0] and "--accuracy_level 4" in hints[0], out
         else:
             assert hints == [], out
-        # A CUDA folder is told of the builder-op opt-ins; a CPU folder's defaults decided on them (its notes say
-        # why where the toy scans stay LinearAttention).
+        # A CUDA folder's default decided on the scans and it is told of the conv's opt-in; a CPU folder's defaults
+        # decided on both (the notes say why where the toy scans stay LinearAttention).
         opt_ins = ["--opt-in linear_attention_scan runs them", "--opt-in causal_conv_with_state runs them"]
         found = [o for o in opt_ins if any(o in hint for hint in builder_ops)]
-        assert found == (opt_ins if folder == cuda else []), out
+        assert found == (opt_ins[1:] if folder == cuda else []), out
+        assert "LinearAttention kept: a layer's state has 512 elements" in out
 
 
 def test_refuses_a_folder_that_already_names_another_library(builds: Path, tmp_path: Path) -> None:

@@ -172,9 +172,10 @@ SQUARED_RELU = Fusion(
 )
 
 #: mobius' ``LinearAttention(update_rule="gated")`` run as MambaChunkScan on genai's state as it is (``state_layout``
-#: 1): on the CPU faster on a prompt (1.3-2.2x) and on a decode step from the smallest published widths up
-#: (benchmarks/RESULTS.md); ``mambafuse genai`` runs it on a folder for the CPU (``fusion.genai.CPU_FOLDER_OPT_IN``),
-#: ``--opt-in linear_attention_scan`` (``rewrite_model(..., opt_in=[...])``) elsewhere.
+#: 1): on the CPU faster on a prompt (1.3-2.2x) and on a decode step from the smallest published widths up; on CUDA
+#: a 2048-token prompt ~3x faster and a decode step ~5 % faster at Nemotron-H-8B widths (benchmarks/RESULTS.md);
+#: ``mambafuse genai`` runs it on a folder for the CPU or CUDA (``FOLDER_OPT_IN``), ``--opt-in
+#: linear_attention_scan`` (``rewrite_model(..., opt_in=[...])``) elsewhere.
 LINEAR_ATTENTION_SCAN = Fusion(
     name="linear_attention_scan",
     op_type="MambaChunkScan",
@@ -366,3 +367,17 @@ __all__ = [
     "attach_functions",
     "fusion_of",
 ]
+
+
+#: The opt-in fusions ``mambafuse genai`` runs on a folder without ``--opt-in``, by the execution provider its config
+#: names ("cpu" where it names none): those measured as fast or faster there on the calls a genai folder makes (its
+#: prompt and its decode steps; benchmarks/RESULTS.md). A folder for another provider gets none.
+FOLDER_OPT_IN: dict[str, tuple[str, ...]] = {
+    "cpu": ("linear_attention_scan", "causal_conv_with_state"),
+    "cuda": ("linear_attention_scan",),
+}
+#: A folder's default scans run as MambaChunkScan where each layer's state has at least this many elements (H·N·P):
+#: on the CPU the kernel is faster than LinearAttention from the smallest published Mamba-2 (mamba2-130m: 24·128·64 =
+#: 196608) up, while on toy widths (the test fixtures' 512) a call's fixed cost outweighs its work; CUDA was measured
+#: at real widths only, so the same bound holds there (benchmarks/RESULTS.md).
+SCAN_MIN_STATE = 65536
