@@ -258,7 +258,9 @@ def _one_token_table(torch, lib, widths: list[str], batches: list[int]) -> list[
         "| conv (C) | B | CausalConv1d µs | copy µs | conv / copy |",
         "|---|---|---|---|---|",
     ]
-    lib.mambafuse_causal_conv1d_launch_rounding.restype = ctypes.c_int
+    conv = lib.mambafuse_causal_conv1d_launch_rounding
+    conv.restype = ctypes.c_int
+    conv.argtypes = [p] * 6 + [i] + [i64] * 5 + [i, i, i, p]
     for name in widths:
         for batch in batches:
             line = _measure_conv_step(torch, lib, name, batch)

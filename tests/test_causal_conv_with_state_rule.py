@@ -325,7 +325,7 @@ def test_genai_greedy_tokens_unchanged(stem: str, builds: Path, tmp_path: Path, 
     assert float(np.abs(opted_logits - logits).max()) <= TOLERANCE * float(np.abs(logits).max())
 
 
-# --- mambafuse genai: the CPU folder's default -------------------------------------------------------------------
+# --- mambafuse genai: the CPU and CUDA folders' default ----------------------------------------------------------
 
 
 def _folder_ops(folder: Path) -> list[str]:
@@ -342,17 +342,18 @@ def test_a_cpu_folder_gets_the_conv_by_default(builds: Path, tmp_path: Path, cap
     assert "opted in (the CPU folder's default; --keep-builder-ops: none): causal_conv_with_state" in printed
     ops = _folder_ops(default)
     assert "CausalConvWithState" not in ops and ops.count("CausalConv1d") == RECORDS[stem]["mamba_layers"]
-    assert "LinearAttention" in ops, "the scan's opt-in is slower on decode steps: not a default"
+    assert "LinearAttention" in ops, "a toy model's scans stay LinearAttention (under SCAN_MIN_STATE)"
     assert fusion_genai.main([str(builds / stem), str(kept), "--keep-builder-ops"]) == 0
     assert "opted in" not in capsys.readouterr().out
     assert _folder_ops(kept).count("CausalConvWithState") == RECORDS[stem]["mamba_layers"]
 
 
-def test_a_cuda_folder_gets_no_opt_in(builds: Path, tmp_path: Path) -> None:
+def test_a_cuda_folder_gets_the_conv_by_default(builds: Path, tmp_path: Path) -> None:
     from fusion import genai as fusion_genai
 
     stem = "nemotron_h-g4-f32-default-cuda"
     output = tmp_path / "out"
     report, summary = fusion_genai.fuse_folder(builds / stem, output)
-    assert summary["opt_in"] == []
-    assert _folder_ops(output).count("CausalConvWithState") == RECORDS[stem]["mamba_layers"]
+    assert summary["opt_in"] == ["causal_conv_with_state"] and summary["provider"] == "cuda"
+    ops = _folder_ops(output)
+    assert "CausalConvWithState" not in ops and ops.count("CausalConv1d") == RECORDS[stem]["mamba_layers"]

@@ -256,11 +256,12 @@ def test_a_cpu_folder_runs_its_scans_as_mamba_chunk_scan_above_toy_widths(
     assert "Transpose" not in [n.op_type for n in graph.node]
 
 
-def test_a_cuda_folder_runs_its_scans_as_mamba_chunk_scan_and_keeps_its_convs(
+def test_a_cuda_folder_runs_its_builder_ops_as_ours(
     builds: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A folder for CUDA gets the scan's default (above SCAN_MIN_STATE; lowered here to the fixtures' 512) but not
-    the conv's: its CausalConvWithState nodes stay, and the summary names the provider's default."""
+    """A folder for CUDA gets the conv's and the scan's defaults (the scans above SCAN_MIN_STATE; lowered here to the
+    fixtures' 512), the summary naming the provider's default; --keep-builder-ops keeps ORT's ops; a folder for
+    another provider (DirectML) gets neither."""
     stem = next(s for s in GENAI_BUILDS if RECORDS[s]["dtype"] == "f32" and s.startswith("nemotron"))
     source = tmp_path / "cuda-in"
     shutil.copytree(builds / stem, source)
@@ -270,18 +271,26 @@ def test_a_cuda_folder_runs_its_scans_as_mamba_chunk_scan_and_keeps_its_convs(
     status, out, err = _fuse(source, tmp_path / "toy")
     assert status == 0, err
     assert "LinearAttention kept: a layer's state has 512 elements, under the 65536" in out
-    assert "opted in" not in out
+    assert "opted in (the CUDA folder's default; --keep-builder-ops: none): causal_conv_with_state\n" in out
     monkeypatch.setattr(fusion_genai, "SCAN_MIN_STATE", 512)
     status, out, err = _fuse(source, tmp_path / "scan")
     assert status == 0, err
-    assert "opted in (the CUDA folder's default; --keep-builder-ops: none): linear_attention_scan\n" in out
+    default = "opted in (the CUDA folder's default; --keep-builder-ops: none): "
+    assert default + "linear_attention_scan, causal_conv_with_state\n" in out
     ops = [n.op_type for n in onnx.load(tmp_path / "scan" / "model.onnx", load_external_data=False).graph.node]
-    assert "MambaChunkScan" in ops and "LinearAttention" not in ops
-    assert "CausalConvWithState" in ops and "CausalConv1d" not in ops
+    assert "MambaChunkScan" in ops and "CausalConv1d" in ops
+    assert "LinearAttention" not in ops and "CausalConvWithState" not in ops
     status, out, err = _fuse(source, tmp_path / "kept", "--keep-builder-ops")
     assert status == 0, err
     ops = [n.op_type for n in onnx.load(tmp_path / "kept" / "model.onnx", load_external_data=False).graph.node]
-    assert "LinearAttention" in ops and "MambaChunkScan" not in ops
+    assert "LinearAttention" in ops and "CausalConvWithState" in ops
+    assert "MambaChunkScan" not in ops and "CausalConv1d" not in ops
+    config["model"]["decoder"]["session_options"]["provider_options"] = [{"dml": {}}]
+    (source / "genai_config.json").write_text(json.dumps(config))
+    status, out, err = _fuse(source, tmp_path / "dml")
+    assert status == 0, err
+    ops = [n.op_type for n in onnx.load(tmp_path / "dml" / "model.onnx", load_external_data=False).graph.node]
+    assert "LinearAttention" in ops and "CausalConvWithState" in ops and "opted in" not in out
 
 
 def test_opt_in_names_add_to_a_cpu_folders_defaults(builds: Path, tmp_path: Path) -> None:
@@ -508,11 +517,9 @@ def test_the_int4_accuracy_hint_follows_the_folders_provider(builds: Path, tmp_p
             assert len(hints) == 1 and "accuracy_level < 4" in hints[0] and "--accuracy_level 4" in hints[0], out
         else:
             assert hints == [], out
-        # A CUDA folder's default decided on the scans and it is told of the conv's opt-in; a CPU folder's defaults
-        # decided on both (the notes say why where the toy scans stay LinearAttention).
-        opt_ins = ["--opt-in linear_attention_scan runs them", "--opt-in causal_conv_with_state runs them"]
-        found = [o for o in opt_ins if any(o in hint for hint in builder_ops)]
-        assert found == (opt_ins[1:] if folder == cuda else []), out
+        # A CPU or CUDA folder's defaults decided on the builder's ops: no hint of them (the notes say why the toy
+        # scans stay LinearAttention).
+        assert builder_ops == [], out
         assert "LinearAttention kept: a layer's state has 512 elements" in out
 
 

@@ -187,10 +187,10 @@ LINEAR_ATTENTION_SCAN = Fusion(
     min_opset=scan_function.MIN_OPSET,
 )
 
-#: mobius' ``CausalConvWithState`` run as CausalConv1d (float32 builds; channels-last where Transposes surround it):
-#: on the CPU 3.9-9.2x faster on a prompt and 1.3-1.5x on a decode step (benchmarks/RESULTS.md), not compared on
-#: CUDA;
-#: ``--opt-in causal_conv_with_state``.
+#: mobius' ``CausalConvWithState`` run as CausalConv1d (channels-last where Transposes surround it): on the CPU
+#: 3.9-9.2x faster on a prompt and 1.3-1.5x on a decode step; on CUDA, with the scan's rule, a 2048-token prompt of
+#: the Nemotron-H-8B-shaped build ~10 % faster and its decode step ~1.5 % (benchmarks/RESULTS.md); ``mambafuse genai``
+#: runs it on a folder for the CPU or CUDA (``FOLDER_OPT_IN``), ``--opt-in causal_conv_with_state`` elsewhere.
 CAUSAL_CONV_WITH_STATE = Fusion(
     name="causal_conv_with_state",
     op_type="CausalConv1d",
@@ -374,7 +374,7 @@ __all__ = [
 #: prompt and its decode steps; benchmarks/RESULTS.md). A folder for another provider gets none.
 FOLDER_OPT_IN: dict[str, tuple[str, ...]] = {
     "cpu": ("linear_attention_scan", "causal_conv_with_state"),
-    "cuda": ("linear_attention_scan",),
+    "cuda": ("linear_attention_scan", "causal_conv_with_state"),
 }
 #: A folder's default scans run as MambaChunkScan where each layer's state has at least this many elements (H·N·P):
 #: on the CPU the kernel is faster than LinearAttention from the smallest published Mamba-2 (mamba2-130m: 24·128·64 =
