@@ -196,7 +196,7 @@ def fuse_folder(
     ``opt_in``: opt-in fusions to run too (``rewrite_model``'s), besides the folder's provider's where
     ``folder_defaults`` (``FOLDER_OPT_IN`` of its provider, the scan's where its states are large enough or it is
     named in ``opt_in``; none for a provider not there). All of them are the summary's ``opt_in``, the provider's
-    its ``folder_opt_in``.
+    its ``folder_opt_in``, the provider (``folder_provider``) its ``provider``.
     ``int4_accuracy_level``: as ``rewrite_model``'s.
 
     ``genai_config_edit``: None (the default) edits the config when genai 0.18 does not know the model
