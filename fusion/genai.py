@@ -65,14 +65,13 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusion.int4 import CPU_INT4_HINT_END
+from fusion.hints import CPU_INT4, topic_of
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
 from fusion.progress import progress, track
 from fusion.rewrite import (
     Report,
     add_accuracy_level_argument,
     add_opt_in_argument,
-    is_builder_op_hint,
     rewrite_model,
 )
 from fusion.rules.registry import FOLDER_OPT_IN, SCAN_MIN_STATE
@@ -258,10 +257,10 @@ def fuse_folder(
             )
     opt_in = tuple(dict.fromkeys((*defaults, *named)))
     fused, report = rewrite_model(model, function=function, opt_in=opt_in, int4_accuracy_level=int4_accuracy_level)
-    if provider != "cpu":  # the accuracy-level hint is about the CPU's int4 kernel (CUDA's ignores the level)
-        report.hints = [hint for hint in report.hints if not hint.endswith(CPU_INT4_HINT_END)]
-    # the provider's defaults decided on those builder ops (and the notes say why where one was kept)
-    report.hints = [hint for hint in report.hints if not is_builder_op_hint(hint, decided)]
+    # Hints this folder's provider settles: the accuracy level is about the CPU's int4 kernel (CUDA's ignores it), and
+    # the provider's defaults decided on those builder ops (the notes say why where one was kept).
+    settled = set(decided) | ({CPU_INT4} if provider != "cpu" else set())
+    report.hints = [hint for hint in report.hints if topic_of(hint) not in settled]
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
     try:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from fusion.hints import CPU_INT4, Hint
 from fusion.reference import DOMAIN
 
 #: ``accuracy_level`` of MatMulNBits at which ONNX Runtime's CPU kernel rounds A to int8 per block before the products.
 INT8_ACTIVATIONS_LEVEL = 4
-#: How the hint about that level ends (a caller that knows the model will not run on the CPU drops it).
-CPU_INT4_HINT_END = "for a CPU deployment (docs/models.md)"
 
 
 #: MatMulNBits' accuracy levels (0 unset, 1 float32, 2 float16, 3 bfloat16, 4 int8 activations).
@@ -39,7 +38,7 @@ def set_int4_accuracy_level(model: ir.Model, level: int) -> int:
     return changed
 
 
-def float_activation_hint(model: ir.Model) -> str | None:
+def float_activation_hint(model: ir.Model) -> Hint | None:
     """Return a hint when the model has 4-bit weight products below accuracy_level 4 (the quantizer's default):
     ONNX Runtime's CPU kernel then multiplies in float32, 2-3x slower at a decode step (benchmarks/RESULTS.md)."""
     count = sum(
@@ -47,10 +46,11 @@ def float_activation_hint(model: ir.Model) -> str | None:
     )
     if not count:
         return None
-    return (
+    return Hint(
         f"{count} int4 MatMulNBits at accuracy_level < {INT8_ACTIVATIONS_LEVEL}: on the CPU ONNX Runtime multiplies "
         f"them in float32, 2-3x slower at a decode step than at accuracy_level {INT8_ACTIVATIONS_LEVEL} (A rounded "
         f"to int8 per block, what onnxruntime-genai's builder writes for the CPU; the CUDA kernel ignores the "
         f"level). Quantize with --accuracy_level {INT8_ACTIVATIONS_LEVEL}, or rewrite with --int4-accuracy-level "
-        f"{INT8_ACTIVATIONS_LEVEL}, {CPU_INT4_HINT_END}"
+        f"{INT8_ACTIVATIONS_LEVEL}, for a CPU deployment (docs/models.md)",
+        CPU_INT4,
     )

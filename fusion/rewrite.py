@@ -34,6 +34,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from fusion import function as fused_function
 from fusion._graph import value_info_preserved
+from fusion.hints import Hint
 from fusion.inputs import HELP as INPUTS_HELP
 from fusion.inputs import InputError
 from fusion.int4 import (
@@ -91,7 +92,8 @@ class Report:
     #: fused, refused (location, reason) and the fused chains' attributes. Only ops with chains in the model are
     #: listed. (The key is the historical name: the decode-step ops were the first ops after the gated norm.)
     decode: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
-    #: What the model could gain outside the fusions, from what the rewrite saw (each a line of the summary).
+    #: What the model could gain outside the fusions, from what the rewrite saw (each a line of the summary; a
+    #: fusion.hints.Hint where a caller may drop it by its topic).
     hints: list[str] = dataclasses.field(default_factory=list)
     #: ``int4_accuracy_level``: the level asked for and how many int4 weight products were set to it.
     accuracy_level: int | None = None
@@ -271,7 +273,7 @@ BUILDER_OP_GAINS = {
 }
 
 
-def builder_op_hints(model: ir.Model, opted: Sequence[Fusion]) -> list[str]:
+def builder_op_hints(model: ir.Model, opted: Sequence[Fusion]) -> list[Hint]:
     """A hint for each opt-in fusion of ``BUILDER_OP_GAINS`` not in ``opted`` whose nodes are in ``model``."""
     hints = []
     for fusion in registry.OPT_IN_FUSIONS:
@@ -280,16 +282,14 @@ def builder_op_hints(model: ir.Model, opted: Sequence[Fusion]) -> list[str]:
             continue
         providers = [name.upper() for name, names in registry.FOLDER_OPT_IN.items() if fusion.name in names]
         hints.append(
-            f"{left} {fusion.counts} as the builder wrote them: --opt-in {fusion.name} runs them as "
-            f"{DOMAIN}::{fusion.op_type} ({gain}; mambafuse genai does so on a folder for "
-            f"{' or '.join(providers) or 'no provider'})"
+            Hint(
+                f"{left} {fusion.counts} as the builder wrote them: --opt-in {fusion.name} runs them as "
+                f"{DOMAIN}::{fusion.op_type} ({gain}; mambafuse genai does so on a folder for "
+                f"{' or '.join(providers) or 'no provider'})",
+                fusion.name,
+            )
         )
     return hints
-
-
-def is_builder_op_hint(hint: str, names: Sequence[str] | None = None) -> bool:
-    """Whether ``hint`` is one of ``builder_op_hints``' (about one of ``names``, where given)."""
-    return any(f"--opt-in {name} runs them" in hint for name in (BUILDER_OP_GAINS if names is None else names))
 
 
 def _check_existing_fused_nodes(model: ir.Model) -> None:
