@@ -1,4 +1,4 @@
-"""The prefill CUDA kernels (MambaChunkScan's chunked, sequential and one-token kernels, CausalConv1d's three) on a
+"""The prefill CUDA kernels (MambaChunkScan's chunked, sequential and one-token kernels, CausalConv1d's four) on a
 list of cases, for compute-sanitizer: memcheck (out-of-range global and shared accesses), racecheck (shared-memory
 hazards between the chunked kernel's phases) and synccheck. Launched through libmambafuse_cuda_prefill_bench.so
 on PyTorch's buffers; the results are checked by the pytest suites (tests/test_mamba_chunk_scan_cuda.py,
