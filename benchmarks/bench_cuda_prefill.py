@@ -83,6 +83,13 @@ def _time_graph(torch, fn, calls: int = 20, repeats: int = 7) -> tuple[float, fl
     return statistics.median(times), min(times), max(times)
 
 
+def _time_copy(torch, moved: int) -> tuple[float, float, float]:
+    """``_time_graph`` of a device copy that reads and writes ``moved`` bytes in all (one tensor of half of them)."""
+    src = torch.empty(moved // 2, device="cuda", dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return _time_graph(torch, lambda: dst.copy_(src))
+
+
 def emit_table(lines: list[str], markdown: Path | None) -> None:
     """Print the table (the rows were printed as they came; this is the whole of it) and write it to ``markdown``."""
     text = "\n".join(lines)
@@ -158,9 +165,7 @@ def _measure(torch, launch, combined, name: str, batch: int, length: int, sequen
         torch.cuda.synchronize()
         diff = f"{(y_triton.float() - out_registers).abs().max().item():.2e}"
     moved = sum(t.numel() * t.element_size() for t in (x, dt, bm, cm, out, state))
-    src = torch.empty(moved // 2, device=dev, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    times["copy"] = _time_graph(torch, lambda: dst.copy_(src))
+    times["copy"] = _time_copy(torch, moved)
 
     def cell(key: str) -> str:
         if key not in times:
@@ -213,9 +218,7 @@ def _measure_step(torch, launch, name: str, batch: int, state_layout: int, state
         torch.cuda.synchronize()
         results[key] = (out.clone(), state.clone())
     moved = sum(t.numel() * t.element_size() for t in (x, dt, bm, cm, out, initial, state))
-    src = torch.empty(moved // 2, device=dev, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    times["copy"] = _time_graph(torch, lambda: dst.copy_(src))
+    times["copy"] = _time_copy(torch, moved)
     diff = max((a - b).abs().max().item() for a, b in zip(results["step"], results["chunked"], strict=True))
 
     def cell(key: str) -> str:
@@ -299,9 +302,7 @@ def _measure_conv_step(torch, lib, name: str, batch: int) -> str:
 
     times = {"ours": _time_graph(torch, ours)}
     moved = sum(t.numel() * t.element_size() for t in (x, w, bias, initial, y, state))
-    src = torch.empty(moved // 2, device=dev, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    times["copy"] = _time_graph(torch, lambda: dst.copy_(src))
+    times["copy"] = _time_copy(torch, moved)
     cells = " | ".join(f"{v[0]:.2f} ({v[1]:.2f}-{v[2]:.2f})" for v in times.values())
     return f"| {name} (C = {channels}) | {batch} | {cells} | {times['ours'][0] / times['copy'][0]:.2f} |"
 
@@ -334,9 +335,7 @@ def _measure_conv(torch, lib, channels: int, batch: int, length: int) -> str:
     torch.cuda.synchronize()
     diff = (cudnn().transpose(1, 2).float() - y.float()).abs().max().item()
     moved = 2 * x.numel() * x.element_size()
-    src = torch.empty(moved // 2, device=dev, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    times["copy"] = _time_graph(torch, lambda: dst.copy_(src))
+    times["copy"] = _time_copy(torch, moved)
     med = {k: v[0] for k, v in times.items()}
     cells = " | ".join(f"{v[0]:.1f} ({v[1]:.1f}-{v[2]:.1f})" for v in times.values())
     return (

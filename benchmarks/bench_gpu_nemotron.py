@@ -312,9 +312,7 @@ def step_variant(source: Path, folder: Path, name: str) -> Path:
         model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan"])
     elif name == "optimize-scan-conv":  # and ORT's CausalConvWithState as CausalConv1d (a second opt-in)
         model, report = optimize_model(ir.load(source), opt_in=["linear_attention_scan", "causal_conv_with_state"])
-    elif (
-        name == "optimize-scan-conv-parts"
-    ):  # that with the convs cut by part even so (as before cache graphs kept them)
+    elif name == "optimize-scan-conv-parts":  # that with the convs cut by part, as before cache graphs kept them
         from unittest import mock
 
         with mock.patch("fusion.rules.conv_parts._graph_input_behind", lambda _value: None):

@@ -336,15 +336,15 @@ def test_the_emulation_sees_a_wrong_result(emulated: ctypes.CDLL) -> None:
     assert not scan_budget_report(out, final, **inputs)[0]
 
 
-def check_conv(
+def run_conv(
     emulated: ctypes.CDLL,
     inputs: dict[str, np.ndarray | None],
     *,
     channels_last: int,
     activation: str = "silu",
     round_once: int = 0,
-) -> np.ndarray:
-    """Run the emulated CausalConv1d, assert it is within the budget (of ``round_once``'s rounding), return y."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run the emulated CausalConv1d; return y and the final state."""
     x, weight, state = inputs["x"], inputs["weight"], inputs["initial_state"]
     t = x.dtype
     batch = x.shape[0]
@@ -371,16 +371,29 @@ def check_conv(
         None,
     )
     assert rc == 0
+    return y, final
+
+
+def check_conv(
+    emulated: ctypes.CDLL,
+    inputs: dict[str, np.ndarray | None],
+    *,
+    channels_last: int,
+    activation: str = "silu",
+    round_once: int = 0,
+) -> np.ndarray:
+    """Run the emulated CausalConv1d, assert it is within the budget (of ``round_once``'s rounding), return y."""
+    y, final = run_conv(emulated, inputs, channels_last=channels_last, activation=activation, round_once=round_once)
     ok, message = conv_budget_report(
         y,
         final,
-        x,
-        weight,
+        inputs["x"],
+        inputs["weight"],
         inputs["bias"],
-        state,
+        inputs["initial_state"],
         activation=activation,
         channels_last=channels_last,
-        state_width=state_len,
+        state_width=final.shape[2],
         round_once=round_once,
     )
     assert ok, message
@@ -475,13 +488,7 @@ def test_the_conv_step_sees_a_wrong_final_state(emulated: ctypes.CDLL) -> None:
     rng = np.random.default_rng(5)
     inputs = conv_inputs(rng, t=FLOAT16, batch=1, channels=40, length=1, width=4, state_width=3, channels_last=1)
     x, weight, state = inputs["x"], inputs["weight"], inputs["initial_state"]
-    y = np.full(x.shape, np.nan, FLOAT16)
-    final = np.full(state.shape, np.nan, FLOAT16)
-    rc = emulated.mambafuse_causal_conv1d_launch_rounding(
-        *(host_pointer(a) for a in (x, weight, inputs["bias"], state, y, final)),
-        ONNX_TYPE[FLOAT16], 1, 40, 1, 3, 4, 1, 1, 0, None,
-    )  # fmt: skip
-    assert rc == 0
+    y, final = run_conv(emulated, inputs, channels_last=1)
     report = dict(activation="silu", channels_last=1, state_width=3, round_once=0)
     assert conv_budget_report(y, final, x, weight, inputs["bias"], state, **report)[0]
     shifted = np.concatenate([state[:, :, :1], final[:, :, :2]], axis=2)

@@ -55,8 +55,9 @@ A conv whose initial state is one of the graph's inputs (directly or through a C
 for want of a proof: such a graph runs from a cache, so it also serves decode steps of one token (a mobius build
 serves the prompt and every step with one graph), and at one token the parts cost more than the copy they save:
 four products for one, two convs, the state cut by Slices and joined by a Concat, each a launch of its own. On an
-H100 the mobius build's decode step with ``--opt-in causal_conv_with_state`` ran 1106 µs cut by part against 985
-without the conv's opt-in (benchmarks/RESULTS.md); exports of a prompt alone (no cache input) are cut as above.
+H100 the mobius build's decode step with ``--opt-in linear_attention_scan,causal_conv_with_state`` ran 1101 µs cut
+by part against 994 whole, in one run (benchmarks/RESULTS.md); exports of a prompt alone (no cache input) are cut as
+above.
 """
 
 from __future__ import annotations

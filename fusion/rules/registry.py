@@ -243,6 +243,18 @@ FUSIONS: tuple[Fusion, ...] = (
 
 #: Fusions that are right but not faster everywhere the fused model runs: never applied by default.
 OPT_IN_FUSIONS: tuple[Fusion, ...] = (LINEAR_ATTENTION_SCAN, CAUSAL_CONV_WITH_STATE, DECODE_MATMUL, DECODE_MATMUL_NBITS)
+#: The opt-in fusions ``mambafuse genai`` runs on a folder without ``--opt-in``, by the execution provider its config
+#: names ("cpu" where it names none): those measured as fast or faster there on the calls a genai folder makes (its
+#: prompt and its decode steps; benchmarks/RESULTS.md). A folder for another provider gets none.
+FOLDER_OPT_IN: dict[str, tuple[str, ...]] = {
+    "cpu": ("linear_attention_scan", "causal_conv_with_state"),
+    "cuda": ("linear_attention_scan", "causal_conv_with_state"),
+}
+#: A folder's default scans run as MambaChunkScan where each layer's state has at least this many elements (H·N·P):
+#: on the CPU the kernel is faster than LinearAttention from the smallest published Mamba-2 (mamba2-130m: 24·128·64 =
+#: 196608) up, while on toy widths (the test fixtures' 512) a call's fixed cost outweighs its work; CUDA was measured
+#: at real widths only, so the same bound holds there (benchmarks/RESULTS.md).
+SCAN_MIN_STATE = 65536
 
 
 def _by_op_type() -> dict[str, Fusion]:
@@ -352,12 +364,14 @@ __all__ = [
     "CAUSAL_CONV1D_UPDATE",
     "CAUSAL_CONV_WITH_STATE",
     "DOMAIN",
+    "FOLDER_OPT_IN",
     "FUSIONS",
     "GATED_GROUP_RMS_NORM",
     "LINEAR_ATTENTION_SCAN",
     "MAMBA_CHUNK_SCAN",
     "OPSET_VERSION",
     "OPT_IN_FUSIONS",
+    "SCAN_MIN_STATE",
     "SELECTIVE_STATE_UPDATE",
     "SQUARED_RELU",
     "AllRulesSet",
@@ -367,17 +381,3 @@ __all__ = [
     "attach_functions",
     "fusion_of",
 ]
-
-
-#: The opt-in fusions ``mambafuse genai`` runs on a folder without ``--opt-in``, by the execution provider its config
-#: names ("cpu" where it names none): those measured as fast or faster there on the calls a genai folder makes (its
-#: prompt and its decode steps; benchmarks/RESULTS.md). A folder for another provider gets none.
-FOLDER_OPT_IN: dict[str, tuple[str, ...]] = {
-    "cpu": ("linear_attention_scan", "causal_conv_with_state"),
-    "cuda": ("linear_attention_scan", "causal_conv_with_state"),
-}
-#: A folder's default scans run as MambaChunkScan where each layer's state has at least this many elements (H·N·P):
-#: on the CPU the kernel is faster than LinearAttention from the smallest published Mamba-2 (mamba2-130m: 24·128·64 =
-#: 196608) up, while on toy widths (the test fixtures' 512) a call's fixed cost outweighs its work; CUDA was measured
-#: at real widths only, so the same bound holds there (benchmarks/RESULTS.md).
-SCAN_MIN_STATE = 65536
