@@ -63,18 +63,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import onnx_ir as ir
-
-from fusion.hints import CPU_INT4, topic_of
 from fusion.model_io import Interrupted, RewriteError, external_tensors, first_line, interruptible, load, save
 from fusion.progress import progress, track
 from fusion.rewrite import (
     Report,
     add_accuracy_level_argument,
     add_opt_in_argument,
+    drop_settled_hints,
+    provider_opt_in,
     rewrite_model,
 )
-from fusion.rules.registry import FOLDER_OPT_IN, SCAN_MIN_STATE
+from fusion.rules.registry import FOLDER_OPT_IN
 
 CONFIG_NAME = "genai_config.json"
 
@@ -243,24 +242,11 @@ def fuse_folder(
     # The input model and its data files are replaced by the fused model and its own data file.
     model_files = {(source / model_name).resolve()} | {Path(t.path).resolve() for t in external_tensors(model)}
     provider = folder_provider(config)
-    notes: list[str] = []
     named = tuple(opt_in or ())
-    decided = FOLDER_OPT_IN.get(provider, ()) if folder_defaults else ()
-    defaults = decided
-    if "linear_attention_scan" in defaults and "linear_attention_scan" not in named:
-        smallest = smallest_scan_state(model)
-        if smallest is not None and smallest < SCAN_MIN_STATE:
-            defaults = tuple(name for name in defaults if name != "linear_attention_scan")
-            notes.append(
-                f"LinearAttention kept: a layer's state has {smallest} elements, under the {SCAN_MIN_STATE} from "
-                "which MambaChunkScan is measured the faster (--opt-in linear_attention_scan runs it anyway)"
-            )
+    defaults, notes = provider_opt_in(model, provider, named) if folder_defaults else ((), [])
     opt_in = tuple(dict.fromkeys((*defaults, *named)))
     fused, report = rewrite_model(model, function=function, opt_in=opt_in, int4_accuracy_level=int4_accuracy_level)
-    # Hints this folder's provider settles: the accuracy level is about the CPU's int4 kernel (CUDA's ignores it), and
-    # the provider's defaults decided on those builder ops (the notes say why where one was kept).
-    settled = set(decided) | ({CPU_INT4} if provider != "cpu" else set())
-    report.hints = [hint for hint in report.hints if topic_of(hint) not in settled]
+    drop_settled_hints(report, provider, defaults=folder_defaults)  # the notes say why a default was kept
 
     scratch = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.resolve().parent))
     try:
@@ -300,24 +286,6 @@ def fuse_folder(
         notes=notes,
     )
     return report, summary
-
-
-def smallest_scan_state(model: ir.Model) -> int | None:
-    """The fewest state elements (H·N·P, the past state's dims after the batch) of the model's LinearAttention nodes,
-    from the declared shapes (a speed choice, not a proof); None where there is none or a dim is not a number."""
-    sizes = []
-    for node in model.graph.all_nodes():
-        if node.op_type != "LinearAttention" or len(node.inputs) < 4 or node.inputs[3] is None:
-            continue
-        state = node.inputs[3]
-        while state.shape is None and state.producer() is not None and state.producer().op_type == "Cast":
-            state = state.producer().inputs[0]  # a 16-bit build widens genai's past state first
-        shape = state.shape
-        dims = list(shape)[1:] if shape is not None and len(shape) == 4 else []
-        if len(dims) != 3 or not all(isinstance(d, int) for d in dims):
-            return None
-        sizes.append(dims[0] * dims[1] * dims[2])
-    return min(sizes) if sizes else None
 
 
 def folder_provider(config: dict[str, Any]) -> str:

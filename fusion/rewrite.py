@@ -34,7 +34,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from fusion import function as fused_function
 from fusion._graph import value_info_preserved
-from fusion.hints import Hint
+from fusion.hints import CPU_INT4, Hint, topic_of
 from fusion.inputs import HELP as INPUTS_HELP
 from fusion.inputs import InputError
 from fusion.int4 import (
@@ -413,6 +413,50 @@ def opt_in_fusions(names: Sequence[str]) -> tuple[Fusion, ...]:
     return tuple(fusion for fusion in registry.OPT_IN_FUSIONS if fusion.name in names)
 
 
+def smallest_scan_state(model: ir.Model) -> int | None:
+    """The fewest state elements (H·N·P, the past state's dims after the batch) of the model's LinearAttention nodes,
+    from the declared shapes (a speed choice, not a proof); None where there is none or a dim is not a number."""
+    sizes = []
+    for node in model.graph.all_nodes():
+        if node.op_type != "LinearAttention" or len(node.inputs) < 4 or node.inputs[3] is None:
+            continue
+        state = node.inputs[3]
+        while state.shape is None and state.producer() is not None and state.producer().op_type == "Cast":
+            state = state.producer().inputs[0]  # a 16-bit build widens genai's past state first
+        shape = state.shape
+        dims = list(shape)[1:] if shape is not None and len(shape) == 4 else []
+        if len(dims) != 3 or not all(isinstance(d, int) for d in dims):
+            return None
+        sizes.append(dims[0] * dims[1] * dims[2])
+    return min(sizes) if sizes else None
+
+
+def provider_opt_in(model: ir.Model, provider: str, named: Sequence[str] = ()) -> tuple[tuple[str, ...], list[str]]:
+    """Return the opt-in fusions measured faster on ``provider`` ("cpu", "cuda": ``registry.FOLDER_OPT_IN``'s; none
+    for another) that ``model`` gets, and a note for each left out: the scan's where a layer's state has fewer than
+    ``registry.SCAN_MIN_STATE`` elements, unless ``named`` (the ``--opt-in`` names) names it."""
+    chosen = registry.FOLDER_OPT_IN.get(provider, ())
+    notes = []
+    if "linear_attention_scan" in chosen and "linear_attention_scan" not in named:
+        smallest = smallest_scan_state(model)
+        if smallest is not None and smallest < registry.SCAN_MIN_STATE:
+            chosen = tuple(name for name in chosen if name != "linear_attention_scan")
+            notes.append(
+                f"LinearAttention kept: a layer's state has {smallest} elements, under the {registry.SCAN_MIN_STATE} "
+                "from which MambaChunkScan is measured the faster (--opt-in linear_attention_scan runs it anyway)"
+            )
+    return chosen, notes
+
+
+def drop_settled_hints(report: Report, provider: str, defaults: bool = True) -> None:
+    """Drop the hints that running on ``provider`` settles: with ``defaults`` (its default opt-in fusions ran) their
+    builder-op hints (taken, or kept with a note saying why), and off the CPU the int4 accuracy-level hint (the
+    level is about the CPU's kernel; CUDA's ignores it)."""
+    settled = set(registry.FOLDER_OPT_IN.get(provider, ()) if defaults else ())
+    settled |= {CPU_INT4} if provider != "cpu" else set()
+    report.hints = [hint for hint in report.hints if topic_of(hint) not in settled]
+
+
 def attach_function(model: ir.Model, onnx_opset: int | None = None) -> None:
     """Add the model-local function of every ``ai.mambafuse`` op whose nodes ``model`` has, replacing older copies
     (the registry's ``attach_functions``)."""
@@ -522,6 +566,7 @@ def _parser(prog: str = "python -m fusion.rewrite", command: Command = REWRITE) 
         "no broadcast guard (faster); a width-1 y is then rejected at run time instead of broadcast",
     )
     add_opt_in_argument(parser)
+    add_provider_argument(parser)
     add_accuracy_level_argument(parser)
     parser.add_argument("--verify", action="store_true", help="run both models in ONNX Runtime and compare")
     parser.add_argument("--debug", action="store_true", help="explain every chain that was not fused")
@@ -559,6 +604,19 @@ def add_opt_in_argument(parser: argparse.ArgumentParser) -> None:
         "runs both on a folder for the CPU or CUDA. decode_matmul / "
         "decode_matmul_nbits run weight MatMuls / 4-bit MatMulNBits as DecodeMatMul(NBits) (CUDA kernels; at "
         "batch 1 still slower than ONNX Runtime's own, docs/decode_matmul.md). docs/cli.md",
+    )
+
+
+def add_provider_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--provider NAME``: also run the opt-in fusions measured faster on that execution provider."""
+    parser.add_argument(
+        "--provider",
+        type=str.lower,
+        choices=sorted(registry.FOLDER_OPT_IN),
+        metavar="NAME",
+        help="the execution provider the model will run on (choices: %(choices)s): also run the opt-in fusions "
+        "measured faster there, as mambafuse genai does for a folder: for both, linear_attention_scan (where a "
+        f"layer's state has at least {registry.SCAN_MIN_STATE} elements) and causal_conv_with_state. docs/cli.md",
     )
 
 
@@ -732,8 +790,21 @@ def _run(args: argparse.Namespace, command: Command = REWRITE) -> int:
             original_run = run_original(
                 args.input, dims, inputs, int4_accuracy_level=getattr(args, "int4_accuracy_level", None)
             )
+        if args.provider is not None:
+            chosen, provider_notes = provider_opt_in(model, args.provider, args.opt_in)
+            args.opt_in = list(dict.fromkeys((*chosen, *args.opt_in)))
+            bar.close()
+            print(
+                f"{prog}: note: --provider {args.provider}: opted in "
+                + (", ".join(chosen) if chosen else "none of the provider's fusions"),
+                file=sys.stderr,
+            )
+            for note in provider_notes:
+                print(f"{prog}: note: {note}", file=sys.stderr)
         bar.step("fusing" if command is REWRITE else f"{command.name}: running its passes")
         fused_model, report = command.transform(model, args)
+        if args.provider is not None:
+            drop_settled_hints(getattr(report, "rewrite", report), args.provider)
         written = [output]
         if writes_own_data(fused_model, output):
             written.append(output.parent / data_file_name(output))

@@ -22,6 +22,7 @@ import onnx
 import pytest
 
 from fusion import genai as fusion_genai
+from fusion.rules import registry
 from models.mobius import extract_builds, load_manifest
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install -e '.[models]')")
@@ -244,7 +245,7 @@ def test_a_cpu_folder_runs_its_scans_as_mamba_chunk_scan_above_toy_widths(
     assert "LinearAttention kept: a layer's state has 512 elements, under the 65536" in out
     ops = [n.op_type for n in onnx.load(tmp_path / "toy" / "model.onnx", load_external_data=False).graph.node]
     assert "LinearAttention" in ops and "MambaChunkScan" not in ops
-    monkeypatch.setattr(fusion_genai, "SCAN_MIN_STATE", 512)
+    monkeypatch.setattr(registry, "SCAN_MIN_STATE", 512)
     status, out, err = _fuse(builds / stem, tmp_path / "scan")
     assert status == 0, err
     assert "LinearAttention kept" not in out and "linear_attention_scan" in out
@@ -272,7 +273,7 @@ def test_a_cuda_folder_runs_its_builder_ops_as_ours(
     assert status == 0, err
     assert "LinearAttention kept: a layer's state has 512 elements, under the 65536" in out
     assert "opted in (the CUDA folder's default; --keep-builder-ops: none): causal_conv_with_state\n" in out
-    monkeypatch.setattr(fusion_genai, "SCAN_MIN_STATE", 512)
+    monkeypatch.setattr(registry, "SCAN_MIN_STATE", 512)
     status, out, err = _fuse(source, tmp_path / "scan")
     assert status == 0, err
     default = "opted in (the CUDA folder's default; --keep-builder-ops: none): "

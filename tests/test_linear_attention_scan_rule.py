@@ -27,6 +27,7 @@ import pytest
 
 import contrib_ops
 from fusion.reference.mamba_chunk_scan import budget_report
+from fusion.rules import registry
 from fusion.rules._log import FusionLog
 from fusion.rules.linear_attention_scan import fuse_linear_attention_scan
 from fusion.rules.registry import FUSIONS, LINEAR_ATTENTION_SCAN, OPT_IN_FUSIONS, attach_functions
@@ -306,6 +307,40 @@ def test_the_command_lines_opt_in(command: str, tmp_path: Path, capsys: pytest.C
     assert "--opt-in linear_attention_scan runs them" not in printed
     ops = [n.op_type for n in onnx.load(opted).graph.node]
     assert "LinearAttention" not in ops and "MambaChunkScan" in ops
+
+
+@pytest.mark.parametrize("command", ["rewrite", "optimize"])
+def test_the_provider_option_runs_its_measured_opt_ins(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--provider takes registry.FOLDER_OPT_IN's fusions as mambafuse genai does for a folder: the mixer's 256-element
+    state keeps its LinearAttention with a note and without the hint (under SCAN_MIN_STATE); with the bound lowered
+    to 256 the scan is fused and verified; a provider without measured choices is an argument error."""
+    from fusion import optimize, rewrite
+
+    main = rewrite.main if command == "rewrite" else optimize.main
+    source = tmp_path / "mixer.onnx"
+    onnx.save(mobius_mixer(), source)
+    kept, fused = tmp_path / "kept.onnx", tmp_path / "fused.onnx"
+    assert main([str(source), "-o", str(kept), "--provider", "CUDA"]) == 0
+    printed = capsys.readouterr()
+    assert "--provider cuda: opted in causal_conv_with_state" in printed.err, printed.err
+    assert "LinearAttention kept: a layer's state has 256 elements, under the 65536" in printed.err
+    assert "--opt-in linear_attention_scan runs them" not in printed.out, printed.out
+    assert "LinearAttention" in [n.op_type for n in onnx.load(kept).graph.node]
+    monkeypatch.setattr(registry, "SCAN_MIN_STATE", 256)
+    assert main([str(source), "-o", str(fused), "--provider", "cpu", "--verify"]) == 0
+    printed = capsys.readouterr()
+    assert "--provider cpu: opted in linear_attention_scan, causal_conv_with_state" in printed.err
+    assert "LinearAttention scans found: 1 (ai.mambafuse::MambaChunkScan), fused: 1" in printed.out, printed.out
+    ops = [n.op_type for n in onnx.load(fused).graph.node]
+    assert "LinearAttention" not in ops and "MambaChunkScan" in ops
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(source), "-o", str(tmp_path / "dml.onnx"), "--provider", "dml"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--provider" in error and "cuda" in error and "Traceback" not in error
+    assert not (tmp_path / "dml.onnx").exists()
 
 
 def test_a_wrong_opt_in_name_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
