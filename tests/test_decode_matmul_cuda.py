@@ -193,8 +193,22 @@ def test_nbits_launch_policies(monkeypatch, policy, t, m, k, n, block_size, zero
         (12288, 1040, 32, False),
         (256, 40000, 32, False),
         (128, 7, 16, True),
+        (4096, 18560, 32, False),
+        (1024, 9000, 64, True),
+        (21504, 144, 32, True),
     ],
-    ids=["K1000-pad", "K4096-bs16-zp", "K4000-bs128-zp", "K8192-bs64", "K12288-tiles", "N40000-groups", "N7"],
+    ids=[
+        "K1000-pad",
+        "K4096-bs16-zp",
+        "K4000-bs128-zp",
+        "K8192-bs64",
+        "K12288-tiles",
+        "N40000-groups",
+        "N7",
+        "in-proj-groups",
+        "N9000-groups-zp",
+        "K21504-tiles-zp",
+    ],
 )
 def test_nbits_bulk_kernel(monkeypatch, t, m, k, n, block_size, zero_points):
     """The bulk-copy kernel (SM 90, a multiple of 8 blocks a row): K padded to its blocks, block sizes 16 to 128 with

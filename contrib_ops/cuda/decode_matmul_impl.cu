@@ -591,6 +591,166 @@ __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Waits for the phase `parity` of the mbarrier at shared address `bar` to complete.
+__device__ __forceinline__ void WaitParity(uint32_t bar, uint32_t parity) {
+  uint32_t ready = 0;
+  do {
+    asm volatile(
+        "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [%1], %2; selp.u32 %0, 1, 0, done; }"
+        : "=r"(ready)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!ready);
+}
+
+// The copies of one tile into a stage (a whole warp calls it): the weights of rows group * 16 + r, k [k0, k0 +
+// chunk_k), at stage + r * row_stride (lanes 0-15) and their scales at stage + 16 * row_stride + r * scale_stride
+// (lanes 16-31); lane 0 first arms the mbarrier at `bar` with the bytes to come.
+template <typename T>
+__device__ __forceinline__ void RequestTile(const NBitsParams& p, int group, int k0, int chunk_k, uint8_t* stage,
+                                            int row_stride, int scale_stride, uint32_t bar) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int scale_bytes = static_cast<int>(sizeof(T));
+  const int rows = min(kNBitsRows, p.n - group * kNBitsRows);
+  const int w_bytes = chunk_k / 2, s_bytes = (chunk_k >> p.block_shift) * scale_bytes;
+  if (lane == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(rows * (w_bytes + s_bytes))
+                 : "memory");
+  }
+  __syncwarp();
+  const int r = lane % 16;
+  if (r < rows) {
+    const int64_t row = static_cast<int64_t>(group) * kNBitsRows + r;
+    const void* src;
+    uint32_t dst, bytes;
+    if (lane < 16) {
+      src = p.b + row * p.row_bytes + k0 / 2;
+      dst = SharedAddress(stage + r * row_stride), bytes = w_bytes;
+    } else {
+      src = static_cast<const uint8_t*>(p.scales) + (row * p.blocks + (k0 >> p.block_shift)) * scale_bytes;
+      dst = SharedAddress(stage + kNBitsRows * row_stride + r * scale_stride), bytes = s_bytes;
+    }
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+  }
+}
+
+// Y's values of group `group` (rows group * 16 + g and + 8, tokens 2t and 2t + 1) from `warps` warps' sums, added in
+// warp order.
+template <typename T>
+__device__ __forceinline__ void StoreGroupSums(const NBitsParams& p, const float (*sums)[32][4], int warps,
+                                               int group) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, t = lane % 4;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int w = 0; w < warps; ++w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] += sums[w][lane][i];
+  }
+  T* y = static_cast<T*>(p.y);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = 2 * t + (i & 1);
+    const int row = group * kNBitsRows + g + (i < 2 ? 0 : 8);
+    if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[i]);
+  }
+}
+
+// One tile of 16 rows in shared memory: the rows g and g + 8 of this thread's weights and scales.
+template <typename T>
+struct TileView {
+  const uint8_t* w_lo;
+  const uint8_t* w_hi;
+  const T* s_lo;
+  const T* s_hi;
+};
+
+// The steps first, first + stride, ... of a tile in shared memory (group `group`, k [k0, k0 + chunk_k)) added into
+// d0 and d1: each thread's 16 bytes of rows g and g + 8, their blocks' scales (and zero points, from global memory)
+// and A's 32 values, as in Int4GemvMmaKernel. Lean where it can be: a tile away from N's and K's ends takes no
+// bounds checks, block sizes from 32 up read one scale a row, and a thread whose token g is past M reads A's last
+// row instead of zeros (its columns of the product are computed and never stored), so no load is predicated.
+template <typename T, bool kHasZp, bool kAVec>
+__device__ __forceinline__ void SharedTileSteps(const NBitsParams& p, const TileView<T>& tile, int group, int k0,
+                                                int chunk_k, int first, int stride, float (&d0)[4], float (&d1)[4]) {
+  using Pair = typename HalfTraits<T>::Pair;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int row_lo = group * kNBitsRows + g, row_hi = row_lo + 8;
+  const bool lo_in = row_lo < p.n, hi_in = row_hi < p.n;
+  const T* a_row = static_cast<const T*>(p.a) + static_cast<int64_t>(min(g, p.m - 1)) * p.k;
+  const int steps = chunk_k / kStepK;
+  const int first_local = first * kStepK + 32 * t;  // this thread's first 32 k inside the tile
+  const auto run_steps = [&](auto rows_full, auto a_full, auto two_blocks) {
+    constexpr bool kRowsFull = decltype(rows_full)::value, kAFull = decltype(a_full)::value;
+    constexpr bool kTwoBlocks = decltype(two_blocks)::value;  // block_size 16: words 0-1 and 2-3 are two blocks
+    const bool lo = kRowsFull || lo_in, hi = kRowsFull || hi_in;
+    const uint8_t* w_lo = tile.w_lo + first_local / 2;
+    const uint8_t* w_hi = tile.w_hi + first_local / 2;
+    int local = first_local;
+    for (int step = first; step < steps; step += stride, local += stride * kStepK) {
+      const int kk = k0 + local;
+      const uint4 w_lo4 = lo ? *reinterpret_cast<const uint4*>(w_lo) : make_uint4(0, 0, 0, 0);
+      const uint4 w_hi4 = hi ? *reinterpret_cast<const uint4*>(w_hi) : make_uint4(0, 0, 0, 0);
+      w_lo += stride * kStepK / 2, w_hi += stride * kStepK / 2;
+      const int blk = local >> p.block_shift;
+      const T zero_scale = Narrow<T>(0.f);
+      Pair sc_lo[2], sc_hi[2], z_lo[2], z_hi[2];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        if (b == 1 && !kTwoBlocks) {
+          sc_lo[1] = sc_lo[0], sc_hi[1] = sc_hi[0], z_lo[1] = z_lo[0], z_hi[1] = z_hi[0];
+          break;
+        }
+        const T sl = lo ? tile.s_lo[blk + b] : zero_scale, sh = hi ? tile.s_hi[blk + b] : zero_scale;
+        sc_lo[b] = Pair(sl, sl), sc_hi[b] = Pair(sh, sh);
+        int zl = 8, zh = 8;
+        if constexpr (kHasZp) {
+          const int gblk = (kk >> p.block_shift) + b;
+          if (lo) zl = ZeroPoint(p, row_lo, gblk);
+          if (hi) zh = ZeroPoint(p, row_hi, gblk);
+        }
+        z_lo[b] = BiasedZero<T>(zl), z_hi[b] = BiasedZero<T>(zh);
+      }
+      uint4 av[4];
+      if constexpr (kAFull) {  // the tile lies inside K and A's rows are 16-byte aligned
+        const uint4* a4 = reinterpret_cast<const uint4*>(a_row + kk);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) av[i] = __ldg(a4 + i);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) av[i] = LoadA8<T, kAVec>(a_row, kk + 8 * i, p.k);
+      }
+      const uint32_t lo_words[4] = {w_lo4.x, w_lo4.y, w_lo4.z, w_lo4.w};
+      const uint32_t hi_words[4] = {w_hi4.x, w_hi4.y, w_hi4.z, w_hi4.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t wl[4], wh[4];
+        DequantWord<T>(lo_words[i], sc_lo[i / 2], z_lo[i / 2], wl);
+        DequantWord<T>(hi_words[i], sc_hi[i / 2], z_hi[i / 2], wh);
+        const uint32_t b04 = __byte_perm(av[i].x, av[i].z, 0x5410), b15 = __byte_perm(av[i].x, av[i].z, 0x7632);
+        const uint32_t b26 = __byte_perm(av[i].y, av[i].w, 0x5410), b37 = __byte_perm(av[i].y, av[i].w, 0x7632);
+        const uint32_t first_half[4] = {wl[0], wh[0], wl[1], wh[1]};
+        Mma16816<T>(d0, first_half, b04, b15);
+        const uint32_t second_half[4] = {wl[2], wh[2], wl[3], wh[3]};
+        Mma16816<T>(d1, second_half, b26, b37);
+      }
+    }
+  };
+  const bool rows_full = (group + 1) * kNBitsRows <= p.n;
+  const bool a_full = kAVec && k0 + chunk_k <= p.k;
+  if (p.block_shift == 4) {
+    run_steps(std::false_type{}, std::false_type{}, std::true_type{});
+  } else if (rows_full && a_full) {
+    run_steps(std::true_type{}, std::true_type{}, std::false_type{});
+  } else if (rows_full) {
+    run_steps(std::true_type{}, std::false_type{}, std::false_type{});
+  } else {
+    run_steps(std::false_type{}, std::false_type{}, std::false_type{});
+  }
+}
+
 template <typename T, bool kHasZp, bool kAVec>
 __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -600,14 +760,13 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBulkStages * kBulkStageBytes + kBulkSumBytes);
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int g = lane / 4, t = lane % 4;
+  const int g = lane / 4;
   const int k_pad = p.blocks << p.block_shift;
   const int chunks = (k_pad + kBulkChunkK - 1) / kBulkChunkK;
   const int groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const int first_group = static_cast<int>(static_cast<int64_t>(groups) * blockIdx.x / gridDim.x);
   const int last_group = static_cast<int>(static_cast<int64_t>(groups) * (blockIdx.x + 1) / gridDim.x);
   const int tiles = (last_group - first_group) * chunks;
-  const int scale_bytes = static_cast<int>(sizeof(T));
   if (threadIdx.x == 0) {
     for (int s = 0; s < kBulkStages; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(&full[s])));
@@ -615,143 +774,34 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  // Warp 0 asks for tile j: lanes 0-15 copy the weights of rows 0-15, lanes 16-31 their scales.
+  // Warp 0 asks for tile j.
   const auto request = [&](int j) {
     const int stage = j % kBulkStages;
-    const int group = first_group + j / chunks, chunk = j % chunks;
-    const int k0 = chunk * kBulkChunkK, chunk_k = min(kBulkChunkK, k_pad - k0);
-    const int rows = min(kNBitsRows, p.n - group * kNBitsRows);
-    const int w_bytes = chunk_k / 2, s_bytes = (chunk_k >> p.block_shift) * scale_bytes;
-    const uint32_t bar = SharedAddress(&full[stage]);
-    if (lane == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(rows * (w_bytes + s_bytes))
-                   : "memory");
-    }
-    __syncwarp();
-    const int r = lane % 16;
-    if (r < rows) {
-      const int64_t row = static_cast<int64_t>(group) * kNBitsRows + r;
-      uint8_t* stage_base = stages + stage * kBulkStageBytes;
-      const void* src;
-      uint32_t dst, bytes;
-      if (lane < 16) {
-        src = p.b + row * p.row_bytes + k0 / 2;
-        dst = SharedAddress(stage_base + r * kBulkRowStride), bytes = w_bytes;
-      } else {
-        src = static_cast<const uint8_t*>(p.scales) + (row * p.blocks + (k0 >> p.block_shift)) * scale_bytes;
-        dst = SharedAddress(stage_base + kNBitsRows * kBulkRowStride + r * kBulkScaleStride), bytes = s_bytes;
-      }
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-                   "l"(src), "r"(bytes), "r"(bar)
-                   : "memory");
-    }
+    const int chunk = j % chunks, k0 = chunk * kBulkChunkK;
+    RequestTile<T>(p, first_group + j / chunks, k0, min(kBulkChunkK, k_pad - k0), stages + stage * kBulkStageBytes,
+                   kBulkRowStride, kBulkScaleStride, SharedAddress(&full[stage]));
   };
   if (warp == 0) {
     for (int j = 0; j < min(tiles, kBulkStages); ++j) request(j);
   }
 
-  using Pair = typename HalfTraits<T>::Pair;
-  const bool two_blocks = p.block_shift == 4;  // block_size 16: a piece's words 0-1 and 2-3 are two blocks
-  const T* a_row = static_cast<const T*>(p.a) + static_cast<int64_t>(g) * p.k;  // this thread's row of A: m = g
-  const bool a_in = g < p.m;
   float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulators: two mma chains
   for (int j = 0; j < tiles; ++j) {
     const int stage = j % kBulkStages;
     const int group = first_group + j / chunks, chunk = j % chunks;
     const int k0 = chunk * kBulkChunkK, chunk_k = min(kBulkChunkK, k_pad - k0);
-    const int row_lo = group * kNBitsRows + g, row_hi = row_lo + 8;
-    const bool lo_in = row_lo < p.n, hi_in = row_hi < p.n;
     const uint8_t* stage_base = stages + stage * kBulkStageBytes;
     const uint8_t* w_lo = stage_base + g * kBulkRowStride;
-    const uint8_t* w_hi = w_lo + 8 * kBulkRowStride;
     const T* s_lo = reinterpret_cast<const T*>(stage_base + kNBitsRows * kBulkRowStride + g * kBulkScaleStride);
-    const T* s_hi = reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride);
-    const uint32_t bar = SharedAddress(&full[stage]), parity = (j / kBulkStages) & 1;
-    uint32_t ready = 0;
-    do {
-      asm volatile(
-          "{ .reg .pred done; mbarrier.try_wait.parity.shared::cta.b64 done, [%1], %2; selp.u32 %0, 1, 0, done; }"
-          : "=r"(ready)
-          : "r"(bar), "r"(parity)
-          : "memory");
-    } while (!ready);
-    // The tile's steps, without the checks a tile away from N's and K's ends does not need.
-    const auto run_steps = [&](auto rows_full, auto a_full) {
-      constexpr bool kRowsFull = decltype(rows_full)::value, kAFull = decltype(a_full)::value;
-      const bool lo = kRowsFull || lo_in, hi = kRowsFull || hi_in;
-      for (int step = warp; step < chunk_k / kStepK; step += kBulkWarps) {
-        const int local = step * kStepK + 32 * t;  // this thread's 32 k inside the tile
-        const int kk = k0 + local;
-        const uint4 w_lo4 = lo ? *reinterpret_cast<const uint4*>(w_lo + local / 2) : make_uint4(0, 0, 0, 0);
-        const uint4 w_hi4 = hi ? *reinterpret_cast<const uint4*>(w_hi + local / 2) : make_uint4(0, 0, 0, 0);
-        const int blk = local >> p.block_shift, blk2 = blk + (two_blocks ? 1 : 0);
-        const T zero_scale = Narrow<T>(0.f);
-        const T sl0 = lo ? s_lo[blk] : zero_scale, sl1 = lo ? s_lo[blk2] : zero_scale;
-        const T sh0 = hi ? s_hi[blk] : zero_scale, sh1 = hi ? s_hi[blk2] : zero_scale;
-        const Pair sc_lo[2] = {Pair(sl0, sl0), Pair(sl1, sl1)}, sc_hi[2] = {Pair(sh0, sh0), Pair(sh1, sh1)};
-        Pair z_lo[2], z_hi[2];
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          int zl = 8, zh = 8;
-          if constexpr (kHasZp) {
-            const int gblk = (kk >> p.block_shift) + (two_blocks ? b : 0);
-            if (lo) zl = ZeroPoint(p, row_lo, gblk);
-            if (hi) zh = ZeroPoint(p, row_hi, gblk);
-          }
-          z_lo[b] = BiasedZero<T>(zl), z_hi[b] = BiasedZero<T>(zh);
-        }
-        uint4 av[4];
-        if constexpr (kAFull) {  // the tile lies inside K and A's rows are 16-byte aligned
-          const uint4* a4 = reinterpret_cast<const uint4*>(a_row + kk);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) av[i] = a_in ? __ldg(a4 + i) : make_uint4(0, 0, 0, 0);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) av[i] = a_in ? LoadA8<T, kAVec>(a_row, kk + 8 * i, p.k) : make_uint4(0, 0, 0, 0);
-        }
-        const uint32_t lo_words[4] = {w_lo4.x, w_lo4.y, w_lo4.z, w_lo4.w};
-        const uint32_t hi_words[4] = {w_hi4.x, w_hi4.y, w_hi4.z, w_hi4.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint32_t wl[4], wh[4];
-          DequantWord<T>(lo_words[i], sc_lo[i / 2], z_lo[i / 2], wl);
-          DequantWord<T>(hi_words[i], sc_hi[i / 2], z_hi[i / 2], wh);
-          const uint32_t b04 = __byte_perm(av[i].x, av[i].z, 0x5410), b15 = __byte_perm(av[i].x, av[i].z, 0x7632);
-          const uint32_t b26 = __byte_perm(av[i].y, av[i].w, 0x5410), b37 = __byte_perm(av[i].y, av[i].w, 0x7632);
-          const uint32_t first_half[4] = {wl[0], wh[0], wl[1], wh[1]};
-          Mma16816<T>(d0, first_half, b04, b15);
-          const uint32_t second_half[4] = {wl[2], wh[2], wl[3], wh[3]};
-          Mma16816<T>(d1, second_half, b26, b37);
-        }
-      }
-    };
-    const bool rows_full = (group + 1) * kNBitsRows <= p.n;
-    const bool a_full = kAVec && k0 + chunk_k <= p.k;
-    if (rows_full && a_full) {
-      run_steps(std::true_type{}, std::true_type{});
-    } else if (rows_full) {
-      run_steps(std::true_type{}, std::false_type{});
-    } else {
-      run_steps(std::false_type{}, std::false_type{});
-    }
+    const TileView<T> tile{w_lo, w_lo + 8 * kBulkRowStride, s_lo,
+                           reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride)};
+    WaitParity(SharedAddress(&full[stage]), (j / kBulkStages) & 1);
+    SharedTileSteps<T, kHasZp, kAVec>(p, tile, group, k0, chunk_k, warp, kBulkWarps, d0, d1);
     if (chunk == chunks - 1) {  // the group's last tile: its warps' sums, in warp order
 #pragma unroll
       for (int i = 0; i < 4; ++i) warp_sums[warp][lane][i] = d0[i] + d1[i], d0[i] = 0.f, d1[i] = 0.f;
       __syncthreads();
-      if (warp == 0) {
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int w = 0; w < kBulkWarps; ++w) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) s[i] += warp_sums[w][lane][i];
-        }
-        T* y = static_cast<T*>(p.y);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {  // (row g, tokens 2t, 2t + 1) and (row g + 8, the same tokens)
-          const int m = 2 * t + (i & 1);
-          const int row = i < 2 ? row_lo : row_hi;
-          if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[i]);
-        }
-      }
+      if (warp == 0) StoreGroupSums<T>(p, warp_sums, kBulkWarps, group);
     }
     __syncthreads();  // every warp is done with this stage (and warp 0 with the sums)
     if (warp == 0 && j + kBulkStages < tiles) {
@@ -852,22 +902,20 @@ bool BulkLayout(const NBitsParams& p) {
          reinterpret_cast<uintptr_t>(p.scales) % 16 == 0;
 }
 
-// The blocks of a bulk kernel one multiprocessor holds, its shared-memory opt-in done: asked once per device (at the
-// first launch, before any capture); 0 below SM 90 or where the device refuses the opt-in (less shared memory than a
-// block needs).
-template <typename T, bool kHasZp, bool kAVec>
-int BulkBlocksPerSm(int device) {
+// The blocks of a bulk kernel one multiprocessor holds, its shared-memory opt-in done: asked once per device and
+// kernel (at the first launch, before any capture); 0 below SM 90 or where the device refuses the opt-in (less
+// shared memory than a block needs).
+template <typename Kernel>
+int HopperBlocksPerSm(Kernel kernel, int threads, int shared, int device, std::atomic<int> (&known)[64]) {
   constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices] = {};  // blocks + 1; 0: not asked yet
   if (device >= 0 && device < kDevices) {
     const int cached = known[device].load(std::memory_order_relaxed);
-    if (cached > 0) return cached - 1;
+    if (cached > 0) return cached - 1;  // blocks + 1; 0: not asked yet
   }
-  const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
   int per_sm = 0, major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9 ||
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSharedBytes) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, kBulkSharedBytes) != cudaSuccess) {
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared) != cudaSuccess) {
     (void)cudaGetLastError();  // a refusal here is not the caller's error
     per_sm = 0;
   }
@@ -878,13 +926,15 @@ int BulkBlocksPerSm(int device) {
 // cudaErrorNotSupported where the device cannot run it (nothing launched; the caller runs the other kernel).
 template <typename T, bool kHasZp, bool kAVec>
 cudaError_t LaunchBulkKernel(const NBitsParams& p, int device, cudaStream_t stream) {
-  const int per_sm = BulkBlocksPerSm<T, kHasZp, kAVec>(device);
+  static std::atomic<int> known[64] = {};
+  const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
+  const int per_sm = HopperBlocksPerSm(kernel, kBulkThreads, kBulkSharedBytes, device, known);
   if (per_sm < 1) return cudaErrorNotSupported;
   // As many blocks as fit at once (each then walks its share of the groups), or one per group.
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const int64_t slots = static_cast<int64_t>(MultiprocessorCount()) * per_sm;
   const dim3 grid(static_cast<unsigned>(std::min(groups, slots)));
-  Int4GemvBulkKernel<T, kHasZp, kAVec><<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
+  kernel<<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
