@@ -559,12 +559,14 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
 // ---------------------------------------------------------------------------------------------------------------
 //
 // A block owns a contiguous range of groups of 16 output columns and walks their tiles (16 rows of B times
-// kBulkChunkK k, with the rows' scales) in order. One warp asks the copy engine for each tile with one bulk copy per
-// row of weights and one per row of scales, kBulkStages tiles ahead, each stage's arrival counted by an mbarrier: the
-// bytes in flight cost no registers, so a warp's loop is shared-memory reads, the dequantisation and the mma only
-// (the same products as Int4GemvMmaKernel's). Where a group's last tile is done its 8 warps' sums meet in shared
-// memory in warp order. Needs SM 90, 16-byte aligned B and scales, and a multiple of 8 blocks a row (every tile a
-// whole number of 128-k steps, every copy a multiple of 16 bytes).
+// kBulkChunkK k, with the rows' scales) in order. A producer warp asks the copy engine for each tile with one bulk
+// copy per row of weights and one per row of scales into a ring of kBulkStages stages: a stage's "full" mbarrier
+// counts its bytes in, and its "empty" mbarrier the 8 compute warps done reading it, which is all the producer waits
+// for before asking for the next tile there (no block barrier a tile). The bytes in flight cost no registers, so a
+// compute warp's loop is shared-memory reads, the dequantisation and the mma only (the same products as
+// Int4GemvMmaKernel's). Where a group's last tile is done its 8 warps' sums meet in shared memory in warp order
+// (two slots, one barrier of the compute warps a group). Needs SM 90, 16-byte aligned B and scales, and a multiple
+// of 8 blocks a row (every tile a whole number of 128-k steps, every copy a multiple of 16 bytes).
 
 #ifndef MAMBAFUSE_NBITS_BULK_CHUNK
 #define MAMBAFUSE_NBITS_BULK_CHUNK 4096
@@ -574,15 +576,15 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
 #endif
 constexpr int kBulkChunkK = MAMBAFUSE_NBITS_BULK_CHUNK;  // k of a tile (a multiple of 128)
 constexpr int kBulkStages = MAMBAFUSE_NBITS_BULK_STAGES;
-constexpr int kBulkWarps = 8;
-constexpr int kBulkThreads = kBulkWarps * 32;
+constexpr int kBulkWarps = 8;                      // compute warps; one more asks for the tiles
+constexpr int kBulkThreads = (kBulkWarps + 1) * 32;
 // A stage's rows of weights start 64 bytes (16 banks) apart past a multiple of 128, so rows g and g + 1 of one
 // 16-byte read per thread land in different banks; the scales' rows 16 bytes apart past their largest size.
 constexpr int kBulkRowStride = kBulkChunkK / 2 + 64;
 constexpr int kBulkScaleStride = kBulkChunkK / 16 * 2 + 16;
 constexpr int kBulkStageBytes = kNBitsRows * (kBulkRowStride + kBulkScaleStride);
-constexpr int kBulkSumBytes = kBulkWarps * 32 * 4 * static_cast<int>(sizeof(float));
-constexpr int kBulkSharedBytes = kBulkStages * kBulkStageBytes + kBulkSumBytes + kBulkStages * 8;
+constexpr int kBulkSumBytes = 2 * kBulkWarps * 32 * 4 * static_cast<int>(sizeof(float));
+constexpr int kBulkSharedBytes = kBulkStages * kBulkStageBytes + kBulkSumBytes + 2 * kBulkStages * 8;
 static_assert(kBulkChunkK % kStepK == 0, "a tile is whole steps");
 static_assert(kBulkRowStride % 16 == 0 && kBulkScaleStride % 16 == 0 && kBulkStageBytes % 16 == 0,
               "bulk copies land on 16-byte boundaries");
@@ -756,8 +758,10 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* stages = smem;
-  float(*warp_sums)[32][4] = reinterpret_cast<float(*)[32][4]>(smem + kBulkStages * kBulkStageBytes);
+  float(*warp_sums)[kBulkWarps][32][4] =
+      reinterpret_cast<float(*)[kBulkWarps][32][4]>(smem + kBulkStages * kBulkStageBytes);  // two slots
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBulkStages * kBulkStageBytes + kBulkSumBytes);
+  uint64_t* empty = full + kBulkStages;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int g = lane / 4;
@@ -770,19 +774,23 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
   if (threadIdx.x == 0) {
     for (int s = 0; s < kBulkStages; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(&full[s])));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(&empty[s])), "r"(kBulkWarps));
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  // Warp 0 asks for tile j.
-  const auto request = [&](int j) {
-    const int stage = j % kBulkStages;
-    const int chunk = j % chunks, k0 = chunk * kBulkChunkK;
-    RequestTile<T>(p, first_group + j / chunks, k0, min(kBulkChunkK, k_pad - k0), stages + stage * kBulkStageBytes,
-                   kBulkRowStride, kBulkScaleStride, SharedAddress(&full[stage]));
-  };
-  if (warp == 0) {
-    for (int j = 0; j < min(tiles, kBulkStages); ++j) request(j);
+  if (warp == kBulkWarps) {  // the producer: tile j into stage j % kBulkStages once the compute warps left it
+    for (int j = 0; j < tiles; ++j) {
+      const int stage = j % kBulkStages;
+      if (j >= kBulkStages) {
+        WaitParity(SharedAddress(&empty[stage]), (j / kBulkStages - 1) & 1);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // their reads before the copy's writes
+      }
+      const int chunk = j % chunks, k0 = chunk * kBulkChunkK;
+      RequestTile<T>(p, first_group + j / chunks, k0, min(kBulkChunkK, k_pad - k0), stages + stage * kBulkStageBytes,
+                     kBulkRowStride, kBulkScaleStride, SharedAddress(&full[stage]));
+    }
+    return;
   }
 
   float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulators: two mma chains
@@ -797,16 +805,14 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
                            reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride)};
     WaitParity(SharedAddress(&full[stage]), (j / kBulkStages) & 1);
     SharedTileSteps<T, kHasZp, kAVec>(p, tile, group, k0, chunk_k, warp, kBulkWarps, d0, d1);
+    __syncwarp();  // every lane is done with the stage
+    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(&empty[stage])) : "memory");
     if (chunk == chunks - 1) {  // the group's last tile: its warps' sums, in warp order
+      const int slot = (j / chunks) & 1;  // the next group's sums go to the other slot while warp 0 reads this one
 #pragma unroll
-      for (int i = 0; i < 4; ++i) warp_sums[warp][lane][i] = d0[i] + d1[i], d0[i] = 0.f, d1[i] = 0.f;
-      __syncthreads();
-      if (warp == 0) StoreGroupSums<T>(p, warp_sums, kBulkWarps, group);
-    }
-    __syncthreads();  // every warp is done with this stage (and warp 0 with the sums)
-    if (warp == 0 && j + kBulkStages < tiles) {
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the reads above before the copy's writes
-      request(j + kBulkStages);
+      for (int i = 0; i < 4; ++i) warp_sums[slot][warp][lane][i] = d0[i] + d1[i], d0[i] = 0.f, d1[i] = 0.f;
+      asm volatile("bar.sync 1, %0;" ::"r"(kBulkWarps * 32) : "memory");  // the compute warps only
+      if (warp == 0) StoreGroupSums<T>(p, warp_sums[slot], kBulkWarps, group);
     }
   }
 #else
