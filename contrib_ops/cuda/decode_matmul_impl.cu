@@ -14,11 +14,13 @@
 // int4 (B: N rows of packed nibbles along K): both kernels work on groups of 16 output columns n, 128 k per warp
 // step, each thread taking 16 bytes (one 32-element block at block_size 32) of rows g and g + 8.
 // - Bulk copies (SM 90, the default where every tile's rows are whole 16-byte pieces): a block walks its share of
-//   the groups tile by tile (16 rows by 4096 k and their scales), one warp asking the copy engine for each tile two
-//   tiles ahead (an mbarrier per stage counts the bytes in); the loops are shared-memory reads and arithmetic only.
+//   the groups tile by tile (16 rows by 4096 k and their scales), a producer warp asking the copy engine for each
+//   tile as soon as its stage is free (an mbarrier per stage counts the bytes in, another the compute warps done
+//   with it); the compute warps' loops are shared-memory reads and arithmetic only.
 // - Register loads (other GPUs and layouts; MAMBAFUSE_NBITS_KERNEL=mma): 8, 4, 2 or 1 warps split a group's K, each
 //   issuing 4 steps' weight, scale and zero-point loads before it computes.
-// At M <= 8 the int4 GEMV is bound by instruction issue, not by memory, so the per-step arithmetic is kept lean.
+// At M <= 8 the int4 GEMV's warps mostly wait on their weights' arrival (benchmarks/RESULTS.md), and the per-step
+// arithmetic is kept lean so that what they do between waits is short.
 // Nibbles become T through the exponent trick (0x6400 | q is 1024 + q in float16, 0x4300 | q is 128 + q in
 // bfloat16; float16's odd nibbles stay 4 bits up, 1024 + 16 q, taken down by one FMA), minus the zero point's
 // (exact), times the scale (W rounded to T once); the products run on the tensor cores (mma.m16n8k16, float32
