@@ -910,20 +910,22 @@ bool BulkLayout(const NBitsParams& p) {
          reinterpret_cast<uintptr_t>(p.scales) % 16 == 0;
 }
 
-// The blocks of a bulk kernel one multiprocessor holds, its shared-memory opt-in done: asked once per device and
-// kernel (at the first launch, before any capture); 0 below SM 90 or where the device refuses the opt-in (less
-// shared memory than a block needs).
-template <typename Kernel>
-int HopperBlocksPerSm(Kernel kernel, int threads, int shared, int device, std::atomic<int> (&known)[64]) {
+// The blocks of a bulk kernel one multiprocessor holds, its shared-memory opt-in done: asked once per device (at the
+// first launch, before any capture); 0 below SM 90 or where the device refuses the opt-in (less shared memory than a
+// block needs).
+template <typename T, bool kHasZp, bool kAVec>
+int BulkBlocksPerSm(int device) {
   constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};  // blocks + 1; 0: not asked yet
   if (device >= 0 && device < kDevices) {
     const int cached = known[device].load(std::memory_order_relaxed);
-    if (cached > 0) return cached - 1;  // blocks + 1; 0: not asked yet
+    if (cached > 0) return cached - 1;
   }
+  const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
   int per_sm = 0, major = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess || major < 9 ||
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared) != cudaSuccess) {
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSharedBytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBulkThreads, kBulkSharedBytes) != cudaSuccess) {
     (void)cudaGetLastError();  // a refusal here is not the caller's error
     per_sm = 0;
   }
@@ -934,15 +936,13 @@ int HopperBlocksPerSm(Kernel kernel, int threads, int shared, int device, std::a
 // cudaErrorNotSupported where the device cannot run it (nothing launched; the caller runs the other kernel).
 template <typename T, bool kHasZp, bool kAVec>
 cudaError_t LaunchBulkKernel(const NBitsParams& p, int device, cudaStream_t stream) {
-  static std::atomic<int> known[64] = {};
-  const auto kernel = Int4GemvBulkKernel<T, kHasZp, kAVec>;
-  const int per_sm = HopperBlocksPerSm(kernel, kBulkThreads, kBulkSharedBytes, device, known);
+  const int per_sm = BulkBlocksPerSm<T, kHasZp, kAVec>(device);
   if (per_sm < 1) return cudaErrorNotSupported;
   // As many blocks as fit at once (each then walks its share of the groups), or one per group.
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const int64_t slots = static_cast<int64_t>(MultiprocessorCount()) * per_sm;
   const dim3 grid(static_cast<unsigned>(std::min(groups, slots)));
-  kernel<<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
+  Int4GemvBulkKernel<T, kHasZp, kAVec><<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
