@@ -196,6 +196,7 @@ def test_nbits_launch_policies(monkeypatch, policy, t, m, k, n, block_size, zero
         (4096, 18560, 32, False),
         (1024, 9000, 64, True),
         (21504, 144, 32, True),
+        (4096, 6144, 128, True),
     ],
     ids=[
         "K1000-pad",
@@ -208,12 +209,14 @@ def test_nbits_launch_policies(monkeypatch, policy, t, m, k, n, block_size, zero
         "in-proj-groups",
         "N9000-groups-zp",
         "K21504-tiles-zp",
+        "qkv-lanes-zp",
     ],
 )
 def test_nbits_bulk_kernel(monkeypatch, t, m, k, n, block_size, zero_points):
     """The bulk-copy kernel (SM 90, a multiple of 8 blocks a row): K padded to its blocks, block sizes 16 to 128 with
-    and without zero points, several tiles a group (a partial last one), many groups a block, and groups past N;
-    the register-load kernel on the same input gives a result within the same budget."""
+    and without zero points, several tiles a group (a partial last one), many groups a block, groups past N, and a
+    block's two lanes with one group more on one (N = 33, 144, 6144) or none on one (N = 7); the register-load
+    kernel on the same input gives a result within the same budget."""
     seed = [DTYPES.index(t), m, k, n, block_size, 1]
     check_nbits(np.random.default_rng(seed), t, m, k, n, block_size, zero_points, "bulk")
     monkeypatch.setenv("MAMBAFUSE_NBITS_KERNEL", "mma")

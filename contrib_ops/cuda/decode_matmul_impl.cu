@@ -13,10 +13,11 @@
 //
 // int4 (B: N rows of packed nibbles along K): both kernels work on groups of 16 output columns n, 128 k per warp
 // step, each thread taking 16 bytes (one 32-element block at block_size 32) of rows g and g + 8.
-// - Bulk copies (SM 90, the default where every tile's rows are whole 16-byte pieces): a block walks its share of
-//   the groups tile by tile (16 rows by 4096 k and their scales), a producer warp asking the copy engine for each
-//   tile as soon as its stage is free (an mbarrier per stage counts the bytes in, another the compute warps done
-//   with it); the compute warps' loops are shared-memory reads and arithmetic only.
+// - Bulk copies (SM 90, the default where every tile's rows are whole 16-byte pieces): one block a multiprocessor,
+//   two lanes of 9 warps in it, each lane walking every other group of the block's share tile by tile (16 rows by
+//   4096 k and their scales), its producer warp asking the copy engine for each tile as soon as its stage is free
+//   (an mbarrier per stage counts the bytes in, another the compute warps done with it); the compute warps' loops
+//   are shared-memory reads and arithmetic only.
 // - Register loads (other GPUs and layouts; MAMBAFUSE_NBITS_KERNEL=mma): 8, 4, 2 or 1 warps split a group's K, each
 //   issuing 4 steps' weight, scale and zero-point loads before it computes.
 // At M <= 8 the int4 GEMV's warps mostly wait on their weights' arrival (benchmarks/RESULTS.md), and the per-step
@@ -426,6 +427,27 @@ __device__ __forceinline__ void DequantWord(uint32_t word, typename HalfTraits<T
   }
 }
 
+// Y's values of group `group` (rows group * 16 + g and + 8, tokens 2t and 2t + 1) from `warps` warps' sums, added in
+// warp order.
+template <typename T>
+__device__ __forceinline__ void StoreGroupSums(const NBitsParams& p, const float (*sums)[32][4], int warps,
+                                               int group) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int g = lane / 4, t = lane % 4;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int w = 0; w < warps; ++w) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] += sums[w][lane][i];
+  }
+  T* y = static_cast<T*>(p.y);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = 2 * t + (i & 1);
+    const int row = group * kNBitsRows + g + (i < 2 ? 0 : 8);
+    if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[i]);
+  }
+}
+
 template <typename T, bool kHasZp, bool kVec16, bool kAVec>
 __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int4GemvMmaKernel(NBitsParams p) {
   __shared__ float warp_sums[kNBitsWarps][32][4];
@@ -539,36 +561,26 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
 #pragma unroll
   for (int j = 0; j < 4; ++j) warp_sums[warp][lane][j] = d[j];
   __syncthreads();
-  if (kslot == 0) {  // the group's warps in order
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int w = warp; w < warp + p.group_warps; ++w) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) s[j] += warp_sums[w][lane][j];
-    }
-    // The accumulator: (row g, tokens 2t, 2t + 1) and (row g + 8, the same tokens).
-    T* y = static_cast<T*>(p.y);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int m = 2 * t + (j & 1);
-      const int row = j < 2 ? row_lo : row_hi;
-      if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[j]);
-    }
-  }
+  if (kslot == 0) StoreGroupSums<T>(p, &warp_sums[warp], p.group_warps, n0 / kNBitsRows);  // the group's warps in order
+
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // int4 GEMV, Hopper: bulk copies into a ring of shared-memory stages
 // ---------------------------------------------------------------------------------------------------------------
 //
-// A block owns a contiguous range of groups of 16 output columns and walks their tiles (16 rows of B times
-// kBulkChunkK k, with the rows' scales) in order. A producer warp asks the copy engine for each tile with one bulk
-// copy per row of weights and one per row of scales into a ring of kBulkStages stages: a stage's "full" mbarrier
-// counts its bytes in, and its "empty" mbarrier the 8 compute warps done reading it, which is all the producer waits
-// for before asking for the next tile there (no block barrier a tile). The bytes in flight cost no registers, so a
-// compute warp's loop is shared-memory reads, the dequantisation and the mma only (the same products as
-// Int4GemvMmaKernel's). Where a group's last tile is done its 8 warps' sums meet in shared memory in warp order
-// (two slots, one barrier of the compute warps a group). Needs SM 90, 16-byte aligned B and scales, and a multiple
-// of 8 blocks a row (every tile a whole number of 128-k steps, every copy a multiple of 16 bytes).
+// A block owns a contiguous range of groups of 16 output columns, and each of its kBulkLanes lanes every kBulkLanes-th
+// group of it, whose tiles (16 rows of B times kBulkChunkK k, with the rows' scales) the lane walks in order. The block
+// takes a whole multiprocessor, so no multiprocessor holds more than one group over another's share (with two one-lane
+// blocks a multiprocessor, the hardware's placement of blocks decided that). A lane's producer warp asks the copy
+// engine for each tile with one bulk copy per row of weights and one per row of scales into a ring of kBulkStages
+// stages: a stage's "full" mbarrier counts its bytes in, and its "empty" mbarrier the 8 compute warps done reading it,
+// which is all the producer waits for before asking for the next tile there (no block barrier a tile). The bytes in
+// flight cost no registers, so a compute warp's loop is shared-memory reads, the dequantisation and the mma only (the
+// same products as Int4GemvMmaKernel's). Where a group's last tile is done its 8 warps' sums meet in shared memory in
+// warp order (two slots, one barrier of the lane's compute warps a group). The lanes share nothing but the block. Needs
+// SM 90, 16-byte aligned B and scales, and a multiple of 8 blocks a row (every tile a whole number of 128-k steps,
+// every copy a multiple of 16 bytes).
 
 #ifndef MAMBAFUSE_NBITS_BULK_CHUNK
 #define MAMBAFUSE_NBITS_BULK_CHUNK 4096
@@ -576,17 +588,25 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
 #ifndef MAMBAFUSE_NBITS_BULK_STAGES
 #define MAMBAFUSE_NBITS_BULK_STAGES 2
 #endif
+#ifndef MAMBAFUSE_NBITS_BULK_LANES
+#define MAMBAFUSE_NBITS_BULK_LANES 2
+#endif
 constexpr int kBulkChunkK = MAMBAFUSE_NBITS_BULK_CHUNK;  // k of a tile (a multiple of 128)
 constexpr int kBulkStages = MAMBAFUSE_NBITS_BULK_STAGES;
-constexpr int kBulkWarps = 8;                      // compute warps; one more asks for the tiles
-constexpr int kBulkThreads = (kBulkWarps + 1) * 32;
+constexpr int kBulkWarps = 8;                      // compute warps of a lane; one more asks for its tiles
+constexpr int kBulkLaneThreads = (kBulkWarps + 1) * 32;
+constexpr int kBulkLanes = MAMBAFUSE_NBITS_BULK_LANES;  // lanes of a block, each its own ring and groups
+constexpr int kBulkThreads = kBulkLanes * kBulkLaneThreads;
 // A stage's rows of weights start 64 bytes (16 banks) apart past a multiple of 128, so rows g and g + 1 of one
 // 16-byte read per thread land in different banks; the scales' rows 16 bytes apart past their largest size.
 constexpr int kBulkRowStride = kBulkChunkK / 2 + 64;
 constexpr int kBulkScaleStride = kBulkChunkK / 16 * 2 + 16;
 constexpr int kBulkStageBytes = kNBitsRows * (kBulkRowStride + kBulkScaleStride);
 constexpr int kBulkSumBytes = 2 * kBulkWarps * 32 * 4 * static_cast<int>(sizeof(float));
-constexpr int kBulkSharedBytes = kBulkStages * kBulkStageBytes + kBulkSumBytes + 2 * kBulkStages * 8;
+// A lane's stages, sums and mbarriers, rounded up to 128 bytes so every lane's rows sit alike in the banks.
+constexpr int kBulkLaneBytes = (kBulkStages * kBulkStageBytes + kBulkSumBytes + 2 * kBulkStages * 8 + 127) / 128 * 128;
+constexpr int kBulkSharedBytes = kBulkLanes * kBulkLaneBytes;
+static_assert(kBulkLanes >= 1 && kBulkLanes <= 4, "named barriers 1..4 are the lanes'");
 static_assert(kBulkChunkK % kStepK == 0, "a tile is whole steps");
 static_assert(kBulkRowStride % 16 == 0 && kBulkScaleStride % 16 == 0 && kBulkStageBytes % 16 == 0,
               "bulk copies land on 16-byte boundaries");
@@ -637,27 +657,6 @@ __device__ __forceinline__ void RequestTile(const NBitsParams& p, int group, int
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
-  }
-}
-
-// Y's values of group `group` (rows group * 16 + g and + 8, tokens 2t and 2t + 1) from `warps` warps' sums, added in
-// warp order.
-template <typename T>
-__device__ __forceinline__ void StoreGroupSums(const NBitsParams& p, const float (*sums)[32][4], int warps,
-                                               int group) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int g = lane / 4, t = lane % 4;
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int w = 0; w < warps; ++w) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[i] += sums[w][lane][i];
-  }
-  T* y = static_cast<T*>(p.y);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int m = 2 * t + (i & 1);
-    const int row = group * kNBitsRows + g + (i < 2 ? 0 : 8);
-    if (m < p.m && row < p.n) y[static_cast<int64_t>(m) * p.n + row] = Narrow<T>(s[i]);
   }
 }
 
@@ -759,21 +758,25 @@ template <typename T, bool kHasZp, bool kAVec>
 __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* stages = smem;
+  // Lane `lane_id` of the block: its 9 warps, its share of shared memory and of the block's groups (every
+  // kBulkLanes-th, so the lanes' counts differ by at most one and each multiprocessor's by at most one group).
+  const int lane_id = static_cast<int>(threadIdx.x) / kBulkLaneThreads;
+  uint8_t* stages = smem + lane_id * kBulkLaneBytes;
   float(*warp_sums)[kBulkWarps][32][4] =
-      reinterpret_cast<float(*)[kBulkWarps][32][4]>(smem + kBulkStages * kBulkStageBytes);  // two slots
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kBulkStages * kBulkStageBytes + kBulkSumBytes);
+      reinterpret_cast<float(*)[kBulkWarps][32][4]>(stages + kBulkStages * kBulkStageBytes);  // two slots
+  uint64_t* full = reinterpret_cast<uint64_t*>(stages + kBulkStages * kBulkStageBytes + kBulkSumBytes);
   uint64_t* empty = full + kBulkStages;
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int warp = static_cast<int>(threadIdx.x) % kBulkLaneThreads / 32;
   const int g = lane / 4;
   const int k_pad = p.blocks << p.block_shift;
   const int chunks = (k_pad + kBulkChunkK - 1) / kBulkChunkK;
   const int groups = (p.n + kNBitsRows - 1) / kNBitsRows;
-  const int first_group = static_cast<int>(static_cast<int64_t>(groups) * blockIdx.x / gridDim.x);
-  const int last_group = static_cast<int>(static_cast<int64_t>(groups) * (blockIdx.x + 1) / gridDim.x);
-  const int tiles = (last_group - first_group) * chunks;
-  if (threadIdx.x == 0) {
+  const int block_first = static_cast<int>(static_cast<int64_t>(groups) * blockIdx.x / gridDim.x);
+  const int block_last = static_cast<int>(static_cast<int64_t>(groups) * (blockIdx.x + 1) / gridDim.x);
+  const int first_group = block_first + lane_id;  // then every kBulkLanes-th group up to block_last
+  const int tiles = max(0, (block_last - first_group + kBulkLanes - 1) / kBulkLanes) * chunks;
+  if (threadIdx.x % kBulkLaneThreads == 0) {
     for (int s = 0; s < kBulkStages; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(&full[s])));
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(&empty[s])), "r"(kBulkWarps));
@@ -789,8 +792,8 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // their reads before the copy's writes
       }
       const int chunk = j % chunks, k0 = chunk * kBulkChunkK;
-      RequestTile<T>(p, first_group + j / chunks, k0, min(kBulkChunkK, k_pad - k0), stages + stage * kBulkStageBytes,
-                     kBulkRowStride, kBulkScaleStride, SharedAddress(&full[stage]));
+      RequestTile<T>(p, first_group + kBulkLanes * (j / chunks), k0, min(kBulkChunkK, k_pad - k0),
+                     stages + stage * kBulkStageBytes, kBulkRowStride, kBulkScaleStride, SharedAddress(&full[stage]));
     }
     return;
   }
@@ -798,7 +801,7 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
   float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulators: two mma chains
   for (int j = 0; j < tiles; ++j) {
     const int stage = j % kBulkStages;
-    const int group = first_group + j / chunks, chunk = j % chunks;
+    const int group = first_group + kBulkLanes * (j / chunks), chunk = j % chunks;
     const int k0 = chunk * kBulkChunkK, chunk_k = min(kBulkChunkK, k_pad - k0);
     const uint8_t* stage_base = stages + stage * kBulkStageBytes;
     const uint8_t* w_lo = stage_base + g * kBulkRowStride;
@@ -813,7 +816,7 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
       const int slot = (j / chunks) & 1;  // the next group's sums go to the other slot while warp 0 reads this one
 #pragma unroll
       for (int i = 0; i < 4; ++i) warp_sums[slot][warp][lane][i] = d0[i] + d1[i], d0[i] = 0.f, d1[i] = 0.f;
-      asm volatile("bar.sync 1, %0;" ::"r"(kBulkWarps * 32) : "memory");  // the compute warps only
+      asm volatile("bar.sync %0, %1;" ::"r"(1 + lane_id), "r"(kBulkWarps * 32) : "memory");  // the lane's compute warps
       if (warp == 0) StoreGroupSums<T>(p, warp_sums[slot], kBulkWarps, group);
     }
   }
@@ -938,10 +941,10 @@ template <typename T, bool kHasZp, bool kAVec>
 cudaError_t LaunchBulkKernel(const NBitsParams& p, int device, cudaStream_t stream) {
   const int per_sm = BulkBlocksPerSm<T, kHasZp, kAVec>(device);
   if (per_sm < 1) return cudaErrorNotSupported;
-  // As many blocks as fit at once (each then walks its share of the groups), or one per group.
+  // As many blocks as fit at once (each then walks its share of the groups), or one per kBulkLanes groups.
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const int64_t slots = static_cast<int64_t>(MultiprocessorCount()) * per_sm;
-  const dim3 grid(static_cast<unsigned>(std::min(groups, slots)));
+  const dim3 grid(static_cast<unsigned>(std::min((groups + kBulkLanes - 1) / kBulkLanes, slots)));
   Int4GemvBulkKernel<T, kHasZp, kAVec><<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
   return cudaGetLastError();
 }
