@@ -591,7 +591,11 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
 #ifndef MAMBAFUSE_NBITS_BULK_LANES
 #define MAMBAFUSE_NBITS_BULK_LANES 2
 #endif
+#ifndef MAMBAFUSE_NBITS_BULK_TAIL
+#define MAMBAFUSE_NBITS_BULK_TAIL 0
+#endif
 constexpr int kBulkChunkK = MAMBAFUSE_NBITS_BULK_CHUNK;  // k of a tile (a multiple of 128)
+constexpr int kBulkTailK = MAMBAFUSE_NBITS_BULK_TAIL;    // k of a lane's last tile, cut from its end (0: uncut)
 constexpr int kBulkStages = MAMBAFUSE_NBITS_BULK_STAGES;
 constexpr int kBulkWarps = 8;                      // compute warps of a lane; one more asks for its tiles
 constexpr int kBulkLaneThreads = (kBulkWarps + 1) * 32;
@@ -607,6 +611,7 @@ constexpr int kBulkSumBytes = 2 * kBulkWarps * 32 * 4 * static_cast<int>(sizeof(
 constexpr int kBulkLaneBytes = (kBulkStages * kBulkStageBytes + kBulkSumBytes + 2 * kBulkStages * 8 + 127) / 128 * 128;
 constexpr int kBulkSharedBytes = kBulkLanes * kBulkLaneBytes;
 static_assert(kBulkLanes >= 1 && kBulkLanes <= 4, "named barriers 1..4 are the lanes'");
+static_assert(kBulkTailK % kStepK == 0 && kBulkTailK < kBulkChunkK, "a tail is whole steps of a tile");
 static_assert(kBulkChunkK % kStepK == 0, "a tile is whole steps");
 static_assert(kBulkRowStride % 16 == 0 && kBulkScaleStride % 16 == 0 && kBulkStageBytes % 16 == 0,
               "bulk copies land on 16-byte boundaries");
@@ -754,6 +759,42 @@ __device__ __forceinline__ void SharedTileSteps(const NBitsParams& p, const Tile
   }
 }
 
+// A lane's tiles in order: each of its `groups` groups (first_group, + kBulkLanes, ...) in chunks of kBulkChunkK k;
+// where kBulkTailK is set and fits the layout, the last group's last chunk is cut in two, so that little
+// arithmetic is left once the lane's last bytes are in.
+struct LaneTiles {
+  struct Tile {
+    int group, k0, chunk_k, ordinal;  // ordinal: the group's place in the lane
+    bool last;                        // the group's last tile
+  };
+  int first_group, chunks, k_pad, regular, tail_k, count;
+
+  __device__ LaneTiles(const NBitsParams& p, int first, int groups) {
+    first_group = first;
+    k_pad = p.blocks << p.block_shift;
+    chunks = (k_pad + kBulkChunkK - 1) / kBulkChunkK;
+    regular = groups * chunks;
+    const int last_chunk = k_pad - (chunks - 1) * kBulkChunkK;
+    tail_k = kBulkTailK > 0 && groups > 0 && chunks > 0 && kBulkTailK < last_chunk && kBulkTailK % (8 << p.block_shift) == 0
+                 ? kBulkTailK
+                 : 0;
+    count = regular + (tail_k > 0);
+  }
+
+  __device__ Tile At(int j) const {
+    if (tail_k == 0 || j < regular - 1) {
+      const int ordinal = j / chunks, chunk = j % chunks, k0 = chunk * kBulkChunkK;
+      return {first_group + kBulkLanes * ordinal, k0, min(kBulkChunkK, k_pad - k0), ordinal, chunk == chunks - 1};
+    }
+    const int ordinal = regular / chunks - 1, group = first_group + kBulkLanes * ordinal;
+    if (j == regular - 1) {
+      const int k0 = (chunks - 1) * kBulkChunkK;
+      return {group, k0, k_pad - tail_k - k0, ordinal, false};
+    }
+    return {group, k_pad - tail_k, tail_k, ordinal, true};
+  }
+};
+
 template <typename T, bool kHasZp, bool kAVec>
 __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -769,13 +810,12 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) % kBulkLaneThreads / 32;
   const int g = lane / 4;
-  const int k_pad = p.blocks << p.block_shift;
-  const int chunks = (k_pad + kBulkChunkK - 1) / kBulkChunkK;
   const int groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const int block_first = static_cast<int>(static_cast<int64_t>(groups) * blockIdx.x / gridDim.x);
   const int block_last = static_cast<int>(static_cast<int64_t>(groups) * (blockIdx.x + 1) / gridDim.x);
   const int first_group = block_first + lane_id;  // then every kBulkLanes-th group up to block_last
-  const int tiles = max(0, (block_last - first_group + kBulkLanes - 1) / kBulkLanes) * chunks;
+  const LaneTiles lane_tiles(p, first_group, max(0, (block_last - first_group + kBulkLanes - 1) / kBulkLanes));
+  const int tiles = lane_tiles.count;
   if (threadIdx.x % kBulkLaneThreads == 0) {
     for (int s = 0; s < kBulkStages; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(&full[s])));
@@ -791,9 +831,9 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
         WaitParity(SharedAddress(&empty[stage]), (j / kBulkStages - 1) & 1);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // their reads before the copy's writes
       }
-      const int chunk = j % chunks, k0 = chunk * kBulkChunkK;
-      RequestTile<T>(p, first_group + kBulkLanes * (j / chunks), k0, min(kBulkChunkK, k_pad - k0),
-                     stages + stage * kBulkStageBytes, kBulkRowStride, kBulkScaleStride, SharedAddress(&full[stage]));
+      const LaneTiles::Tile t = lane_tiles.At(j);
+      RequestTile<T>(p, t.group, t.k0, t.chunk_k, stages + stage * kBulkStageBytes, kBulkRowStride, kBulkScaleStride,
+                     SharedAddress(&full[stage]));
     }
     return;
   }
@@ -801,23 +841,22 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
   float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two accumulators: two mma chains
   for (int j = 0; j < tiles; ++j) {
     const int stage = j % kBulkStages;
-    const int group = first_group + kBulkLanes * (j / chunks), chunk = j % chunks;
-    const int k0 = chunk * kBulkChunkK, chunk_k = min(kBulkChunkK, k_pad - k0);
+    const LaneTiles::Tile t = lane_tiles.At(j);
     const uint8_t* stage_base = stages + stage * kBulkStageBytes;
     const uint8_t* w_lo = stage_base + g * kBulkRowStride;
     const T* s_lo = reinterpret_cast<const T*>(stage_base + kNBitsRows * kBulkRowStride + g * kBulkScaleStride);
     const TileView<T> tile{w_lo, w_lo + 8 * kBulkRowStride, s_lo,
                            reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride)};
     WaitParity(SharedAddress(&full[stage]), (j / kBulkStages) & 1);
-    SharedTileSteps<T, kHasZp, kAVec>(p, tile, group, k0, chunk_k, warp, kBulkWarps, d0, d1);
+    SharedTileSteps<T, kHasZp, kAVec>(p, tile, t.group, t.k0, t.chunk_k, warp, kBulkWarps, d0, d1);
     __syncwarp();  // every lane is done with the stage
     if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(&empty[stage])) : "memory");
-    if (chunk == chunks - 1) {  // the group's last tile: its warps' sums, in warp order
-      const int slot = (j / chunks) & 1;  // the next group's sums go to the other slot while warp 0 reads this one
+    if (t.last) {  // the group's last tile: its warps' sums, in warp order
+      const int slot = t.ordinal & 1;  // the next group's sums go to the other slot while warp 0 reads this one
 #pragma unroll
       for (int i = 0; i < 4; ++i) warp_sums[slot][warp][lane][i] = d0[i] + d1[i], d0[i] = 0.f, d1[i] = 0.f;
       asm volatile("bar.sync %0, %1;" ::"r"(1 + lane_id), "r"(kBulkWarps * 32) : "memory");  // the lane's compute warps
-      if (warp == 0) StoreGroupSums<T>(p, warp_sums[slot], kBulkWarps, group);
+      if (warp == 0) StoreGroupSums<T>(p, warp_sums[slot], kBulkWarps, t.group);
     }
   }
 #else
