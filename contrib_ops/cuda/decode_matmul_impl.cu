@@ -591,11 +591,7 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
 #ifndef MAMBAFUSE_NBITS_BULK_LANES
 #define MAMBAFUSE_NBITS_BULK_LANES 2
 #endif
-#ifndef MAMBAFUSE_NBITS_BULK_TAIL
-#define MAMBAFUSE_NBITS_BULK_TAIL 0
-#endif
 constexpr int kBulkChunkK = MAMBAFUSE_NBITS_BULK_CHUNK;  // k of a tile (a multiple of 128)
-constexpr int kBulkTailK = MAMBAFUSE_NBITS_BULK_TAIL;    // k of a lane's last tile, cut from its end (0: uncut)
 constexpr int kBulkStages = MAMBAFUSE_NBITS_BULK_STAGES;
 constexpr int kBulkWarps = 8;                      // compute warps of a lane; one more asks for its tiles
 constexpr int kBulkLaneThreads = (kBulkWarps + 1) * 32;
@@ -611,7 +607,6 @@ constexpr int kBulkSumBytes = 2 * kBulkWarps * 32 * 4 * static_cast<int>(sizeof(
 constexpr int kBulkLaneBytes = (kBulkStages * kBulkStageBytes + kBulkSumBytes + 2 * kBulkStages * 8 + 127) / 128 * 128;
 constexpr int kBulkSharedBytes = kBulkLanes * kBulkLaneBytes;
 static_assert(kBulkLanes >= 1 && kBulkLanes <= 4, "named barriers 1..4 are the lanes'");
-static_assert(kBulkTailK % kStepK == 0 && kBulkTailK < kBulkChunkK, "a tail is whole steps of a tile");
 static_assert(kBulkChunkK % kStepK == 0, "a tile is whole steps");
 static_assert(kBulkRowStride % 16 == 0 && kBulkScaleStride % 16 == 0 && kBulkStageBytes % 16 == 0,
               "bulk copies land on 16-byte boundaries");
@@ -759,39 +754,24 @@ __device__ __forceinline__ void SharedTileSteps(const NBitsParams& p, const Tile
   }
 }
 
-// A lane's tiles in order: each of its `groups` groups (first_group, + kBulkLanes, ...) in chunks of kBulkChunkK k;
-// where kBulkTailK is set and fits the layout, the last group's last chunk is cut in two, so that little
-// arithmetic is left once the lane's last bytes are in.
+// A lane's tiles in order: each of its `groups` groups (first_group, + kBulkLanes, ...) in chunks of kBulkChunkK k.
 struct LaneTiles {
   struct Tile {
     int group, k0, chunk_k, ordinal;  // ordinal: the group's place in the lane
     bool last;                        // the group's last tile
   };
-  int first_group, chunks, k_pad, regular, tail_k, count;
+  int first_group, chunks, k_pad, count;
 
   __device__ LaneTiles(const NBitsParams& p, int first, int groups) {
     first_group = first;
     k_pad = p.blocks << p.block_shift;
     chunks = (k_pad + kBulkChunkK - 1) / kBulkChunkK;
-    regular = groups * chunks;
-    const int last_chunk = k_pad - (chunks - 1) * kBulkChunkK;
-    tail_k = kBulkTailK > 0 && groups > 0 && chunks > 0 && kBulkTailK < last_chunk && kBulkTailK % (8 << p.block_shift) == 0
-                 ? kBulkTailK
-                 : 0;
-    count = regular + (tail_k > 0);
+    count = groups * chunks;
   }
 
   __device__ Tile At(int j) const {
-    if (tail_k == 0 || j < regular - 1) {
-      const int ordinal = j / chunks, chunk = j % chunks, k0 = chunk * kBulkChunkK;
-      return {first_group + kBulkLanes * ordinal, k0, min(kBulkChunkK, k_pad - k0), ordinal, chunk == chunks - 1};
-    }
-    const int ordinal = regular / chunks - 1, group = first_group + kBulkLanes * ordinal;
-    if (j == regular - 1) {
-      const int k0 = (chunks - 1) * kBulkChunkK;
-      return {group, k0, k_pad - tail_k - k0, ordinal, false};
-    }
-    return {group, k_pad - tail_k, tail_k, ordinal, true};
+    const int ordinal = j / chunks, chunk = j % chunks, k0 = chunk * kBulkChunkK;
+    return {first_group + kBulkLanes * ordinal, k0, min(kBulkChunkK, k_pad - k0), ordinal, chunk == chunks - 1};
   }
 };
 
@@ -980,10 +960,10 @@ template <typename T, bool kHasZp, bool kAVec>
 cudaError_t LaunchBulkKernel(const NBitsParams& p, int device, cudaStream_t stream) {
   const int per_sm = BulkBlocksPerSm<T, kHasZp, kAVec>(device);
   if (per_sm < 1) return cudaErrorNotSupported;
-  // As many blocks as fit at once (each then walks its share of the groups), or one per kBulkLanes groups.
+  // As many blocks as fit at once (each then walks its share of the groups), or one per group.
   const int64_t groups = (p.n + kNBitsRows - 1) / kNBitsRows;
   const int64_t slots = static_cast<int64_t>(MultiprocessorCount()) * per_sm;
-  const dim3 grid(static_cast<unsigned>(std::min((groups + kBulkLanes - 1) / kBulkLanes, slots)));
+  const dim3 grid(static_cast<unsigned>(std::min(groups, slots)));
   Int4GemvBulkKernel<T, kHasZp, kAVec><<<grid, kBulkThreads, kBulkSharedBytes, stream>>>(p);
   return cudaGetLastError();
 }
