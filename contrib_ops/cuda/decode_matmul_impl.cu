@@ -562,7 +562,6 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
   for (int j = 0; j < 4; ++j) warp_sums[warp][lane][j] = d[j];
   __syncthreads();
   if (kslot == 0) StoreGroupSums<T>(p, &warp_sums[warp], p.group_warps, n0 / kNBitsRows);  // the group's warps in order
-
 }
 
 // ---------------------------------------------------------------------------------------------------------------
