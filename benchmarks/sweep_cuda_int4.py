@@ -7,6 +7,14 @@ docs/decode_matmul.md (Kernels): ``bulk`` (the default), ``mma`` (the register-l
 of 7 replays, L2 cold; "% copy" against a copy of the same bytes. Each column's output is checked against the
 first column's (1 % of the largest value), so a setting that computes something else fails loudly.
 
+``--dequant`` times instead each library's dequantization for the M > 8 path (``mambafuse_dequantize_int4_launch``)
+at each shape, against a copy of the bytes it reads and writes, its output checked against PyTorch's
+dequantization in the layout that library writes (W as (N, K padded to whole blocks), or (K, N) before).
+
+``--floor name=path`` adds a last column, unchecked: a bench library built with ``-DMAMBAFUSE_NBITS_TRAFFIC_FLOOR``,
+whose bulk kernel asks for and waits on every tile as the kernel does and computes nothing (it writes zeros). It is
+what the kernel's launch, copies and waits cost at each shape without its arithmetic: a reference, not a bound.
+
     python3 benchmarks/sweep_cuda_int4.py --lib default=build/cuda/cuda/libmambafuse_cuda_gemv_bench.so \\
         --configs bulk,mma --rows 1,4
 """
@@ -35,6 +43,7 @@ from benchmarks.bench_cuda_gemv import (  # noqa: E402
     nbits_launcher,
 )
 
+FLOOR = "traffic floor"  # the --floor column's name
 KNOBS = ("MAMBAFUSE_NBITS_KERNEL", "MAMBAFUSE_NBITS_GRID", "MAMBAFUSE_NBITS_ORDER", "MAMBAFUSE_NBITS_PREFETCH")
 CONFIGS = {
     "bulk": {},
@@ -64,13 +73,15 @@ def _row(shape: str, m: int, q: Int4Weights, columns, args) -> list[float]:
             raise RuntimeError(f"the int4 GEMV launch returned {rc}")
 
     times, first = [], None
-    for _, launch, config in columns:
+    for name, launch, config in columns:
         for key in KNOBS:
             os.environ.pop(key, None)
         os.environ.update(CONFIGS[config])
         call(launch, 0)
         torch.cuda.synchronize()
-        if first is None:
+        if name == FLOOR:
+            pass  # computes nothing
+        elif first is None:
             first = y.float().clone()
         else:
             error = (y.float() - first).abs().max().item()
@@ -84,6 +95,48 @@ def _row(shape: str, m: int, q: Int4Weights, columns, args) -> list[float]:
     return times
 
 
+def _dequant_row(shape: str, q: Int4Weights, libs, args) -> list[float]:
+    """µs per dequantization of each library at one shape, each output checked against PyTorch's."""
+    k, n, bs = q.k, q.n, args.block_size
+    k_pad = q.blocks * bs
+    w = torch.empty(n * k_pad, device="cuda", dtype=torch.float16)
+    nibbles = torch.stack([q.b[0] & 15, q.b[0] >> 4], dim=-1).reshape(n, q.blocks, bs).float()
+    if args.zero_points:
+        zp = torch.stack([q.zp[0] & 15, q.zp[0] >> 4], dim=-1).reshape(n, -1)[:, : q.blocks].float()
+    else:
+        zp = torch.full((n, q.blocks), 8.0, device="cuda")
+    ref = ((nibbles - zp[:, :, None]) * q.scales[0].float().reshape(n, q.blocks, 1)).half().reshape(n, k_pad)
+
+    def call(fn, i: int) -> None:
+        zp_ptr = q.zp[i].data_ptr() if args.zero_points else None
+        rc = fn(ONNX_FLOAT16, k, n, bs, q.b[i].data_ptr(), q.scales[i].data_ptr(), zp_ptr, w.data_ptr(),
+                torch.cuda.current_stream().cuda_stream)  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"the dequantization launch returned {rc}")
+
+    times = []
+    for name, fn in libs:
+        w.fill_(float("nan"))
+        call(fn, 0)
+        torch.cuda.synchronize()
+        by_rows = torch.equal(w.reshape(n, k_pad)[:, :k], ref[:, :k])
+        by_k = torch.equal(w[: k * n].reshape(k, n), ref[:, :k].t())
+        if not (by_rows or by_k):
+            raise RuntimeError(f"{shape} {name}: the dequantized weight differs from PyTorch's")
+        count = len(q.b)
+        times.append(
+            _time_graph(torch, [functools.partial(call, fn, i) for i in range(count)], count * max(1, 32 // count))
+        )
+    return times
+
+
+def dequant_launcher(lib: ctypes.CDLL):
+    fn = lib.mambafuse_dequantize_int4_launch
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [ctypes.c_int, i64, i64, i64, p, p, p, p, p]
+    return fn
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lib", action="append", required=True, help="name=libmambafuse_cuda_gemv_bench.so")
@@ -92,6 +145,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="in_proj,out_proj,mlp_up,mlp_down,qkv,o_proj")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--zero-points", action="store_true", help="with MatMulNBits' zero points (default: none)")
+    parser.add_argument("--dequant", action="store_true", help="time the M > 8 path's dequantization instead")
+    parser.add_argument("--floor", help="name=bench library built with -DMAMBAFUSE_NBITS_TRAFFIC_FLOOR (unchecked)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -100,7 +155,8 @@ def main() -> int:
         name, sep, path = item.partition("=")
         if not sep or not Path(path).is_file():
             parser.error(f"--lib {item!r}: expected name=path to a bench library")
-        libs.append((name, nbits_launcher(ctypes.CDLL(path))))
+        lib = ctypes.CDLL(path)
+        libs.append((name, dequant_launcher(lib) if args.dequant else nbits_launcher(lib)))
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -108,7 +164,14 @@ def main() -> int:
     shapes = args.shapes.split(",")
     if any(s not in SHAPES for s in shapes):
         parser.error(f"shapes must be among {', '.join(SHAPES)}")
+    if args.dequant:
+        return _dequant_main(args, libs)
     columns = [(lib_name, launch, c) for lib_name, launch in libs for c in configs]
+    if args.floor:
+        name, sep, path = args.floor.partition("=")
+        if not sep or not Path(path).is_file():
+            parser.error(f"--floor {args.floor!r}: expected name=path to a bench library")
+        columns.append((FLOOR, nbits_launcher(ctypes.CDLL(path)), "bulk"))
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     environment = (
@@ -116,7 +179,7 @@ def main() -> int:
         f"Python {platform.python_version()}; block size {args.block_size}"
     )
     print(environment, "\n")
-    names = [f"{lib_name} {c}" if len(libs) > 1 else c for lib_name, _, c in columns]
+    names = [lib_name if lib_name == FLOOR else f"{lib_name} {c}" if len(libs) > 1 else c for lib_name, _, c in columns]
     print(f"| shape (K→N) | M | zp | {' | '.join(names)} | copy µs |")
     print("|---" * (len(columns) + 4) + "|")
     for shape in shapes:
@@ -128,6 +191,26 @@ def main() -> int:
             zp = "yes" if args.zero_points else "no"
             cells = [f"{t:.1f} ({100 * copy / t:.0f} %)" for t in cells]
             print(f"| {shape} ({k}→{n}) | {m} | {zp} | {' | '.join(cells)} | {copy:.1f} |", flush=True)
+    return 0
+
+
+def _dequant_main(args, libs) -> int:
+    props = torch.cuda.get_device_properties(0)
+    print(f"GPU: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; block size "
+          f"{args.block_size}; the M > 8 path's dequantization to float16\n")  # fmt: skip
+    print(f"| shape (K→N) | zp | {' | '.join(name for name, _ in libs)} | copy µs |")
+    print("|---" * (len(libs) + 3) + "|")
+    torch.manual_seed(0)
+    for shape in args.shapes.split(","):
+        k, n = SHAPES[shape]
+        q = Int4Weights(torch, k, n, args.block_size)
+        moved = q.nbytes + 2 * n * q.blocks * args.block_size  # read, and the float16 weight written
+        copy = _copy_time(torch, moved)
+        cells = [f"{t:.1f} ({100 * copy / t:.0f} %)" for t in _dequant_row(shape, q, libs, args)]
+        zp = "yes" if args.zero_points else "no"
+        print(f"| {shape} ({k}→{n}) | {zp} | {' | '.join(cells)} | {copy:.1f} |", flush=True)
+        del q
+        torch.cuda.empty_cache()
     return 0
 
 

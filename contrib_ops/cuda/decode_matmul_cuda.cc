@@ -19,7 +19,8 @@ constexpr const char* kNBitsOp = "DecodeMatMulNBits";
 // cuBLAS is opened at run time, at the first M > 8 call, rather than linked: the library must still load in a
 // CPU-only onnxruntime (docs/kernels.md), where there is no libcublas. ORT's CUDA provider links libcublas, so in a
 // CUDA session it is already in the process. The four entry points and the enum values used (cublas_api.h,
-// library_types.h: CUBLAS_OP_N = 0, CUBLAS_COMPUTE_32F = 68, CUBLAS_GEMM_DEFAULT = -1, CUBLAS_STATUS_SUCCESS = 0).
+// library_types.h: CUBLAS_OP_N = 0, CUBLAS_OP_T = 1, CUBLAS_COMPUTE_32F = 68, CUBLAS_GEMM_DEFAULT = -1,
+// CUBLAS_STATUS_SUCCESS = 0).
 using CublasHandle = void*;
 using CublasCreate = int (*)(CublasHandle*);
 using CublasDestroy = int (*)(CublasHandle);
@@ -27,6 +28,7 @@ using CublasSetStream = int (*)(CublasHandle, cudaStream_t);
 using CublasGemmEx = int (*)(CublasHandle, int, int, int, int, int, const void*, const void*, cudaDataType, int,
                              const void*, cudaDataType, int, const void*, void*, cudaDataType, int, int, int);
 constexpr int kCublasOpN = 0;
+constexpr int kCublasOpT = 1;
 constexpr int kCublasCompute32F = 68;
 constexpr int kCublasGemmDefault = -1;
 
@@ -223,10 +225,12 @@ CublasGemm::~CublasGemm() {
 }
 
 std::string CublasGemm::RowMajor(int64_t type, int64_t m, int64_t k, int64_t n, const void* a, const void* b,
-                                 void* y, void* stream) {
+                                 int64_t b_row_stride, void* y, void* stream) {
   const Cublas& cublas = CublasLibrary();
   if (!cublas.error.empty()) return cublas.error;
-  if (m > INT32_MAX || k > INT32_MAX || n > INT32_MAX) return "M, K and N must be below 2^31 for cuBLAS";
+  if (m > INT32_MAX || k > INT32_MAX || n > INT32_MAX || b_row_stride > INT32_MAX) {
+    return "M, K and N must be below 2^31 for cuBLAS";
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   if (handle_ == nullptr) {
     // Created at the first M > 8 call; a session capturing a CUDA graph makes that call uncaptured first.
@@ -240,11 +244,14 @@ std::string CublasGemm::RowMajor(int64_t type, int64_t m, int64_t k, int64_t n, 
   }
   const cudaDataType data_type = type == kGemvFloat ? CUDA_R_32F : type == kGemvFloat16 ? CUDA_R_16F : CUDA_R_16BF;
   const float alpha = 1.f, beta = 0.f;
-  // Row-major Y = A B is column-major Y^T (N x M) = B^T (N x K) A^T (K x M): no transposes, leading dims N, K, N.
-  const int status = cublas.gemm_ex(handle_, kCublasOpN, kCublasOpN, static_cast<int>(n), static_cast<int>(m),
-                                    static_cast<int>(k), &alpha, b, data_type, static_cast<int>(n), a, data_type,
-                                    static_cast<int>(k), &beta, y, data_type, static_cast<int>(n), kCublasCompute32F,
-                                    kCublasGemmDefault);
+  // Row-major Y = A B is column-major Y^T (N x M) = B^T (N x K) A^T (K x M). B (K, N) row-major is B^T column-major
+  // (leading dim N, no transpose); B stored as rows of n (row-major (N, stride)) is column-major (stride x N), whose
+  // transpose's first K columns are B^T.
+  const bool rows_of_n = b_row_stride != 0;
+  const int status = cublas.gemm_ex(handle_, rows_of_n ? kCublasOpT : kCublasOpN, kCublasOpN, static_cast<int>(n),
+                                    static_cast<int>(m), static_cast<int>(k), &alpha, b, data_type,
+                                    static_cast<int>(rows_of_n ? b_row_stride : n), a, data_type, static_cast<int>(k),
+                                    &beta, y, data_type, static_cast<int>(n), kCublasCompute32F, kCublasGemmDefault);
   if (status != 0) return "cublasGemmEx failed (status " + std::to_string(status) + ")";
   return {};
 }
@@ -278,7 +285,8 @@ OrtStatusPtr DecodeMatMulCudaKernel::ComputeV2(OrtKernelContext* raw_context) {
       }
       return Ort::Status{};
     }
-    const std::string problem = gemm_.RowMajor(rows.type, rows.m, k, n, rows.a, b.GetTensorRawData(), rows.y, stream);
+    const std::string problem =
+        gemm_.RowMajor(rows.type, rows.m, k, n, rows.a, b.GetTensorRawData(), /*b_row_stride=*/0, rows.y, stream);
     if (!problem.empty()) return Ort::Status((std::string(kOp) + ": " + problem).c_str(), ORT_EP_FAIL);
     return Ort::Status{};
   });
@@ -358,14 +366,15 @@ OrtStatusPtr DecodeMatMulNBitsCudaKernel::ComputeV2(OrtKernelContext* raw_contex
       }
       return Ort::Status{};
     }
-    // M > 8: W (K, N) in T, then cuBLAS (what ORT's MatMulNBits does for large M).
+    // M > 8: W in T with B's layout (N rows of the padded K), then cuBLAS (what ORT's MatMulNBits does for large M).
+    const int64_t k_padded = blocks * block_size;
     Scratch scratch;
-    void* w = scratch.Get(context, rows.device, static_cast<size_t>(k * n * ElementSize(rows.type)));
+    void* w = scratch.Get(context, rows.device, static_cast<size_t>(n * k_padded * ElementSize(rows.type)));
     if (w == nullptr) return Ort::Status((std::string(kNBitsOp) + ": no scratch memory for W").c_str(), ORT_EP_FAIL);
     if (const cudaError_t e = LaunchDequantizeInt4(args, w, stream); e != cudaSuccess) {
       return CudaError(kNBitsOp, "the dequantization launch", e);
     }
-    const std::string problem = gemm_.RowMajor(rows.type, rows.m, k, n, rows.a, w, rows.y, stream);
+    const std::string problem = gemm_.RowMajor(rows.type, rows.m, k, n, rows.a, w, k_padded, rows.y, stream);
     if (!problem.empty()) return Ort::Status((std::string(kNBitsOp) + ": " + problem).c_str(), ORT_EP_FAIL);
     return Ort::Status{};
   });

@@ -1,9 +1,9 @@
 // ONNX Runtime-facing DecodeMatMul and DecodeMatMulNBits for the CUDA execution provider (docs/decode_matmul.md,
 // Kernels): input validation with errors that name the input, output allocation, and the choice of kernel by the
 // rows M of A: the GEMVs of decode_matmul_launcher.h for M <= 8, cuBLAS (GemmEx, float32 compute) for larger M, after
-// dequantizing the int4 weight into a (K, N) scratch buffer of T from ORT's allocator. Everything runs on ORT's
-// compute stream. There are no CPU kernels: on the CPU ORT inlines the op's model-local function (MatMul /
-// MatMulNBits).
+// dequantizing the int4 weight into a scratch buffer of T from ORT's allocator, B's layout (N rows of K padded to
+// whole blocks). Everything runs on ORT's compute stream. There are no CPU kernels: on the CPU ORT inlines the op's
+// model-local function (MatMul / MatMulNBits).
 #pragma once
 
 #include <mutex>
@@ -21,10 +21,11 @@ class CublasGemm {
   CublasGemm(const CublasGemm&) = delete;
   CublasGemm& operator=(const CublasGemm&) = delete;
   ~CublasGemm();
-  // Y (M, N) = A (M, K) @ B (K, N), all row-major T (ONNX element type), float32 compute. Empty on success, else
-  // what failed.
-  std::string RowMajor(int64_t type, int64_t m, int64_t k, int64_t n, const void* a, const void* b, void* y,
-                       void* stream);
+  // Y (M, N) = A (M, K) @ B, all row-major T (ONNX element type), float32 compute. B is (K, N) where b_row_stride
+  // is 0, else B^T stored as N rows b_row_stride (>= K) apart, of which each row's first K are read. Empty on
+  // success, else what failed.
+  std::string RowMajor(int64_t type, int64_t m, int64_t k, int64_t n, const void* a, const void* b,
+                       int64_t b_row_stride, void* y, void* stream);
 
  private:
   std::mutex mutex_;

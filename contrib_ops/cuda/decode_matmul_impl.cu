@@ -590,9 +590,12 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
 #ifndef MAMBAFUSE_NBITS_BULK_LANES
 #define MAMBAFUSE_NBITS_BULK_LANES 2
 #endif
+#ifndef MAMBAFUSE_NBITS_BULK_WARPS
+#define MAMBAFUSE_NBITS_BULK_WARPS 8
+#endif
 constexpr int kBulkChunkK = MAMBAFUSE_NBITS_BULK_CHUNK;  // k of a tile (a multiple of 128)
 constexpr int kBulkStages = MAMBAFUSE_NBITS_BULK_STAGES;
-constexpr int kBulkWarps = 8;                      // compute warps of a lane; one more asks for its tiles
+constexpr int kBulkWarps = MAMBAFUSE_NBITS_BULK_WARPS;  // compute warps of a lane; one more asks for its tiles
 constexpr int kBulkLaneThreads = (kBulkWarps + 1) * 32;
 constexpr int kBulkLanes = MAMBAFUSE_NBITS_BULK_LANES;  // lanes of a block, each its own ring and groups
 constexpr int kBulkThreads = kBulkLanes * kBulkLaneThreads;
@@ -606,6 +609,7 @@ constexpr int kBulkSumBytes = 2 * kBulkWarps * 32 * 4 * static_cast<int>(sizeof(
 constexpr int kBulkLaneBytes = (kBulkStages * kBulkStageBytes + kBulkSumBytes + 2 * kBulkStages * 8 + 127) / 128 * 128;
 constexpr int kBulkSharedBytes = kBulkLanes * kBulkLaneBytes;
 static_assert(kBulkLanes >= 1 && kBulkLanes <= 4, "named barriers 1..4 are the lanes'");
+static_assert(kBulkThreads <= 1024, "a block's threads");
 static_assert(kBulkChunkK % kStepK == 0, "a tile is whole steps");
 static_assert(kBulkRowStride % 16 == 0 && kBulkScaleStride % 16 == 0 && kBulkStageBytes % 16 == 0,
               "bulk copies land on 16-byte boundaries");
@@ -827,7 +831,11 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
     const TileView<T> tile{w_lo, w_lo + 8 * kBulkRowStride, s_lo,
                            reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride)};
     WaitParity(SharedAddress(&full[stage]), (j / kBulkStages) & 1);
+#if defined(MAMBAFUSE_NBITS_TRAFFIC_FLOOR)  // a reference build for benchmarks: the copies and waits, no arithmetic
+    (void)tile;
+#else
     SharedTileSteps<T, kHasZp, kAVec>(p, tile, t.group, t.k0, t.chunk_k, warp, kBulkWarps, d0, d1);
+#endif
     __syncwarp();  // every lane is done with the stage
     if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(&empty[stage])) : "memory");
     if (t.last) {  // the group's last tile: its warps' sums, in warp order
@@ -1060,65 +1068,55 @@ cudaError_t LaunchFloat(const NBitsParams& p, cudaStream_t stream) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// int4 -> T (K, N), for cuBLAS
+// int4 -> T (N, K padded to whole blocks), for cuBLAS
 // ---------------------------------------------------------------------------------------------------------------
 
-// A block dequantizes a tile of 64 rows n by 64 k: it reads each row's 32 bytes (8 per thread, whole sectors),
-// writes the values to shared memory transposed, then writes W[k, n0 .. n0 + 63] for its 64 k, consecutive threads
-// on consecutive n (coalesced rows of W).
-constexpr int kDequantTile = 64;
+// W keeps B's layout, one row of T per output column n, k 0 .. blocks * block_size - 1 (the padding past K is
+// dequantized too and never read: cuBLAS takes K of each row). A block takes one row; a thread 8 bytes of it at a
+// time (16 k of one block, since blocks are 16 k or more and start on 8-byte boundaries) and writes their 16 values:
+// whole sectors read and written, consecutive threads on consecutive pieces, no shared memory.
+constexpr int kDequantThreads = 128;
 
 template <typename T, bool kHasZp>
-__global__ void __launch_bounds__(256) DequantizeInt4Kernel(NBitsParams p, T* __restrict__ w) {
-  __shared__ T tile[kDequantTile][kDequantTile + 2];
-  const int n0 = static_cast<int>(blockIdx.x) * kDequantTile;
-  const int k0 = static_cast<int>(blockIdx.y) * kDequantTile;
-  {
-    const int local_row = static_cast<int>(threadIdx.x) / 4;  // 4 threads per row, 8 bytes (16 k) each
-    const int row = n0 + local_row;
-    const int kk = k0 + (static_cast<int>(threadIdx.x) % 4) * 16;
-    const int byte_offset = kk / 2;
-    uint2 bits = make_uint2(0, 0);
-    if (row < p.n && byte_offset < p.row_bytes) {
-      bits = *reinterpret_cast<const uint2*>(p.b + static_cast<int64_t>(row) * p.row_bytes + byte_offset);
+__global__ void __launch_bounds__(kDequantThreads) DequantizeInt4Kernel(NBitsParams p, T* __restrict__ w) {
+  const int row = static_cast<int>(blockIdx.x);
+  const int pieces = p.row_bytes / 8;
+  const uint2* b_row = reinterpret_cast<const uint2*>(p.b + static_cast<int64_t>(row) * p.row_bytes);
+  const T* scales = static_cast<const T*>(p.scales) + static_cast<int64_t>(row) * p.blocks;
+  uint4* w_row = reinterpret_cast<uint4*>(w + static_cast<int64_t>(row) * p.row_bytes * 2);
+  constexpr int kVectors = 16 * static_cast<int>(sizeof(T)) / 16;  // 16-byte stores of a piece's 16 values
+  for (int i = static_cast<int>(threadIdx.x); i < pieces; i += kDequantThreads) {
+    const uint2 bits = b_row[i];
+    const int blk = (16 * i) >> p.block_shift;
+    const float scale = Widen(scales[blk]);
+    int zp = 8;
+    if constexpr (kHasZp) {
+      const uint8_t byte = p.zero_points[static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1)];
+      zp = (blk & 1) ? (byte >> 4) : (byte & 0x0F);
     }
+    union {
+      T values[16];
+      uint4 vectors[kVectors];
+    } out;
     const uint32_t words[2] = {bits.x, bits.y};
 #pragma unroll
-    for (int word_index = 0; word_index < 2; ++word_index) {
-      const int k_word = kk + 8 * word_index;
-      const int blk = k_word >> p.block_shift;
-      float scale = 0.f;
-      int zp = 8;
-      if (row < p.n && blk < p.blocks) {
-        scale = Widen(static_cast<const T*>(p.scales)[static_cast<int64_t>(row) * p.blocks + blk]);
-        if constexpr (kHasZp) {
-          const uint8_t byte = p.zero_points[static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1)];
-          zp = (blk & 1) ? (byte >> 4) : (byte & 0x0F);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        // (q - zp) is exact; one rounding of its product with the scale, as the GEMV's half multiply does.
-        const float v = static_cast<float>(static_cast<int>((words[word_index] >> (4 * j)) & 0xFu) - zp) * scale;
-        tile[k_word - k0 + j][local_row] = Narrow<T>(v);
-      }
+    for (int j = 0; j < 16; ++j) {
+      // (q - zp) is exact; one rounding of its product with the scale, as the GEMV's half multiply does.
+      const int q = static_cast<int>((words[j / 8] >> (4 * (j % 8))) & 0xFu);
+      out.values[j] = Narrow<T>(static_cast<float>(q - zp) * scale);
     }
-  }
-  __syncthreads();
-  for (int i = static_cast<int>(threadIdx.x); i < kDequantTile * kDequantTile; i += 256) {
-    const int kk = k0 + i / kDequantTile, n = n0 + i % kDequantTile;
-    if (kk < p.k && n < p.n) w[static_cast<int64_t>(kk) * p.n + n] = tile[i / kDequantTile][i % kDequantTile];
+#pragma unroll
+    for (int v = 0; v < kVectors; ++v) w_row[kVectors * i + v] = out.vectors[v];
   }
 }
 
 template <typename T>
 cudaError_t LaunchDequantizeType(const NBitsParams& p, void* w, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.n + kDequantTile - 1) / kDequantTile),
-                  static_cast<unsigned>((p.k + kDequantTile - 1) / kDequantTile));
+  const dim3 grid(static_cast<unsigned>(p.n));
   if (p.zero_points != nullptr) {
-    DequantizeInt4Kernel<T, true><<<grid, 256, 0, stream>>>(p, static_cast<T*>(w));
+    DequantizeInt4Kernel<T, true><<<grid, kDequantThreads, 0, stream>>>(p, static_cast<T*>(w));
   } else {
-    DequantizeInt4Kernel<T, false><<<grid, 256, 0, stream>>>(p, static_cast<T*>(w));
+    DequantizeInt4Kernel<T, false><<<grid, kDequantThreads, 0, stream>>>(p, static_cast<T*>(w));
   }
   return cudaGetLastError();
 }
@@ -1144,7 +1142,6 @@ const char* CheckDecodeMatMulNBitsArgs(const DecodeMatMulNBitsArgs& args, bool g
     return "block_size must be a power of two >= 16";
   }
   if (args.k < 1 || args.n < 1 || args.k > INT_MAX / 4 || args.n > INT_MAX / 2) return "K and N must be in [1, 2^29)";
-  if (!gemv && args.k > int64_t{65535} * kDequantTile) return "K must be below 2^22 for the M > 8 path";
   if (reinterpret_cast<uintptr_t>(args.b) % 8 != 0) return "B must be 8-byte aligned";
   return nullptr;
 }

@@ -57,7 +57,8 @@ const char* CheckDecodeMatMulNBitsArgs(const DecodeMatMulNBitsArgs& args, bool g
 cudaError_t LaunchDecodeMatMulGemv(const DecodeMatMulArgs& args, cudaStream_t stream);
 cudaError_t LaunchDecodeMatMulNBitsGemv(const DecodeMatMulNBitsArgs& args, cudaStream_t stream);
 
-// Writes W (K, N) row-major in T to `w` (K * N elements): the weight cuBLAS multiplies for M > 8.
+// Writes W in T to `w` with B's layout, N rows of blocks * block_size values (K padded to whole blocks; the padding
+// is dequantized too): the weight cuBLAS multiplies for M > 8, as B^T.
 cudaError_t LaunchDequantizeInt4(const DecodeMatMulNBitsArgs& args, void* w, cudaStream_t stream);
 
 }  // namespace mambafuse

@@ -31,7 +31,7 @@ MAMBAFUSE_BENCH_EXPORT int mambafuse_decode_matmul_nbits_launch(int type, int64_
   return static_cast<int>(mambafuse::LaunchDecodeMatMulNBitsGemv(args, static_cast<cudaStream_t>(stream)));
 }
 
-// W (K, N) in T from the 4-bit blocks: the M > 8 path's first half.
+// W (N, K padded to whole blocks) in T from the 4-bit blocks: the M > 8 path's first half.
 MAMBAFUSE_BENCH_EXPORT int mambafuse_dequantize_int4_launch(int type, int64_t k, int64_t n, int64_t block_size,
                                                             const void* b, const void* scales,
                                                             const void* zero_points, void* w, void* stream) {

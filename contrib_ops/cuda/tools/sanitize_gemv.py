@@ -54,7 +54,7 @@ def main() -> int:
         zp_ptr = zero_points.data_ptr() if zp else None
         y = torch.empty(m, n, device="cuda", dtype=t)
         rc = nbits(type_id, m, k, n, bs, a.data_ptr(), b.data_ptr(), scales.data_ptr(), zp_ptr, y.data_ptr(), stream)
-        w = torch.empty(k, n, device="cuda", dtype=t)
+        w = torch.empty(n, blocks * bs, device="cuda", dtype=t)
         rc = rc or dequant(type_id, k, n, bs, b.data_ptr(), scales.data_ptr(), zp_ptr, w.data_ptr(), stream)
         torch.cuda.synchronize()
         if rc != 0:
