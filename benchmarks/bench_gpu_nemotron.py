@@ -987,13 +987,14 @@ def run_step(args: argparse.Namespace) -> None:
                     cells.append(f"{stats['median'] / matmul_us:.2f}x" if matmul_us > 0 else "n/a")
             # an int4 step against the int4 step unfused: quantization is not what the fusions may change
             baseline = "int4-before" if v.startswith("int4-") and "int4-before" in outputs else "before"
+            against_fp16 = " (vs fp16: no int4 unfused graph)" if v.startswith("int4-") and baseline == "before" else ""
             diff = max(
                 float(np.max(np.abs(a.astype(np.float32) - b.astype(np.float32)))) if a.size else 0.0
                 for a, b in zip(outputs[v][:1], outputs[baseline][:1], strict=True)
             )
             emit(
                 f"| {STEP_VARIANTS[v]} | {len(graphs[v].graph.node)} | {gpu[v]['launches']:.0f} | "
-                f"{gpu[v]['robust_total']:.0f} | " + " | ".join(cells) + f" | {diff:.2e} |"
+                f"{gpu[v]['robust_total']:.0f} | " + " | ".join(cells) + f" | {diff:.2e}{against_fp16} |"
             )
             family_rows.append((f"{builder} {dtype} {STEP_VARIANTS[v]}", by_family))
             rest = sorted(
