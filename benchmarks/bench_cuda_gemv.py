@@ -193,6 +193,15 @@ def nbits_launcher(lib: ctypes.CDLL):
     return nbits
 
 
+def dequant_launcher(lib: ctypes.CDLL):
+    """The bench library's dequantization entry point (the M > 8 path's first half), typed: (type, K, N,
+    block_size, B, scales, zero points, W, stream) -> 0 or a CUDA error code."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    dequant = lib.mambafuse_dequantize_int4_launch
+    dequant.argtypes = [ctypes.c_int, i64, i64, i64, p, p, p, p, p]
+    return dequant
+
+
 def _environment(torch) -> str:
     import onnxruntime as ort
 

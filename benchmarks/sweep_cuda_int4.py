@@ -40,8 +40,10 @@ from benchmarks.bench_cuda_gemv import (  # noqa: E402
     Int4Weights,
     _copy_time,
     _time_graph,
+    dequant_launcher,
     nbits_launcher,
 )
+from contrib_ops.cuda.tools.check_int4_gemv import dequantized  # noqa: E402
 
 FLOOR = "traffic floor"  # the --floor column's name
 KNOBS = ("MAMBAFUSE_NBITS_KERNEL", "MAMBAFUSE_NBITS_GRID", "MAMBAFUSE_NBITS_ORDER", "MAMBAFUSE_NBITS_PREFETCH")
@@ -100,12 +102,8 @@ def _dequant_row(shape: str, q: Int4Weights, libs, args) -> list[float]:
     k, n, bs = q.k, q.n, args.block_size
     k_pad = q.blocks * bs
     w = torch.empty(n * k_pad, device="cuda", dtype=torch.float16)
-    nibbles = torch.stack([q.b[0] & 15, q.b[0] >> 4], dim=-1).reshape(n, q.blocks, bs).float()
-    if args.zero_points:
-        zp = torch.stack([q.zp[0] & 15, q.zp[0] >> 4], dim=-1).reshape(n, -1)[:, : q.blocks].float()
-    else:
-        zp = torch.full((n, q.blocks), 8.0, device="cuda")
-    ref = ((nibbles - zp[:, :, None]) * q.scales[0].float().reshape(n, q.blocks, 1)).half().reshape(n, k_pad)
+    zero_points = q.zp[0].reshape(n, -1) if args.zero_points else None
+    ref = dequantized(q.b[0], q.scales[0].reshape(n, q.blocks), zero_points, k=k, block_size=bs, dtype=torch.float16)
 
     def call(fn, i: int) -> None:
         zp_ptr = q.zp[i].data_ptr() if args.zero_points else None
@@ -119,8 +117,8 @@ def _dequant_row(shape: str, q: Int4Weights, libs, args) -> list[float]:
         w.fill_(float("nan"))
         call(fn, 0)
         torch.cuda.synchronize()
-        by_rows = torch.equal(w.reshape(n, k_pad)[:, :k], ref[:, :k])
-        by_k = torch.equal(w[: k * n].reshape(k, n), ref[:, :k].t())
+        by_rows = torch.equal(w.reshape(n, k_pad)[:, :k], ref)
+        by_k = torch.equal(w[: k * n].reshape(k, n), ref.t())
         if not (by_rows or by_k):
             raise RuntimeError(f"{shape} {name}: the dequantized weight differs from PyTorch's")
         count = len(q.b)
@@ -128,13 +126,6 @@ def _dequant_row(shape: str, q: Int4Weights, libs, args) -> list[float]:
             _time_graph(torch, [functools.partial(call, fn, i) for i in range(count)], count * max(1, 32 // count))
         )
     return times
-
-
-def dequant_launcher(lib: ctypes.CDLL):
-    fn = lib.mambafuse_dequantize_int4_launch
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [ctypes.c_int, i64, i64, i64, p, p, p, p, p]
-    return fn
 
 
 def main() -> int:
@@ -150,13 +141,15 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    libs = []
-    for item in args.lib:
+
+    def library(flag: str, item: str):
         name, sep, path = item.partition("=")
         if not sep or not Path(path).is_file():
-            parser.error(f"--lib {item!r}: expected name=path to a bench library")
-        lib = ctypes.CDLL(path)
-        libs.append((name, dequant_launcher(lib) if args.dequant else nbits_launcher(lib)))
+            parser.error(f"{flag} {item!r}: expected name=path to a bench library")
+        return name, ctypes.CDLL(path)
+
+    launcher = dequant_launcher if args.dequant else nbits_launcher
+    libs = [(name, launcher(lib)) for name, lib in (library("--lib", item) for item in args.lib)]
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -168,10 +161,7 @@ def main() -> int:
         return _dequant_main(args, libs)
     columns = [(lib_name, launch, c) for lib_name, launch in libs for c in configs]
     if args.floor:
-        name, sep, path = args.floor.partition("=")
-        if not sep or not Path(path).is_file():
-            parser.error(f"--floor {args.floor!r}: expected name=path to a bench library")
-        columns.append((FLOOR, nbits_launcher(ctypes.CDLL(path)), "bulk"))
+        columns.append((FLOOR, nbits_launcher(library("--floor", args.floor)[1]), "bulk"))
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     environment = (

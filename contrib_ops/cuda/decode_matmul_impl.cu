@@ -1089,11 +1089,7 @@ __global__ void __launch_bounds__(kDequantThreads) DequantizeInt4Kernel(NBitsPar
     const uint2 bits = b_row[i];
     const int blk = (16 * i) >> p.block_shift;
     const float scale = Widen(scales[blk]);
-    int zp = 8;
-    if constexpr (kHasZp) {
-      const uint8_t byte = p.zero_points[static_cast<int64_t>(row) * p.zp_row_bytes + (blk >> 1)];
-      zp = (blk & 1) ? (byte >> 4) : (byte & 0x0F);
-    }
+    const int zp = kHasZp ? ZeroPoint(p, row, blk) : 8;
     union {
       T values[16];
       uint4 vectors[kVectors];

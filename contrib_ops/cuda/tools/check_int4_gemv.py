@@ -28,6 +28,18 @@ SHAPES = [
 ]  # fmt: skip
 
 
+def dequantized(b, scales, zero_points, *, k: int, block_size: int, dtype):
+    """W (N, K) as the kernels see it: (q - zp) * scale rounded once to ``dtype``, from MatMulNBits' packed blocks
+    (N, blocks, block_size / 2), scales (N, blocks) and packed zero points (N, ceil(blocks / 2)) or None (8)."""
+    n, blocks = scales.shape
+    q = torch.stack([b & 15, b >> 4], dim=-1).reshape(n, blocks, block_size).double()
+    if zero_points is not None:
+        z = torch.stack([zero_points & 15, zero_points >> 4], dim=-1).reshape(n, -1)[:, :blocks].double()
+    else:
+        z = torch.full((n, blocks), 8.0, device=b.device, dtype=torch.float64)
+    return ((q - z[:, :, None]) * scales.double()[:, :, None]).to(dtype).reshape(n, -1)[:, :k]
+
+
 def check(nbits, kernel: str, k: int, n: int, block_size: int, type_id: int, m: int, zero_points: bool) -> float:
     """Largest error over the budget of one case (> 1 fails; inf where the launch failed or wrote a non-finite)."""
     t = TYPES[type_id]
@@ -46,12 +58,7 @@ def check(nbits, kernel: str, k: int, n: int, block_size: int, type_id: int, m: 
     if rc != 0:
         print(f"launch failed ({rc}): {kernel} K={k} N={n} bs={block_size} M={m} zp={zero_points}")
         return float("inf")
-    q = torch.stack([b & 15, b >> 4], dim=-1).reshape(n, blocks, block_size).double()
-    if zp is not None:
-        z = torch.stack([zp & 15, zp >> 4], dim=-1).reshape(n, -1)[:, :blocks].double()
-    else:
-        z = torch.full((n, blocks), 8.0, device="cuda", dtype=torch.float64)
-    w = ((q - z[:, :, None]) * scales.double()[:, :, None]).to(t).double().reshape(n, -1)[:, :k]
+    w = dequantized(b, scales, zp, k=k, block_size=block_size, dtype=t).double()
     ref = a.double() @ w.T
     budget = (a.double().abs() @ w.abs().T) * 2e-3 + 1e-3 * ref.abs().max()
     if not torch.isfinite(y).all():
