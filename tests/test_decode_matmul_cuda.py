@@ -22,6 +22,7 @@ from benchmarks.bench_cuda_gemv import SHAPES
 from fusion.reference.decode_matmul import blocks_of, check_within_budget, dequantize
 from tests._cuda import CUDA, cuda_problem, cuda_session, feeds_of, with_supported_ir
 from tests._decode_step import BFLOAT16, DOMAIN, DTYPE_IDS, DTYPES, FLOAT, FLOAT16, IR_VERSION
+from tests._int4 import activations, int4_weight
 
 ort = pytest.importorskip("onnxruntime")
 _problem = cuda_problem(ort)
@@ -63,21 +64,6 @@ def one_node_model(op_type: str, inputs, outputs, *, dynamic: bool = False, **at
     return oh.make_model(
         graph, opset_imports=[oh.make_opsetid("", 18), oh.make_opsetid(DOMAIN, 1)], ir_version=IR_VERSION
     )
-
-
-def activations(rng: np.random.Generator, shape: tuple[int, ...], t: np.dtype) -> np.ndarray:
-    return rng.standard_normal(shape, dtype=np.float32).astype(t)
-
-
-def int4_weight(
-    rng: np.random.Generator, k: int, n: int, block_size: int, t: np.dtype, zero_points: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Random packed nibbles (the last block's padding too), scales in [0.005, 0.05) of T, packed zero points."""
-    blocks = blocks_of(k, block_size)
-    b = rng.integers(0, 256, size=(n, blocks, block_size // 2), dtype=np.uint8)
-    scales = (rng.random((n, blocks), dtype=np.float32) * 0.045 + 0.005).astype(t)
-    zp = rng.integers(0, 256, size=(n * ((blocks + 1) // 2),), dtype=np.uint8) if zero_points else None
-    return b, scales, zp
 
 
 def run_dense(a: np.ndarray, b: np.ndarray, **provider_options: str) -> np.ndarray:

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #undef __global__
 #undef __device__
@@ -53,6 +55,7 @@ struct EmuBlock {
 };
 inline thread_local uint3 threadIdx;
 inline thread_local uint3 blockIdx;
+inline thread_local dim3 gridDim;
 inline thread_local EmuBlock* emu_block = nullptr;
 
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
@@ -62,7 +65,20 @@ inline float __uint_as_float(unsigned int bits) { float f; std::memcpy(&f, &bits
 inline unsigned int __float_as_uint(float f) { unsigned int bits; std::memcpy(&bits, &f, sizeof bits); return bits; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
 inline void __syncthreads() { emu_block->bar.arrive_and_wait(); }
+[[noreturn]] inline void __trap() { std::abort(); }
+template <typename T>
+T __ldg(const T* p) {
+  return *p;
+}
+// Byte i of the result is byte (s >> 4 i) & 7 of the eight bytes y:x (x's the low four).
+inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const uint64_t bytes = static_cast<uint64_t>(y) << 32 | x;
+  unsigned int r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<unsigned int>(bytes >> (8 * ((s >> (4 * i)) & 7)) & 0xffu) << (8 * i);
+  return r;
+}
 
 template <typename T>
 T* EmuDynamicShared() {
@@ -72,6 +88,8 @@ T* EmuDynamicShared() {
 // This thread's warp and lane; its slot of the warp as a T.
 inline EmuWarp& EmuThisWarp() { return emu_block->warps[threadIdx.x / 32]; }
 inline unsigned EmuLane() { return threadIdx.x % 32; }
+// __syncwarp: the warp's 32 threads meet (every kernel emulated here calls it with the full mask).
+inline void __syncwarp(unsigned = 0xffffffffu) { EmuThisWarp().bar.arrive_and_wait(); }
 template <typename T>
 T& EmuSlot(EmuWarp& warp, unsigned lane) {
   static_assert(sizeof(T) <= sizeof warp.slots[0], "a lane's operands fit its slot");
@@ -112,14 +130,20 @@ T __shfl_sync(unsigned, T v, int source) {
   return EmuShuffle(v, [source](int) { return source % 32; });
 }
 
-template <typename P>
-void EmuLaunch(void (*kernel)(P), dim3 grid, unsigned threads, size_t shared_bytes, const P& params) {
+// The block size of the newest launch (a test's check of which kernel a launcher chose).
+inline std::atomic<unsigned> emu_last_block_threads{0};
+
+template <typename... P>
+void EmuLaunch(void (*kernel)(P...), dim3 grid, unsigned threads, size_t shared_bytes,
+               const std::type_identity_t<P>&... params) {
+  emu_last_block_threads = threads;
   EmuBlock block(threads, shared_bytes);
   std::vector<std::thread> workers;
   for (unsigned t = 0; t < threads; ++t) {
     // The same 32 threads form warp t / 32 in every block, so a warp's barrier never mixes blocks.
     workers.emplace_back([&, t] {
       threadIdx = {t, 0, 0};
+      gridDim = grid;
       emu_block = &block;
       for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
@@ -127,7 +151,7 @@ void EmuLaunch(void (*kernel)(P), dim3 grid, unsigned threads, size_t shared_byt
             blockIdx = {x, y, z};
             if (t == 0) std::memset(block.shared.data(), 0xff, block.shared.size() * sizeof(EmuBlock::Line));
             block.bar.arrive_and_wait();  // the refill before any thread of this block reads
-            kernel(params);
+            kernel(params...);
             block.bar.arrive_and_wait();  // the next block's shared writes wait for this block's reads
           }
     });
@@ -139,8 +163,9 @@ void EmuLaunch(void (*kernel)(P), dim3 grid, const P& params) {
   EmuLaunch(kernel, grid, 128, 0, params);  // the decode kernels' block size
 }
 
-// The runtime calls, on host memory. The device: 132 multiprocessors with 227 KB of shared memory a block (an
-// H100's or H200's) and 4 blocks a multiprocessor for any kernel.
+// The runtime calls, on host memory. The device: 132 multiprocessors (an H100's or H200's; MAMBAFUSE_EMU_SMS=N
+// makes it N, so that a test's few blocks share out many groups) with 227 KB of shared memory a block, compute
+// capability 9.0, and 4 blocks a multiprocessor for any kernel.
 inline cudaError_t emu_cudaMalloc(void** p, size_t n) { *p = std::aligned_alloc(256, (n + 255) / 256 * 256); return cudaSuccess; }
 inline cudaError_t emu_cudaFree(void* p) { std::free(p); return cudaSuccess; }
 inline cudaError_t emu_cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t) { std::memcpy(d, s, n); return cudaSuccess; }
@@ -151,7 +176,13 @@ inline cudaError_t emu_cudaStreamSynchronize(cudaStream_t) { return cudaSuccess;
 inline cudaError_t emu_cudaGetDeviceCount(int* c) { *c = 1; return cudaSuccess; }
 inline cudaError_t emu_cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
 inline cudaError_t emu_cudaDeviceGetAttribute(int* v, cudaDeviceAttr attribute, int) {
-  *v = attribute == cudaDevAttrMaxSharedMemoryPerBlockOptin ? 227 * 1024 : 132;
+  const char* sms = std::getenv("MAMBAFUSE_EMU_SMS");
+  switch (attribute) {
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *v = 227 * 1024; break;
+    case cudaDevAttrComputeCapabilityMajor: *v = 9; break;
+    case cudaDevAttrComputeCapabilityMinor: *v = 0; break;
+    default: *v = sms != nullptr && std::atoi(sms) > 0 ? std::atoi(sms) : 132;
+  }
   return cudaSuccess;
 }
 template <typename Kernel>

@@ -1,0 +1,111 @@
+"""The int4 bulk-copy GEMV's synchronization, checked without a GPU: the host emulation (one std::thread per CUDA
+thread; contrib_ops/cuda/tools/host_gemv_ptx.h's mbarriers, whose arrivals, waits and copy landings take one lock, so
+they order what they order on the GPU) built with ThreadSanitizer, which reports two accesses to the same byte, one a
+write, that nothing orders: a stage's bytes landing while a compute warp still reads the tile before them, the group
+sums' slots written while warp 0 reads them; with the copies landing at their wait and where they are asked for. A
+planted race, the compute warps giving a stage back before they have read it (with the copies landing where they are
+asked for, so the next tile's bytes overwrite the stage while it is read), shows that the check sees one.
+
+The emulated kernels run in a subprocess with libtsan preloaded (a ThreadSanitizer library cannot be loaded into an
+uninstrumented Python otherwise); ``python -m tests.test_decode_matmul_cuda_races LIBRARY`` is that subprocess.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests._cuda import build_emulation
+from tests.test_prefill_cuda_races import RACE, libtsan
+
+REPO = Path(__file__).resolve().parent.parent
+NBITS_SOURCE = REPO / "contrib_ops" / "cuda" / "decode_matmul_nbits_impl.cu"
+# A compute warp's wait for its tile, and its release of the stage once every lane is done with it; the planted race
+# releases the stage right after the wait, before the tile is read.
+WAIT = "    WaitParity(SharedAddress(&full[stage]), (j / kBulkStages) & 1);\n"
+RELEASE = "    if (lane == 0) MbarrierArrive(SharedAddress(&empty[stage]));\n"
+# (T, M, K, N, block size, zero points), on an emulated device of one multiprocessor (4 blocks): one group of three
+# tiles (a stage reused within a group), and 24 groups of one tile, 3 a lane (stages and sums slots reused).
+CASES = [
+    (10, 1, 12288, 16, 32, 1),
+    (16, 3, 4096, 384, 128, 0),
+]
+
+
+def build(out: Path, source: Path | None = None) -> Path:
+    """The emulated GEMV library built with -fsanitize=thread (of `source` in place of the int4 kernels)."""
+    build_emulation("emulate_gemv.sh", out, *([str(source)] if source else []), cxx_flags="-fsanitize=thread -g")
+    return out / "libmambafuse_gemv_emulated.so"
+
+
+def run_under_tsan(library: Path, runtime: str, copies: str) -> subprocess.CompletedProcess:
+    """This module's main on `library` with libtsan preloaded, on an emulated device of one multiprocessor, the bulk
+    copies landing at their wait ("deferred") or where they are asked for ("immediate")."""
+    env = dict(os.environ, LD_PRELOAD=runtime, TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 exitcode=66")
+    env["MAMBAFUSE_EMU_COPY"] = copies
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["MAMBAFUSE_EMU_SMS"] = "1"
+    env["OPENBLAS_NUM_THREADS"] = "1"  # the float64 reference's BLAS threads are not instrumented
+    env.pop("MAMBAFUSE_NBITS_KERNEL", None)
+    command = [sys.executable, "-m", "tests.test_decode_matmul_cuda_races", str(library)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False, timeout=1200)
+
+
+@pytest.mark.parametrize("copies", ["deferred", "immediate"])
+def test_the_bulk_kernel_has_no_unordered_access(tmp_path: Path, copies: str) -> None:
+    runtime = libtsan()
+    result = run_under_tsan(build(tmp_path / "kernels"), runtime, copies)
+    output = result.stdout + result.stderr
+    assert RACE not in output, output[-6000:]
+    assert result.returncode == 0, output[-4000:]
+    assert f"{len(CASES)} cases within the budget" in result.stdout, output[-4000:]
+
+
+def test_a_stage_given_back_before_it_is_read_is_reported(tmp_path: Path) -> None:
+    runtime = libtsan()
+    source = NBITS_SOURCE.read_text()
+    assert source.count(WAIT) == 1 and source.count(RELEASE) == 1, "the kernel's wait or its release moved"
+    planted = tmp_path / "early_release.cu"
+    planted.write_text(source.replace(RELEASE, "").replace(WAIT, WAIT + RELEASE))
+    result = run_under_tsan(build(tmp_path / "planted", planted), runtime, "immediate")
+    assert RACE in result.stdout + result.stderr, (result.stdout + result.stderr)[-4000:]
+
+
+def main(library: str) -> int:
+    """Run CASES on the emulated library at `library`; print how many were within the budget."""
+    import numpy as np
+
+    from fusion.reference._bounds import bfloat16
+    from fusion.reference.decode_matmul import check_within_budget, dequantize
+    from tests._int4 import activations, int4_weight
+
+    lib = ctypes.CDLL(library)
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    launch = lib.mambafuse_decode_matmul_nbits_launch
+    launch.argtypes = [ctypes.c_int, i64, i64, i64, i64, p, p, p, p, p, p]
+    good = 0
+    for type_id, m, k, n, block_size, zero_points in CASES:
+        t = np.dtype(np.float16) if type_id == 10 else bfloat16
+        rng = np.random.default_rng([type_id, m, k, n])
+        a = activations(rng, (m, k), t)
+        b, scales, zp = int4_weight(rng, k, n, block_size, t, bool(zero_points))
+        y = np.full((m, n), np.nan, dtype=t)
+        zp_address = None if zp is None else zp.ctypes.data
+        status = launch(type_id, m, k, n, block_size, a.ctypes.data, b.ctypes.data, scales.ctypes.data, zp_address,
+                        y.ctypes.data, None)  # fmt: skip
+        outside, detail = check_within_budget(y, a, dequantize(b, scales, zp, k=k, n=n, block_size=block_size))
+        if status == 0 and outside == 0:
+            good += 1
+        else:
+            print(f"T={type_id} M={m} K={k} N={n} bs={block_size}: status {status}, {outside} outside; {detail}")
+    print(f"{good} cases within the budget")
+    return 0 if good == len(CASES) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
