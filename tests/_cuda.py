@@ -8,6 +8,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import contrib_ops
 from fusion.reference._bounds import bfloat16
 
 CUDA = "CUDAExecutionProvider"
-TOOLS = Path(__file__).resolve().parents[1] / "contrib_ops" / "cuda" / "tools"
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "contrib_ops" / "cuda" / "tools"
 
 
 def with_supported_ir(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -94,6 +96,17 @@ def build_emulation(script: str, out: Path, *arguments: str, cxx_flags: str = ""
     command = ["bash", str(TOOLS / script), str(out), *arguments]
     result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     assert result.returncode == 0, f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+
+
+def run_module_under_tsan(module: str, runtime: str, *arguments: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m <module> <arguments>`` from the repository root with the ThreadSanitizer runtime ``runtime``
+    preloaded (a ThreadSanitizer library cannot be loaded into an uninstrumented Python otherwise) and ``env`` added;
+    a report does not stop the run, and one makes its exit status 66."""
+    full = dict(os.environ, LD_PRELOAD=runtime, TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 exitcode=66")
+    full["PYTHONPATH"] = os.pathsep.join([str(REPO), full.get("PYTHONPATH", "")])
+    full.update(env)
+    command = [sys.executable, "-m", module, *arguments]
+    return subprocess.run(command, capture_output=True, text=True, env=full, cwd=REPO, check=False, timeout=1200)
 
 
 def emulated_library(script: str, library: str, out: Path) -> ctypes.CDLL:

@@ -13,14 +13,13 @@ uninstrumented Python otherwise); ``python -m tests.test_decode_matmul_cuda_race
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests._cuda import build_emulation
+from tests._cuda import build_emulation, run_module_under_tsan
 from tests.test_prefill_cuda_races import RACE, libtsan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,14 +45,15 @@ def build(out: Path, source: Path | None = None) -> Path:
 def run_under_tsan(library: Path, runtime: str, copies: str) -> subprocess.CompletedProcess:
     """This module's main on `library` with libtsan preloaded, on an emulated device of one multiprocessor, the bulk
     copies landing at their wait ("deferred") or where they are asked for ("immediate")."""
-    env = dict(os.environ, LD_PRELOAD=runtime, TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 exitcode=66")
-    env["MAMBAFUSE_EMU_COPY"] = copies
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env["MAMBAFUSE_EMU_SMS"] = "1"
-    env["OPENBLAS_NUM_THREADS"] = "1"  # the float64 reference's BLAS threads are not instrumented
-    env.pop("MAMBAFUSE_NBITS_KERNEL", None)
-    command = [sys.executable, "-m", "tests.test_decode_matmul_cuda_races", str(library)]
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False, timeout=1200)
+    return run_module_under_tsan(
+        "tests.test_decode_matmul_cuda_races",
+        runtime,
+        str(library),
+        MAMBAFUSE_EMU_COPY=copies,
+        MAMBAFUSE_EMU_SMS="1",
+        MAMBAFUSE_NBITS_KERNEL="",  # the launcher's own choice (anything but "mma")
+        OPENBLAS_NUM_THREADS="1",  # the float64 reference's BLAS threads are not instrumented
+    )
 
 
 @pytest.mark.parametrize("copies", ["deferred", "immediate"])

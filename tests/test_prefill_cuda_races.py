@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._cuda import build_emulation
+from tests._cuda import build_emulation, run_module_under_tsan
 
 REPO = Path(__file__).resolve().parent.parent
 SCAN_SOURCE = REPO / "contrib_ops" / "cuda" / "mamba_chunk_scan_impl.cu"
@@ -50,10 +50,7 @@ def build(out: Path, source: Path | None = None) -> Path:
 
 def run_under_tsan(library: Path, runtime: str, *cases: str) -> subprocess.CompletedProcess:
     """This module's main on `library` and `cases` (KERNEL:TYPE:N:LENGTH:COPIES) with libtsan preloaded."""
-    env = dict(os.environ, LD_PRELOAD=runtime, TSAN_OPTIONS="halt_on_error=0 report_signal_unsafe=0 exitcode=66")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-m", "tests.test_prefill_cuda_races", str(library), *cases]
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False, timeout=1200)
+    return run_module_under_tsan("tests.test_prefill_cuda_races", runtime, str(library), *cases)
 
 
 # Both half-path kernels, both emulated copy orders, both 16-bit types and state sizes; 200 tokens are four chunks,

@@ -16,14 +16,8 @@ ops=$(dirname "$cuda_src")
 nbits=${2:-$cuda_src/decode_matmul_nbits_impl.cu}
 include=${CUDA_HOME:-/usr/local/cuda}/include
 mkdir -p "$out"
-rewrite=(-E -e 's/([A-Za-z_][A-Za-z0-9_]*(<[^<>]*>)?)<<<(.*), stream>>>\((.*)\);/EmuLaunch(\1, \3, \4);/'
-         -e 's/extern __shared__ __align__\([0-9]+\) (\w+) (\w+)\[\];/\1* const \2 = EmuDynamicShared<\1>();/')
-sed "${rewrite[@]}" "$nbits" >"$out/nbits_impl.cc"
-if grep -q '<<<\|extern __shared__' "$out/nbits_impl.cc"; then
-  echo "emulate_gemv.sh: a launch or a dynamic shared array was not rewritten:" >&2
-  grep -n '<<<\|extern __shared__' "$out/nbits_impl.cc" >&2
-  exit 1
-fi
+source "$tools/emulate_common.sh"
+emu_rewrite "$nbits" "$out/nbits_impl.cc"
 cp "$tools/host_gemv_ptx.h" "$out/gemv_ptx.cuh"
 printf '#include "host_emulation.h"\n#include "nbits_impl.cc"\n' >"$out/emu_nbits.cc"
 printf '#include "host_emulation.h"\n#include "tools/cuda_gemv_bench_launch.cc"\n' >"$out/emu_launch.cc"

@@ -15,15 +15,9 @@ ops=$(dirname "$cuda_src")
 scan=${2:-$cuda_src/mamba_chunk_scan_impl.cu}
 include=${CUDA_HOME:-/usr/local/cuda}/include
 mkdir -p "$out"
-rewrite=(-E -e 's/([A-Za-z_][A-Za-z0-9_]*(<[^<>]*>)?)<<<(.*), stream>>>\((\w+)\);/EmuLaunch(\1, \3, \4);/'
-         -e 's/extern __shared__ __align__\([0-9]+\) (\w+) (\w+)\[\];/\1* const \2 = EmuDynamicShared<\1>();/')
-sed "${rewrite[@]}" "$scan" >"$out/scan_impl.cc"
-sed "${rewrite[@]}" "$cuda_src/causal_conv1d_impl.cu" >"$out/conv_impl.cc"
-if grep -q '<<<\|extern __shared__' "$out/scan_impl.cc" "$out/conv_impl.cc"; then
-  echo "emulate_prefill.sh: a launch or a dynamic shared array was not rewritten:" >&2
-  grep -n '<<<\|extern __shared__' "$out/scan_impl.cc" "$out/conv_impl.cc" >&2
-  exit 1
-fi
+source "$tools/emulate_common.sh"
+emu_rewrite "$scan" "$out/scan_impl.cc"
+emu_rewrite "$cuda_src/causal_conv1d_impl.cu" "$out/conv_impl.cc"
 cp "$tools/host_warp_mma.h" "$out/warp_mma.cuh"
 cp "$tools/host_approx_math.h" "$out/approx_math.cuh"
 printf '#include "host_emulation.h"\n#include "scan_impl.cc"\n' >"$out/emu_scan.cc"
