@@ -18,23 +18,14 @@ import ctypes
 import numpy as np
 import pytest
 
-from fusion.reference.decode_matmul import blocks_of, check_within_budget, dequantize
+from fusion.reference.decode_matmul import blocks_of, dequantize
 from tests._cuda import ONNX_TYPE, TOOLS, build_emulation, emulated_library, host_pointer
 from tests._decode_step import BFLOAT16, DTYPE_IDS, FLOAT, FLOAT16
-from tests._int4 import activations, int4_weight
+from tests._int4 import declare, int4_weight, run_gemv
 
 HALVES = (FLOAT16, BFLOAT16)
 BULK_THREADS = 2 * 9 * 32  # two lanes of 8 compute warps and a producer warp
 MMA_THREADS = 256
-
-
-def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """``lib`` (tools/cuda_gemv_bench_launch.cc's int4 entry points and the emulation's launch record) typed."""
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.mambafuse_decode_matmul_nbits_launch.argtypes = [i, i64, i64, i64, i64, p, p, p, p, p, p]
-    lib.mambafuse_dequantize_int4_launch.argtypes = [i, i64, i64, i64, p, p, p, p, p]
-    lib.mambafuse_emu_last_block_threads.restype = ctypes.c_uint
-    return lib
 
 
 @pytest.fixture(scope="module")
@@ -49,24 +40,6 @@ def two_multiprocessors(monkeypatch: pytest.MonkeyPatch) -> None:
     share out many groups of 16 columns."""
     monkeypatch.setenv("MAMBAFUSE_EMU_SMS", "2")
     monkeypatch.delenv("MAMBAFUSE_NBITS_KERNEL", raising=False)
-
-
-def run_gemv(lib: ctypes.CDLL, t, m: int, k: int, n: int, block_size: int, zero_points: bool, seed: int) -> int:
-    """A and an int4 weight drawn from ``seed``, the GEMV launched on them, Y within the budget of the weight it
-    dequantizes to; returns the launch's block size."""
-    rng = np.random.default_rng(seed)
-    a = activations(rng, (m, k), t)
-    b, scales, zp = int4_weight(rng, k, n, block_size, t, zero_points)
-    y = np.full((m, n), np.nan, dtype=t)
-    status = lib.mambafuse_decode_matmul_nbits_launch(
-        ONNX_TYPE[np.dtype(t)], m, k, n, block_size, host_pointer(a), host_pointer(b), host_pointer(scales),
-        host_pointer(zp), host_pointer(y), None,
-    )  # fmt: skip
-    case = f"T={DTYPE_IDS[t]} M={m} K={k} N={n} bs={block_size} zp={zero_points}"
-    assert status == 0, f"{case}: launch returned {status}"
-    outside, detail = check_within_budget(y, a, dequantize(b, scales, zp, k=k, n=n, block_size=block_size))
-    assert outside == 0, f"{case}: {outside} of {y.size} outputs outside the budget; {detail}"
-    return int(lib.mambafuse_emu_last_block_threads())
 
 
 @pytest.mark.parametrize("t", HALVES, ids=DTYPE_IDS.get)

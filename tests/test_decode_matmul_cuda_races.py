@@ -81,28 +81,17 @@ def main(library: str) -> int:
     import numpy as np
 
     from fusion.reference._bounds import bfloat16
-    from fusion.reference.decode_matmul import check_within_budget, dequantize
-    from tests._int4 import activations, int4_weight
+    from tests._int4 import declare, run_gemv
 
-    lib = ctypes.CDLL(library)
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    launch = lib.mambafuse_decode_matmul_nbits_launch
-    launch.argtypes = [ctypes.c_int, i64, i64, i64, i64, p, p, p, p, p, p]
+    lib = declare(ctypes.CDLL(library))
     good = 0
     for type_id, m, k, n, block_size, zero_points in CASES:
         t = np.dtype(np.float16) if type_id == 10 else bfloat16
-        rng = np.random.default_rng([type_id, m, k, n])
-        a = activations(rng, (m, k), t)
-        b, scales, zp = int4_weight(rng, k, n, block_size, t, bool(zero_points))
-        y = np.full((m, n), np.nan, dtype=t)
-        zp_address = None if zp is None else zp.ctypes.data
-        status = launch(type_id, m, k, n, block_size, a.ctypes.data, b.ctypes.data, scales.ctypes.data, zp_address,
-                        y.ctypes.data, None)  # fmt: skip
-        outside, detail = check_within_budget(y, a, dequantize(b, scales, zp, k=k, n=n, block_size=block_size))
-        if status == 0 and outside == 0:
+        try:
+            run_gemv(lib, t, m, k, n, block_size, bool(zero_points), [type_id, m, k, n])
             good += 1
-        else:
-            print(f"T={type_id} M={m} K={k} N={n} bs={block_size}: status {status}, {outside} outside; {detail}")
+        except AssertionError as failure:
+            print(failure)
     print(f"{good} cases within the budget")
     return 0 if good == len(CASES) else 1
 
