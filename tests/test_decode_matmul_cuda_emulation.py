@@ -34,6 +34,15 @@ def emulated(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return declare(emulated_library("emulate_gemv.sh", "libmambafuse_gemv_emulated.so", out))
 
 
+@pytest.fixture(scope="module")
+def emulated_staged_zeros(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """The kernels built with -DMAMBAFUSE_NBITS_STAGED_ZEROS=1: the bulk kernel's producer warp writes each tile's
+    biased zero points into the stage, and its compute warps read them there."""
+    out = tmp_path_factory.mktemp("gemv_emulated_staged_zeros")
+    build_emulation("emulate_gemv.sh", out, cxx_flags="-DMAMBAFUSE_NBITS_STAGED_ZEROS=1")
+    return declare(ctypes.CDLL(str(out / "libmambafuse_gemv_emulated.so")))
+
+
 @pytest.fixture(autouse=True)
 def two_multiprocessors(monkeypatch: pytest.MonkeyPatch) -> None:
     """An emulated device of two multiprocessors (4 blocks each): a grid of at most 8 blocks, so that a few blocks
@@ -58,6 +67,18 @@ def test_bulk_kernel(emulated, t, zero_points, block_size, m, k, n):
     two full tiles (each stage and sums slot reused)."""
     seed = [HALVES.index(t), int(zero_points), block_size, m, k, n]
     assert run_gemv(emulated, t, m, k, n, block_size, zero_points, seed) == BULK_THREADS
+
+
+@pytest.mark.parametrize("t", HALVES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("zero_points", [False, True], ids=["no-zp", "zp"])
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("m", [1, 8])
+@pytest.mark.parametrize(("k", "n"), [(5110, 40), (8192, 520)], ids=["padded-K-rows-past-N", "shared-groups"])
+def test_bulk_kernel_with_staged_zero_points(emulated_staged_zeros, t, zero_points, block_size, m, k, n):
+    """The bulk kernel with the zero points staged by its producer warp (rows past N, a tile of 1024 k, stages and
+    groups reused), with zero points and without (the stage's layout grows either way)."""
+    seed = [HALVES.index(t), int(zero_points), block_size, m, k, n, 5]
+    assert run_gemv(emulated_staged_zeros, t, m, k, n, block_size, zero_points, seed) == BULK_THREADS
 
 
 @pytest.mark.parametrize("t", HALVES, ids=DTYPE_IDS.get)

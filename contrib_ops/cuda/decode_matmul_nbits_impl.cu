@@ -355,17 +355,26 @@ __global__ void __launch_bounds__(kNBitsThreads, MAMBAFUSE_NBITS_MIN_BLOCKS) Int
 #ifndef MAMBAFUSE_NBITS_BULK_WARPS
 #define MAMBAFUSE_NBITS_BULK_WARPS 8
 #endif
+#ifndef MAMBAFUSE_NBITS_STAGED_ZEROS  // 1: the producer warp stages each tile's biased zero points (not yet timed)
+#define MAMBAFUSE_NBITS_STAGED_ZEROS 0
+#endif
 constexpr int kBulkChunkK = MAMBAFUSE_NBITS_BULK_CHUNK;  // k of a tile (a multiple of 128)
 constexpr int kBulkStages = MAMBAFUSE_NBITS_BULK_STAGES;
 constexpr int kBulkWarps = MAMBAFUSE_NBITS_BULK_WARPS;  // compute warps of a lane; one more asks for its tiles
 constexpr int kBulkLaneThreads = (kBulkWarps + 1) * 32;
 constexpr int kBulkLanes = MAMBAFUSE_NBITS_BULK_LANES;  // lanes of a block, each its own ring and groups
+// With zero points, the producer warp writes each tile's biased zero points into the stage beside its scales while the
+// copies are in flight, and the compute warps read them as they read the scales, instead of loading a zero-point byte
+// a row in each step (25 of the step loop's 183 instructions on the H100).
+constexpr bool kBulkStagedZeros = MAMBAFUSE_NBITS_STAGED_ZEROS != 0;
 constexpr int kBulkThreads = kBulkLanes * kBulkLaneThreads;
 // A stage's rows of weights start 64 bytes (16 banks) apart past a multiple of 128, so rows g and g + 1 of one
 // 16-byte read per thread land in different banks; the scales' rows 16 bytes apart past their largest size.
 constexpr int kBulkRowStride = kBulkChunkK / 2 + 64;
 constexpr int kBulkScaleStride = kBulkChunkK / 16 * 2 + 16;
-constexpr int kBulkStageBytes = kNBitsRows * (kBulkRowStride + kBulkScaleStride);
+// A stage: 16 rows of weights, their scales, then (kBulkStagedZeros) their blocks' biased zero points as T, laid out
+// as the scales.
+constexpr int kBulkStageBytes = kNBitsRows * (kBulkRowStride + (kBulkStagedZeros ? 2 : 1) * kBulkScaleStride);
 constexpr int kBulkSumBytes = 2 * kBulkWarps * 32 * 4 * static_cast<int>(sizeof(float));
 // A lane's stages, sums and mbarriers, rounded up to 128 bytes so every lane's rows sit alike in the banks.
 constexpr int kBulkLaneBytes = (kBulkStages * kBulkStageBytes + kBulkSumBytes + 2 * kBulkStages * 8 + 127) / 128 * 128;
@@ -404,18 +413,40 @@ __device__ __forceinline__ void RequestTile(const NBitsParams& p, int group, int
   }
 }
 
-// One tile of 16 rows in shared memory: the rows g and g + 8 of this thread's weights and scales.
+// The biased zero points (1024 + zp in float16, 128 + zp in bfloat16: what the dequantisation subtracts) of a tile's
+// rows and blocks, as T at `zeros` + r * scale_stride (a whole warp calls it, after asking for the tile's copies): two
+// blocks a byte, so each 32-bit store takes one zero-point byte. A tile starts at an even block and holds whole
+// pairs of blocks (k0 a multiple of 4096, chunk_k of 8 blocks). Rows past N get zero point 8.
+template <typename T>
+__device__ __forceinline__ void StageZeroPoints(const NBitsParams& p, int group, int k0, int chunk_k, uint8_t* zeros,
+                                                int scale_stride) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int rows = min(kNBitsRows, p.n - group * kNBitsRows);
+  const int row_bytes = (chunk_k >> p.block_shift) / 2;
+  const uint8_t* src = p.zero_points + static_cast<int64_t>(group) * kNBitsRows * p.zp_row_bytes + (k0 >> p.block_shift) / 2;
+  for (int i = lane; i < kNBitsRows * row_bytes; i += 32) {
+    const int r = i / row_bytes, c = i - r * row_bytes;
+    const uint32_t byte = r < rows ? __ldg(src + static_cast<int64_t>(r) * p.zp_row_bytes + c) : 0x88u;
+    const uint32_t pair = HalfTraits<T>::kMagic | (byte & 0x0Fu) | ((byte >> 4) << 16);
+    *reinterpret_cast<uint32_t*>(zeros + r * scale_stride + 4 * c) = pair;
+  }
+}
+
+// One tile of 16 rows in shared memory: the rows g and g + 8 of this thread's weights, scales and (kBulkStagedZeros)
+// biased zero points.
 template <typename T>
 struct TileView {
   const uint8_t* w_lo;
   const uint8_t* w_hi;
   const T* s_lo;
   const T* s_hi;
+  const T* z_lo;
+  const T* z_hi;
 };
 
 // The steps first, first + stride, ... of a tile in shared memory (group `group`, k [k0, k0 + chunk_k)) added into
-// d0 and d1: each thread's 16 bytes of rows g and g + 8, their blocks' scales (and zero points, from global memory)
-// and A's 32 values, as in Int4GemvMmaKernel. Lean where it can be: a tile away from N's and K's ends takes no
+// d0 and d1: each thread's 16 bytes of rows g and g + 8, their blocks' scales (and zero points, from the stage or
+// from global memory) and A's 32 values, as in Int4GemvMmaKernel. Lean where it can be: a tile away from N's and K's ends takes no
 // bounds checks, block sizes from 32 up read one scale a row, and a thread whose token g is past M reads A's last
 // row instead of zeros (its columns of the product are computed and never stored), so no load is predicated.
 template <typename T, bool kHasZp, bool kAVec>
@@ -452,13 +483,18 @@ __device__ __forceinline__ void SharedTileSteps(const NBitsParams& p, const Tile
         }
         const T sl = lo ? tile.s_lo[blk + b] : zero_scale, sh = hi ? tile.s_hi[blk + b] : zero_scale;
         sc_lo[b] = Pair(sl, sl), sc_hi[b] = Pair(sh, sh);
-        int zl = 8, zh = 8;
-        if constexpr (kHasZp) {
-          const int gblk = (kk >> p.block_shift) + b;
-          if (lo) zl = ZeroPoint(p, row_lo, gblk);
-          if (hi) zh = ZeroPoint(p, row_hi, gblk);
+        if constexpr (kHasZp && kBulkStagedZeros) {  // rows past N hold zero point 8 in the stage
+          const T zl = tile.z_lo[blk + b], zh = tile.z_hi[blk + b];
+          z_lo[b] = Pair(zl, zl), z_hi[b] = Pair(zh, zh);
+        } else {
+          int zl = 8, zh = 8;
+          if constexpr (kHasZp) {
+            const int gblk = (kk >> p.block_shift) + b;
+            if (lo) zl = ZeroPoint(p, row_lo, gblk);
+            if (hi) zh = ZeroPoint(p, row_hi, gblk);
+          }
+          z_lo[b] = BiasedZero<T>(zl), z_hi[b] = BiasedZero<T>(zh);
         }
-        z_lo[b] = BiasedZero<T>(zl), z_hi[b] = BiasedZero<T>(zh);
       }
       uint4 av[4];
       if constexpr (kAFull) {  // the tile lies inside K and A's rows are 16-byte aligned
@@ -542,7 +578,7 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
   const int tiles = lane_tiles.count;
   if (threadIdx.x % kBulkLaneThreads == 0) {
     for (int s = 0; s < kBulkStages; ++s) {
-      MbarrierInit(SharedAddress(&full[s]), 1);
+      MbarrierInit(SharedAddress(&full[s]), kHasZp && kBulkStagedZeros ? 2 : 1);  // the copies, the zero points
       MbarrierInit(SharedAddress(&empty[s]), kBulkWarps);
     }
     FenceMbarrierInit();
@@ -556,8 +592,15 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
         FenceProxyAsync();  // their reads before the copy's writes
       }
       const LaneTiles::Tile t = lane_tiles.At(j);
-      RequestTile<T>(p, t.group, t.k0, t.chunk_k, stages + stage * kBulkStageBytes, kBulkRowStride, kBulkScaleStride,
+      uint8_t* stage_base = stages + stage * kBulkStageBytes;
+      RequestTile<T>(p, t.group, t.k0, t.chunk_k, stage_base, kBulkRowStride, kBulkScaleStride,
                      SharedAddress(&full[stage]));
+      if constexpr (kHasZp && kBulkStagedZeros) {  // while the copies fly; the arrival releases the stores
+        StageZeroPoints<T>(p, t.group, t.k0, t.chunk_k,
+                           stage_base + kNBitsRows * (kBulkRowStride + kBulkScaleStride), kBulkScaleStride);
+        __syncwarp();
+        if (threadIdx.x % 32 == 0) MbarrierArrive(SharedAddress(&full[stage]));
+      }
     }
     return;
   }
@@ -569,8 +612,13 @@ __global__ void __launch_bounds__(kBulkThreads) Int4GemvBulkKernel(NBitsParams p
     const uint8_t* stage_base = stages + stage * kBulkStageBytes;
     const uint8_t* w_lo = stage_base + g * kBulkRowStride;
     const T* s_lo = reinterpret_cast<const T*>(stage_base + kNBitsRows * kBulkRowStride + g * kBulkScaleStride);
-    const TileView<T> tile{w_lo, w_lo + 8 * kBulkRowStride, s_lo,
-                           reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride)};
+    const T* z_lo = reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + kNBitsRows * kBulkScaleStride);
+    const TileView<T> tile{w_lo,
+                           w_lo + 8 * kBulkRowStride,
+                           s_lo,
+                           reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(s_lo) + 8 * kBulkScaleStride),
+                           z_lo,
+                           reinterpret_cast<const T*>(reinterpret_cast<const uint8_t*>(z_lo) + 8 * kBulkScaleStride)};
     WaitParity(SharedAddress(&full[stage]), (j / kBulkStages) & 1);
 #if defined(MAMBAFUSE_NBITS_TRAFFIC_FLOOR)  // a reference build for benchmarks: the copies and waits, no arithmetic
     (void)tile;
