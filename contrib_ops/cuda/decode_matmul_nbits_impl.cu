@@ -416,14 +416,15 @@ __device__ __forceinline__ void RequestTile(const NBitsParams& p, int group, int
 // The biased zero points (1024 + zp in float16, 128 + zp in bfloat16: what the dequantisation subtracts) of a tile's
 // rows and blocks, as T at `zeros` + r * scale_stride (a whole warp calls it, after asking for the tile's copies): two
 // blocks a byte, so each 32-bit store takes one zero-point byte. A tile starts at an even block and holds whole
-// pairs of blocks (k0 a multiple of 4096, chunk_k of 8 blocks). Rows past N get zero point 8.
+// pairs of blocks (k0 a multiple of kBulkChunkK, chunk_k a multiple of 8 blocks). Rows past N get zero point 8.
 template <typename T>
 __device__ __forceinline__ void StageZeroPoints(const NBitsParams& p, int group, int k0, int chunk_k, uint8_t* zeros,
                                                 int scale_stride) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int rows = min(kNBitsRows, p.n - group * kNBitsRows);
   const int row_bytes = (chunk_k >> p.block_shift) / 2;
-  const uint8_t* src = p.zero_points + static_cast<int64_t>(group) * kNBitsRows * p.zp_row_bytes + (k0 >> p.block_shift) / 2;
+  const uint8_t* src =
+      p.zero_points + static_cast<int64_t>(group) * kNBitsRows * p.zp_row_bytes + (k0 >> p.block_shift) / 2;
   for (int i = lane; i < kNBitsRows * row_bytes; i += 32) {
     const int r = i / row_bytes, c = i - r * row_bytes;
     const uint32_t byte = r < rows ? __ldg(src + static_cast<int64_t>(r) * p.zp_row_bytes + c) : 0x88u;
@@ -446,9 +447,9 @@ struct TileView {
 
 // The steps first, first + stride, ... of a tile in shared memory (group `group`, k [k0, k0 + chunk_k)) added into
 // d0 and d1: each thread's 16 bytes of rows g and g + 8, their blocks' scales (and zero points, from the stage or
-// from global memory) and A's 32 values, as in Int4GemvMmaKernel. Lean where it can be: a tile away from N's and K's ends takes no
-// bounds checks, block sizes from 32 up read one scale a row, and a thread whose token g is past M reads A's last
-// row instead of zeros (its columns of the product are computed and never stored), so no load is predicated.
+// from global memory) and A's 32 values, as in Int4GemvMmaKernel. Lean where it can be: a tile away from N's and K's
+// ends takes no bounds checks, block sizes from 32 up read one scale a row, and a thread whose token g is past M reads
+// A's last row instead of zeros (its columns of the product are computed and never stored), so no load is predicated.
 template <typename T, bool kHasZp, bool kAVec>
 __device__ __forceinline__ void SharedTileSteps(const NBitsParams& p, const TileView<T>& tile, int group, int k0,
                                                 int chunk_k, int first, int stride, float (&d0)[4], float (&d1)[4]) {
