@@ -109,8 +109,8 @@ def run_module_under_tsan(module: str, runtime: str, *arguments: str, **env: str
     return subprocess.run(command, capture_output=True, text=True, env=full, cwd=REPO, check=False, timeout=1200)
 
 
-def emulated_library(script: str, library: str, out: Path) -> ctypes.CDLL:
+def emulated_library(script: str, library: str, out: Path, cxx_flags: str = "") -> ctypes.CDLL:
     """Build CUDA kernels for the host emulation with ``contrib_ops/cuda/tools/<script>`` into ``out``
-    (``build_emulation``) and load ``<library>`` from there."""
-    build_emulation(script, out)
+    (``build_emulation``, g++ with ``cxx_flags`` added) and load ``<library>`` from there."""
+    build_emulation(script, out, cxx_flags=cxx_flags)
     return ctypes.CDLL(str(out / library))

@@ -39,8 +39,8 @@ def emulated_staged_zeros(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CD
     """The kernels built with -DMAMBAFUSE_NBITS_STAGED_ZEROS=1: the bulk kernel's producer warp writes each tile's
     biased zero points into the stage, and its compute warps read them there."""
     out = tmp_path_factory.mktemp("gemv_emulated_staged_zeros")
-    build_emulation("emulate_gemv.sh", out, cxx_flags="-DMAMBAFUSE_NBITS_STAGED_ZEROS=1")
-    return declare(ctypes.CDLL(str(out / "libmambafuse_gemv_emulated.so")))
+    flags = "-DMAMBAFUSE_NBITS_STAGED_ZEROS=1"
+    return declare(emulated_library("emulate_gemv.sh", "libmambafuse_gemv_emulated.so", out, cxx_flags=flags))
 
 
 @pytest.fixture(autouse=True)
